@@ -1,0 +1,42 @@
+# lorafleet: `make run` serves, `make test` tests. Everything else is created on demand.
+PY       ?= python3
+VENV     := .venv
+VPY      := $(VENV)/bin/python
+STAMP    := $(VENV)/.installed
+GEN      := services/common/gen
+MODEL    := models/tiny-llama
+TORCH    ?= torch==2.13.0
+
+.PHONY: venv stubs model run test test-fast bench clean k8s
+
+venv: $(STAMP) stubs
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[engine,dev]"
+	touch $(STAMP)
+
+stubs: $(GEN)/.stamp
+
+$(GEN)/.stamp: $(STAMP) $(wildcard protos/lorafleet/v1/*.proto) tools/gen_protos.py
+	$(VPY) tools/gen_protos.py
+	touch $@
+
+model: $(MODEL)/.complete
+
+$(MODEL)/.complete: venv tools/make_tiny_model.py
+	$(VPY) tools/make_tiny_model.py --out models
+
+run: venv model
+	$(VPY) -m services.devstack
+
+test: venv model
+	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: venv
+	$(VPY) -m pytest -q -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) $(GEN) models

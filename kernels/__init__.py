@@ -1,0 +1,1 @@
+"""LoRA and attention kernels: Triton on CUDA, torch references with the same signatures elsewhere."""

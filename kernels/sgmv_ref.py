@@ -1,0 +1,55 @@
+"""Torch references for SGMV (segmented gather matrix-vector) LoRA.
+
+Pool layout (owned by the worker's adapter pool): one flat 1-D tensor `pool`; each adapter is one
+contiguous blob inside it. For every (layer, slice) an adapter targets, the blob holds
+  A  : [r, K]  (PEFT `lora_A.weight` as is)          at element offset a_off[slice, slot]
+  Bt : [r, N_s] (PEFT `lora_B.weight` transposed)    at element offset b_off[slice, slot]
+so a kernel reads both row-major with the long dimension contiguous. Offsets are -1 where the
+adapter does not target that slice (or that layer): those rows get nothing added.
+
+Rows of x are sorted so that each segment i (rows seg_start[i]:seg_start[i+1]) uses one slot
+seg_slot[i]; a slot of -1 means base-only rows (no LoRA). Segments past the live ones are padded
+with seg_start = T and seg_slot = -1, so the tensors keep a fixed size for CUDA graphs.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def sgmv_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.Tensor,
+             b_off: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+             slice_starts: Sequence[int], seg_start: torch.Tensor, seg_slot: torch.Tensor,
+             max_rank: int) -> torch.Tensor:
+    """Add each segment's LoRA delta to its rows of y, in place, and return y.
+
+    Semantics, for every live segment i with slot s = seg_slot[i] >= 0 and every slice j with
+    a_off[j, s] >= 0, rows R = seg_start[i]:seg_start[i+1], columns C = slice_starts[j]:[j+1]:
+        y[R, C] += scales[s] * (x[R] @ A_{j,s}.T) @ Bt_{j,s}
+
+    Shapes: y [T, N_total] (N_total = slice_starts[-1]); x [T, K]; pool [P]; a_off, b_off int64
+    [n_slices, n_slots]; ranks int32 [n_slots]; scales float32 [n_slots]; seg_start int32 [S+1];
+    seg_slot int32 [S]. The product runs in fp32 and is added in y's dtype.
+    max_rank is unused here (kernels size their tiles with it).
+    """
+    del max_rank
+    starts = seg_start.tolist()
+    slots = seg_slot.tolist()
+    k = x.shape[1]
+    for i, s in enumerate(slots):
+        lo, hi = starts[i], starts[i + 1]
+        if s < 0 or hi <= lo:
+            continue
+        r = int(ranks[s])
+        xs = x[lo:hi].float()
+        for j in range(len(slice_starts) - 1):
+            ao, bo = int(a_off[j, s]), int(b_off[j, s])
+            if ao < 0:
+                continue
+            n = slice_starts[j + 1] - slice_starts[j]
+            a = pool[ao:ao + r * k].view(r, k).float()
+            bt = pool[bo:bo + r * n].view(r, n).float()
+            delta = (xs @ a.t()) @ bt * float(scales[s])
+            y[lo:hi, slice_starts[j]:slice_starts[j + 1]] += delta.to(y.dtype)
+    return y
