@@ -1,0 +1,40 @@
+"""Process-level set-up shared by the services' main(): logging and the /metrics endpoint."""
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def setup_logging(service: str, level: str = "INFO") -> None:
+    """One line per event: time, service, level, logger, message."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s", force=True)
+
+
+def start_metrics(port: int, host: str = "0.0.0.0") -> int:
+    """Serve Prometheus /metrics on `port` (0 = off). Returns the port actually bound."""
+    if port <= 0:
+        return 0
+    from prometheus_client import start_http_server
+    server, _thread = start_http_server(port, addr=host)
+    return server.server_port
+
+
+def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> None:
+    """Flags every service takes (see README: operator contract)."""
+    parser.add_argument("--listen", default=listen, help=f"host:port to serve gRPC on ({listen})")
+    parser.add_argument("--metrics-port", type=int, default=metrics_port,
+                        help=f"Prometheus /metrics port, 0 = off ({metrics_port})")
+    parser.add_argument("--grace", type=float, default=grace,
+                        help=f"seconds to drain in-flight calls on SIGTERM ({grace:g})")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (INFO)")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="OTLP gRPC endpoint for traces (env OTEL_EXPORTER_OTLP_ENDPOINT)")
+    parser.add_argument("--trace-file", default=None,
+                        help="also write finished spans as JSON lines to this file")
+    parser.add_argument("--tls-cert", default=None, help="server certificate (PEM): enables TLS")
+    parser.add_argument("--tls-key", default=None, help="server private key (PEM)")
+    parser.add_argument("--tls-ca", default=None,
+                        help="CA (PEM) for mTLS: clients must present a cert it signed; also "
+                             "used to verify the services this one calls")

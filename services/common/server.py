@@ -1,0 +1,170 @@
+"""gRPC server helpers shared by the three services: create_server, the error-mapping
+interceptor, health, and graceful drain on SIGTERM.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Callable, Iterable
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from services.common.errors import LorafleetError
+
+log = logging.getLogger(__name__)
+
+# Large enough for adapter chunks and long prompts; keepalives so dead peers are noticed.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def status_for(err: LorafleetError) -> status_pb2.Status:
+    """The google.rpc.Status for a domain error, with RetryInfo when it carries a delay."""
+    status = status_pb2.Status(code=err.code.value[0], message=err.message)
+    if err.retry_after is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(err.retry_after * 1e9))
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        status.details.append(detail)
+    return status
+
+
+async def abort_with(context: grpc.aio.ServicerContext, err: LorafleetError) -> None:
+    """End the call with the domain error's status (and details); never returns."""
+    status = status_for(err)
+    if status.details:
+        await context.abort_with_status(rpc_status.to_status(status))
+    await context.abort(err.code, err.message)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps LorafleetError to its status; anything else to INTERNAL, logged with a trace."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+        return handler
+
+
+async def _map(context, exc: BaseException, method: str) -> None:
+    if isinstance(exc, LorafleetError):
+        await abort_with(context, exc)
+    log.exception("unhandled error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def _wrap_unary(fn, method):
+    async def wrapper(request, context):
+        try:
+            return await fn(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await _map(context, exc, method)
+    return wrapper
+
+
+def _wrap_stream(fn, method):
+    async def wrapper(request, context):
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await _map(context, exc, method)
+    return wrapper
+
+
+def create_server(listen: str, register: Callable[[grpc.aio.Server], Iterable[str]],
+                  credentials: grpc.ServerCredentials | None = None,
+                  interceptors: Iterable[grpc.aio.ServerInterceptor] = ()
+                  ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Build a grpc.aio server on `listen` (port 0 = any free port).
+
+    `register(server)` adds the service's servicers and returns their full service names, which
+    are reported SERVING by grpc.health.v1 once the server starts. Returns (server, port, health).
+    """
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()],
+                             options=CHANNEL_OPTIONS)
+    names = list(register(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if credentials is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, credentials)
+    if port == 0:
+        raise RuntimeError(f"could not bind {listen}")
+    health_servicer._lorafleet_names = ["", *names]  # what set_serving() marks
+    return server, port, health_servicer
+
+
+async def set_serving(health_servicer, serving: bool) -> None:
+    """Mark every registered service (and the server as a whole) SERVING or NOT_SERVING."""
+    state = (health_pb2.HealthCheckResponse.SERVING if serving
+             else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in health_servicer._lorafleet_names:
+        await health_servicer.set(name, state)
+
+
+async def serve(server: grpc.aio.Server, health_servicer, grace: float,
+                on_drain: Callable[[], object] | None = None, name: str = "service") -> None:
+    """Start, report SERVING, and on SIGTERM/SIGINT drain: NOT_SERVING, stop(grace), exit."""
+    await server.start()
+    await set_serving(health_servicer, True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s draining (grace %.1fs)", name, grace)
+    await set_serving(health_servicer, False)
+    if on_drain is not None:
+        result = on_drain()
+        if asyncio.iscoroutine(result):
+            await result
+    await server.stop(grace)
+    log.info("%s stopped", name)
+
+
+def server_credentials(cert: str | None, key: str | None, client_ca: str | None):
+    """TLS server credentials (mTLS when client_ca is given), or None for plaintext."""
+    if not cert:
+        return None
+    with open(cert, "rb") as f:
+        cert_pem = f.read()
+    with open(key, "rb") as f:
+        key_pem = f.read()
+    ca = open(client_ca, "rb").read() if client_ca else None
+    return grpc.ssl_server_credentials([(key_pem, cert_pem)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def channel(target: str, ca: str | None = None, cert: str | None = None,
+            key: str | None = None) -> grpc.aio.Channel:
+    """An aio channel to another lorafleet service (TLS when a CA is given)."""
+    if ca:
+        creds = grpc.ssl_channel_credentials(
+            open(ca, "rb").read(), open(key, "rb").read() if key else None,
+            open(cert, "rb").read() if cert else None)
+        return grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
