@@ -1,0 +1,103 @@
+"""The adapter pool on the compute device: one flat buffer, rank-exact blobs, slot tables.
+
+Mechanism only: which adapter to evict is decided by the adapter manager's policy. Placing an
+adapter is one copy of its blob (async on a copy stream on CUDA) plus a table update.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from services.worker.adapter_layout import AdapterLayout
+from services.worker.model import LoraTables
+from services.worker.model_spec import GROUPS, ModelSpec
+from services.worker.range_alloc import RangeAllocator
+
+
+class PoolFull(Exception):
+    """No slot or no contiguous range: the caller evicts and tries again."""
+
+
+class DevicePool:
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+                 capacity_bytes: int, max_slots: int):
+        elem = torch.tensor([], dtype=dtype).element_size()
+        self.device, self.dtype, self.elem = device, dtype, elem
+        self.alloc = RangeAllocator(capacity_bytes // elem)
+        self.max_slots = max_slots
+        L = spec.num_layers
+        def table():
+            return {g: torch.full((L, len(m), max_slots), -1, dtype=torch.int64, device=device)
+                    for g, m in GROUPS.items()}
+        self.tables = LoraTables(
+            pool=torch.zeros(self.alloc.capacity, dtype=dtype, device=device),
+            a_off=table(), b_off=table(),
+            ranks=torch.zeros(max_slots, dtype=torch.int32, device=device),
+            scales=torch.zeros(max_slots, dtype=torch.float32, device=device), max_rank=1)
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._placed: dict[str, tuple[int, int, int, int]] = {}   # key -> slot, start, n, rank
+        self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.alloc.capacity * self.elem
+
+    @property
+    def free_bytes(self) -> int:
+        return self.alloc.free * self.elem
+
+    def slot_of(self, key: str) -> int | None:
+        placed = self._placed.get(key)
+        return None if placed is None else placed[0]
+
+    def fits(self, layout: AdapterLayout) -> bool:
+        return bool(self._free_slots) and self.alloc.largest_hole >= self.alloc.rounded(
+            layout.blob.numel())
+
+    def place(self, key: str, layout: AdapterLayout) -> int:
+        """Copy the blob in and fill its slot's table entries; returns the slot."""
+        with self._lock:
+            n = layout.blob.numel()
+            start = self.alloc.alloc(n) if self._free_slots else None
+            if start is None:
+                raise PoolFull(key)
+            slot = self._free_slots.pop()
+            self._placed[key] = (slot, start, n, layout.rank)
+        self._copy(start, layout, slot)
+        return slot
+
+    def _copy(self, start: int, layout: AdapterLayout, slot: int) -> None:
+        t = self.tables
+        dst = t.pool[start:start + layout.blob.numel()]
+        if self._stream is None:
+            dst.copy_(layout.blob)
+            self._write_tables(t, start, layout, slot)
+            return
+        with torch.cuda.stream(self._stream):
+            dst.copy_(layout.blob, non_blocking=True)
+            self._write_tables(t, start, layout, slot)
+        self._stream.synchronize()   # the copy thread waits; the compute stream never does
+
+    def _write_tables(self, t: LoraTables, start: int, layout: AdapterLayout, slot: int) -> None:
+        for g, offs in layout.offsets.items():
+            o = torch.from_numpy(offs)
+            o = torch.where(o >= 0, o + start, o)
+            t.a_off[g][:, :, slot].copy_(o[..., 0], non_blocking=True)
+            t.b_off[g][:, :, slot].copy_(o[..., 1], non_blocking=True)
+        t.ranks[slot] = layout.rank
+        t.scales[slot] = layout.scale
+        t.max_rank = max(r for _, _, _, r in self._placed.values())
+
+    def remove(self, key: str) -> None:
+        """Free the adapter's range and slot (the caller guarantees no row uses it)."""
+        with self._lock:
+            slot, start, n, _ = self._placed.pop(key)
+            t = self.tables
+            for g in GROUPS:
+                t.a_off[g][:, :, slot] = -1
+                t.b_off[g][:, :, slot] = -1
+            self.alloc.release(start, n)
+            self._free_slots.append(slot)
+            t.max_rank = max((r for _, _, _, r in self._placed.values()), default=1)

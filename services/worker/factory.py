@@ -1,0 +1,74 @@
+"""Assemble an engine from a checkpoint directory (used by the worker's main and by tests)."""
+from __future__ import annotations
+
+import logging
+import pathlib
+import time
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer
+
+from services.worker.block_manager import BlockManager
+from services.worker.device_pool import DevicePool
+from services.worker.engine import Engine
+from services.worker.loader import DTYPES, load_weights
+from services.worker.model import LlamaModel
+from services.worker.model_spec import ModelSpec, load_spec
+from services.worker.runner import ModelRunner, kv_blocks_for_budget
+from services.worker.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    dtype: str = "auto"                 # auto: the checkpoint's on CPU (fp32 for half), bf16 on GPU
+    kv_cache_bytes: int = 64 << 20
+    block_size: int = 16
+    max_batch_tokens: int = 512
+    max_running: int = 64
+    pool_bytes: int = 64 << 20
+    pool_slots: int = 64
+    max_model_len: int = 0              # 0 = the model's max_position_embeddings
+
+
+@dataclass
+class Built:
+    engine: Engine
+    pool: DevicePool
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if opt != "auto":
+        return DTYPES[opt]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
+
+
+def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions) -> Built:
+    start = time.monotonic()
+    spec = load_spec(model_dir)
+    device = torch.device(opts.device)
+    dtype = resolve_dtype(opts.dtype, spec, device)
+    log.info("loading %s (%s, %d layers, hidden %d) as %s on %s", spec.name, spec.architecture,
+             spec.num_layers, spec.hidden_size, str(dtype).replace("torch.", ""), device)
+    model = LlamaModel(spec, load_weights(model_dir, spec, dtype, device), device, dtype)
+    max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
+    blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
+    runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
+                         opts.max_running, max_len)
+    scheduler = Scheduler(BlockManager(blocks, opts.block_size), opts.max_batch_tokens,
+                          opts.max_running)
+    tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
+    engine = Engine(runner, scheduler, tok, spec.eos_token_ids, max_len)
+    pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots)
+    model.lora = pool.tables
+    log.info("engine ready in %.1fs", time.monotonic() - start)
+    return Built(engine, pool, spec, tok, device, dtype)

@@ -1,0 +1,80 @@
+"""Load Hugging Face safetensors checkpoints (sharded or not) into the engine's fused layout."""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+
+import torch
+from safetensors import safe_open
+
+from services.worker.model_spec import ModelSpec, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _shard_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModel(f"{path}: no *.safetensors weights (pickled .bin is not loaded)")
+    return files
+
+
+def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device) -> dict:
+    """Every tensor of the checkpoint, cast to dtype on device, with progress in the log."""
+    files = _shard_files(path)
+    tensors: dict[str, torch.Tensor] = {}
+    start = time.monotonic()
+    for i, f in enumerate(files, 1):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for key in st.keys():
+                tensors[key] = st.get_tensor(key).to(device=device, dtype=dtype)
+        log.info("loaded shard %d/%d (%s) %.1fs", i, len(files), f.name,
+                 time.monotonic() - start)
+    return tensors
+
+
+def fuse_layers(raw: dict, spec: ModelSpec) -> dict:
+    """Rename and fuse HF tensors: per layer one qkv [q+2kv, H] and one gate_up [2I, H]."""
+    def take(name: str) -> torch.Tensor:
+        try:
+            return raw.pop(name)
+        except KeyError as e:
+            raise UnsupportedModel(f"checkpoint lacks tensor {name}") from e
+
+    out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    out["lm_head"] = (out["embed"] if spec.tie_word_embeddings or "lm_head.weight" not in raw
+                      else take("lm_head.weight"))
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        attn = [take(f"{p}self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]
+        layer = {
+            "in_norm": take(f"{p}input_layernorm.weight"),
+            "post_norm": take(f"{p}post_attention_layernorm.weight"),
+            "qkv": torch.cat(attn, 0).contiguous(),
+            "o": take(f"{p}self_attn.o_proj.weight"),
+            "gate_up": torch.cat([take(f"{p}mlp.gate_proj.weight"),
+                                  take(f"{p}mlp.up_proj.weight")], 0).contiguous(),
+            "down": take(f"{p}mlp.down_proj.weight"),
+        }
+        if spec.qkv_bias:
+            layer["qkv_bias"] = torch.cat(
+                [take(f"{p}self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")], 0)
+        layers.append(layer)
+    out["layers"] = layers
+    return out
+
+
+def load_weights(path: str | pathlib.Path, spec: ModelSpec, dtype: torch.dtype,
+                 device: torch.device) -> dict:
+    """The fused weights of a checkpoint directory, ready for services.worker.model."""
+    raw = read_checkpoint(pathlib.Path(path), dtype, device)
+    return fuse_layers(raw, spec)

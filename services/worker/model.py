@@ -1,0 +1,137 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache, with LoRA.
+
+Layers never see a sequence: every per-step tensor comes in a StepContext built in one place
+(services.worker.step_inputs). LoRA and attention go through kernels/, so the Triton kernels
+replace the torch references on GPU without touching this file.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import paged_attention, write_kv
+from kernels.sgmv import sgmv
+from services.worker.model_spec import ModelSpec
+
+
+@dataclass
+class StepContext:
+    """Per-step metadata. T = rows (tokens) this step, S = sequences, R = rows that sample."""
+    positions: torch.Tensor     # int64 [T]   absolute position of each row's token
+    slot_mapping: torch.Tensor  # int64 [T]   KV slot of each row (-1 = padding)
+    block_tables: torch.Tensor  # int32 [S, MB]
+    q_seq: torch.Tensor         # int32 [T]   row -> sequence index in block_tables
+    q_pos: torch.Tensor         # int32 [T]   = positions, as the attention kernel wants it
+    sample_rows: torch.Tensor   # int64 [R]   rows whose logits are needed
+    seg_start: torch.Tensor     # int32 [G+1] LoRA segments over rows (sorted by adapter)
+    seg_slot: torch.Tensor      # int32 [G]   adapter slot per segment, -1 = base only
+    max_context: int            # host bound on positions + 1 (for sizing attention)
+    has_lora: bool              # host flag: any segment with an adapter
+
+
+@dataclass
+class LoraTables:
+    """Device view of the adapter pool that the SGMV kernel reads (see kernels.sgmv_ref)."""
+    pool: torch.Tensor                 # [P] flat adapter storage
+    a_off: dict[str, torch.Tensor]     # group -> int64 [L, n_slices, n_slots]
+    b_off: dict[str, torch.Tensor]
+    ranks: torch.Tensor                # int32 [n_slots]
+    scales: torch.Tensor               # float32 [n_slots]
+    max_rank: int
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies, with linear or Llama-3 scaling when the config asks for it."""
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = spec.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(
+            sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, mid))
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    return inv.float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos, sin [T, 1, D/2] (rotate-half convention, as Hugging Face)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaModel:
+    """Forward pass over fused weights (services.worker.loader.fuse_layers)."""
+
+    def __init__(self, spec: ModelSpec, weights: dict, device: torch.device, dtype: torch.dtype):
+        self.spec, self.w, self.device, self.dtype = spec, weights, device, dtype
+        inv = rope_inv_freq(spec).to(device)
+        t = torch.arange(spec.max_position, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv)                                   # [max_pos, D/2]
+        self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
+        self.lora: LoraTables | None = None
+
+    def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,
+              ctx: StepContext) -> None:
+        t = self.lora
+        if ctx.has_lora and t is not None:
+            sgmv(y, x, t.pool, t.a_off[group][layer], t.b_off[group][layer], t.ranks, t.scales,
+                 self.slices[group], ctx.seg_start, ctx.seg_slot, t.max_rank)
+
+    def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
+                   kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        s = self.spec
+        qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))                 # [T, q + 2kv]
+        self._lora("qkv", i, qkv, x, ctx)
+        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        cos = self.cos[ctx.positions].unsqueeze(1)
+        sin = self.sin[ctx.positions].unsqueeze(1)
+        q = apply_rope(q.reshape(-1, s.num_heads, s.head_dim), cos, sin)
+        k = apply_rope(k.reshape(-1, s.num_kv_heads, s.head_dim), cos, sin)
+        v = v.reshape(-1, s.num_kv_heads, s.head_dim)
+        write_kv(kv[0], kv[1], k, v, ctx.slot_mapping)
+        attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
+                               self.scale, ctx.max_context).reshape(-1, s.q_size)
+        out = F.linear(attn, w["o"])
+        self._lora("o", i, out, attn, ctx)
+        return out
+
+    def _mlp(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
+        self._lora("gate_up", i, gu, x, ctx)
+        gate, up = gu.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        out = F.linear(act, w["down"])
+        self._lora("down", i, out, act, ctx)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext,
+                kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids [T] -> fp32 logits [R, vocab] for ctx.sample_rows."""
+        eps = self.spec.rms_norm_eps
+        h = self.w["embed"][input_ids]
+        for i, w in enumerate(self.w["layers"]):
+            h = h + self._attention(i, w, rms_norm(h, w["in_norm"], eps), ctx, kv_cache[i])
+            h = h + self._mlp(i, w, rms_norm(h, w["post_norm"], eps), ctx)
+        h = rms_norm(h[ctx.sample_rows], self.w["norm"], eps)
+        return F.linear(h, self.w["lm_head"]).float()

@@ -1,0 +1,47 @@
+"""The only part of the engine that touches the device: KV cache, model forward, sampling."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.worker.model import LlamaModel
+from services.worker.model_spec import ModelSpec
+from services.worker.sampling import sample
+from services.worker.scheduler import Scheduled
+from services.worker.step_inputs import InputBuffers, build
+
+log = logging.getLogger(__name__)
+
+
+def kv_blocks_for_budget(spec: ModelSpec, budget_bytes: int, block_size: int,
+                         dtype: torch.dtype) -> int:
+    """How many KV blocks fit in a byte budget (K and V, every layer)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+    return max(1, budget_bytes // per_block)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
+                 max_batch_tokens: int, max_running: int, max_model_len: int):
+        spec, dev, dt = model.spec, model.device, model.dtype
+        self.model, self.block_size = model, block_size
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_cache = [(torch.zeros(shape, dtype=dt, device=dev),
+                          torch.zeros(shape, dtype=dt, device=dev))
+                         for _ in range(spec.num_layers)]
+        max_blocks = -(-max_model_len // block_size)
+        self.buffers = InputBuffers(max_batch_tokens, max_running, max_blocks, dev)
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s", num_blocks, block_size,
+                 2 * spec.num_layers * self.kv_cache[0][0].numel()
+                 * self.kv_cache[0][0].element_size() / 2**20, dev)
+
+    def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int]]:
+        """One forward pass; returns the entries that sampled and their new token ids."""
+        inputs = build(batch, self.buffers, self.block_size)
+        logits = self.model.forward(inputs.input_ids, inputs.ctx, self.kv_cache)
+        if not inputs.sampled:
+            return [], []
+        tokens = sample(logits, inputs.sampling)
+        return inputs.sampled, tokens.tolist()      # the step's one host sync

@@ -1,0 +1,102 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens (no torch).
+
+Each step: decode rows first (one token each, oldest first), then chunked prefill of running
+sequences, then new admissions, all under a token budget. When KV blocks run out, the newest
+running sequence is preempted (its blocks freed, recomputed later); waiting sequences are kept
+in arrival order, so a preempted one goes back ahead of younger ones and none starves.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from services.worker.block_manager import BlockManager
+from services.worker.sequence import Sequence, Status
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_tokens: int          # tokens fed this step, starting at seq.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces the sequence's next token."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running: int):
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.waiting: list[Sequence] = []      # sorted by arrival
+        self.running: list[Sequence] = []      # sorted by arrival
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self._enqueue(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or cancelled) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.max_batch_tokens
+        batch: list[Scheduled] = []
+        # decode rows before prefill chunks: they are cheap and latency-bound
+        order = sorted(self.running, key=lambda s: (not s.is_decoding, s.arrival))
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue                       # preempted earlier in this loop
+            n = min(seq.remaining, budget)
+            if not self._reserve(seq, n, batch):
+                continue
+            batch.append(Scheduled(seq, n))
+            budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            n = min(seq.remaining, budget)
+            if not self.blocks.ensure(seq, seq.num_computed + n):
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.append(Scheduled(seq, n))
+            budget -= n
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int, batch: list[Scheduled]) -> bool:
+        """Blocks for seq's next n tokens, preempting the newest others if needed."""
+        while not self.blocks.ensure(seq, seq.num_computed + n):
+            scheduled = {id(b.seq) for b in batch}
+            victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        seq.status = Status.WAITING
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        keys = [s.arrival for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, seq.arrival), seq)

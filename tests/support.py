@@ -1,0 +1,127 @@
+"""Test support: start lorafleet services (and moto's S3 server) as real processes on loopback."""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "models" / "tiny-llama"
+DEMO_ADAPTERS = ROOT / "models" / "adapters"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(addr: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Block until addr answers grpc.health.v1 SERVING (fail early if the process died)."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(addr) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {addr} exited with {proc.returncode}")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{addr} not SERVING after {timeout}s")
+
+
+def health_status(addr: str) -> int:
+    with grpc.insecure_channel(addr) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(), timeout=5.0).status
+
+
+class Service:
+    """One service process: `python -m services.NAME ARGS`, stderr to a log file."""
+
+    def __init__(self, name: str, args: list[str], log_dir: pathlib.Path,
+                 env: dict[str, str] | None = None, port: int | None = None):
+        self.name = name
+        self.port = port or free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}-{self.port}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}", "--listen", self.addr,
+             "--metrics-port", "0", *args],
+            cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 120.0) -> "Service":
+        try:
+            wait_serving(self.addr, timeout, self.proc)
+        except Exception:
+            print(self.log())
+            raise
+        return self
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait for the drain, return the exit code (kills after timeout)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class MotoS3:
+    """moto's S3 server in its own process on a free loopback port."""
+
+    def __init__(self, log_dir: pathlib.Path):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_dir / f"moto-{self.port}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError("moto server did not start")
+
+    def client(self):
+        import boto3
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id="test", aws_secret_access_key="test")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._log.close()
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+          "AWS_DEFAULT_REGION": "us-east-1"}
