@@ -38,3 +38,19 @@ def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> No
     parser.add_argument("--tls-ca", default=None,
                         help="CA (PEM) for mTLS: clients must present a cert it signed; also "
                              "used to verify the services this one calls")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'64MiB', '2GiB', '512k', '1000000' -> bytes (argparse type for size flags)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().lower().replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB)")
+    return int(float(num) * _UNITS[unit])

@@ -1,0 +1,82 @@
+"""A small Python client for the router's GenerationService."""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import grpc
+
+from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
+
+
+class LorafleetClient:
+    """Synchronous client. `token` is the bearer token that names your tenant."""
+
+    def __init__(self, target: str = "127.0.0.1:7001", token: str | None = None,
+                 timeout: float = 120.0, ca: str | None = None):
+        if ca:
+            creds = grpc.ssl_channel_credentials(open(ca, "rb").read())
+            self._channel = grpc.secure_channel(target, creds)
+        else:
+            self._channel = grpc.insecure_channel(target)
+        self._stub = router_pb2_grpc.GenerationServiceStub(self._channel)
+        self._metadata = [("authorization", f"Bearer {token}")] if token else []
+        self.timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "LorafleetClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def request(prompt: str = "", *, adapter: str = "", prompt_ids: Sequence[int] = (),
+                max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 0.0, seed: int = 0, repetition_penalty: float = 0.0,
+                stop: Sequence[str] = (), time_limit_ms: int = 0,
+                request_id: str = "") -> rpb.GenerateRequest:
+        req = rpb.GenerateRequest(adapter_id=adapter, text=prompt,
+                                  prompt_token_ids=list(prompt_ids), request_id=request_id)
+        req.sampling.temperature, req.sampling.top_k, req.sampling.top_p = temperature, top_k, top_p
+        req.sampling.seed, req.sampling.repetition_penalty = seed, repetition_penalty
+        req.stopping.max_new_tokens = max_new_tokens
+        req.stopping.stop_sequences.extend(stop)
+        req.stopping.time_limit_ms = time_limit_ms
+        return req
+
+    def generate(self, prompt: str = "", **kw) -> rpb.GenerateResponse:
+        return self._stub.Generate(self.request(prompt, **kw), timeout=self.timeout,
+                                   metadata=self._metadata)
+
+    def generate_stream(self, prompt: str = "", **kw) -> Iterator[rpb.GenerateResponse]:
+        return self._stub.GenerateStream(self.request(prompt, **kw), timeout=self.timeout,
+                                         metadata=self._metadata)
+
+    def register(self, adapter_id: str, source: str, tenant: str = "",
+                 aliases: Sequence[str] = ()) -> rpb.AdapterInfo:
+        req = rpb.RegisterAdapterRequest(id=adapter_id, source=source, tenant=tenant,
+                                         aliases=list(aliases))
+        return self._stub.RegisterAdapter(req, timeout=self.timeout,
+                                          metadata=self._metadata).adapter
+
+    def delete(self, adapter_id: str) -> None:
+        self._stub.DeleteAdapter(rpb.DeleteAdapterRequest(id=adapter_id), timeout=self.timeout,
+                                 metadata=self._metadata)
+
+    def adapters(self) -> list[rpb.AdapterInfo]:
+        return list(self._stub.ListAdapters(rpb.ListAdaptersRequest(), timeout=self.timeout,
+                                            metadata=self._metadata).adapters)
+
+    def stats(self) -> rpb.GetStatsResponse:
+        return self._stub.GetStats(rpb.GetStatsRequest(), timeout=self.timeout,
+                                   metadata=self._metadata)
+
+    def model_info(self) -> rpb.ModelInfoResponse:
+        return self._stub.ModelInfo(rpb.ModelInfoRequest(), timeout=self.timeout,
+                                    metadata=self._metadata)
+
+    def tokenize(self, text: str) -> rpb.TokenizeResponse:
+        return self._stub.Tokenize(rpb.TokenizeRequest(text=text), timeout=self.timeout,
+                                   metadata=self._metadata)

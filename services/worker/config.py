@@ -1,0 +1,83 @@
+"""The worker's configuration: one frozen dataclass, built once in main() from flags + env."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from services.common.runtime import add_common_flags, parse_bytes
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    listen: str = "127.0.0.1:7002"
+    model: str = "models/tiny-llama"
+    store: str = "127.0.0.1:7003"
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_bytes: int = 256 << 20
+    gpu_pool_bytes: int = 256 << 20
+    pool_slots: int = 128
+    host_pool_bytes: int = 1 << 30
+    block_size: int = 16
+    max_batch_tokens: int = 1024
+    max_running: int = 128
+    max_model_len: int = 0
+    max_new_tokens: int = 64            # default when a request leaves it 0
+    max_new_tokens_limit: int = 4096
+    tenant_share: float = 0.5           # per-tenant cap of each adapter tier; 0 = caps off
+    metrics_port: int = 9102
+    grace: float = 10.0
+    log_level: str = "INFO"
+    otlp_endpoint: str | None = None
+    trace_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    worker_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device: {self.device!r} is not auto, cpu or cuda[:N]")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype: {self.dtype!r} is not auto, float32, bfloat16, float16")
+        if self.block_size < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
+            raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
+        if not 0.0 <= self.tenant_share <= 1.0:
+            raise ValueError("--tenant-share must be within [0, 1]")
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    p = argparse.ArgumentParser(prog="python -m services.worker",
+                                description="lorafleet worker: base model, engine, adapter pool")
+    add_common_flags(p, listen="127.0.0.1:7002", metrics_port=9102, grace=10.0)
+    p.add_argument("--model", default="models/tiny-llama", help="HF checkpoint directory")
+    p.add_argument("--store", default=os.environ.get("LORAFLEET_STORE", "127.0.0.1:7003"),
+                   help="adapter-store address (127.0.0.1:7003)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (auto)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, "
+                                                    "bfloat16, float16")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default="256MiB")
+    p.add_argument("--gpu-pool-bytes", type=parse_bytes, default="256MiB",
+                   help="adapter pool on the compute device")
+    p.add_argument("--pool-slots", type=int, default=128, help="most adapters in the pool")
+    p.add_argument("--host-pool-bytes", type=parse_bytes, default="1GiB",
+                   help="pinned host tier of staged adapters")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--max-batch-tokens", type=int, default=1024, help="token budget per step")
+    p.add_argument("--max-running", type=int, default=128, help="most sequences per step")
+    p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="default max_new_tokens")
+    p.add_argument("--tenant-share", type=float, default=0.5,
+                   help="per-tenant cap of each adapter tier (fraction; 0 = caps off)")
+    p.add_argument("--worker-id", default="", help="name in residency streams (default: random)")
+    a = p.parse_args(argv)
+    return WorkerConfig(
+        listen=a.listen, model=a.model, store=a.store, device=a.device, dtype=a.dtype,
+        kv_cache_bytes=a.kv_cache_bytes, gpu_pool_bytes=a.gpu_pool_bytes,
+        pool_slots=a.pool_slots, host_pool_bytes=a.host_pool_bytes, block_size=a.block_size,
+        max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
+        max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
+        tenant_share=a.tenant_share, metrics_port=a.metrics_port, grace=a.grace,
+        log_level=a.log_level, otlp_endpoint=a.otlp_endpoint, trace_file=a.trace_file,
+        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca, worker_id=a.worker_id)

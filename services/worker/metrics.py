@@ -1,0 +1,17 @@
+"""The worker's Prometheus metrics (the health signals DESIGN.md names, from this worker)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("lorafleet_worker_requests_total", "Requests by outcome", ["stop_reason"])
+TOKENS = Counter("lorafleet_worker_generated_tokens_total", "Tokens generated", ["tenant"])
+CACHE = Counter("lorafleet_adapter_cache_total", "Adapter lookups by tier and result",
+                ["tier", "result"])
+COLD_LOAD = Histogram("lorafleet_cold_load_seconds", "Adapter cold-load latency by source tier",
+                      ["tier"], buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
+EVICTIONS = Gauge("lorafleet_adapter_evictions", "Evictions per tenant and tier",
+                  ["tier", "tenant"])
+ADAPTERS = Gauge("lorafleet_adapters", "Adapters resident per tier", ["tier"])
+KV_USED = Gauge("lorafleet_kv_used_fraction", "Fraction of KV blocks in use")
+RUNNING = Gauge("lorafleet_running_sequences", "Sequences running")
+WAITING = Gauge("lorafleet_waiting_sequences", "Sequences waiting")

@@ -1,0 +1,177 @@
+"""The Worker gRPC servicer: proto in, domain calls, proto out."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+
+import grpc
+
+from services.common.errors import InvalidArgument, LorafleetError, Unavailable
+from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
+from services.common.telemetry import incoming_context, tracer
+from services.worker import metrics
+from services.worker.adapter_manager import AdapterManager
+from services.worker.config import WorkerConfig
+from services.worker.engine import Engine, TokenEvent
+from services.worker.factory import Built
+from services.worker.sequence import Sampling, Sequence, Stop, Stopping
+
+_tracer = tracer("lorafleet.worker")
+_ids = itertools.count()
+
+
+def sampling_from(p: common_pb2.SamplingParams) -> Sampling:
+    if p.temperature < 0 or not 0 <= p.top_p <= 1 or p.repetition_penalty < 0:
+        raise InvalidArgument("sampling: temperature >= 0, 0 <= top_p <= 1 and "
+                              "repetition_penalty >= 0 are required")
+    seed = p.seed & ((1 << 63) - 1) if p.seed else random.getrandbits(62) + 1
+    return Sampling(p.temperature, p.top_k, p.top_p or 1.0, seed, p.repetition_penalty or 1.0)
+
+
+def stopping_from(s: common_pb2.StoppingCriteria, cfg: WorkerConfig) -> Stopping:
+    n = s.max_new_tokens or cfg.max_new_tokens
+    if n > cfg.max_new_tokens_limit:
+        raise InvalidArgument(f"stopping.max_new_tokens: {n} is above the limit "
+                              f"{cfg.max_new_tokens_limit}")
+    return Stopping(n, tuple(x for x in s.stop_sequences if x), s.time_limit_ms / 1000.0,
+                    s.ignore_eos)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, cfg: WorkerConfig, built: Built, manager: AdapterManager, feed,
+                 worker_id: str):
+        self.cfg, self.built, self.engine = cfg, built, built.engine
+        self.manager, self.feed, self.worker_id = manager, feed, worker_id
+        self.draining = False
+
+    def _prompt(self, request: wpb.WorkerGenerateRequest) -> list[int]:
+        if request.prompt_token_ids:
+            ids = list(request.prompt_token_ids)
+            if max(ids) >= self.built.spec.vocab_size:
+                raise InvalidArgument(f"prompt_token_ids: id {max(ids)} is outside the "
+                                      f"vocabulary ({self.built.spec.vocab_size})")
+            return ids
+        if not request.text:
+            raise InvalidArgument("text: empty prompt (give text or prompt_token_ids)")
+        return self.built.tokenizer.encode(request.text).ids
+
+    async def Generate(self, request, context):
+        if self.draining:
+            raise Unavailable("worker is draining")
+        with _tracer.start_as_current_span(
+                "worker.generate", context=incoming_context(context.invocation_metadata())) as sp:
+            sp.set_attributes({"gen_ai.request.id": request.request_id,
+                               "lora.adapter_id": request.adapter.id,
+                               "lora.tenant": request.tenant})
+            async for item in self._generate(request, context):
+                yield item
+
+    async def _generate(self, request, context):
+        arrival = time.monotonic()
+        remaining = context.time_remaining()
+        deadline = arrival + remaining if remaining is not None else None
+        prompt = self._prompt(request)
+        sampling, stopping = sampling_from(request.sampling), stopping_from(request.stopping,
+                                                                           self.cfg)
+        acq = None
+        if request.adapter.id:
+            acq = await self.manager.acquire(request.adapter.id, request.adapter.version,
+                                             request.tenant or request.adapter.tenant, deadline)
+        seq = Sequence(f"{request.request_id or 'req'}#{next(_ids)}", prompt,
+                       slot=acq.slot if acq else -1, adapter=acq.key if acq else "",
+                       tenant=request.tenant, sampling=sampling, stopping=stopping,
+                       arrival=arrival)
+        events = self._submit(seq, acq)
+        finished = False
+        try:
+            while True:
+                ev: TokenEvent = await events.get()
+                if ev.stop is Stop.ERROR:
+                    raise LorafleetError(f"generation failed: {ev.error}")
+                finished = ev.stop is not Stop.NONE
+                yield self._response(ev, acq, arrival)
+                if finished:
+                    metrics.REQUESTS.labels(ev.stop.name).inc()
+                    metrics.TOKENS.labels(request.tenant).inc(ev.generated_tokens)
+                    return
+        finally:
+            if not finished:
+                self.engine.abort(seq.request_id)   # cancel or deadline: free row and KV now
+
+    def _submit(self, seq: Sequence, acq) -> asyncio.Queue:
+        """Hand seq to the engine; the adapter pin is released when the engine is done."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        def deliver(ev: TokenEvent) -> None:
+            events.put_nowait(ev)
+            if ev.stop is not Stop.NONE and acq is not None:
+                self.manager.release(acq.key)
+        try:
+            self.engine.submit(seq, lambda ev: loop.call_soon_threadsafe(deliver, ev))
+        except BaseException:
+            if acq is not None:
+                self.manager.release(acq.key)
+            raise
+        return events
+
+    def _response(self, ev: TokenEvent, acq, arrival: float) -> wpb.WorkerGenerateResponse:
+        out = wpb.WorkerGenerateResponse(token_ids=ev.token_ids, text=ev.text,
+                                         stop_reason=int(ev.stop))
+        if ev.stop is not Stop.NONE:
+            out.usage.prompt_tokens = ev.prompt_tokens
+            out.usage.generated_tokens = ev.generated_tokens
+            t = out.timings
+            t.queue_s, t.time_to_first_token_s, t.total_s = ev.queue_s, ev.ttft_s, ev.total_s
+            t.cold_load_s = acq.seconds if acq else 0.0
+            t.adapter_tier = acq.tier if acq else common_pb2.TIER_UNSPECIFIED
+        return out
+
+    async def LoadAdapter(self, request, context):
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        a = request.adapter
+        acq = await self.manager.acquire(a.id, a.version, a.tenant, deadline)
+        self.manager.release(acq.key)
+        return wpb.LoadAdapterResponse(from_tier=acq.tier, seconds=acq.seconds)
+
+    async def OffloadAdapter(self, request, context):
+        self.manager.offload(request.id, request.to_host)
+        return wpb.OffloadAdapterResponse()
+
+    async def Prefetch(self, request, context):
+        for a in request.adapters:
+            asyncio.get_running_loop().create_task(self._prefetch(a))
+        return wpb.PrefetchResponse()
+
+    async def _prefetch(self, a) -> None:
+        try:
+            acq = await self.manager.acquire(a.id, a.version, a.tenant, time.monotonic() + 30)
+            self.manager.release(acq.key)
+        except Exception:  # noqa: BLE001 - a failed prefetch shows again on the real request
+            pass
+
+    async def WatchResidency(self, request, context):
+        async for update in self.feed.watch():
+            yield update
+
+    async def Tokenize(self, request, context):
+        enc = self.built.tokenizer.encode(request.text)
+        return wpb.WorkerTokenizeResponse(token_ids=enc.ids, tokens=enc.tokens)
+
+    async def Info(self, request, context):
+        s, m = self.built.spec, self.manager
+        cache = [wpb.CacheCounters(tier=n, hits=p.totals().hits, misses=p.totals().misses)
+                 for n, p in (("gpu", m.gpu), ("worker_host", m.host))]
+        cold = [wpb.ColdLoadHistogram(tier=common_pb2.Tier.Name(t), samples=v,
+                                      count=m.cold_load_count.get(t, 0))
+                for t, v in m.cold_loads.items()]
+        return wpb.WorkerInfoResponse(
+            model_name=s.name, architecture=s.architecture, vocab_size=s.vocab_size,
+            max_sequence_length=self.engine.max_model_len, hidden_size=s.hidden_size,
+            num_layers=s.num_layers, dtype=str(self.built.dtype).replace("torch.", ""),
+            max_lora_rank=128, worker_id=self.worker_id, cache=cache, cold_loads=cold,
+            gpu_resident=sum(1 for i in m.info.values() if i.gpu),
+            host_resident=len(m.host_blobs), device=str(self.built.device),
+            eos_token_id=s.eos_token_ids[0] if s.eos_token_ids else 0)
