@@ -1,0 +1,61 @@
+"""python -m services.router: the public GenerationService over the workers and the store."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, router_pb2_grpc
+from services.common.runtime import setup_logging, start_metrics
+from services.common.server import channel, create_server, serve, server_credentials
+from services.common.telemetry import setup_tracing
+from services.router.auth import Tenants
+from services.router.config import RouterConfig, parse_args
+from services.router.fair_queue import FairGate
+from services.router.quotas import Quotas
+from services.router.resolve import Resolver
+from services.router.servicer import GenerationServicer, RouterApp
+from services.router.stats import RouterStats
+from services.router.workers import WorkerSet
+
+log = logging.getLogger("lorafleet.router")
+
+
+async def main_async(cfg: RouterConfig) -> None:
+    tenants = Tenants.load(cfg.tenants)
+    if tenants.dev_mode:
+        log.warning("no --tenants file: DEV MODE — the bearer token is taken as the tenant "
+                    "name (no token: tenant 'dev') and any tenant may register adapters")
+    tls = (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+    store_chan = channel(cfg.store, *tls)
+    workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period)
+    app = RouterApp(
+        tenants=tenants, quotas=Quotas(tenants.quotas),
+        gate=FairGate(cfg.max_in_flight_per_worker * len(cfg.workers), fair=cfg.fair,
+                      weights=tenants.weights),
+        resolver=Resolver(store_chan, cfg.resolve_ttl), workers=workers,
+        store=adapter_store_pb2_grpc.AdapterStoreStub(store_chan), stats=RouterStats(),
+        per_worker=cfg.max_in_flight_per_worker)
+    await workers.start()
+    servicer = GenerationServicer(app)
+    server, port, health = create_server(
+        cfg.listen, lambda s: (router_pb2_grpc.add_GenerationServiceServicer_to_server(
+            servicer, s), ["lorafleet.v1.GenerationService"])[1],
+        server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+    log.info("router serving on port %d; workers %s; store %s; fair queue %s", port,
+             ", ".join(cfg.workers), cfg.store, "on" if cfg.fair else "off")
+    await serve(server, health, cfg.grace, name="router")
+    await workers.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    setup_logging("router", cfg.log_level)
+    setup_tracing("lorafleet-router", cfg.otlp_endpoint, cfg.trace_file)
+    start_metrics(cfg.metrics_port)
+    asyncio.run(main_async(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

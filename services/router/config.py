@@ -1,0 +1,61 @@
+"""The router's configuration: one frozen dataclass built once in main()."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.common.runtime import add_common_flags
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    listen: str = "127.0.0.1:7001"
+    store: str = "127.0.0.1:7003"
+    workers: tuple[str, ...] = ("127.0.0.1:7002",)
+    tenants: str | None = None
+    fair: bool = True
+    max_in_flight_per_worker: int = 64
+    resolve_ttl: float = 1.0
+    retry_delay: float = 0.5
+    dns_period: float = 10.0
+    metrics_port: int = 9101
+    grace: float = 10.0
+    log_level: str = "INFO"
+    otlp_endpoint: str | None = None
+    trace_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("at least one --worker is required")
+        if self.max_in_flight_per_worker < 1:
+            raise ValueError("--max-in-flight-per-worker must be >= 1")
+
+
+def parse_args(argv: list[str] | None = None) -> RouterConfig:
+    p = argparse.ArgumentParser(prog="python -m services.router",
+                                description="lorafleet router: the public GenerationService")
+    add_common_flags(p, listen="127.0.0.1:7001", metrics_port=9101, grace=10.0)
+    p.add_argument("--store", default="127.0.0.1:7003", help="adapter-store address")
+    p.add_argument("--worker", action="append", default=[],
+                   help="worker address, repeatable; a DNS name (headless Service) is "
+                        "re-resolved periodically (default 127.0.0.1:7002)")
+    p.add_argument("--tenants", default=None,
+                   help="tenants file (tokens, roles, weights, quotas); without it: dev mode")
+    p.add_argument("--fair-queue", choices=("on", "off"), default="on",
+                   help="weighted VTC fair queue under saturation (on) or FIFO (off)")
+    p.add_argument("--max-in-flight-per-worker", type=int, default=64,
+                   help="requests forwarded per live worker before the fair queue holds them")
+    p.add_argument("--resolve-ttl", type=float, default=1.0, help="adapter name cache seconds")
+    p.add_argument("--dns-period", type=float, default=10.0,
+                   help="seconds between re-resolving DNS worker names")
+    a = p.parse_args(argv)
+    return RouterConfig(
+        listen=a.listen, store=a.store, workers=tuple(a.worker or ["127.0.0.1:7002"]),
+        tenants=a.tenants, fair=a.fair_queue == "on",
+        max_in_flight_per_worker=a.max_in_flight_per_worker, resolve_ttl=a.resolve_ttl,
+        dns_period=a.dns_period, metrics_port=a.metrics_port, grace=a.grace,
+        log_level=a.log_level, otlp_endpoint=a.otlp_endpoint, trace_file=a.trace_file,
+        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca)

@@ -1,0 +1,148 @@
+"""The public GenerationService: thin methods over the router's parts (RouterApp)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.errors import LorafleetError, Unavailable, from_rpc_error
+from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
+from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
+from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
+from services.common.telemetry import incoming_context, outgoing_metadata, tracer
+from services.router.auth import Tenants, require_admin
+from services.router.fair_queue import FairGate
+from services.router.generate import RequestPath
+from services.router.quotas import Quotas
+from services.router.resolve import Resolver
+from services.router.stats import QUEUED, RouterStats
+from services.router.stats_view import build_stats
+from services.router.workers import WorkerSet
+
+log = logging.getLogger(__name__)
+_tracer = tracer("lorafleet.router")
+
+
+@dataclass
+class RouterApp:
+    tenants: Tenants
+    quotas: Quotas
+    gate: FairGate
+    resolver: Resolver
+    workers: WorkerSet
+    store: object           # AdapterStoreStub
+    stats: RouterStats
+    per_worker: int
+
+
+async def _store_call(coro):
+    try:
+        return await coro
+    except grpc.RpcError as err:
+        raise from_rpc_error(err) from None
+
+
+class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, app: RouterApp):
+        self.app = app
+        self.path = RequestPath(app)
+
+    def _caller(self, context):
+        return self.app.tenants.authenticate(context.invocation_metadata())
+
+    async def GenerateStream(self, request, context):
+        caller = self._caller(context)
+        parent = incoming_context(context.invocation_metadata())
+        with _tracer.start_as_current_span("router.generate", context=parent) as span:
+            span.set_attributes({"gen_ai.operation.name": "text_completion",
+                                 "gen_ai.request.max_tokens": request.stopping.max_new_tokens,
+                                 "gen_ai.request.temperature": request.sampling.temperature,
+                                 "lora.tenant": caller.tenant,
+                                 "lora.adapter_id": request.adapter_id})
+            self._resize_gate()
+            adm = await self.path.admit(request, caller, context.time_remaining())
+            span.set_attribute("gen_ai.request.id", adm.request_id)
+            usage = None
+            async for resp in self.path.stream(request, adm, context):
+                usage = resp.usage if resp.HasField("usage") else usage
+                yield resp
+            if usage is not None:
+                span.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
+                                     "gen_ai.usage.output_tokens": usage.generated_tokens})
+
+    async def Generate(self, request, context):
+        out = rpb.GenerateResponse()
+        text = []
+        async for resp in self.GenerateStream(request, context):
+            out.token_ids.extend(resp.token_ids)
+            text.append(resp.text)
+            if resp.stop_reason:
+                out.stop_reason = resp.stop_reason
+                out.usage.CopyFrom(resp.usage)
+                out.timings.CopyFrom(resp.timings)
+                out.request_id = resp.request_id
+                out.adapter_id, out.adapter_version = resp.adapter_id, resp.adapter_version
+        out.text = "".join(text)
+        return out
+
+    def _resize_gate(self) -> None:
+        live = max(1, len(self.app.workers.live()))
+        self.app.gate.set_max_concurrency(live * self.app.per_worker)
+        QUEUED.set(self.app.gate.waiting)
+
+    def _any_worker(self):
+        live = list(self.app.workers.live().values())
+        if not live:
+            raise Unavailable("no worker available")
+        return live[0]
+
+    async def Tokenize(self, request, context):
+        self._caller(context)
+        w = self._any_worker()
+        resp = await _store_call(w.stub.Tokenize(wpb.WorkerTokenizeRequest(text=request.text),
+                                                 timeout=10))
+        return rpb.TokenizeResponse(token_ids=resp.token_ids, tokens=resp.tokens)
+
+    async def ModelInfo(self, request, context):
+        self._caller(context)
+        info = await _store_call(self._any_worker().stub.Info(wpb.WorkerInfoRequest(), timeout=10))
+        return rpb.ModelInfoResponse(
+            model_name=info.model_name, architecture=info.architecture,
+            vocab_size=info.vocab_size, max_sequence_length=info.max_sequence_length,
+            hidden_size=info.hidden_size, num_layers=info.num_layers, dtype=info.dtype,
+            max_lora_rank=info.max_lora_rank, num_workers=len(self.app.workers.live()))
+
+    async def ListAdapters(self, request, context):
+        caller = self._caller(context)
+        resp = await _store_call(self.app.store.List(spb.ListRequest(tenant=caller.tenant),
+                                                     timeout=10, metadata=outgoing_metadata()))
+        return rpb.ListAdaptersResponse(adapters=resp.adapters)
+
+    async def RegisterAdapter(self, request, context):
+        caller = self._caller(context)
+        require_admin(caller)
+        owner = request.tenant
+        if self.app.tenants.dev_mode and not owner and caller.tenant != "dev":
+            owner = ""          # dev mode: shared unless --tenant names an owner
+        resp = await _store_call(self.app.store.Register(
+            spb.RegisterRequest(id=request.id, source=request.source, owner=owner,
+                                aliases=request.aliases, replace=True),
+            timeout=context.time_remaining() or 60, metadata=outgoing_metadata()))
+        self.app.resolver.invalidate()
+        log.info("tenant %s registered adapter %s from %s", caller.tenant, request.id,
+                 request.source)
+        return rpb.RegisterAdapterResponse(adapter=resp.adapter)
+
+    async def DeleteAdapter(self, request, context):
+        caller = self._caller(context)
+        require_admin(caller)
+        await _store_call(self.app.store.Delete(spb.DeleteRequest(id=request.id), timeout=10,
+                                                metadata=outgoing_metadata()))
+        self.app.resolver.invalidate()
+        return rpb.DeleteAdapterResponse()
+
+    async def GetStats(self, request, context):
+        self._caller(context)
+        return await build_stats(self.app)

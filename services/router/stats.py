@@ -1,0 +1,87 @@
+"""The four health signals as the router sees them: per-tenant service and latency (with Jain's
+index), the adapter working set; cache and cold-load figures are gathered from workers and the
+store at GetStats time. Plain Python (no torch)."""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("lorafleet_router_requests_total", "Requests by tenant and status",
+                   ["tenant", "status"])
+TOKENS = Counter("lorafleet_tokens_served_total", "Generated tokens served per tenant", ["tenant"])
+LATENCY = Histogram("lorafleet_request_seconds", "End-to-end request latency per tenant",
+                    ["tenant"], buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+THROTTLED = Counter("lorafleet_throttled_total", "Requests refused by quota", ["tenant"])
+JAIN = Gauge("lorafleet_jain_index", "Jain's fairness index over active tenants' tokens")
+QUEUED = Gauge("lorafleet_fair_queue_waiting", "Requests waiting in the fair queue")
+
+
+def percentile(values, q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    xs = sorted(values)
+    if not xs:
+        return 0.0
+    k = max(0, min(len(xs) - 1, int(round(q / 100.0 * len(xs) + 0.5)) - 1))
+    return float(xs[k])
+
+
+def jain_index(xs) -> float:
+    """(sum x)^2 / (n * sum x^2); 1.0 is perfectly even, 1/n is one tenant taking all."""
+    xs = [float(x) for x in xs]
+    if not xs or not any(xs):
+        return 1.0
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
+
+
+@dataclass
+class TenantRecord:
+    requests: int = 0
+    tokens: int = 0
+    prompt_tokens: int = 0
+    throttled: int = 0
+    errors: int = 0
+    latencies: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+
+
+class RouterStats:
+    def __init__(self, working_set_window: float = 600.0):
+        self.tenants: dict[str, TenantRecord] = {}
+        self.window = working_set_window
+        self._adapters_seen: dict[str, float] = {}
+
+    def _t(self, tenant: str) -> TenantRecord:
+        return self.tenants.setdefault(tenant, TenantRecord())
+
+    def record(self, tenant: str, latency_s: float, tokens: int, prompt_tokens: int,
+               status: str = "OK") -> None:
+        rec = self._t(tenant)
+        rec.requests += 1
+        rec.tokens += tokens
+        rec.prompt_tokens += prompt_tokens
+        rec.latencies.append(latency_s)
+        if status != "OK":
+            rec.errors += 1
+        REQUESTS.labels(tenant, status).inc()
+        TOKENS.labels(tenant).inc(tokens)
+        LATENCY.labels(tenant).observe(latency_s)
+        JAIN.set(self.jain())
+
+    def throttle(self, tenant: str) -> None:
+        self._t(tenant).throttled += 1
+        THROTTLED.labels(tenant).inc()
+
+    def saw_adapter(self, adapter_id: str) -> None:
+        self._adapters_seen[adapter_id] = time.monotonic()
+
+    def working_set(self) -> int:
+        cutoff = time.monotonic() - self.window
+        stale = [a for a, t in self._adapters_seen.items() if t < cutoff]
+        for a in stale:
+            del self._adapters_seen[a]
+        return len(self._adapters_seen)
+
+    def jain(self) -> float:
+        return jain_index(r.tokens for r in self.tenants.values() if r.requests)

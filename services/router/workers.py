@@ -1,0 +1,162 @@
+"""The router's live view of its workers, from their WatchResidency streams.
+
+Each worker endpoint has a watcher task: it connects, takes the full snapshot, applies deltas in
+sequence order, and on a broken stream marks the worker gone and reconnects with backoff (a new
+snapshot replaces everything). A `--worker` given as a DNS name (a headless Service) is
+re-resolved periodically, so pods that come and go are found.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
+from services.common.server import channel
+from services.router.placement import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    addr: str
+    stub: worker_pb2_grpc.WorkerStub
+    chan: grpc.aio.Channel
+    connected: bool = False
+    worker_id: str = ""
+    seq: int = 0
+    adapters: dict[str, wpb.AdapterResidency] = field(default_factory=dict)
+    load: wpb.WorkerLoad = field(default_factory=wpb.WorkerLoad)
+    cache: dict[str, wpb.CacheCounters] = field(default_factory=dict)
+    task: asyncio.Task | None = None
+
+    def view(self) -> WorkerView:
+        resident = {a.id for a in self.adapters.values() if a.tier == common_pb2.GPU}
+        loading = {a.id for a in self.adapters.values() if a.loading}
+        rows = {a.id: a.running + a.waiting for a in self.adapters.values()}
+        return WorkerView(resident=resident, loading=loading, running=self.load.running,
+                          waiting=self.load.waiting, kv_used=self.load.kv_used_fraction,
+                          draining=self.load.draining, adapter_rows=rows)
+
+    def apply(self, update: wpb.ResidencyUpdate) -> None:
+        if update.snapshot:
+            self.adapters = {}
+            self.worker_id = update.worker_id
+        elif update.seq <= self.seq:
+            return                                   # stale or duplicate delta
+        self.seq = update.seq
+        for a in update.adapters:
+            if a.tier == common_pb2.TIER_UNSPECIFIED and not a.loading:
+                self.adapters.pop(a.id, None)
+            else:
+                self.adapters[a.id] = a
+        self.load = update.load
+        self.cache = {c.tier: c for c in update.cache}
+
+
+class WorkerSet:
+    def __init__(self, targets: list[str], tls: tuple = (None, None, None),
+                 resolve_period: float = 10.0):
+        self.targets = targets
+        self.tls = tls
+        self.resolve_period = resolve_period
+        self.workers: dict[str, WorkerState] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        for target in self.targets:
+            if _is_literal(target):
+                self._add(target)
+            else:
+                self._tasks.append(asyncio.get_running_loop().create_task(self._dns(target)))
+
+    def live(self) -> dict[str, WorkerState]:
+        return {a: w for a, w in self.workers.items() if w.connected}
+
+    def views(self) -> dict[str, WorkerView]:
+        return {a: w.view() for a, w in self.live().items()}
+
+    async def wait_ready(self, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            if self.live():
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    def _add(self, addr: str) -> None:
+        if addr in self.workers:
+            return
+        chan = channel(addr, *self.tls)
+        state = WorkerState(addr, worker_pb2_grpc.WorkerStub(chan), chan)
+        state.task = asyncio.get_running_loop().create_task(self._watch(state))
+        self.workers[addr] = state
+
+    async def _remove(self, addr: str) -> None:
+        state = self.workers.pop(addr, None)
+        if state is not None:
+            state.task.cancel()
+            await state.chan.close()
+
+    async def _watch(self, state: WorkerState) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                call = state.stub.WatchResidency(wpb.WatchResidencyRequest(watcher="router"))
+                async for update in call:
+                    state.apply(update)
+                    if update.snapshot:
+                        state.connected, backoff = True, 0.1
+                        log.info("worker %s (%s) connected", state.addr, state.worker_id)
+            except grpc.RpcError as err:
+                log.debug("residency stream of %s: %s", state.addr, err.code())
+            if state.connected:
+                log.warning("worker %s dropped", state.addr)
+            state.connected = False
+            state.seq = 0
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _dns(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        while True:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(
+                    host, int(port), type=socket.SOCK_STREAM)
+                addrs = {_join(i[4][0], port) for i in infos}
+            except OSError as err:
+                log.warning("resolving %s: %s", target, err)
+                addrs = None
+            if addrs is not None:
+                for a in addrs - set(self.workers):
+                    self._add(a)
+                for a in set(self.workers) - addrs:
+                    await self._remove(a)
+            await asyncio.sleep(self.resolve_period)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for addr in list(self.workers):
+            await self._remove(addr)
+
+
+def _is_literal(target: str) -> bool:
+    host = target.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _join(host: str, port: str) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
