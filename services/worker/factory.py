@@ -32,6 +32,8 @@ class EngineOptions:
     pool_bytes: int = 64 << 20
     pool_slots: int = 64
     max_model_len: int = 0              # 0 = the model's max_position_embeddings
+    cuda_graphs: bool = True            # capture decode steps on CUDA
+    graph_max_rank: int = 64            # LoRA rank tile baked into the graphs
 
 
 @dataclass
@@ -53,22 +55,35 @@ def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtyp
 
 
 def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions) -> Built:
+    """Load a checkpoint directory and assemble the engine around it."""
     start = time.monotonic()
     spec = load_spec(model_dir)
     device = torch.device(opts.device)
     dtype = resolve_dtype(opts.dtype, spec, device)
     log.info("loading %s (%s, %d layers, hidden %d) as %s on %s", spec.name, spec.architecture,
              spec.num_layers, spec.hidden_size, str(dtype).replace("torch.", ""), device)
-    model = LlamaModel(spec, load_weights(model_dir, spec, dtype, device), device, dtype)
+    weights = load_weights(model_dir, spec, dtype, device)
+    tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
+    built = assemble(spec, weights, tok, opts, device, dtype)
+    log.info("engine ready in %.1fs", time.monotonic() - start)
+    return built
+
+
+def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
+             device: torch.device, dtype: torch.dtype) -> Built:
+    """Model, KV cache, scheduler, adapter pool and engine around already-loaded weights."""
+    model = LlamaModel(spec, weights, device, dtype)
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
                          opts.max_running, max_len)
     scheduler = Scheduler(BlockManager(blocks, opts.block_size), opts.max_batch_tokens,
                           opts.max_running)
-    tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
-    engine = Engine(runner, scheduler, tok, spec.eos_token_ids, max_len)
     pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots)
     model.lora = pool.tables
-    log.info("engine ready in %.1fs", time.monotonic() - start)
-    return Built(engine, pool, spec, tok, device, dtype)
+    if device.type == "cuda" and opts.cuda_graphs:
+        from services.worker.graph_runner import GraphRunner
+        runner = GraphRunner(runner)
+        runner.capture(opts.graph_max_rank)
+    engine = Engine(runner, scheduler, tokenizer, spec.eos_token_ids, max_len)
+    return Built(engine, pool, spec, tokenizer, device, dtype)
