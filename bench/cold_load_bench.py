@@ -1,0 +1,266 @@
+"""Cold-load latency of a Llama-7B-shaped LoRA adapter from each tier.
+
+Tiers, as a request meets them: the worker's host tier (a blob already in host memory copied
+into the device pool), the store's host tier (gRPC Fetch from the running store, digest check,
+unpack, place), and the source (S3 on loopback: moto's server; the store reads, validates and
+serves it). Ranks 8, 16 and 64 on q/k/v/o (rank 16 = 33.6 MB in bf16).
+
+On a GPU (`--gpu`), also: staging a rank-16 adapter from the pinned host tier into the GPU pool,
+against one pinned copy of the same size and 256 separate tensor copies, and the staging time as
+the number of registered (host-resident) adapters grows from 10 to 1,000.
+
+    python bench/cold_load_bench.py --out bench/results          # CPU tiers, this machine
+    python bench/cold_load_bench.py --gpu --out DIR              # H2D on a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from services.worker.adapter_layout import build_layout  # noqa: E402
+from services.worker.device_pool import DevicePool  # noqa: E402
+from services.worker.model_spec import ModelSpec  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def spec7b() -> ModelSpec:
+    return ModelSpec(architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=4096,
+                     intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
+                     head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                     max_position=4096, tie_word_embeddings=False, qkv_bias=False,
+                     eos_token_ids=(2,), bos_token_id=1, torch_dtype="bfloat16")
+
+
+def tensors(spec: ModelSpec, rank: int, seed: int, device="cpu") -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for layer in range(spec.num_layers):
+        for m in TARGETS:
+            k, n = spec.in_out(m)
+            p = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+            out[f"{p}.lora_A.weight"] = (torch.randn(rank, k, generator=g, device=device)
+                                         * 0.01).to(torch.bfloat16)
+            out[f"{p}.lora_B.weight"] = (torch.randn(n, rank, generator=g, device=device)
+                                         * 0.01).to(torch.bfloat16)
+    return out
+
+
+def stats(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"n": len(xs), "p50_ms": 1e3 * statistics.median(xs),
+            "p95_ms": 1e3 * xs[min(len(xs) - 1, int(0.95 * len(xs)))], "min_ms": 1e3 * xs[0]}
+
+
+# ---------------------------------------------------------------------------------- CPU tiers
+def write_peft(dirpath: pathlib.Path, spec: ModelSpec, rank: int, seed: int) -> None:
+    from safetensors.torch import save_file
+    dirpath.mkdir(parents=True, exist_ok=True)
+    save_file(tensors(spec, rank, seed), str(dirpath / "adapter_model.safetensors"))
+    (dirpath / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+        "bias": "none", "base_model_name_or_path": "llama-7b-shaped", "task_type": "CAUSAL_LM"}))
+
+
+def base_config(path: pathlib.Path, spec: ModelSpec) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}))
+
+
+async def cpu_tiers(work: pathlib.Path, ranks: list[int], reps: int) -> list[dict]:
+    from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
+    from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc
+    from services.common.server import channel
+    from services.worker.adapter_manager import AdapterManager
+    from services.worker.store_client import StoreClient
+    from tests.support import S3_ENV, MotoS3, Service
+    spec = spec7b()
+    base_config(work / "base", spec)
+    s3 = MotoS3(work)
+    client = s3.client()
+    client.create_bucket(Bucket="adapters")
+    for r in ranks:
+        d = work / "src" / f"r{r}"
+        write_peft(d, spec, r, seed=r)
+        for f in d.iterdir():
+            client.upload_file(str(f), "adapters", f"r{r}/{f.name}")
+    store = Service("adapter_store", ["--model", str(work / "base"), "--db", ":memory:",
+                                      "--s3-endpoint", s3.endpoint, "--bucket", "adapters",
+                                      "--host-cache-bytes", "64MiB"], work, env=S3_ENV).wait()
+    rows = []
+    try:
+        chan = channel(store.addr)
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(chan)
+        for r in ranks:
+            await stub.Register(spb.RegisterRequest(id=f"r{r}", source=f"s3://adapters/r{r}"),
+                                timeout=300)
+        pool = DevicePool(spec, torch.device("cpu"), torch.bfloat16, 1 << 30, 8)
+        for r in ranks:
+            rows += await _measure_rank(r, reps, pool, spec, StoreClient(chan), stub)
+        await chan.close()
+    finally:
+        store.terminate()
+        s3.stop()
+    return rows
+
+
+async def _measure_rank(r, reps, pool, spec, store_client, stub) -> list[dict]:
+    from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
+    from services.worker.adapter_manager import AdapterManager
+    rows = []
+    info = (await stub.Resolve(spb.ResolveRequest(name=f"r{r}"), timeout=30)).adapter
+    by_tier: dict[str, list[float]] = {"worker_host": [], "store_host": [], "source": []}
+    for i in range(reps):
+        # a fresh manager each time: nothing in its tiers; a host tier too small to keep it
+        # for the store-tier runs, then a big one for the worker-host runs
+        mgr = AdapterManager(pool, spec, 1 << 31, store_client, tenant_share=None)
+        acq = await mgr.acquire(info.id, info.version, "bench", None)
+        tier = {3: "store_host", 4: "source"}.get(acq.tier, str(acq.tier))
+        by_tier.setdefault(tier, []).append(acq.seconds)
+        mgr.release(acq.key)
+        mgr.offload(info.id, to_host=True)                  # leave it in the worker host tier
+        acq2 = await mgr.acquire(info.id, info.version, "bench", None)
+        by_tier["worker_host"].append(acq2.seconds)
+        mgr.release(acq2.key)
+        mgr.offload(info.id, to_host=False)
+    nbytes = info.bytes
+    for tier, xs in by_tier.items():
+        if xs:
+            rows.append({"tier": tier, "rank": r, "bytes": nbytes, "device": "cpu", **stats(xs)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------- GPU
+def gpu_rows(reps: int, counts: list[int]) -> list[dict]:
+    spec = spec7b()
+    dev = torch.device("cuda")
+    layout = build_layout(tensors(spec, 16, 1), {"r": 16, "lora_alpha": 32}, spec,
+                          torch.bfloat16, pin=True)
+    nbytes = layout.nbytes
+    dst = torch.empty(layout.blob.numel(), dtype=torch.bfloat16, device=dev)
+    rows = [{"what": "one pinned copy", "bytes": nbytes, **stats(_time_gpu(
+        lambda: dst.copy_(layout.blob, non_blocking=True), reps))}]
+    parts = [t.contiguous().pin_memory() for t in tensors(spec, 16, 2).values()]
+    dparts = [torch.empty_like(t, device=dev) for t in parts]
+    def many():
+        for d, s in zip(dparts, parts):
+            d.copy_(s, non_blocking=True)
+    rows.append({"what": f"{len(parts)} separate pinned copies", "bytes": nbytes,
+                 **stats(_time_gpu(many, reps))})
+    for n in counts:
+        rows.append({"what": "pool staging from the pinned host tier", "registered": n,
+                     "bytes": nbytes, **stats(_staging(spec, n, reps))})
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+def _time_gpu(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps + 3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out[3:]
+
+
+def _staging(spec: ModelSpec, registered: int, reps: int) -> list[float]:
+    """Adapters 0..registered-1 live in the pinned host tier (views of one pinned arena, each
+    contiguous); the GPU pool holds 64. Stage random ones in: evict the LRU, place, time it."""
+    from services.common.cache_policy import CachePolicy
+    base = build_layout(tensors(spec, 16, 3), {"r": 16, "lora_alpha": 32}, spec, torch.bfloat16)
+    n_el = base.blob.numel()
+    arena = torch.empty(registered * n_el, dtype=torch.bfloat16).pin_memory()
+    layouts = []
+    for i in range(registered):
+        view = arena[i * n_el:(i + 1) * n_el]
+        view.copy_(base.blob)
+        layouts.append(type(base)(view, base.rank, base.scale, base.offsets))
+    pool = DevicePool(spec, torch.device("cuda"), torch.bfloat16, 64 * base.nbytes + (1 << 24),
+                      64)
+    policy = CachePolicy.plain_lru(pool.capacity_bytes)
+    g = torch.Generator().manual_seed(registered)
+    times = []
+    for _ in range(reps + 3):
+        key = f"a{int(torch.randint(registered, (1,), generator=g))}"
+        if pool.slot_of(key) is not None:
+            policy.touch(key)
+            continue
+        t = time.perf_counter()
+        for victim in policy.admit(key, "t", pool.alloc.rounded(n_el) * 2):
+            pool.remove(victim)
+        pool.place(key, layouts[int(key[1:])])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    del arena
+    return times[3:]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--gpu", action="store_true")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--ranks", default="8,16,64")
+    p.add_argument("--counts", default="10,100,1000")
+    a = p.parse_args()
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "python": platform.python_version(),
+              "machine": (torch.cuda.get_device_name() if a.gpu else _cpu_name())}
+    if a.gpu:
+        rows = gpu_rows(max(a.reps, 20), [int(x) for x in a.counts.split(",")])
+        name = "cold-load-h200"
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = asyncio.run(cpu_tiers(pathlib.Path(tmp), [int(x) for x in a.ranks.split(",")],
+                                         a.reps))
+        name = "cold-load-cpu"
+    (out / f"{name}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    (out / f"{name}.md").write_text(_markdown(header, rows))
+    print((out / f"{name}.md").read_text())
+    return 0
+
+
+def _cpu_name() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _markdown(header: dict, rows: list[dict]) -> str:
+    lines = [f"# Adapter cold-load latency, {header['machine']}, {header['date']}", "",
+             f"torch {header['torch']}, Python {header['python']}; Llama-7B-shaped LoRA on "
+             "q/k/v/o, bf16.", "", "| what | rank / registered | MB | p50 ms | p95 ms | min ms |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        what = r.get("tier") or r.get("what")
+        extra = r.get("rank", r.get("registered", ""))
+        lines.append(f"| {what} | {extra} | {r['bytes']/1e6:.1f} | {r['p50_ms']:.2f} | "
+                     f"{r['p95_ms']:.2f} | {r['min_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

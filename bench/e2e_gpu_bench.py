@@ -1,0 +1,235 @@
+"""End-to-end decode throughput on a GPU: the lorafleet engine vs transformers + PEFT.
+
+A Llama-2-7B-shaped model with random bf16 weights (hidden 4096, 32 layers, intermediate 11008,
+vocab 32000), rank-16 adapters on q/k/v/o, prompts of 128 tokens and 128 new tokens, batches 32
+and 64 with base only and 1, 8, 32, 128 distinct adapters (at most one per row). Reports
+tokens/s, the median decode-step time and its ratio to the weight-streaming floor (model bytes /
+measured device copy bandwidth), and PEFT's mixed-adapter generate on the same shapes.
+
+    python bench/e2e_gpu_bench.py --out bench/results            # on the H200
+    python bench/e2e_gpu_bench.py --quick --out /tmp/x           # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from services.worker.adapter_layout import build_layout  # noqa: E402
+from services.worker.factory import EngineOptions, assemble  # noqa: E402
+from services.worker.model_spec import ModelSpec  # noqa: E402
+from services.worker.sequence import Sequence, Stopping  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def llama7b_spec(layers: int = 32) -> ModelSpec:
+    return ModelSpec(architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=4096,
+                     intermediate_size=11008, num_layers=layers, num_heads=32, num_kv_heads=32,
+                     head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                     max_position=4096, tie_word_embeddings=False, qkv_bias=False,
+                     eos_token_ids=(2,), bos_token_id=1, torch_dtype="bfloat16",
+                     name="llama-2-7b-shaped-random")
+
+
+def random_weights(spec: ModelSpec, device, dtype) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
+    layers = [{"in_norm": torch.ones(h, device=device, dtype=dtype),
+               "post_norm": torch.ones(h, device=device, dtype=dtype),
+               "qkv": rnd(q + 2 * kv, h), "o": rnd(h, q), "gate_up": rnd(2 * i, h),
+               "down": rnd(h, i)} for _ in range(spec.num_layers)]
+    return {"embed": rnd(spec.vocab_size, h), "norm": torch.ones(h, device=device, dtype=dtype),
+            "lm_head": rnd(spec.vocab_size, h), "layers": layers}
+
+
+def weight_bytes(weights: dict) -> int:
+    n = sum(t.numel() * t.element_size() for k, t in weights.items() if k != "layers")
+    return n + sum(t.numel() * t.element_size() for layer in weights["layers"]
+                   for t in layer.values())
+
+
+def adapter_tensors(spec: ModelSpec, rank: int, seed: int, device) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for layer in range(spec.num_layers):
+        for m in TARGETS:
+            k, n = spec.in_out(m)
+            p = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+            out[f"{p}.lora_A.weight"] = torch.randn(rank, k, generator=g, device=device) * 0.01
+            out[f"{p}.lora_B.weight"] = torch.randn(n, rank, generator=g, device=device) * 0.01
+    return out
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(23):
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * a.numel() / statistics.median(times[3:])
+
+
+def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, seed: int):
+    """Submit `batch` requests (row i uses slots[i % len(slots)], -1 = base) and step to the end."""
+    eng = built.engine
+    g = torch.Generator().manual_seed(seed)
+    done = []
+    for i in range(batch):
+        prompt = torch.randint(3, 32000, (prompt_len,), generator=g).tolist()
+        seq = Sequence(f"r{seed}-{i}", prompt, slot=slots[i % len(slots)] if slots else -1,
+                       stopping=Stopping(max_new_tokens=new, ignore_eos=True))
+        eng.submit(seq, lambda ev, d=done: ev.stop and d.append(ev))
+    steps, start = [], time.perf_counter()
+    while len(done) < batch:
+        t0 = time.perf_counter()
+        running = len(eng.scheduler.running)
+        eng.step()
+        steps.append((time.perf_counter() - t0, running))
+    total = time.perf_counter() - start
+    decode = [t for t, r in steps if r == batch][2:]     # full-batch decode steps
+    return {"tokens_per_s": batch * new / total, "total_s": total,
+            "decode_step_ms": 1e3 * statistics.median(decode) if decode else None,
+            "steps": len(steps)}
+
+
+def engine_rows(args, device) -> tuple[list[dict], dict]:
+    spec = llama7b_spec(args.layers)
+    weights = random_weights(spec, device, torch.bfloat16)
+    wbytes = weight_bytes(weights)
+    opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=args.kv_gib << 30,
+                         block_size=16, max_batch_tokens=8192, max_running=128,
+                         pool_bytes=args.pool_gib << 30, pool_slots=160, max_model_len=1024,
+                         graph_max_rank=16)
+    built = assemble(spec, weights, _NullTokenizer(), opts, device, torch.bfloat16)
+    n_adapters = max(args.distinct)
+    slots = [built.pool.place(f"a{i}", build_layout(adapter_tensors(spec, 16, i + 1, device),
+                                                    {"r": 16, "lora_alpha": 32}, spec,
+                                                    torch.bfloat16))
+             for i in range(n_adapters)]
+    rows = []
+    for batch in args.batch:
+        for n in [0, *args.distinct]:
+            if n > batch:
+                continue
+            use = slots[:n] if n else []
+            run_engine(built, use, batch, args.prompt, 8, seed=99)          # warm up
+            r = run_engine(built, use, batch, args.prompt, args.new, seed=n)
+            r.update(impl="lorafleet", batch=batch, distinct=n)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    meta = {"weight_bytes": wbytes, "graph_replays": getattr(built.engine.runner, "replays", 0)}
+    del built, weights
+    torch.cuda.empty_cache()
+    return rows, meta
+
+
+class _NullTokenizer:
+    """The bench measures token throughput; text is not produced."""
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def peft_rows(args, device) -> list[dict]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_hidden_layers=args.layers, num_attention_heads=32,
+                      num_key_value_heads=32, max_position_embeddings=4096)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    n_max = max(d for d in args.peft_distinct)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=list(TARGETS)),
+                           adapter_name="a0")
+    for i in range(1, n_max):
+        model.add_adapter(f"a{i}", LoraConfig(r=16, lora_alpha=32, target_modules=list(TARGETS)))
+    model.eval()
+    rows = []
+    for batch in args.batch:
+        ids = torch.randint(3, 32000, (batch, args.prompt), device=device)
+        for n in [0, *args.peft_distinct]:
+            names = ["__base__"] * batch if n == 0 else [f"a{i % n}" for i in range(batch)]
+            def gen(k):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                                   adapter_names=names, pad_token_id=0)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t
+            gen(2)
+            t1, tk = gen(1), gen(1 + args.peft_new)
+            step = (tk - t1) / args.peft_new
+            r = {"impl": "peft", "batch": batch, "distinct": n, "decode_step_ms": 1e3 * step,
+                 "tokens_per_s": batch / step}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
+def write(out: pathlib.Path, rows: list[dict], header: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e-h200.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    floor = header["floor_ms"]
+    lines = [f"# End to end, {header['gpu']}, {header['date']}", "",
+             f"torch {header['torch']}, triton {header['triton']}; Llama-2-7B shape "
+             f"({header['layers']} layers), bf16, rank-16 q/k/v/o adapters, prompt "
+             f"{header['prompt']}, {header['new']} new tokens. Weight-streaming floor "
+             f"{floor:.2f} ms ({header['weight_bytes']/1e9:.1f} GB at "
+             f"{header['copy_tb_s']:.2f} TB/s).", "",
+             "| impl | batch | distinct adapters | tokens/s | decode step ms | step / floor |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r.get("decode_step_ms")
+        lines.append(f"| {r['impl']} | {r['batch']} | {r['distinct'] or 'base'} | "
+                     f"{r['tokens_per_s']:.0f} | {ms:.2f} | {ms / floor:.2f} |" if ms else
+                     f"| {r['impl']} | {r['batch']} | {r['distinct']} | {r['tokens_per_s']:.0f} | - | - |")
+    (out / "e2e-h200.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-peft", action="store_true")
+    a = p.parse_args()
+    a.layers, a.prompt, a.new = (4, 32, 16) if a.quick else (32, 128, 128)
+    a.batch = [8] if a.quick else [32, 64]
+    a.distinct = [1, 4] if a.quick else [1, 8, 32, 128]
+    a.peft_distinct = [1, 4] if a.quick else [1, 8, 32]
+    a.peft_new = 4 if a.quick else 8
+    a.kv_gib, a.pool_gib = (2, 1) if a.quick else (24, 6)
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    rows, meta = engine_rows(a, device)
+    if not a.no_peft:
+        rows += peft_rows(a, device)
+    import triton
+    header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "python": platform.python_version(),
+              "layers": a.layers, "prompt": a.prompt, "new": a.new, "copy_tb_s": bw / 1e12,
+              "floor_ms": 1e3 * meta["weight_bytes"] / bw, **meta}
+    write(pathlib.Path(a.out), rows, header)
+    print((pathlib.Path(a.out) / "e2e-h200.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
