@@ -219,3 +219,18 @@ def test_thread_safe_under_concurrent_use() -> None:
     for t in threads:
         t.join()
     assert policy.used_bytes == sum(e.nbytes for e in policy.entries()) <= 50
+
+
+def test_over_cap_tenant_waits_rather_than_take_a_foothold():
+    """Everything of the heavy tenant is pinned; the light tenant's last entry is its foothold:
+    the heavy tenant's next admission is refused (it waits) instead of evicting it."""
+    p = CachePolicy(400, tenant_share=0.5)
+    p.admit("light-1", "light", 100)
+    for i in range(3):
+        p.admit(f"heavy-{i}", "heavy", 100, pin=True)
+    with pytest.raises(NoRoom):
+        p.admit("heavy-3", "heavy", 100, pin=True)
+    assert p.contains("light-1")
+    p.unpin("heavy-0")                      # one of its own rows finished: it recycles that
+    assert p.admit("heavy-3", "heavy", 100, pin=True) == ["heavy-0"]
+    assert p.contains("light-1")

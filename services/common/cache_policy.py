@@ -8,11 +8,13 @@ Eviction, when an admission needs room, takes victims in this order until the en
 2. caps on, the requester is over its cap and another tenant is active: the requester's own LRU
    entries (a heavy tenant recycles its own slice instead of everyone else's);
 3. caps on: entries of other tenants over their cap, the largest excess first, LRU within one;
-4. LRU among all unpinned entries, skipping footholds; 5. footholds too.
+4. LRU among all unpinned entries, skipping footholds; 5. footholds too, but only for a
+   requester within its cap: a tenant over its cap never takes another active tenant's
+   foothold; it gets NoRoom and waits for its own pins to go (caps on).
 
 Cap: ``max(tenant_share, 1 / active tenants) * capacity``: the active tenants' fair share, but
-never below ``tenant_share`` of the tier. Caps order evictions; they never refuse an admission, so
-a tenant alone may fill the tier. Foothold: the most recent unpinned entry of each active tenant
+never below ``tenant_share`` of the tier. Caps order evictions and refuse an admission only
+to protect a foothold, so a tenant alone may fill the tier. Foothold: the most recent unpinned entry of each active tenant
 with nothing pinned (not the requester's: its new entry becomes its foothold). Pinned entries
 (ref-counted: in use by a running row) are never evicted. ``tenant_share=None, foothold=False``
 (``plain_lru``) is plain LRU, for the measured comparison "with caps vs without".
@@ -316,7 +318,13 @@ class CachePolicy:
             yield from self._others_over_cap(tenant, cap, footholds)
         if footholds:
             yield from (k for k in self._lru if k not in footholds)
+            if self._share is not None and len(active) > 1 and self._over(tenant, nbytes, cap):
+                return      # a tenant over its cap never takes another's foothold: it waits
         yield from self._lru
+
+    def _over(self, tenant: str, nbytes: int, cap: float) -> bool:
+        state = self._tenants.get(tenant)
+        return (state.bytes if state else 0) + nbytes > cap
 
     def _cap(self, n_active: int) -> float:
         return max(self._share or 1.0, 1.0 / max(1, n_active)) * self._capacity
