@@ -1,0 +1,43 @@
+"""`python -m services.adapter_store`: the adapter store process (flags: config.parser)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+from services.adapter_store import config as store_config
+from services.adapter_store.server import build_store, create_server
+from services.common.runtime import setup_logging, start_metrics
+from services.common.server import serve
+from services.common.telemetry import setup_tracing
+
+log = logging.getLogger("services.adapter_store")
+
+
+async def _run(config: store_config.StoreConfig) -> None:
+    store, registry = build_store(config)
+    server, port, health = create_server(config, store)
+    log.info("adapter store listening on %s (port %d)", config.listen, port)
+    await serve(server, health, config.grace, on_drain=None, name="adapter-store")
+    registry.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = store_config.parser().parse_args(argv)
+    setup_logging("adapter-store", args.log_level)
+    try:
+        config = store_config.from_args(args, os.environ)
+    except ValueError as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    setup_tracing("adapter-store", config.otlp_endpoint, config.trace_file)
+    metrics_port = start_metrics(config.metrics_port)
+    if metrics_port:
+        log.info("metrics on :%d/metrics", metrics_port)
+    asyncio.run(_run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

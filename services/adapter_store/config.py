@@ -1,0 +1,119 @@
+"""The adapter store's configuration: one frozen dataclass, checked on construction, built once in
+main() from flags and environment (`from_args`), then passed down explicitly.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+from dataclasses import dataclass
+from typing import Mapping
+
+from services.common.runtime import add_common_flags
+
+GiB = 1 << 30
+MiB = 1 << 20
+# gRPC messages are capped at 64 MiB (services.common.server.CHANNEL_OPTIONS); a chunk stays well under.
+MAX_CHUNK_BYTES = 32 * MiB
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything the store needs; `base_config` is the served model's config.json."""
+
+    base_config: pathlib.Path
+    listen: str = "127.0.0.1:7003"
+    adapters_dir: pathlib.Path | None = None
+    s3_endpoint: str | None = None
+    bucket: str | None = None
+    s3_region: str = "us-east-1"
+    db: str = "state/adapter_store.sqlite"
+    max_rank: int = 128
+    host_cache_bytes: int = 2 * GiB
+    max_adapter_bytes: int = 1 * GiB
+    chunk_bytes: int = 1 * MiB
+    # Per-tenant share of the host tier (None: plain LRU). Shared adapters count as tenant "".
+    tenant_share: float | None = 0.5
+    # Socket timeouts for S3 when the caller set no deadline (seconds).
+    s3_connect_timeout: float = 5.0
+    s3_read_timeout: float = 30.0
+    metrics_port: int = 9103
+    grace: float = 10.0
+    log_level: str = "INFO"
+    otlp_endpoint: str | None = None
+    trace_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.base_config.is_file(), f"base model config {self.base_config} not found")
+        if self.adapters_dir is not None:
+            _require(self.adapters_dir.is_dir(), f"--adapters-dir {self.adapters_dir} is not a "
+                                                 "directory")
+        _require(1 <= self.max_rank <= 4096, f"--max-rank must be in 1..4096, got {self.max_rank}")
+        _require(self.host_cache_bytes > 0, "--host-cache-bytes must be > 0")
+        _require(self.max_adapter_bytes > 0, "--max-adapter-bytes must be > 0")
+        _require(0 < self.chunk_bytes <= MAX_CHUNK_BYTES,
+                 f"--chunk-bytes must be in 1..{MAX_CHUNK_BYTES}, got {self.chunk_bytes}")
+        _require(self.tenant_share is None or 0 < self.tenant_share <= 1,
+                 "tenant_share must be in (0, 1] or None")
+        _require(bool(self.db), "--db must not be empty")
+        _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
+        _require(self.s3_connect_timeout > 0 and self.s3_read_timeout > 0,
+                 "S3 timeouts must be > 0")
+        _require(":" in self.listen, f"--listen must be HOST:PORT, got {self.listen!r}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The operator contract's flags (README documents each)."""
+    p = argparse.ArgumentParser(prog="python -m services.adapter_store",
+                                description="lorafleet adapter store: registry, validation, "
+                                            "host-memory tier, Fetch streams")
+    add_common_flags(p, listen="127.0.0.1:7003", metrics_port=9103, grace=10.0)
+    p.add_argument("--adapters-dir", default=None,
+                   help="register every PEFT adapter DIR/NAME at start as NAME (shared); "
+                        "file://REL sources resolve under DIR only")
+    p.add_argument("--s3-endpoint", default=None,
+                   help="S3/MinIO endpoint URL (env LORAFLEET_S3_ENDPOINT; default: AWS)")
+    p.add_argument("--bucket", default=None,
+                   help="default bucket for s3:///PREFIX sources (env LORAFLEET_S3_BUCKET)")
+    p.add_argument("--s3-region", default=None, help="S3 region (env AWS_REGION; us-east-1)")
+    p.add_argument("--db", default="state/adapter_store.sqlite",
+                   help="SQLite registry file, created if missing; ':memory:' allowed")
+    p.add_argument("--model", default=None,
+                   help="served base model dir; its config.json gives the shapes to validate")
+    p.add_argument("--base-config", default=None, help="base config.json (instead of --model)")
+    p.add_argument("--max-rank", type=int, default=128, help="largest LoRA rank accepted (128)")
+    p.add_argument("--host-cache-bytes", type=int, default=2 * GiB,
+                   help="byte budget of the host-memory tier (2 GiB)")
+    p.add_argument("--max-adapter-bytes", type=int, default=1 * GiB,
+                   help="largest adapter_model.safetensors accepted (1 GiB)")
+    p.add_argument("--chunk-bytes", type=int, default=1 * MiB,
+                   help="Fetch data chunk size (1 MiB)")
+    return p
+
+
+def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
+    """Build the config from parsed flags; environment fills what flags leave unset."""
+    if args.base_config:
+        base = pathlib.Path(args.base_config)
+    elif args.model:
+        base = pathlib.Path(args.model) / "config.json"
+    else:
+        raise ValueError("--model DIR (or --base-config FILE) is required")
+    return StoreConfig(
+        base_config=base, listen=args.listen,
+        adapters_dir=pathlib.Path(args.adapters_dir) if args.adapters_dir else None,
+        s3_endpoint=args.s3_endpoint or env.get("LORAFLEET_S3_ENDPOINT") or None,
+        bucket=args.bucket or env.get("LORAFLEET_S3_BUCKET") or None,
+        s3_region=args.s3_region or env.get("AWS_REGION") or "us-east-1",
+        db=args.db, max_rank=args.max_rank, host_cache_bytes=args.host_cache_bytes,
+        max_adapter_bytes=args.max_adapter_bytes, chunk_bytes=args.chunk_bytes,
+        metrics_port=args.metrics_port, grace=args.grace, log_level=args.log_level,
+        otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)

@@ -1,0 +1,201 @@
+"""The adapter registry in SQLite: adapters (id, version, owner, state, shape summary) and their
+aliases. Survives restarts (same --db); a replace swaps version and aliases in one transaction, so
+a reader sees either the old adapter with its old aliases or the new one with its new aliases.
+
+One connection, guarded by a lock (the store calls it from its event loop and from start-up).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field, replace as dc_replace
+
+from services.adapter_store.safetensors_parse import RawTensor
+from services.common.errors import AlreadyExists, unknown_adapter
+
+READY, REGISTERED, FAILED = "READY", "REGISTERED", "FAILED"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS adapters (
+    id TEXT PRIMARY KEY, version TEXT NOT NULL, sha256 TEXT NOT NULL, owner TEXT NOT NULL,
+    source TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL, rank INTEGER NOT NULL,
+    alpha REAL NOT NULL, rslora INTEGER NOT NULL, targets TEXT NOT NULL, bytes INTEGER NOT NULL,
+    config_json TEXT NOT NULL, detail TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS aliases (
+    alias TEXT PRIMARY KEY,
+    adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE);
+CREATE INDEX IF NOT EXISTS aliases_by_adapter ON aliases(adapter_id);
+"""
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """One registered adapter. version/sha256 are empty while it is not READY."""
+
+    id: str
+    owner: str
+    source: str
+    state: str
+    reason: str = ""
+    version: str = ""
+    sha256: str = ""
+    rank: int = 0
+    alpha: float = 0.0
+    rslora: bool = False
+    targets: tuple[str, ...] = ()
+    layers: tuple[int, ...] = ()
+    bytes: int = 0
+    config_json: str = ""
+    tensors: tuple[RawTensor, ...] = ()
+    aliases: tuple[str, ...] = ()
+    created: float = field(default_factory=time.time)
+
+    @property
+    def shared(self) -> bool:
+        return self.owner == ""
+
+    def visible_to(self, tenant: str) -> bool:
+        """Shared adapters are everyone's; a private one only its owner's."""
+        return self.shared or self.owner == tenant
+
+
+class Registry:
+    """SQLite-backed adapters and aliases; every public method is one transaction."""
+
+    def __init__(self, path: str):
+        if path != ":memory:":
+            pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._lock = threading.Lock()
+        with self._lock:
+            if path != ":memory:":
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def get(self, adapter_id: str) -> AdapterRecord | None:
+        """The adapter with this id, or None."""
+        with self._lock:
+            row = self._db.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+            return self._record(row) if row else None
+
+    def lookup(self, name: str) -> AdapterRecord | None:
+        """The adapter whose id, or one of whose aliases, is `name`; None if neither."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM adapters WHERE id = ? UNION ALL SELECT a.* FROM adapters a "
+                "JOIN aliases s ON s.adapter_id = a.id WHERE s.alias = ? LIMIT 1",
+                (name, name)).fetchone()
+            return self._record(row) if row else None
+
+    def list(self, tenant: str | None) -> list[AdapterRecord]:
+        """Adapters visible to tenant (shared + its own), or all of them when tenant is None."""
+        with self._lock:
+            if tenant is None:
+                rows = self._db.execute("SELECT * FROM adapters ORDER BY id").fetchall()
+            else:
+                rows = self._db.execute("SELECT * FROM adapters WHERE owner IN ('', ?) "
+                                        "ORDER BY id", (tenant,)).fetchall()
+            return [self._record(r) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        """Number of adapters per state."""
+        with self._lock:
+            return dict(self._db.execute("SELECT state, COUNT(*) FROM adapters GROUP BY state"))
+
+    def version_in_use(self, version: str) -> bool:
+        """Whether any adapter is at this version (content shared by several ids)."""
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM adapters WHERE version = ? LIMIT 1",
+                                    (version,)).fetchone() is not None
+
+    def put(self, rec: AdapterRecord, replace: bool) -> tuple[AdapterRecord, AdapterRecord | None]:
+        """Insert rec, or (replace) swap it in with its aliases atomically.
+
+        rec.aliases empty on a replace keeps the adapter's current aliases. An alias held by
+        another adapter moves only on a replace and only between adapters of the same owner.
+        Returns (the stored record, the record it replaced or None).
+        """
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                old = self._row(rec.id)
+                if old is not None and not replace:
+                    raise AlreadyExists(f"id: adapter {rec.id!r} already exists (set replace "
+                                        "to register a new version)")
+                aliases = rec.aliases if rec.aliases or old is None else old.aliases
+                self._check_names(rec, aliases, replace)
+                stored = dc_replace(rec, aliases=tuple(aliases),
+                                    created=old.created if old else rec.created)
+                self._write(stored)
+                self._db.execute("COMMIT")
+                return stored, old
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def delete(self, adapter_id: str) -> AdapterRecord:
+        """Remove an adapter and its aliases; NOT_FOUND if there is none."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            old = self._row(adapter_id)
+            self._db.execute("DELETE FROM adapters WHERE id = ?", (adapter_id,))
+            self._db.execute("COMMIT")
+        if old is None:
+            raise unknown_adapter(adapter_id)
+        return old
+
+    # ---- inside a transaction (lock held) ----------------------------------------------------
+
+    def _row(self, adapter_id: str) -> AdapterRecord | None:
+        row = self._db.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+        return self._record(row) if row else None
+
+    def _check_names(self, rec: AdapterRecord, aliases: tuple[str, ...], replace: bool) -> None:
+        """The id is nobody's alias; each alias is no adapter's id and free (or movable)."""
+        if self._db.execute("SELECT 1 FROM aliases WHERE alias = ?", (rec.id,)).fetchone():
+            raise AlreadyExists(f"id: {rec.id!r} is already an alias")
+        for alias in aliases:
+            if alias == rec.id or self._db.execute(
+                    "SELECT 1 FROM adapters WHERE id = ?", (alias,)).fetchone():
+                raise AlreadyExists(f"aliases: {alias!r} is already an adapter id")
+            row = self._db.execute(
+                "SELECT a.id, a.owner FROM aliases s JOIN adapters a ON a.id = s.adapter_id "
+                "WHERE s.alias = ?", (alias,)).fetchone()
+            if row and row[0] != rec.id and not (replace and row[1] == rec.owner):
+                raise AlreadyExists(f"aliases: {alias!r} already names another adapter")
+
+    def _write(self, rec: AdapterRecord) -> None:
+        detail = json.dumps({"layers": list(rec.layers),
+                             "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes]
+                                         for t in rec.tensors]})
+        self._db.execute("DELETE FROM adapters WHERE id = ?", (rec.id,))  # cascades to aliases
+        self._db.execute(
+            "INSERT INTO adapters VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (rec.id, rec.version, rec.sha256, rec.owner, rec.source, rec.state, rec.reason,
+             rec.rank, rec.alpha, int(rec.rslora), json.dumps(list(rec.targets)), rec.bytes,
+             rec.config_json, detail, rec.created))
+        # An alias another adapter held moves here (put() checked that it may).
+        self._db.executemany("INSERT OR REPLACE INTO aliases VALUES (?, ?)",
+                             [(a, rec.id) for a in rec.aliases])
+
+    def _record(self, row: tuple) -> AdapterRecord:
+        (id_, version, sha, owner, source, state, reason, rank, alpha, rslora, targets, nbytes,
+         config_json, detail, created) = row
+        detail = json.loads(detail)
+        aliases = tuple(a for (a,) in self._db.execute(
+            "SELECT alias FROM aliases WHERE adapter_id = ? ORDER BY alias", (id_,)))
+        return AdapterRecord(
+            id=id_, owner=owner, source=source, state=state, reason=reason, version=version,
+            sha256=sha, rank=rank, alpha=alpha, rslora=bool(rslora),
+            targets=tuple(json.loads(targets)), layers=tuple(detail["layers"]), bytes=nbytes,
+            config_json=config_json, tensors=tuple(RawTensor(n, d, tuple(s), o, b)
+                                                   for n, d, s, o, b in detail["tensors"]),
+            aliases=aliases, created=created)

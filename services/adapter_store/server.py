@@ -1,0 +1,52 @@
+"""Wiring: build the store from a StoreConfig and serve it (`create_server`, usable in-process)."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from services.adapter_store.config import StoreConfig
+from services.adapter_store.host_cache import HostCache
+from services.adapter_store.registry import Registry
+from services.adapter_store.s3 import S3Clients
+from services.adapter_store.servicer import AdapterStoreServicer
+from services.adapter_store.sources import SourceReader
+from services.adapter_store.store import AdapterStore
+from services.adapter_store.validate import load_base_shapes
+from services.common import server as common_server
+from services.common.gen.lorafleet.v1 import adapter_store_pb2, adapter_store_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = adapter_store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_name
+
+
+def build_store(config: StoreConfig) -> tuple[AdapterStore, Registry]:
+    """Open the registry, and register the --adapters-dir adapters (blocking, at start-up)."""
+    base = load_base_shapes(config.base_config)
+    log.info("validating against %s: %s", config.base_config, base)
+    registry = Registry(config.db)
+    s3 = S3Clients(config.s3_endpoint, config.s3_region, config.s3_connect_timeout,
+                   config.s3_read_timeout)
+    reader = SourceReader(config.adapters_dir, s3, config.max_adapter_bytes)
+    cache = HostCache(config.host_cache_bytes, config.tenant_share)
+    store = AdapterStore(base, registry, reader, cache, config.max_rank, config.bucket)
+    if config.adapters_dir is not None:
+        store.scan(config.adapters_dir)
+    counts = registry.counts()
+    log.info("registry %s: %s", config.db, counts or "empty")
+    return store, registry
+
+
+def create_server(config: StoreConfig, store: AdapterStore | None = None
+                  ) -> tuple[grpc.aio.Server, int, object]:
+    """The gRPC server (not started) on config.listen: (server, port, health servicer)."""
+    store = store or build_store(config)[0]
+    servicer = AdapterStoreServicer(store, config.chunk_bytes)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    credentials = common_server.server_credentials(config.tls_cert, config.tls_key,
+                                                   config.tls_ca)
+    return common_server.create_server(config.listen, register, credentials)

@@ -1,0 +1,100 @@
+"""AdapterStore gRPC servicer: proto -> AdapterStore call -> proto. Domain errors raised below are
+mapped to status codes by services.common.server.ErrorInterceptor.
+
+Fetch streams, in order: one AdapterHeader, the blob (exactly the validated
+adapter_model.safetensors bytes) in `data` chunks of --chunk-bytes, then the blob's hex SHA-256.
+"""
+from __future__ import annotations
+
+from opentelemetry import trace
+
+from services.adapter_store.registry import AdapterRecord
+from services.adapter_store.store import AdapterStore, Staged
+from services.common.gen.lorafleet.v1 import (adapter_store_pb2 as pb, adapter_store_pb2_grpc,
+                                              common_pb2, router_pb2)
+from services.common.telemetry import incoming_context
+
+_tracer = trace.get_tracer(__name__)
+# A deadline further away than this is treated as none (aio reports "no deadline" as huge).
+_NO_DEADLINE_S = 1e6
+
+
+def remaining(context) -> float | None:
+    """Seconds left before the caller's deadline, None when it set none."""
+    left = context.time_remaining()
+    return None if left is None or left > _NO_DEADLINE_S else max(0.0, left)
+
+
+def adapter_info(rec: AdapterRecord) -> router_pb2.AdapterInfo:
+    """The public view of a registry record."""
+    return router_pb2.AdapterInfo(
+        id=rec.id, version=rec.version, owner=rec.owner, shared=rec.shared,
+        aliases=list(rec.aliases), rank=rec.rank, target_modules=list(rec.targets),
+        bytes=rec.bytes, state=rec.state, failure_reason=rec.reason, source=rec.source,
+        lora_alpha=rec.alpha, use_rslora=rec.rslora)
+
+
+def fetch_header(staged: Staged) -> pb.AdapterHeader:
+    """What the worker needs to place the blob without parsing safetensors again."""
+    rec = staged.record
+    return pb.AdapterHeader(
+        adapter=adapter_info(rec), config_json=rec.config_json,
+        tensors=[pb.TensorEntry(name=t.name, dtype=t.dtype, shape=list(t.shape),
+                                offset=t.offset, nbytes=t.nbytes) for t in rec.tensors],
+        total_bytes=len(staged.blob), tier=common_pb2.Tier.Value(staged.tier),
+        source_load_s=staged.load_s)
+
+
+class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
+    """Thin adapter between lorafleet.v1.AdapterStore and services.adapter_store.store."""
+
+    def __init__(self, store: AdapterStore, chunk_bytes: int):
+        self._store = store
+        self._chunk = chunk_bytes
+
+    async def Register(self, request, context):
+        with _tracer.start_as_current_span(
+                "store.register", context=incoming_context(context.invocation_metadata()),
+                attributes={"lora.adapter_id": request.id}):
+            rec = await self._store.register(request.id, request.source, request.owner,
+                                             list(request.aliases), request.replace,
+                                             remaining(context))
+        return pb.RegisterResponse(adapter=adapter_info(rec))
+
+    async def Resolve(self, request, context):
+        return pb.ResolveResponse(adapter=adapter_info(
+            self._store.resolve(request.name, request.tenant)))
+
+    async def List(self, request, context):
+        records = self._store.list(request.tenant, request.all_tenants)
+        return pb.ListResponse(adapters=[adapter_info(r) for r in records])
+
+    async def Delete(self, request, context):
+        self._store.delete(request.id)
+        return pb.DeleteResponse()
+
+    async def Fetch(self, request, context):
+        span = _tracer.start_span("store.fetch",
+                                  context=incoming_context(context.invocation_metadata()),
+                                  attributes={"lora.adapter_id": request.id})
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                staged = await self._store.stage(request.id, request.version,
+                                                 remaining(context))
+            span.set_attributes({"lora.bytes": len(staged.blob), "lora.tier": staged.tier,
+                                 "lora.version": staged.record.version})
+            yield pb.FetchChunk(header=fetch_header(staged))
+            view = memoryview(staged.blob)
+            for start in range(0, len(view), self._chunk):
+                yield pb.FetchChunk(data=bytes(view[start:start + self._chunk]))
+            yield pb.FetchChunk(sha256=staged.record.sha256)
+        finally:
+            span.end()
+
+    async def Stats(self, request, context):
+        s = self._store.stats()
+        return pb.StoreStatsResponse(
+            registered=s.registered, failed=s.failed, host_resident=s.host.resident,
+            host_hits=s.host.hits, host_misses=s.host.misses, host_bytes=s.host.bytes,
+            source_loads=router_pb2.ColdLoadStats(tier="source", count=s.source_loads,
+                                                  p50=s.p50, p95=s.p95, p99=s.p99))

@@ -1,0 +1,169 @@
+"""Where adapters come from: `file://REL` under the adapters dir, or `s3://BUCKET/PREFIX`.
+
+Only `adapter_config.json` and `adapter_model.safetensors` are ever read. A source that holds only
+`adapter_model.bin` (a pickle) is refused without opening it. Sizes are checked (stat / HEAD)
+against --max-adapter-bytes before a byte is read. `SourceReader.read` blocks: callers run it in a
+thread (asyncio.to_thread) so the event loop never waits on a disk or a socket.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import stat
+from dataclasses import dataclass
+from typing import Callable
+
+from services.adapter_store import s3
+from services.adapter_store.s3 import MissingFile
+from services.adapter_store.peft_config import MAX_CONFIG_BYTES
+from services.adapter_store.errors import Refusal
+
+CONFIG, WEIGHTS, PICKLE = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_SEGMENT = re.compile(r"[A-Za-z0-9._=+@-]{1,255}")
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """A parsed source URI: kind "file" (path relative to the root) or "s3" (bucket, prefix)."""
+
+    uri: str
+    kind: str
+    path: str = ""
+    bucket: str = ""
+
+
+@dataclass(frozen=True)
+class RawAdapter:
+    """The two files' bytes as read from a source."""
+
+    config: bytes
+    blob: bytes
+
+
+def parse_source(uri: str, default_bucket: str | None) -> SourceRef:
+    """Check a source URI's shape; raises Refusal naming the `source` field."""
+    if uri.startswith("file://"):
+        return SourceRef(uri, "file", path=_relative(uri[len("file://"):], uri))
+    if uri.startswith("s3://"):
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        bucket = bucket or (default_bucket or "")
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise Refusal("source", f"source: {uri!r} needs a valid bucket name (s3://BUCKET/"
+                                    "PREFIX, or s3:///PREFIX with --bucket)")
+        prefix = _relative(prefix.strip("/"), uri) if prefix.strip("/") else ""
+        return SourceRef(f"s3://{bucket}/{prefix}", "s3", path=prefix, bucket=bucket)
+    raise Refusal("source", f"source: {uri[:200]!r} is not file://REL (under --adapters-dir) or "
+                            "s3://BUCKET/PREFIX")
+
+
+def _relative(rel: str, uri: str) -> str:
+    """A relative path of plain segments: no '..', no absolute path, no odd characters."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or not all(_SEGMENT.fullmatch(p) for p in parts) \
+            or any(p in (".", "..") for p in parts):
+        raise Refusal("source", f"source: {uri[:200]!r}: the path must be relative, made of "
+                                "plain names, without '..'")
+    return rel
+
+
+class SourceReader:
+    """Reads adapters from the local root and from S3 with size caps and bounded timeouts."""
+
+    def __init__(self, root: pathlib.Path | None, s3_client: s3.S3Clients | None,
+                 max_bytes: int):
+        self._root = root.resolve() if root is not None else None
+        self._s3 = s3_client
+        self._max = max_bytes
+
+    def read(self, ref: SourceRef, timeout: float | None = None,
+             check_config: Callable[[bytes], object] | None = None) -> RawAdapter:
+        """Both files of the adapter at `ref` (blocking); timeout bounds S3 I/O in seconds.
+
+        check_config(config bytes) runs before the weights are read, so a refused config
+        never costs a download.
+        """
+        check = check_config or (lambda _: None)
+        if ref.kind == "file":
+            return RawAdapter(*self._read_file(ref, check))
+        return RawAdapter(*self._read_s3(ref, timeout, check))
+
+    # ---- file:// ----------------------------------------------------------------------------
+
+    def _read_file(self, ref: SourceRef, check: Callable) -> tuple[bytes, bytes]:
+        if self._root is None:
+            raise Refusal("source", f"source: {ref.uri!r}: file:// sources need --adapters-dir")
+        folder = self._contained(self._root / ref.path, ref)
+        if not folder.is_dir():
+            raise MissingFile(f"source {ref.uri}: no such adapter directory")
+        if not (folder / WEIGHTS).exists() and (folder / PICKLE).exists():
+            raise _pickle_refusal(ref)
+        config = self._file(folder / CONFIG, ref, MAX_CONFIG_BYTES)
+        check(config)
+        return config, self._file(folder / WEIGHTS, ref, self._max)
+
+    def _contained(self, path: pathlib.Path, ref: SourceRef) -> pathlib.Path:
+        """path with symlinks resolved; refused if that leaves the root."""
+        real = path.resolve()
+        if real != self._root and self._root not in real.parents:
+            raise Refusal("source", f"source: {ref.uri!r} resolves outside --adapters-dir")
+        return real
+
+    def _file(self, path: pathlib.Path, ref: SourceRef, cap: int) -> bytes:
+        if not path.exists() and not path.is_symlink():
+            raise MissingFile(f"{path.name}: missing from source {ref.uri}")
+        real = self._contained(path, ref)
+        try:
+            with open(real, "rb", opener=_no_follow) as f:
+                info = os.fstat(f.fileno())
+                if not stat.S_ISREG(info.st_mode):
+                    raise Refusal("source", f"{path.name}: not a regular file in {ref.uri}")
+                _check_size(path.name, info.st_size, cap)
+                data = f.read(cap + 1)
+        except FileNotFoundError:
+            raise MissingFile(f"{path.name}: missing from source {ref.uri}") from None
+        _check_size(path.name, len(data), cap)
+        return data
+
+    # ---- s3:// ------------------------------------------------------------------------------
+
+    def _read_s3(self, ref: SourceRef, timeout: float | None, check: Callable
+                 ) -> tuple[bytes, bytes]:
+        if self._s3 is None:  # pragma: no cover - S3Clients always exists in the service
+            raise Refusal("source", "source: s3:// is not configured")
+        client = self._s3.client(timeout)
+        key = f"{ref.path}/" if ref.path else ""
+        config_size = s3.head_size(client, ref.bucket, key + CONFIG)
+        if config_size is None:
+            raise MissingFile(f"{CONFIG}: missing from source {ref.uri}")
+        _check_size(CONFIG, config_size, MAX_CONFIG_BYTES)
+        size = s3.head_size(client, ref.bucket, key + WEIGHTS)
+        if size is None:
+            if s3.head_size(client, ref.bucket, key + PICKLE) is not None:
+                raise _pickle_refusal(ref)
+            raise MissingFile(f"{WEIGHTS}: missing from source {ref.uri}")
+        _check_size(WEIGHTS, size, self._max)
+        config = s3.get(client, ref.bucket, key + CONFIG, MAX_CONFIG_BYTES)
+        _check_size(CONFIG, len(config), MAX_CONFIG_BYTES)
+        check(config)
+        blob = s3.get(client, ref.bucket, key + WEIGHTS, self._max)
+        _check_size(WEIGHTS, len(blob), self._max)
+        return config, blob
+
+
+def _no_follow(path: str, flags: int) -> int:
+    # The path is already resolved; O_NOFOLLOW closes the window for a swapped-in symlink.
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0))
+
+
+def _check_size(name: str, size: int, cap: int) -> None:
+    if size > cap:
+        raise Refusal("size", f"{name}: {size} bytes exceeds the {cap}-byte cap"
+                              f"{' (--max-adapter-bytes)' if name == WEIGHTS else ''}")
+
+
+def _pickle_refusal(ref: SourceRef) -> Refusal:
+    return Refusal("pickle", f"{WEIGHTS}: source {ref.uri} holds only {PICKLE}, a pickle; "
+                             "lorafleet loads safetensors only and never opens pickles "
+                             "(convert it with safetensors first)")

@@ -1,0 +1,277 @@
+"""The adapter store's domain: register (read + validate once), resolve with tenant visibility,
+list, delete, and stage for Fetch (host tier, else the source with a digest check).
+
+Versions: `version` = first 16 hex of SHA-256(canonical config JSON + "\\n" + blob) and `sha256` =
+SHA-256 of the blob (validate.content_version). A Fetch that misses the host tier reads the source
+again and recomputes both: a mismatch is DATA_LOSS and nothing is cached.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import pathlib
+import re
+import time
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from services.adapter_store import metrics
+from services.adapter_store.errors import Refusal
+from services.adapter_store.host_cache import HostCache, HostTierStats
+from services.adapter_store.peft_config import check_config
+from services.adapter_store.registry import FAILED, READY, AdapterRecord, Registry
+from services.adapter_store.s3 import MissingFile
+from services.adapter_store.sources import SourceReader, SourceRef, parse_source
+from services.adapter_store.validate import AdapterSummary, BaseShapes, digests, validate
+from services.common.errors import (AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition,
+                                    LorafleetError, unknown_adapter)
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer(__name__)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_ALIASES = 32
+SOURCE, STORE_HOST = "SOURCE", "STORE_HOST"
+
+
+def check_name(field: str, value: str, allow_empty: bool = False) -> None:
+    """Ids, aliases and tenants: a plain name, never a path or a URL (INVALID_ARGUMENT)."""
+    if allow_empty and value == "":
+        return
+    if not NAME.fullmatch(value):
+        raise Refusal("name", f"{field}: {value[:100]!r} is not a valid name "
+                              f"({NAME.pattern})")
+
+
+@dataclass(frozen=True)
+class Staged:
+    """An adapter ready to stream: its record, blob, the tier it came from, source seconds."""
+
+    record: AdapterRecord
+    blob: bytes
+    tier: str
+    load_s: float
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    registered: int
+    failed: int
+    host: HostTierStats
+    source_loads: int
+    p50: float
+    p95: float
+    p99: float
+
+
+class AdapterStore:
+    """Registry + sources + validation + host tier; called by the servicer on the event loop."""
+
+    def __init__(self, base: BaseShapes, registry: Registry, reader: SourceReader,
+                 cache: HostCache, max_rank: int, default_bucket: str | None):
+        self._base, self._registry, self._reader = base, registry, reader
+        self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._window = metrics.LatencyWindow()
+        metrics.set_adapter_counts(registry.counts())
+
+    # ---- registry operations -------------------------------------------------------------------
+
+    async def register(self, adapter_id: str, source: str, owner: str, aliases: list[str],
+                       replace: bool, remaining: float | None) -> AdapterRecord:
+        """Validate the adapter at `source` and record it READY; raises a domain error."""
+        try:
+            stored = await self._register(adapter_id, source, owner, aliases, replace, remaining)
+        except LorafleetError as exc:
+            if isinstance(exc, Refusal):
+                metrics.REFUSALS.labels(exc.reason).inc()
+            log.warning("register %r from %r refused (%s): %s", adapter_id[:200], source[:200],
+                        exc.code.name, exc.message)
+            raise
+        metrics.set_adapter_counts(self._registry.counts())
+        log.info("registered adapter %r version %s from %s: r=%d alpha=%g rslora=%s targets=%s "
+                 "%d bytes owner=%r aliases=%s", stored.id, stored.version, stored.source,
+                 stored.rank, stored.alpha, stored.rslora, ",".join(stored.targets),
+                 stored.bytes, stored.owner, list(stored.aliases))
+        return stored
+
+    async def _register(self, adapter_id: str, source: str, owner: str, aliases: list[str],
+                        replace: bool, remaining: float | None) -> AdapterRecord:
+        check_name("id", adapter_id)
+        check_name("owner", owner, allow_empty=True)
+        _check_aliases(aliases)
+        ref = parse_source(source, self._bucket)
+        if not replace and self._registry.get(adapter_id) is not None:  # before any download
+            raise AlreadyExists(f"id: adapter {adapter_id!r} already exists (set replace to "
+                                "register a new version)")
+        summary = await _bounded(asyncio.to_thread(self._load_validated, ref, remaining),
+                                 remaining)
+        stored, old = self._registry.put(_record(adapter_id, owner, ref, summary,
+                                                 tuple(aliases)), replace)
+        if old is not None and old.version != stored.version:
+            self._forget(old.version)
+        return stored
+
+    def _load_validated(self, ref: SourceRef, remaining: float | None) -> AdapterSummary:
+        """Read and validate (blocking: runs in a thread); missing files become refusals."""
+        with _tracer.start_as_current_span("store.validate") as span:
+            span.set_attribute("lora.source", ref.uri)
+            try:
+                raw = self._reader.read(ref, remaining, check_config=lambda config: check_config(
+                    config, self._base.layers, self._max_rank))
+            except MissingFile as exc:
+                raise Refusal("missing_file", exc.message) from None
+            span.set_attribute("lora.bytes", len(raw.blob))
+            return validate(raw.config, raw.blob, self._base, self._max_rank)
+
+    def resolve(self, name: str, tenant: str) -> AdapterRecord:
+        """The adapter `name` (id or alias) as `tenant` sees it; NOT_FOUND if invisible."""
+        check_name("name", name)
+        check_name("tenant", tenant, allow_empty=True)
+        record = self._registry.lookup(name)
+        if record is None or not record.visible_to(tenant):
+            raise unknown_adapter(name)
+        if record.state == FAILED:
+            raise FailedPrecondition(f"adapter {name!r} is FAILED: {record.reason}")
+        return record
+
+    def list(self, tenant: str, all_tenants: bool) -> list[AdapterRecord]:
+        """Adapters visible to tenant; every adapter when all_tenants is set."""
+        check_name("tenant", tenant, allow_empty=True)
+        return self._registry.list(None if all_tenants else tenant)
+
+    def delete(self, adapter_id: str) -> None:
+        """Remove the adapter, its aliases and (if no other id shares it) its staged blob."""
+        check_name("id", adapter_id)
+        old = self._registry.delete(adapter_id)
+        self._forget(old.version)
+        metrics.set_adapter_counts(self._registry.counts())
+        log.info("deleted adapter %r (version %s)", adapter_id, old.version or "-")
+
+    def _forget(self, version: str) -> None:
+        if version and not self._registry.version_in_use(version):
+            self._cache.remove(version)
+            metrics.HOST_BYTES.set(self._cache.stats().bytes)
+
+    # ---- staging ---------------------------------------------------------------------------------
+
+    async def stage(self, adapter_id: str, version: str, remaining: float | None) -> Staged:
+        """The adapter's blob from the host tier, else from its source (digest-checked)."""
+        check_name("id", adapter_id)
+        record = self._registry.get(adapter_id)
+        if record is None:
+            raise unknown_adapter(adapter_id)
+        if record.state != READY:
+            raise FailedPrecondition(f"adapter {adapter_id!r} is {record.state}: {record.reason}")
+        if version and version != record.version:
+            raise FailedPrecondition(f"adapter {adapter_id!r} is at version {record.version}, "
+                                     f"not {version[:64]!r}")
+        blob = self._cache.get(record.version)
+        self._count_host(blob is not None)
+        if blob is not None:
+            return Staged(record, blob, STORE_HOST, 0.0)
+        task = self._inflight.get(record.version)
+        if task is None:  # one source read per version, however many Fetches wait for it
+            task = asyncio.ensure_future(self._from_source(record, remaining))
+            self._inflight[record.version] = task
+            task.add_done_callback(lambda t, v=record.version: self._landed(v, t))
+        blob, seconds = await _bounded(asyncio.shield(task), remaining)
+        return Staged(record, blob, SOURCE, seconds)
+
+    async def _from_source(self, record: AdapterRecord, remaining: float | None
+                           ) -> tuple[bytes, float]:
+        ref = parse_source(record.source, self._bucket)
+        start = time.perf_counter()
+        try:
+            raw = await asyncio.to_thread(self._reader.read, ref, remaining)
+            _, version, sha = await asyncio.to_thread(digests, raw.config, raw.blob)
+        except LorafleetError as exc:
+            metrics.observe_source_load(self._window, ref.kind, "error", 0.0)
+            log.warning("staging %r from %s failed: %s", record.id, ref.uri, exc.message)
+            raise
+        if (version, sha) != (record.version, record.sha256):
+            metrics.observe_source_load(self._window, ref.kind, "data_loss", 0.0)
+            log.error("adapter %r: source %s changed since registration (version %s, "
+                      "registered %s); not served", record.id, ref.uri, version, record.version)
+            raise DataLoss(f"adapter {record.id!r}: the source no longer matches the registered "
+                           f"version {record.version} (now {version}); re-register it")
+        evicted = self._cache.put(record.version, record.owner, raw.blob)
+        metrics.CACHE_EVICTIONS.labels(metrics.TIER).inc(len(evicted))
+        metrics.HOST_BYTES.set(self._cache.stats().bytes)
+        seconds = time.perf_counter() - start
+        metrics.observe_source_load(self._window, ref.kind, "ok", seconds)
+        return raw.blob, seconds
+
+    def _landed(self, version: str, task: asyncio.Task) -> None:
+        self._inflight.pop(version, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here, so an unawaited failure is not logged twice
+
+    @staticmethod
+    def _count_host(hit: bool) -> None:
+        (metrics.CACHE_HITS if hit else metrics.CACHE_MISSES).labels(metrics.TIER).inc()
+
+    def stats(self) -> StoreStats:
+        counts = self._registry.counts()
+        w = self._window
+        return StoreStats(registered=sum(counts.values()), failed=counts.get(FAILED, 0),
+                          host=self._cache.stats(), source_loads=w.count, p50=w.quantile(0.5),
+                          p95=w.quantile(0.95), p99=w.quantile(0.99))
+
+    # ---- start-up --------------------------------------------------------------------------------
+
+    def scan(self, root: pathlib.Path) -> None:
+        """Register every adapter directory under root as a shared adapter (bad ones FAILED)."""
+        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+            if not any((folder / f).exists() for f in ("adapter_config.json",
+                       "adapter_model.safetensors", "adapter_model.bin")):
+                log.info("skipping %s: no adapter files", folder.name)
+            elif not NAME.fullmatch(folder.name):
+                log.warning("skipping %s: not a valid adapter id", folder.name)
+            else:
+                self._scan_one(folder.name)
+        metrics.set_adapter_counts(self._registry.counts())
+
+    def _scan_one(self, name: str) -> None:
+        ref = parse_source(f"file://{name}", None)
+        existing = self._registry.get(name)
+        if existing is not None and (existing.source, existing.owner) != (ref.uri, ""):
+            log.warning("adapters dir: %r is already registered from %s (owner %r); left as is",
+                        name, existing.source, existing.owner)
+            return
+        try:
+            record = _record(name, "", ref, self._load_validated(ref, None), ())
+            log.info("adapters dir: registered %r version %s (r=%d, %s, %d bytes)", name,
+                     record.version, record.rank, ",".join(record.targets), record.bytes)
+        except LorafleetError as exc:
+            metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
+            record = AdapterRecord(name, "", ref.uri, FAILED, reason=exc.message)
+            log.warning("adapters dir: %r FAILED: %s", name, exc.message)
+        try:
+            self._registry.put(record, replace=True)
+        except LorafleetError as exc:  # e.g. the name is already another adapter's alias
+            log.warning("adapters dir: %r not recorded: %s", name, exc.message)
+
+
+def _check_aliases(aliases: list[str]) -> None:
+    if len(aliases) > MAX_ALIASES or len(set(aliases)) != len(aliases):
+        raise Refusal("name", f"aliases: at most {MAX_ALIASES}, without repeats")
+    for alias in aliases:
+        check_name("aliases", alias)
+
+
+def _record(adapter_id: str, owner: str, ref: SourceRef, s: AdapterSummary,
+            aliases: tuple[str, ...]) -> AdapterRecord:
+    return AdapterRecord(
+        id=adapter_id, owner=owner, source=ref.uri, state=READY, version=s.version,
+        sha256=s.sha256, rank=s.rank, alpha=s.alpha, rslora=s.rslora, targets=s.targets,
+        layers=s.layers, bytes=s.total_bytes, config_json=s.config_json, tensors=s.tensors,
+        aliases=aliases)
+
+
+async def _bounded(awaitable, remaining: float | None):
+    """Await within the caller's remaining deadline (DEADLINE_EXCEEDED past it)."""
+    try:
+        return await asyncio.wait_for(awaitable, remaining)
+    except asyncio.TimeoutError:
+        raise DeadlineExceeded("deadline exceeded while reading the adapter source") from None

@@ -1,0 +1,193 @@
+"""PEFT LoRA adapter validation against the served base model (numpy only, no torch).
+
+`validate(config_bytes, blob, base, max_rank)` applies the field policy of DESIGN.md to
+adapter_config.json, checks the safetensors container (safetensors_parse), maps every tensor to a
+(layer, module, A|B) of the base and checks its shape, and refuses NaN/Inf. Every refusal is a
+Refusal (INVALID_ARGUMENT) naming the field or tensor and the reason. Shapes, per projection:
+
+    q: A [r, hidden]            B [n_heads * head_dim, r]
+    k, v: A [r, hidden]         B [n_kv_heads * head_dim, r]
+    o: A [r, n_heads*head_dim]  B [hidden, r]
+    gate, up: A [r, hidden]     B [intermediate, r]
+    down: A [r, intermediate]   B [hidden, r]
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import re
+from dataclasses import dataclass
+
+from services.adapter_store import safetensors_parse as st
+from services.adapter_store.peft_config import LoraFields, check_config
+from services.adapter_store.errors import Refusal
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PARENT = {m: "self_attn" for m in MODULES[:4]} | {m: "mlp" for m in MODULES[4:]}
+# base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}[.{adapter name}].weight
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d{1,6})\.(self_attn|mlp)\."
+                  r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
+                  r"lora_(A|B)(?:\.[A-Za-z0-9_-]{1,64})?\.weight")
+
+
+@dataclass(frozen=True)
+class BaseShapes:
+    """The served base model's dimensions that LoRA shapes depend on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def in_out(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a projection."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[module]
+
+
+def load_base_shapes(path: pathlib.Path) -> BaseShapes:
+    """Read a Hugging Face Llama-family config.json; ValueError if it lacks a dimension."""
+    cfg = json.loads(path.read_text())
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        shapes = BaseShapes(hidden=hidden, intermediate=int(cfg["intermediate_size"]),
+                            layers=int(cfg["num_hidden_layers"]), heads=heads,
+                            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                            head_dim=int(cfg.get("head_dim") or hidden // heads))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a Llama-family config ({exc})") from None
+    if min(shapes.__dict__.values()) <= 0:
+        raise ValueError(f"{path}: dimensions must be positive: {shapes}")
+    return shapes
+
+
+@dataclass(frozen=True)
+class AdapterSummary:
+    """A validated adapter. `tensors` offsets are absolute in the blob; `config_json` canonical."""
+
+    rank: int
+    alpha: float
+    rslora: bool
+    targets: tuple[str, ...]
+    layers: tuple[int, ...]
+    tensors: tuple[st.RawTensor, ...]
+    total_bytes: int
+    config_json: str
+    version: str
+    sha256: str
+
+
+def canonical_json(config: dict) -> str:
+    """The config as canonical JSON (sorted keys, no spaces, ASCII): what the version hashes."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def content_version(config_json: str, blob: bytes) -> str:
+    """The adapter's version: the first 16 hex of SHA-256(config_json + '\\n' + blob)."""
+    h = hashlib.sha256(config_json.encode("ascii"))
+    h.update(b"\n")
+    h.update(blob)
+    return h.hexdigest()[:16]
+
+
+def digests(config_bytes: bytes, blob: bytes) -> tuple[str, str, str]:
+    """(canonical config JSON, version, blob sha256) of raw source bytes, without validating."""
+    try:
+        config_json = canonical_json(json.loads(config_bytes))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        config_json = ""  # cannot match a registered version, whose config parsed
+    return config_json, content_version(config_json, blob), hashlib.sha256(blob).hexdigest()
+
+
+def validate(config_bytes: bytes, blob: bytes, base: BaseShapes, max_rank: int
+             ) -> AdapterSummary:
+    """Check an adapter against the base; returns its summary or raises Refusal."""
+    fields = check_config(config_bytes, base.layers, max_rank)
+    expected = expected_pairs(fields, base)
+    tensors = st.parse(blob)
+    _check_complete([_check_tensor(t, fields.r, base) for t in tensors], expected)
+    for t in tensors:
+        st.check_finite(blob, t)
+    config_json, version, sha = digests(config_bytes, blob)
+    return AdapterSummary(
+        rank=fields.r, alpha=fields.alpha, rslora=fields.rslora,
+        targets=tuple(m for m in MODULES if any(m == pm for _, pm in expected)),
+        layers=tuple(sorted({layer for layer, _ in expected})), tensors=tuple(tensors),
+        total_bytes=len(blob), config_json=config_json, version=version, sha256=sha)
+
+
+def base_module_names(base: BaseShapes) -> list[str]:
+    """The base's module names as PEFT matches target_modules against them (plus lm_head)."""
+    names = [f"model.layers.{i}.{_PARENT[m]}.{m}" for i in range(base.layers) for m in MODULES]
+    return names + ["lm_head"]
+
+
+def expected_pairs(fields: LoraFields, base: BaseShapes) -> set[tuple[int, str]]:
+    """The (layer, module) pairs the config targets, resolved PEFT-style against the base."""
+    names = base_module_names(base)
+    spec = fields.target_modules
+    if spec == "all-linear":  # every linear layer but the output head
+        matched = [n for n in names if n != "lm_head"]
+    elif isinstance(spec, str):
+        matched = [n for n in names if fields.target_regex.fullmatch(n)]
+        if not matched:
+            raise Refusal("target_modules", f"target_modules: regex {spec!r} matches no module "
+                                            "of the base model")
+    else:
+        matched = []
+        for entry in spec:
+            hits = [n for n in names if n == entry or n.endswith("." + entry)]
+            if not hits:
+                raise Refusal("target_modules", f"target_modules: the base model has no "
+                                                f"module {entry!r} (LoRA targets: "
+                                                f"{', '.join(MODULES)})")
+            matched += hits
+    if "lm_head" in matched:
+        raise Refusal("target_modules", "target_modules: lm_head is not supported (LoRA "
+                                        f"targets: {', '.join(MODULES)})")
+    pairs = {(int(n.split(".")[2]), n.rsplit(".", 1)[1]) for n in matched}
+    if fields.layers is not None:
+        pairs = {p for p in pairs if p[0] in fields.layers}
+    return pairs
+
+
+def _check_tensor(t: st.RawTensor, r: int, base: BaseShapes) -> tuple[int, str, str]:
+    """Map a tensor to (layer, module, A|B) and check its shape; raises Refusal."""
+    m = _KEY.fullmatch(t.name)
+    if m is None or _PARENT[m.group(3)] != m.group(2):
+        raise Refusal("tensor_name", f"tensor {t.name!r}: not a LoRA A/B weight of a "
+                                     f"{'/'.join(MODULES)} projection")
+    layer, module, part = int(m.group(1)), m.group(3), m.group(4)
+    if layer >= base.layers:
+        raise Refusal("tensor_name", f"tensor {t.name!r}: layer {layer} out of range (the base "
+                                     f"has {base.layers} layers)")
+    fan_in, fan_out = base.in_out(module)
+    want = (r, fan_in) if part == "A" else (fan_out, r)
+    if t.shape != want:
+        raise Refusal("shape", f"tensor {t.name!r}: shape {list(t.shape)}, expected "
+                               f"{list(want)} for r={r} and the served base")
+    return layer, module, part
+
+
+def _check_complete(found: list[tuple[int, str, str]], expected: set[tuple[int, str]]) -> None:
+    """Exactly one A and one B per targeted (layer, module), nothing else."""
+    seen = set(found)
+    if len(seen) != len(found):
+        layer, module, part = next(k for k in seen if found.count(k) > 1)
+        raise Refusal("tensor_name", f"tensor for layer {layer} {module} lora_{part}: "
+                                     "present twice")
+    want = {(layer, module, part) for layer, module in expected for part in "AB"}
+    extra, missing = sorted(seen - want), sorted(want - seen)
+    if extra:
+        layer, module, part = extra[0]
+        raise Refusal("tensor_name", f"tensor for layer {layer} {module} lora_{part}: module "
+                                     "not targeted by target_modules/layers_to_transform")
+    if missing:
+        layer, module, part = missing[0]
+        raise Refusal("tensor_missing", f"tensor for layer {layer} {module} lora_{part}: "
+                                        f"missing ({len(missing)} targeted tensors missing)")

@@ -1,0 +1,147 @@
+"""The adapter registry through the running store: tenant visibility, atomic replace with alias
+swap, Delete, FAILED adapters, and persistence across a restart with the same --db.
+"""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from tests.support import Service
+from tests.test_store_support import (StoreClient, good_adapter, peft_config, sha256,
+                                      write_adapter, write_base)
+
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("store-registry")
+    root = tmp / "adapters"
+    good_adapter(root / "v1", seed=1)
+    good_adapter(root / "v2", seed=2, r=8, target_modules=["q_proj", "k_proj", "v_proj"])
+    good_adapter(root / "shared-a", seed=3)
+    write_adapter(root / "broken", peft_config(use_dora=True))
+    args = ["--base-config", str(write_base(tmp / "base")), "--adapters-dir", str(root),
+            "--db", str(tmp / "state" / "registry.sqlite")]
+    store = Service("adapter_store", args, tmp).wait()
+    state = {"store": store, "client": StoreClient(store.addr), "args": args, "tmp": tmp}
+    yield state
+    state["client"].close()
+    assert state["store"].terminate() == 0
+
+
+def test_tenant_visibility(env):
+    c = env["client"]
+    mine = c.register("acme-chat", "file://v1", owner="acme", aliases=["acme", "acme-task-1"])
+    assert mine.owner == "acme" and not mine.shared and list(mine.aliases) == [
+        "acme", "acme-task-1"]
+    assert c.resolve("acme", tenant="acme").version == mine.version
+    assert c.resolve("acme-task-1", tenant="acme").id == "acme-chat"
+    assert c.resolve("shared-a", tenant="globex").shared
+    unknown = c.error(c.resolve, "no-such-adapter", tenant="globex")
+    for name in ("acme", "acme-chat", "acme-task-1"):
+        other = c.error(c.resolve, name, tenant="globex")
+        assert other[0] == unknown[0] == NOT_FOUND
+        assert other[1] == unknown[1].replace("no-such-adapter", name)
+    assert c.error(c.resolve, "acme", tenant="")[0] == NOT_FOUND
+    ids = lambda adapters: {a.id for a in adapters}  # noqa: E731
+    assert {"acme-chat", "shared-a", "v1"} <= ids(c.list("acme"))
+    assert "acme-chat" not in ids(c.list("globex")) and "shared-a" in ids(c.list("globex"))
+    assert "acme-chat" in ids(c.list(all_tenants=True))
+
+
+def test_replace_swaps_version_and_aliases_atomically(env):
+    c = env["client"]
+    v1 = c.resolve("acme", tenant="acme")
+    code, _ = c.error(c.register, "acme-chat", "file://v2", owner="acme")
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+    seen, stop = [], threading.Event()
+
+    def reader():
+        local = StoreClient(env["store"].addr)
+        while not stop.is_set():
+            info = local.resolve("acme", tenant="acme")
+            seen.append((info.version, tuple(info.aliases), info.rank))
+        local.close()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for _ in range(5):
+            v2 = c.register("acme-chat", "file://v2", owner="acme", replace=True,
+                            aliases=["acme", "acme-task-2"])
+            c.register("acme-chat", "file://v1", owner="acme", replace=True,
+                       aliases=["acme", "acme-task-1"])
+    finally:
+        stop.set()
+        thread.join()
+    assert v2.version != v1.version and v2.rank == 8
+    # Every read saw one whole version: its own aliases and rank, never a mix.
+    assert set(seen) <= {(v1.version, ("acme", "acme-task-1"), 4),
+                         (v2.version, ("acme", "acme-task-2"), 8)}, set(seen)
+    v2 = c.register("acme-chat", "file://v2", owner="acme", replace=True,
+                    aliases=["acme", "acme-task-2"])
+    assert c.error(c.resolve, "acme-task-1", tenant="acme")[0] == NOT_FOUND
+    code, details = c.error(c.fetch, "acme-chat", version=v1.version)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and v2.version in details
+    header, blob, digest = c.fetch("acme-chat", version=v2.version)
+    assert header.adapter.rank == 8 and digest == sha256(blob)
+    kept = c.register("acme-chat", "file://v2", owner="acme", replace=True)
+    assert list(kept.aliases) == ["acme", "acme-task-2"]  # no aliases given: kept
+
+
+def test_failed_replace_changes_nothing(env):
+    c = env["client"]
+    c.register("globex-bot", "file://v1", owner="globex", aliases=["globex"])
+    before = c.resolve("acme-chat", tenant="acme")
+    code, details = c.error(c.register, "acme-chat", "file://v1", owner="acme", replace=True,
+                            aliases=["acme", "globex"])
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "globex" in details
+    after = c.resolve("acme-chat", tenant="acme")
+    assert (after.version, list(after.aliases)) == (before.version, list(before.aliases))
+    assert c.resolve("globex", tenant="globex").id == "globex-bot"
+    code, _ = c.error(c.register, "acme-chat", "file://broken", owner="acme", replace=True)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert c.resolve("acme-chat", tenant="acme").version == before.version
+    moved = c.register("acme-chat-b", "file://v1", owner="acme", replace=True, aliases=["acme"])
+    assert list(moved.aliases) == ["acme"]  # same owner: the alias moves, atomically
+    assert c.resolve("acme", tenant="acme").id == "acme-chat-b"
+    assert list(c.resolve("acme-chat", tenant="acme").aliases) == ["acme-task-2"]
+
+
+def test_failed_adapter_from_directory(env):
+    c = env["client"]
+    broken = next(a for a in c.list(all_tenants=True) if a.id == "broken")
+    assert broken.state == "FAILED" and "use_dora" in broken.failure_reason
+    code, details = c.error(c.resolve, "broken", tenant="anyone")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "use_dora" in details
+
+
+def test_delete(env):
+    c = env["client"]
+    c.register("temp", "file://shared-a", aliases=["temp-alias"])
+    c.fetch("temp")
+    c.delete("temp")
+    assert c.error(c.resolve, "temp")[0] == NOT_FOUND
+    assert c.error(c.resolve, "temp-alias")[0] == NOT_FOUND
+    assert c.error(c.fetch, "temp")[0] == NOT_FOUND
+    assert c.fetch("shared-a")[0].adapter.id == "shared-a"  # same content, still served
+    assert c.register("temp-alias", "file://v1").id == "temp-alias"  # the alias is free again
+    assert c.error(c.delete, "temp")[0] == NOT_FOUND
+
+
+def test_restart_with_same_db_loses_nothing(env):
+    before = sorted((a.id, a.version, a.owner, tuple(a.aliases), a.state, a.failure_reason,
+                     a.rank, a.bytes) for a in env["client"].list(all_tenants=True))
+    env["client"].close()
+    assert env["store"].terminate() == 0
+    env["store"] = Service("adapter_store", env["args"], env["tmp"]).wait()
+    env["client"] = c = StoreClient(env["store"].addr)
+    after = sorted((a.id, a.version, a.owner, tuple(a.aliases), a.state, a.failure_reason,
+                    a.rank, a.bytes) for a in c.list(all_tenants=True))
+    assert after == before
+    assert c.resolve("acme", tenant="acme").id == "acme-chat-b"
+    header, blob, digest = c.fetch("acme-chat")
+    assert header.adapter.rank == 8 and digest == sha256(blob)
