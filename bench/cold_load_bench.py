@@ -95,24 +95,28 @@ async def cpu_tiers(work: pathlib.Path, ranks: list[int], reps: int) -> list[dic
     s3 = MotoS3(work)
     client = s3.client()
     client.create_bucket(Bucket="adapters")
-    for r in ranks:
-        d = work / "src" / f"r{r}"
-        write_peft(d, spec, r, seed=r)
-        for f in d.iterdir():
-            client.upload_file(str(f), "adapters", f"r{r}/{f.name}")
+    for r in ranks:                  # a distinct object per rep: each first fetch is SOURCE
+        for i in range(reps):
+            d = work / "src" / f"r{r}-{i}"
+            write_peft(d, spec, r, seed=100 * r + i)
+            for f in d.iterdir():
+                client.upload_file(str(f), "adapters", f"r{r}-{i}/{f.name}")
+            for f in d.iterdir():
+                f.unlink()
     store = Service("adapter_store", ["--model", str(work / "base"), "--db", ":memory:",
                                       "--s3-endpoint", s3.endpoint, "--bucket", "adapters",
-                                      "--host-cache-bytes", "64MiB"], work, env=S3_ENV).wait()
+                                      "--host-cache-bytes", "1GiB"], work, env=S3_ENV).wait()
     rows = []
     try:
         chan = channel(store.addr)
         stub = adapter_store_pb2_grpc.AdapterStoreStub(chan)
         for r in ranks:
-            await stub.Register(spb.RegisterRequest(id=f"r{r}", source=f"s3://adapters/r{r}"),
+            await stub.Register(spb.RegisterRequest(id=f"r{r}", source=f"s3://adapters/r{r}-{i}"),
                                 timeout=300)
         pool = DevicePool(spec, torch.device("cpu"), torch.bfloat16, 1 << 30, 8)
         for r in ranks:
             rows += await _measure_rank(r, reps, pool, spec, StoreClient(chan), stub)
+            print(f"rank {r} done", flush=True)
         await chan.close()
     finally:
         store.terminate()
@@ -121,25 +125,29 @@ async def cpu_tiers(work: pathlib.Path, ranks: list[int], reps: int) -> list[dic
 
 
 async def _measure_rank(r, reps, pool, spec, store_client, stub) -> list[dict]:
+    """Per rep: a fresh id over the same S3 object (the store reads the source: SOURCE), then
+    the worker host tier (offloaded from the pool, kept on the host: WORKER_HOST), then a fresh
+    worker (empty tiers) fetching again (the store's host tier: STORE_HOST)."""
     from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
     from services.worker.adapter_manager import AdapterManager
-    rows = []
-    info = (await stub.Resolve(spb.ResolveRequest(name=f"r{r}"), timeout=30)).adapter
-    by_tier: dict[str, list[float]] = {"worker_host": [], "store_host": [], "source": []}
+    by_tier: dict[str, list[float]] = {"source": [], "store_host": [], "worker_host": []}
+    names = {4: "source", 3: "store_host", 2: "worker_host"}
+    nbytes = 0
     for i in range(reps):
-        # a fresh manager each time: nothing in its tiers; a host tier too small to keep it
-        # for the store-tier runs, then a big one for the worker-host runs
-        mgr = AdapterManager(pool, spec, 1 << 31, store_client, tenant_share=None)
-        acq = await mgr.acquire(info.id, info.version, "bench", None)
-        tier = {3: "store_host", 4: "source"}.get(acq.tier, str(acq.tier))
-        by_tier.setdefault(tier, []).append(acq.seconds)
-        mgr.release(acq.key)
-        mgr.offload(info.id, to_host=True)                  # leave it in the worker host tier
-        acq2 = await mgr.acquire(info.id, info.version, "bench", None)
-        by_tier["worker_host"].append(acq2.seconds)
-        mgr.release(acq2.key)
-        mgr.offload(info.id, to_host=False)
-    nbytes = info.bytes
+        info = (await stub.Register(spb.RegisterRequest(id=f"r{r}-{i}",
+                                                        source=f"s3://adapters/r{r}-{i}"),
+                                    timeout=300)).adapter
+        nbytes = info.bytes
+        for fresh in (True, False, True):
+            mgr = fresh_mgr = (AdapterManager(pool, spec, 1 << 31, store_client, None)
+                               if fresh else mgr)
+            acq = await mgr.acquire(info.id, info.version, "bench", None)
+            by_tier[names.get(acq.tier, str(acq.tier))].append(acq.seconds)
+            mgr.release(acq.key)
+            mgr.offload(info.id, to_host=True)
+        del fresh_mgr
+        await stub.Delete(spb.DeleteRequest(id=info.id), timeout=30)
+    rows = []
     for tier, xs in by_tier.items():
         if xs:
             rows.append({"tier": tier, "rank": r, "bytes": nbytes, "device": "cpu", **stats(xs)})

@@ -8,7 +8,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Mapping
 
-from services.common.runtime import add_common_flags
+from services.common.runtime import add_common_flags, parse_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -89,11 +89,11 @@ def parser() -> argparse.ArgumentParser:
                    help="served base model dir; its config.json gives the shapes to validate")
     p.add_argument("--base-config", default=None, help="base config.json (instead of --model)")
     p.add_argument("--max-rank", type=int, default=128, help="largest LoRA rank accepted (128)")
-    p.add_argument("--host-cache-bytes", type=int, default=2 * GiB,
+    p.add_argument("--host-cache-bytes", type=parse_bytes, default=2 * GiB,
                    help="byte budget of the host-memory tier (2 GiB)")
-    p.add_argument("--max-adapter-bytes", type=int, default=1 * GiB,
+    p.add_argument("--max-adapter-bytes", type=parse_bytes, default=1 * GiB,
                    help="largest adapter_model.safetensors accepted (1 GiB)")
-    p.add_argument("--chunk-bytes", type=int, default=1 * MiB,
+    p.add_argument("--chunk-bytes", type=parse_bytes, default=1 * MiB,
                    help="Fetch data chunk size (1 MiB)")
     return p
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks, as run on the H200 through the device tool (results in $OUT):
+#   bash bench/h200_run.sh quick     # smoke: GPU tests + small benchmark shapes
+#   bash bench/h200_run.sh full      # the benchmarks of bench/results/*-h200.*
+# Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
+set -u
+MODE=${1:-quick}
+OUT=${OUT:-bench/results}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, \
+'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t))s: $1 $2"; }
+VLLM=()
+[ -d .peers/vllm_lora_ops ] && VLLM=(--vllm-src .peers/vllm_lora_ops)
+if [ "$MODE" = quick ]; then
+  step python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu.py tests/test_sgmv.py \
+       tests/test_attention.py 2>&1 | tail -40
+  step python3 bench/kernel_bench.py --quick "${VLLM[@]}" --out "$OUT" 2>&1 | tail -30
+  step python3 bench/e2e_gpu_bench.py --quick --out "$OUT" 2>&1 | tail -30
+  step python3 bench/cold_load_bench.py --gpu --counts 10,100 --reps 20 --out "$OUT" 2>&1 | tail -20
+else
+  step python3 bench/kernel_bench.py "${VLLM[@]}" --out "$OUT" 2>&1 | tail -60
+  step python3 bench/e2e_gpu_bench.py --out "$OUT" 2>&1 | tail -40
+  step python3 bench/cold_load_bench.py --gpu --counts 10,100,1000 --reps 50 --out "$OUT" 2>&1 | tail -20
+fi
