@@ -1,14 +1,34 @@
-"""Paged attention over the engine's KV block tables (see kernels.attention_ref for layouts)."""
+"""Paged attention over the engine's KV block tables (see kernels.attention_ref for layouts).
+
+On CUDA tensors these run the Triton kernels (kernels.attention_triton); elsewhere the torch
+references. `impl="triton"` forces the kernels (tests run them under TRITON_INTERPRET=1 on CPU);
+`impl="torch"` forces the references.
+"""
 from __future__ import annotations
 
 from kernels.attention_ref import paged_attention_ref, write_kv_ref
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping):
+def _use_triton(impl: str, x) -> bool:
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
+    return impl == "triton" or (impl == "auto" and x.is_cuda)
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, impl: str = "auto"):
     """k_cache.view(-1, H_kv, D)[slot_mapping] = k (and v); slots < 0 skipped."""
-    write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+    if _use_triton(impl, k_cache):
+        from kernels.attention_triton import write_kv_triton  # deferred: CPU engines skip triton
+        return write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+    return write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context):
+def paged_attention(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
+                    impl: str = "auto"):
     """Causal attention of each row over its sequence's cache; see paged_attention_ref."""
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context)
+    if _use_triton(impl, q):
+        from kernels.attention_triton import paged_attention_triton
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale,
+                                      max_context)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale,
+                               max_context)

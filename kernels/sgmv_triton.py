@@ -1,19 +1,20 @@
 """Triton SGMV LoRA: shrink and expand fused in one launch, over contiguous adapter segments.
 
-Semantics (the same as kernels.sgmv_ref.sgmv_ref), for every segment i with slot s = seg_slot[i] >= 0,
-every slice j with a_off[j, s] >= 0, rows R = seg_start[i]:seg_start[i+1], C = slice j's columns:
+Semantics (those of kernels.sgmv_ref.sgmv_ref): for every segment i with slot s = seg_slot[i] >= 0
+and every slice j with a_off[j, s] >= 0, rows R = seg_start[i]:seg_start[i+1], C = slice j's columns
     y[R, C] += scales[s] * (x[R] @ A_js.T) @ Bt_js
-    A_js  = pool[a_off[j, s]:][:r * K].view(r, K),  Bt_js = pool[b_off[j, s]:][:r * N_j].view(r, N_j)
-Shapes: y [T, N_total]; x [T, K]; pool [P]; a_off, b_off int64 [n_slices, n_slots]; ranks int32
-[n_slots]; scales fp32 [n_slots]; seg_start int32 [S+1]; seg_slot int32 [S]; slice_starts: host ints.
+    A_js = pool[a_off[j, s]:][:r * K].view(r, K);  Bt_js = pool[b_off[j, s]:][:r * N_j].view(r, N_j)
+with r = ranks[s] <= max_rank. Shapes: y [T, N_total]; x [T, K]; pool [P]; a_off, b_off int64
+[n_slices, n_slots]; ranks int32 [n_slots]; scales fp32 [n_slots]; seg_start int32 [S+1];
+seg_slot int32 [S]; slice_starts: host ints (at most MAX_SLICES slices).
 
 Design. One persistent launch; the grid is a fixed number of programs (a couple per SM, fewer when
 the batch is small), never the pool size. Each program reads the segment table once, counts the
 row tiles of live segments (BLOCK_M rows each; base-only and padded segments count zero, so they
-cost nothing), and walks work items (row tile, slice, column split) with a grid-stride loop. A work
-item computes the tile's shrink v = scale * x[rows] @ A.T into registers (fp32 accumulation over K,
-rank padded to the constexpr RANK_BLOCK and masked by the slot's rank, so weights stay rank-exact in
-memory) and then expands v over its share of the slice's column blocks, adding into y. The number
+cost nothing), and walks work items (row tile, slice, column split) in a grid-stride loop. A work
+item computes the tile's shrink v = scale * x[rows] @ A.T in registers (fp32 accumulation over K;
+the rank is padded to the constexpr RANK_BLOCK and masked by the slot's rank, so weights stay
+rank-exact in memory), then expands v over its share of the slice's column blocks into y. The number
 of column splits is chosen in the kernel from the live tile count: few tiles (decode, one adapter)
 split the columns so every SM has work and only the small shrink is recomputed; many tiles get one
 split so A and B are read once. Nothing in the wrapper reads device memory: it can be captured in
@@ -51,11 +52,27 @@ def _slice_bounds(j, s0, s1, s2, s3, s4, N_SLICES: tl.constexpr):
 
 
 @triton.jit
+def _locate(tile, si, lo, hi, slot, tiles, tiles_end, BLOCK_M: tl.constexpr):
+    """(slot, first row, row count) of row tile `tile`, counting tiles of live segments only."""
+    pick = si == tl.sum((tiles_end <= tile).to(tl.int32))        # the segment holding the tile
+    s = tl.sum(tl.where(pick, slot, 0))
+    first_tile = tl.sum(tl.where(pick, tiles_end - tiles, 0))
+    row0 = tl.sum(tl.where(pick, lo, 0)) + (tile - first_tile) * BLOCK_M
+    m_len = tl.minimum(tl.sum(tl.where(pick, hi, 0)) - row0, BLOCK_M)
+    return s, row0, m_len
+
+
+@triton.jit
 def _lora_tile(y_ptr, x_ptr, pool_ptr, a_o, b_o, row0, m_len, K, width, col0, nb0, nb1, rank,
                scale, stride_x, stride_y,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               RANK_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """y[row0:row0+m_len, col0 + cols of blocks nb0:nb1] += (scale * x[rows] @ A.T) @ Bt."""
+               RANK_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+               UPCAST: tl.constexpr, STAGES: tl.constexpr):
+    """y[row0:row0+m_len, col0 + cols of blocks nb0:nb1] += (scale * x[rows] @ A.T) @ Bt.
+
+    UPCAST (interpreter only) feeds tl.dot fp32 copies of bf16 operands: the interpreter cannot
+    multiply bf16 (it multiplies the stored bit patterns); the values are the same.
+    """
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     rr = tl.arange(0, RANK_BLOCK)
@@ -66,7 +83,7 @@ def _lora_tile(y_ptr, x_ptr, pool_ptr, a_o, b_o, row0, m_len, K, width, col0, nb
     x_ptrs = x_ptr + rows[:, None] * stride_x + rk[None, :]
     a_ptrs = pool_ptr + a_o + rr[:, None] * K + rk[None, :]
     acc = tl.zeros((BLOCK_M, RANK_BLOCK), dtype=tl.float32)       # v = x @ A.T, [BM, RB]
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             at = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
@@ -74,16 +91,23 @@ def _lora_tile(y_ptr, x_ptr, pool_ptr, a_o, b_o, row0, m_len, K, width, col0, nb
             k_ok = (k0 + rk) < K
             xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
         acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     v = (acc * scale).to(pool_ptr.dtype.element_ty)
+    if UPCAST:
+        v = v.to(tl.float32)
     b_ptrs = pool_ptr + b_o + rr[:, None] * width + rn[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_y + col0 + rn[None, :]
-    for nb in range(nb0, nb1):
+    for nb in range(nb0, nb1):       # not software-pipelined: it stores into y
         cols = nb * BLOCK_N + rn
         c_ok = cols < width
         bt = tl.load(b_ptrs + nb * BLOCK_N, mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+        if UPCAST:
+            bt = bt.to(tl.float32)
         delta = tl.dot(v, bt, input_precision=DOT_PREC)           # [BM, BN] fp32
         io_ok = row_ok[:, None] & c_ok[None, :]
         old = tl.load(y_ptrs + nb * BLOCK_N, mask=io_ok, other=0.0)
@@ -97,7 +121,9 @@ def _sgmv_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, scales
                  stride_x, stride_y, s0, s1, s2, s3, s4,
                  N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
-                 EVEN_K: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
+                 EVEN_K: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr,
+                 UPCAST: tl.constexpr, STAGES: tl.constexpr, NARROW_N: tl.constexpr,
+                 NARROW_K: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # Segment table -> row tiles per live segment (0 for base-only and padded segments).
@@ -115,39 +141,38 @@ def _sgmv_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, scales
     for w in range(pid, base * n_split, nprog):
         tile = w // per_tile
         j = (w % per_tile) // n_split
-        split = w % n_split
-        seg = tl.sum((tiles_end <= tile).to(tl.int32))            # segment holding this tile
-        pick = si == seg
-        s = tl.sum(tl.where(pick, slot, 0))
-        row0 = tl.sum(tl.where(pick, lo, 0)) + (tile - tl.sum(tl.where(pick, tiles_end - tiles, 0))) * BLOCK_M
-        m_len = tl.minimum(tl.sum(tl.where(pick, hi, 0)) - row0, BLOCK_M)
+        s, row0, m_len = _locate(tile, si, lo, hi, slot, tiles, tiles_end, BLOCK_M)
         col0, col1 = _slice_bounds(j, s0, s1, s2, s3, s4, N_SLICES)
         width = col1 - col0
         n_blocks = (width + BLOCK_N - 1) // BLOCK_N
         per_split = (n_blocks + n_split - 1) // n_split
-        nb0 = split * per_split
+        nb0 = (w % n_split) * per_split
         nb1 = tl.minimum(nb0 + per_split, n_blocks)
         a_o = tl.load(a_off_ptr + j * n_slots + s)
         b_o = tl.load(b_off_ptr + j * n_slots + s)
         if (a_o >= 0) & (nb0 < nb1):
             rank = tl.load(ranks_ptr + s)
             scale = tl.load(scales_ptr + s)
-            # Offsets come from device memory, so the compiler cannot see their alignment; the
-            # aligned branch tells it, which lets loads of A and Bt use 16-byte vectors.
+            # Offsets come from device memory, so the compiler cannot see their alignment. In
+            # the aligned branch (o // ALIGN) * ALIGN == o, written so the compiler can prove
+            # 16-byte alignment and load A and Bt in 16-byte vectors. (tl.multiple_of would tag
+            # the load itself and wrongly apply to the unaligned branch too.)
             if ((a_o % ALIGN) == 0) & ((b_o % ALIGN) == 0) & ((width % ALIGN) == 0):
-                _lora_tile(y_ptr, x_ptr, pool_ptr, tl.multiple_of(a_o, ALIGN),
-                           tl.multiple_of(b_o, ALIGN), row0, m_len, K,
-                           tl.multiple_of(width, ALIGN), col0, nb0, nb1, rank, scale, stride_x,
-                           stride_y, BLOCK_M, BLOCK_N, BLOCK_K, RANK_BLOCK, EVEN_K, DOT_PREC)
-            else:
-                _lora_tile(y_ptr, x_ptr, pool_ptr, a_o, b_o, row0, m_len, K, width, col0, nb0,
-                           nb1, rank, scale, stride_x, stride_y, BLOCK_M, BLOCK_N, BLOCK_K,
-                           RANK_BLOCK, EVEN_K, DOT_PREC)
+                _lora_tile(y_ptr, x_ptr, pool_ptr, (a_o // ALIGN) * ALIGN,
+                           (b_o // ALIGN) * ALIGN, row0, m_len, K, (width // ALIGN) * ALIGN,
+                           col0, nb0, nb1, rank, scale, stride_x, stride_y, BLOCK_M, BLOCK_N,
+                           BLOCK_K, RANK_BLOCK, EVEN_K, DOT_PREC, UPCAST, STAGES)
+            else:                 # rare: narrow unpipelined tiles keep register use down
+                q = BLOCK_N // NARROW_N
+                nn1 = tl.minimum(nb1 * q, (width + NARROW_N - 1) // NARROW_N)
+                _lora_tile(y_ptr, x_ptr, pool_ptr, a_o, b_o, row0, m_len, K, width, col0,
+                           nb0 * q, nn1, rank, scale, stride_x, stride_y, BLOCK_M, NARROW_N,
+                           NARROW_K, RANK_BLOCK, EVEN_K, DOT_PREC, UPCAST, 1)
 
 
 @dataclass(frozen=True)
 class SgmvConfig:
-    """Tile sizes and launch shape; `pick_config` chooses one from T, K, the rank bound and dtype."""
+    """Tile sizes and launch shape; pick_config chooses them from T, K, the rank bound, dtype."""
     block_m: int
     block_n: int
     block_k: int
@@ -178,7 +203,8 @@ def pick_config(t_rows: int, k: int, max_rank: int, dtype: torch.dtype,
                                      torch.cuda.current_device())
     else:                                                          # TRITON_INTERPRET=1
         num_programs = 4
-    return SgmvConfig(block_m, block_n, block_k, num_programs, num_stages=3 if elem == 2 else 2)
+    stages = 4 if elem == 2 else 3                  # 4 stages of 16-bit tiles: <= 80 KB smem
+    return SgmvConfig(block_m, block_n, block_k, num_programs, num_stages=stages)
 
 
 def _check(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot):
@@ -189,18 +215,20 @@ def _check(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg
     if list(slice_starts) != sorted(slice_starts) or slice_starts[0] != 0:
         raise ValueError(f"slice_starts must rise from 0: {list(slice_starts)}")
     if x.dim() != 2 or y.dim() != 2 or y.shape[0] != x.shape[0]:
-        raise ValueError(f"x [T, K] and y [T, N] expected, got {tuple(x.shape)}, {tuple(y.shape)}")
+        raise ValueError(f"x [T, K], y [T, N] expected: {tuple(x.shape)}, {tuple(y.shape)}")
     if y.shape[1] != slice_starts[-1]:
         raise ValueError(f"y has {y.shape[1]} columns, slices end at {slice_starts[-1]}")
     if x.dtype not in _DTYPES or y.dtype not in _DTYPES or pool.dtype != x.dtype:
-        raise TypeError(f"x/pool must share a float dtype, got {x.dtype}, {pool.dtype}, y {y.dtype}")
+        raise TypeError(f"x, pool: one float dtype; got {x.dtype}, {pool.dtype}, y {y.dtype}")
     if x.stride(1) != 1 or y.stride(1) != 1 or pool.dim() != 1 or not pool.is_contiguous():
         raise ValueError("x and y need unit column stride; pool must be contiguous 1-D")
     for name, t, dt in (("a_off", a_off, torch.int64), ("b_off", b_off, torch.int64),
                         ("ranks", ranks, torch.int32), ("scales", scales, torch.float32),
-                        ("seg_start", seg_start, torch.int32), ("seg_slot", seg_slot, torch.int32)):
+                        ("seg_start", seg_start, torch.int32),
+                        ("seg_slot", seg_slot, torch.int32)):
         if t.dtype != dt or not t.is_contiguous() or t.device != x.device:
-            raise TypeError(f"{name} must be contiguous {dt} on {x.device}, got {t.dtype} on {t.device}")
+            raise TypeError(f"{name}: need contiguous {dt} on {x.device}, got {t.dtype} "
+                            f"on {t.device}")
     n_slots = ranks.shape[0]
     if a_off.shape != (n_slices, n_slots) or b_off.shape != (n_slices, n_slots):
         raise ValueError(f"a_off/b_off must be [{n_slices}, {n_slots}], got {tuple(a_off.shape)}")
@@ -240,5 +268,7 @@ def sgmv_triton(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: tor
         RANK_BLOCK=_rank_block(max_rank), EVEN_K=(k % cfg.block_k == 0),
         ALIGN=16 // pool.element_size(),
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST=(x.dtype == torch.bfloat16 and not x.is_cuda), STAGES=cfg.num_stages,
+        NARROW_N=max(16, cfg.block_n // 4), NARROW_K=max(16, cfg.block_k // 4),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -54,3 +54,31 @@ def test_gpu_graphs_match_eager_bf16():
     graphs = greedy_tokens("cuda", "bfloat16", graphs=True)
     agree = sum(a == b for a, b in zip(eager.values(), graphs.values()))
     assert agree == len(eager)
+
+
+@needs_cuda
+def test_gpu_prefill_logits_match_cpu_fp32():
+    """Prefill logits for every demo adapter (and the base), GPU kernels against the CPU path."""
+    from services.worker.scheduler import Scheduled
+    from services.worker.step_inputs import build
+    logits = {}
+    for device in ("cpu", "cuda"):
+        built = build_engine(MODEL_DIR, EngineOptions(device=device, dtype="float32",
+                                                      kv_cache_bytes=16 << 20,
+                                                      cuda_graphs=False))
+        names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
+        seqs = []
+        for i, n in enumerate(["", *names]):
+            slot = built.pool.place(n, layout_from_peft_dir(DEMO_ADAPTERS / n, built.spec,
+                                                            built.dtype)) if n else -1
+            seqs.append(Sequence(n or "base", list(range(5 + i, 40 + 3 * i)), slot=slot))
+        runner = built.engine.runner
+        for s in seqs:
+            assert built.engine.scheduler.blocks.ensure(s, len(s.tokens))
+        inp = build([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers,
+                    runner.block_size)
+        out = runner.model.forward(inp.input_ids, inp.ctx, runner.kv_cache)
+        logits[device] = {e.seq.request_id: out[i].cpu() for i, e in enumerate(inp.sampled)}
+    for name, ref in logits["cpu"].items():
+        err = (logits["cuda"][name] - ref).abs().max().item()
+        assert err < 1e-3, (name, err)

@@ -1,0 +1,197 @@
+"""Triton paged attention over block tables (GQA, decode and chunked-prefill rows) and KV writes.
+
+Semantics (the same as kernels.attention_ref), for row t with s = q_seq[t] >= 0, p = q_pos[t]:
+    out[t, h] = softmax(scale * q[t, h] @ K_s[0:p+1, h // g].T) @ V_s[0:p+1, h // g]
+K_s[i] = k_cache[block_tables[s, i // BS], i % BS]; rows with q_seq < 0 get zeros.
+Shapes: q [T, H_q, D]; k_cache, v_cache [NB, BS, H_kv, D]; block_tables int32 [S, MB];
+q_seq, q_pos int32 [T]; out [T, H_q, D] in q's dtype.
+
+Design. Grid (T, H_kv). A program owns one kv head and a run of up to ROWS consecutive rows of one
+sequence with consecutive positions (a chunked-prefill run; a decode row is a run of one): the
+row that starts a run ("leader") does the work, other programs return at once. Its query tile
+stacks the run's rows times the g query heads that share the kv head, so each K/V block is loaded
+once for all of them. Keys are gathered through the block table BLOCK_N positions at a time; the
+softmax is online (running max and sum in fp32, exp2 with log2(e) folded into the scale); each
+row is masked causally at its own position.
+A row leads when it is the first row, follows a different sequence or a non-consecutive
+position, or has q_pos % ROWS == 0; so runs never exceed ROWS rows and need no host metadata.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _starts_run(seq, prev_seq, pos, prev_pos, ROWS: tl.constexpr):
+    return (seq != prev_seq) | (pos != prev_pos + 1) | (pos % ROWS == 0) | (seq < 0)
+
+
+@triton.jit
+def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_ptr,
+                       T, ctx_cap, block_size, bt_stride, qk_scale,
+                       stride_qt, stride_qh, stride_ot, stride_oh,
+                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
+                       D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    t0 = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq0 = tl.load(q_seq_ptr + t0)
+    pos0 = tl.load(q_pos_ptr + t0)
+    prev_seq = tl.load(q_seq_ptr + t0 - 1, mask=t0 > 0, other=-1)
+    prev_pos = tl.load(q_pos_ptr + t0 - 1, mask=t0 > 0, other=-2)
+    leads = (t0 == 0) | _starts_run(seq0, prev_seq, pos0, prev_pos, ROWS)
+    # Query tile rows m = (run row ri, head g in the kv group).
+    M: tl.constexpr = ROWS * GROUP_PAD
+    m = tl.arange(0, M)
+    ri = m // GROUP_PAD
+    g = m % GROUP_PAD
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    t = t0 + ri
+    t_ok = t < T
+    if seq0 < 0:                                   # padding row: zeros
+        o_ptrs = out_ptr + t0.to(tl.int64) * stride_ot + (kvh * GROUP + g)[:, None] * stride_oh
+        zero = tl.zeros((M, D_PAD), dtype=out_ptr.dtype.element_ty)
+        tl.store(o_ptrs + d[None, :], zero, mask=((ri == 0) & (g < GROUP))[:, None] & d_ok[None, :])
+    elif leads:
+        seq = tl.load(q_seq_ptr + t, mask=t_ok, other=-1)
+        pos = tl.load(q_pos_ptr + t, mask=t_ok, other=0)
+        pseq = tl.load(q_seq_ptr + t - 1, mask=t_ok & (t > 0), other=-1)
+        ppos = tl.load(q_pos_ptr + t - 1, mask=t_ok & (t > 0), other=-2)
+        new_run = (_starts_run(seq, pseq, pos, ppos, ROWS) | (t >= T)) & (ri > 0)
+        in_run = tl.cumsum(new_run.to(tl.int32), axis=0) == 0
+        row_ok = in_run & (g < GROUP)
+        h = kvh * GROUP + g
+        q_ptrs = q_ptr + t.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        ctx = tl.minimum(tl.max(tl.where(row_ok, pos, 0), axis=0) + 1, ctx_cap)
+        m_i = tl.full((M,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((M,), dtype=tl.float32)
+        acc = tl.zeros((M, D_PAD), dtype=tl.float32)
+        if UPCAST:
+            q = q.to(tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        for start in range(0, ctx, BLOCK_N):
+            p_n = start + n
+            n_ok = p_n < ctx
+            blk = tl.load(bt_ptr + seq0 * bt_stride + p_n // block_size, mask=n_ok, other=0)
+            off = p_n % block_size
+            k_rows = blk.to(tl.int64) * stride_kb + off * stride_ks + kvh * stride_kh
+            v_rows = blk.to(tl.int64) * stride_vb + off * stride_vs + kvh * stride_vh
+            kt = tl.load(k_ptr + k_rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                         other=0.0)                                          # [D_PAD, BLOCK_N]
+            vt = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                         other=0.0)                                          # [BLOCK_N, D_PAD]
+            if UPCAST:
+                kt = kt.to(tl.float32)
+                vt = vt.to(tl.float32)
+            s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale           # log2 domain
+            keep = (p_n[None, :] <= pos[:, None]) & n_ok[None, :]
+            s = tl.where(keep, s, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_k, stride_v, n_elem,
+                     BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        i = tl.arange(0, BLOCK)
+        for c in range(0, n_elem, BLOCK):
+            ok = c + i < n_elem
+            kk = tl.load(k_ptr + t.to(tl.int64) * stride_k + c + i, mask=ok)
+            vv = tl.load(v_ptr + t.to(tl.int64) * stride_v + c + i, mask=ok)
+            tl.store(k_cache_ptr + slot * n_elem + c + i, kk.to(k_cache_ptr.dtype.element_ty),
+                     mask=ok)
+            tl.store(v_cache_ptr + slot * n_elem + c + i, vv.to(v_cache_ptr.dtype.element_ty),
+                     mask=ok)
+
+
+def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k_cache.view(-1, H_kv, D)[slot_mapping[t]] = k[t] (and v); slots < 0 skipped. No syncs.
+
+    Shapes: k, v [T, H_kv, D] (each row contiguous); caches [NB, BS, H_kv, D] contiguous;
+    slot_mapping int64 [T].
+    """
+    t_rows, h_kv, d = k.shape
+    if k_cache.shape[2:] != (h_kv, d) or v_cache.shape != k_cache.shape or v.shape != k.shape:
+        raise ValueError(f"k/v {tuple(k.shape)} do not fit caches {tuple(k_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("caches must be contiguous")
+    if k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 or v.stride(1) != d:
+        raise ValueError("each row of k and v must be contiguous")
+    if slot_mapping.shape != (t_rows,) or slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError("slot_mapping must be int64 [T]")
+    if t_rows == 0:
+        return
+    n_elem = h_kv * d
+    _write_kv_kernel[(t_rows,)](k_cache, v_cache, k, v, slot_mapping, k.stride(0), v.stride(0),
+                                n_elem, BLOCK=min(4096, triton.next_power_of_2(n_elem)))
+
+
+def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q [T, H, D] and caches [NB, BS, H_kv, D] expected, got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError("head dims differ or H_q is not a multiple of H_kv")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q and caches must share a float dtype: {q.dtype}, {k_cache.dtype}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("the head dimension must be contiguous")
+    for name, x in (("block_tables", block_tables), ("q_seq", q_seq), ("q_pos", q_pos)):
+        if x.dtype != torch.int32 or x.stride(-1) != 1 or x.device != q.device:
+            raise TypeError(f"{name} must be int32 on {q.device} with unit last stride")
+    if q_seq.shape != (q.shape[0],) or q_pos.shape != (q.shape[0],) or block_tables.dim() != 2:
+        raise ValueError("q_seq, q_pos [T] and block_tables [S, MB] expected")
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+                           scale: float, max_context: int, rows_per_program: int | None = None,
+                           block_n: int = 64) -> torch.Tensor:
+    """Causal paged attention of each row over its sequence's cache; see kernels.attention_ref.
+
+    rows_per_program bounds a prefill run (default: 1 when T <= S, as in decode, else enough
+    rows for a 64-row query tile). Returns a new [T, H_q, D] tensor. No host syncs.
+    """
+    _check(q, k_cache, v_cache, block_tables, q_seq, q_pos)
+    t_rows, h_q, d = q.shape
+    bs, h_kv = k_cache.shape[1], k_cache.shape[2]
+    group = h_q // h_kv
+    group_pad = triton.next_power_of_2(group)
+    if rows_per_program is None:
+        rows_per_program = 1 if t_rows <= block_tables.shape[0] else max(1, 64 // group_pad)
+    rows = max(triton.next_power_of_2(rows_per_program), triton.cdiv(16, group_pad))
+    ctx_cap = min(block_tables.shape[1], triton.cdiv(max_context, bs)) * bs
+    out = torch.empty_like(q)
+    if t_rows == 0:
+        return out
+    _paged_attn_kernel[(t_rows, h_kv)](
+        out, q, k_cache, v_cache, block_tables, q_seq, q_pos,
+        t_rows, ctx_cap, bs, block_tables.stride(0), scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, GROUP_PAD=group_pad, ROWS=rows, D=d,
+        D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=(q.dtype == torch.bfloat16 and not q.is_cuda),
+        num_warps=4, num_stages=2)
+    return out
