@@ -57,3 +57,40 @@ def make_adapter(base, path: pathlib.Path, name: str, seed: int):
                 p.copy_(torch.randn_like(p) * 0.3)
     model.save_pretrained(path / name, safe_serialization=True)
     return model.eval()
+
+
+ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+         "mistral": ("MistralConfig", "MistralForCausalLM"),
+         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+
+
+def make_family(path: pathlib.Path, arch: str = "llama", seed: int = 0, dtype=None,
+                max_shard_size=None, init_std: float = 0.02, **overrides):
+    """A random Llama-family checkpoint (arch in ARCHS), saved as safetensors in `dtype`
+    (default fp32), sharded when max_shard_size is given. Returns the HF model in fp32 holding
+    the very weights written (rounded to dtype), as the reference."""
+    import transformers
+    cfg_cls, model_cls = (getattr(transformers, n) for n in ARCHS[arch])
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=0, tie_word_embeddings=False,
+               initializer_range=init_std)
+    cfg.update(overrides)
+    model = model_cls(cfg_cls(**cfg)).eval()
+    with torch.no_grad():           # HF inits norms to 1 and biases to 0: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    if dtype is not None:
+        model = model.to(dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    write_tokenizer(path, cfg["vocab_size"])
+    if dtype is None:
+        return model
+    # reloaded rather than .float(): .to(dtype) also rounded the rotary inv_freq buffer
+    return model_cls.from_pretrained(path, dtype=torch.float32).eval()

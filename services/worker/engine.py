@@ -55,6 +55,8 @@ class Engine:
         total = len(seq.prompt) + seq.stopping.max_new_tokens
         if not seq.prompt:
             raise InvalidArgument("prompt: empty")
+        if seq.stopping.max_new_tokens < 1:
+            raise InvalidArgument("stopping.max_new_tokens: must be at least 1")
         if total > self.max_model_len:
             raise InvalidArgument(
                 f"prompt ({len(seq.prompt)}) + max_new_tokens ({seq.stopping.max_new_tokens}) "
@@ -115,7 +117,10 @@ class Engine:
                 kind, item, sink = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "add" and item.request_id in self._sinks:
+                sink(TokenEvent([], "", Stop.ERROR, error=f"request_id {item.request_id!r} "
+                                                          "is already running"))
+            elif kind == "add":
                 self._sinks[item.request_id] = (item, sink)
                 self.scheduler.add(item)
             elif item in self._sinks:
@@ -135,9 +140,9 @@ class Engine:
         seq.tokens.append(token)
         if seq.first_token is None:
             seq.first_token = time.monotonic()
-        delta, stop = self._detokenize(seq)
-        if stop is Stop.NONE:
-            stop = self._stop_reason(seq, token)
+        stop = self._stop_reason(seq, token)
+        delta, matched = self._detokenize(seq, final=stop is not Stop.NONE)
+        stop = matched if matched is not Stop.NONE else stop
         if stop is Stop.NONE:
             self._sinks[seq.request_id][1](TokenEvent([token], delta))
         else:
@@ -150,26 +155,37 @@ class Engine:
             return Stop.MAX_TOKENS
         return Stop.NONE
 
-    def _detokenize(self, seq: Sequence) -> tuple[str, Stop]:
-        """New text since the last emit; STOP_SEQUENCE (text cut before it) if one matched."""
+    def _detokenize(self, seq: Sequence, final: bool) -> tuple[str, Stop]:
+        """Text safe to emit since the last emit; STOP_SEQUENCE (text cut before it) if one
+        matched. Until final, the last len(longest stop) - 1 characters are held back, since
+        they may be the start of a stop sequence that the output must not contain."""
         full = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        if full.endswith("\ufffd"):
+        if full.endswith("\ufffd") and not final:
             return "", Stop.NONE          # a partial UTF-8 character: wait for the rest
-        stop = Stop.NONE
-        for s in seq.stopping.stop_sequences:
-            at = full.find(s, max(0, len(seq.text) - len(s)))
-            if s and at >= 0:
-                full, stop = full[:at], Stop.STOP_SEQUENCE
-        delta = full[len(seq.text):] if full.startswith(seq.text) else ""
-        seq.text = full if full.startswith(seq.text) else seq.text
+        stops = [s for s in seq.stopping.stop_sequences if s]
+        stop, end = Stop.NONE, len(full)
+        for s in stops:
+            at = full.find(s, max(0, len(seq.text) - len(s) + 1))
+            if 0 <= at < end:
+                stop, end = Stop.STOP_SEQUENCE, at
+        if stop is Stop.NONE and not final and stops:
+            end -= max(map(len, stops)) - 1
+        if not full.startswith(seq.text):
+            return "", stop               # the tokenizer rewrote emitted text: nothing new
+        delta = full[len(seq.text):max(end, len(seq.text))]
+        seq.text += delta
         return delta, stop
 
-    def _finish(self, seq: Sequence, stop: Stop, last=([], ""), error: str = "") -> None:
+    def _finish(self, seq: Sequence, stop: Stop, last=None, error: str = "") -> None:
+        """End a request: free its row and blocks, send the final event (with any text held
+        back for stop sequences)."""
         entry = self._sinks.pop(seq.request_id, None)
         self.scheduler.remove(seq)
         seq.stop = stop
         if entry is None:
             return
+        if last is None:
+            last = ([], self._detokenize(seq, final=True)[0] if seq.num_output else "")
         now = time.monotonic()
         start = seq.first_scheduled or now
         entry[1](TokenEvent(

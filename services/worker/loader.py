@@ -20,6 +20,10 @@ def _shard_files(path: pathlib.Path) -> list[pathlib.Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise UnsupportedModel(f"{path}: shards listed in {index.name} are missing: "
+                                   f"{', '.join(missing)}")
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -50,27 +54,38 @@ def fuse_layers(raw: dict, spec: ModelSpec) -> dict:
             raise UnsupportedModel(f"checkpoint lacks tensor {name}") from e
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    out["lm_head"] = (out["embed"] if spec.tie_word_embeddings or "lm_head.weight" not in raw
-                      else take("lm_head.weight"))
-    layers = []
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        attn = [take(f"{p}self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]
-        layer = {
-            "in_norm": take(f"{p}input_layernorm.weight"),
-            "post_norm": take(f"{p}post_attention_layernorm.weight"),
-            "qkv": torch.cat(attn, 0).contiguous(),
-            "o": take(f"{p}self_attn.o_proj.weight"),
-            "gate_up": torch.cat([take(f"{p}mlp.gate_proj.weight"),
-                                  take(f"{p}mlp.up_proj.weight")], 0).contiguous(),
-            "down": take(f"{p}mlp.down_proj.weight"),
-        }
-        if spec.qkv_bias:
-            layer["qkv_bias"] = torch.cat(
-                [take(f"{p}self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")], 0)
-        layers.append(layer)
-    out["layers"] = layers
+    if spec.tie_word_embeddings:
+        raw.pop("lm_head.weight", None)         # some checkpoints store the tied copy too
+        out["lm_head"] = out["embed"]
+    else:
+        out["lm_head"] = take("lm_head.weight")
+    out["layers"] = [_layer(take, spec, f"model.layers.{i}.") for i in range(spec.num_layers)]
+    leftover = sorted(k for k in raw if not k.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        more = f" (+{len(leftover) - 3} more)" if len(leftover) > 3 else ""
+        raise UnsupportedModel(f"checkpoint has tensors the engine would ignore: "
+                               f"{', '.join(leftover[:3])}{more}")
     return out
+
+
+def _layer(take, spec: ModelSpec, p: str) -> dict:
+    """One decoder layer's tensors, q/k/v and gate/up fused."""
+    attn = [take(f"{p}self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]
+    layer = {
+        "in_norm": take(f"{p}input_layernorm.weight"),
+        "post_norm": take(f"{p}post_attention_layernorm.weight"),
+        "qkv": torch.cat(attn, 0).contiguous(),
+        "o": take(f"{p}self_attn.o_proj.weight"),
+        "gate_up": torch.cat([take(f"{p}mlp.gate_proj.weight"),
+                              take(f"{p}mlp.up_proj.weight")], 0).contiguous(),
+        "down": take(f"{p}mlp.down_proj.weight"),
+    }
+    if spec.qkv_bias:
+        layer["qkv_bias"] = torch.cat(
+            [take(f"{p}self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")], 0)
+    if spec.o_bias:
+        layer["o_bias"] = take(f"{p}self_attn.o_proj.bias")
+    return layer
 
 
 def load_weights(path: str | pathlib.Path, spec: ModelSpec, dtype: torch.dtype,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import paged_attention, write_kv
+from kernels.fused import add_rms_norm, rms_norm, rope_, silu_mul
 from kernels.sgmv import sgmv
 from services.worker.model_spec import ModelSpec
 
@@ -46,7 +47,8 @@ class LoraTables:
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """Inverse frequencies, with linear or Llama-3 scaling when the config asks for it."""
     d = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    # fp32, as transformers computes it, so long positions get the very same angles
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     sc = spec.rope_scaling or {}
     kind = sc.get("rope_type", sc.get("type"))
     if kind == "linear":
@@ -58,23 +60,11 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
         wavelen = 2 * math.pi / inv
         smooth = ((old / wavelen) - lo) / (hi - lo)
         mid = (1 - smooth) * inv / factor + smooth * inv
-        inv = torch.where(wavelen > old / lo, inv / factor, torch.where(wavelen < old / hi, inv, mid))
+        inv = torch.where(wavelen > old / lo, inv / factor,
+                          torch.where(wavelen < old / hi, inv, mid))
     elif kind not in (None, "default"):
         raise ValueError(f"rope scaling {kind!r} is not supported")
-    return inv.float()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos, sin [T, 1, D/2] (rotate-half convention, as Hugging Face)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return inv
 
 
 class LlamaModel:
@@ -102,24 +92,24 @@ class LlamaModel:
         s = self.spec
         qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))                 # [T, q + 2kv]
         self._lora("qkv", i, qkv, x, ctx)
-        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        cos = self.cos[ctx.positions].unsqueeze(1)
-        sin = self.sin[ctx.positions].unsqueeze(1)
-        q = apply_rope(q.reshape(-1, s.num_heads, s.head_dim), cos, sin)
-        k = apply_rope(k.reshape(-1, s.num_kv_heads, s.head_dim), cos, sin)
-        v = v.reshape(-1, s.num_kv_heads, s.head_dim)
+        t = qkv.shape[0]
+        q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)          # views, strided rows
+        k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
+        v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
+        rope_(q, k, self.cos, self.sin, ctx.positions)                  # in place
+        if not q.is_cuda:
+            q = q.contiguous()               # the torch reference attention wants dense rows
         write_kv(kv[0], kv[1], k, v, ctx.slot_mapping)
         attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
                                self.scale, ctx.max_context).reshape(-1, s.q_size)
-        out = F.linear(attn, w["o"])
+        out = F.linear(attn, w["o"], w.get("o_bias"))
         self._lora("o", i, out, attn, ctx)
         return out
 
     def _mlp(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
         self._lora("gate_up", i, gu, x, ctx)
-        gate, up = gu.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = silu_mul(gu)                                               # [T, I]
         out = F.linear(act, w["down"])
         self._lora("down", i, out, act, ctx)
         return out
@@ -127,11 +117,17 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
                 kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids [T] -> fp32 logits [R, vocab] for ctx.sample_rows."""
+        """input_ids [T] -> fp32 logits [R, vocab] for ctx.sample_rows.
+
+        The residual h is updated in place; each residual add is fused with the next norm
+        (the last one with the final norm).
+        """
         eps = self.spec.rms_norm_eps
-        h = self.w["embed"][input_ids]
-        for i, w in enumerate(self.w["layers"]):
-            h = h + self._attention(i, w, rms_norm(h, w["in_norm"], eps), ctx, kv_cache[i])
-            h = h + self._mlp(i, w, rms_norm(h, w["post_norm"], eps), ctx)
-        h = rms_norm(h[ctx.sample_rows], self.w["norm"], eps)
-        return F.linear(h, self.w["lm_head"]).float()
+        layers = self.w["layers"]
+        h = self.w["embed"][input_ids]                                   # [T, H], a new tensor
+        x = rms_norm(h, layers[0]["in_norm"], eps)
+        for i, w in enumerate(layers):
+            x = add_rms_norm(h, self._attention(i, w, x, ctx, kv_cache[i]), w["post_norm"], eps)
+            after = layers[i + 1]["in_norm"] if i + 1 < len(layers) else self.w["norm"]
+            x = add_rms_norm(h, self._mlp(i, w, x, ctx), after, eps)
+        return F.linear(x[ctx.sample_rows], self.w["lm_head"]).float()

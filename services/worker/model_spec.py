@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 # architectures we serve -> whether q/k/v carry a bias
 SUPPORTED = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
+ROPE_TYPES = ("default", "linear", "llama3")
 
 # LoRA projection groups as the engine fuses them: group -> its slices (PEFT module names)
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
@@ -38,6 +39,7 @@ class ModelSpec:
     bos_token_id: int | None
     torch_dtype: str
     name: str = ""
+    o_bias: bool = False                 # Llama with attention_bias: o_proj has a bias too
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -70,6 +72,45 @@ def _eos_ids(cfg: dict, gen: dict) -> tuple[int, ...]:
     return tuple(ids) if isinstance(ids, list) else (int(ids),)
 
 
+def _rope(cfg: dict, where: pathlib.Path) -> tuple[float, dict | None]:
+    """(theta, scaling) from either form: transformers 5 writes `rope_parameters` (theta inside),
+    older checkpoints `rope_theta` + `rope_scaling` (with `type` or `rope_type`)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0) != 1:
+        raise UnsupportedModel(f"{where}: partial_rotary_factor is not supported")
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModel(f"{where}: rope type {kind!r} is not supported; lorafleet "
+                               f"supports {', '.join(ROPE_TYPES)}")
+    # one canonical form; as transformers does, llama3 falls back to the model's own length
+    scaling = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
+    scaling["rope_type"] = kind
+    scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    return theta, scaling
+
+
+def _max_position(cfg: dict) -> int:
+    """The model's length; a sliding window caps it (within the window, attention is full)."""
+    n = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    sliding = "sliding_attention" in (cfg.get("layer_types") or [])
+    if window and (cfg.get("model_type") == "mistral" or cfg.get("use_sliding_window") or sliding):
+        n = min(n, int(window))
+    return n
+
+
+def _check_layers(cfg: dict, where: pathlib.Path) -> None:
+    """Refuse the Llama-family variants the engine would compute wrongly."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModel(f"{where}: mlp_bias is not supported")
+
+
 def load_spec(model_dir: str | pathlib.Path) -> ModelSpec:
     """Read config.json (and generation_config.json) of a checkpoint directory."""
     path = pathlib.Path(model_dir)
@@ -83,24 +124,22 @@ def load_spec(model_dir: str | pathlib.Path) -> ModelSpec:
         raise UnsupportedModel(
             f"{path}: architecture {archs or cfg.get('model_type')!r} is not supported; "
             f"lorafleet serves {', '.join(sorted(SUPPORTED))}")
+    _check_layers(cfg, path)
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     heads = int(cfg["num_attention_heads"])
-    # transformers 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling
-    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    theta, scaling = _rope(cfg, path)
     hidden = int(cfg["hidden_size"])
+    bias = bool(cfg.get("attention_bias", False)) and arch == "LlamaForCausalLM"
     return ModelSpec(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default"
-        else None,
-        max_position=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        rope_scaling=scaling, max_position=_max_position(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=SUPPORTED[arch] or bool(cfg.get("attention_bias", False)),
+        qkv_bias=SUPPORTED[arch] or bias, o_bias=bias,
         eos_token_ids=_eos_ids(cfg, gen), bos_token_id=cfg.get("bos_token_id"),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         name=cfg.get("_name_or_path") or path.name, extra=cfg)

@@ -44,12 +44,15 @@ class SamplingBatch:
 
 def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor,
                              history: torch.Tensor) -> torch.Tensor:
-    """CTRL penalty on tokens already seen: positive logits / p, negative logits * p."""
-    idx = history.clamp(min=0)
+    """CTRL penalty on tokens already seen: positive logits / p, negative logits * p.
+
+    Padding (-1) points at the row's first token, so every write to a column carries the same
+    value (scatter with differing duplicates would keep an arbitrary one).
+    """
+    idx = torch.where(history >= 0, history, history[:, :1].clamp(min=0))
     seen = logits.gather(1, idx)
     p = penalty[:, None]
     adjusted = torch.where(seen > 0, seen / p, seen * p)
-    adjusted = torch.where(history >= 0, adjusted, seen)
     return logits.scatter(1, idx, adjusted)
 
 
@@ -61,7 +64,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.all_greedy:
         return greedy
     temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
-    sorted_logits, order = (logits / temp[:, None]).sort(dim=-1, descending=True)
+    sorted_logits, order = (logits / temp[:, None]).sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(logits.shape[1], device=logits.device)[None, :]
     k = torch.where(b.top_k > 0, b.top_k, torch.full_like(b.top_k, logits.shape[1]))
     sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))

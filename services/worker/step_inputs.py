@@ -39,6 +39,9 @@ class InputBuffers:
         self.tables = pair((max_seqs, max_blocks), torch.int32)
         self.segs = pair((2, max_seqs + 1), torch.int32)
         self.sample_rows = pair((max_seqs,), torch.int64)
+        # numpy views of the host halves, written by build()
+        self.host_rows, self.host_tables = self.rows[0].numpy(), self.tables[0].numpy()
+        self.host_segs, self.host_sample_rows = self.segs[0].numpy(), self.sample_rows[0].numpy()
 
 
 def _order(batch: list[Scheduled]) -> list[Scheduled]:
@@ -47,57 +50,62 @@ def _order(batch: list[Scheduled]) -> list[Scheduled]:
 
 
 def build(batch: list[Scheduled], buf: InputBuffers, block_size: int) -> StepInputs:
+    """Fill the host buffers for this step's rows (grouped by adapter) and copy them over."""
     batch = _order(batch)
-    t_rows = sum(b.num_tokens for b in batch)
     n_seq = len(batch)
-    rows = buf.rows[0][:, :t_rows].numpy()
-    seg_start, seg_slot, sample_rows, sampled = [0], [], [], []
-    max_ctx, max_blocks, row = 1, 1, 0
-    for s_idx, b in enumerate(batch):
-        seq, n = b.seq, b.num_tokens
-        lo = seq.num_computed
-        pos = np.arange(lo, lo + n)
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        rows[0, row:row + n] = seq.tokens[lo:lo + n]
-        rows[1, row:row + n] = pos
-        rows[2, row:row + n] = table[pos // block_size] * block_size + pos % block_size
-        rows[3, row:row + n] = s_idx
-        buf.tables[0][s_idx, :len(table)] = torch.from_numpy(table.astype(np.int32))
-        if seg_slot and seg_slot[-1] == seq.slot:
-            seg_start[-1] = row + n
-        else:
-            seg_slot.append(seq.slot)
-            seg_start.append(row + n)
-        row += n
-        max_ctx = max(max_ctx, lo + n)
+    lens = np.fromiter((b.num_tokens for b in batch), dtype=np.int64, count=n_seq)
+    first = np.fromiter((b.seq.num_computed for b in batch), dtype=np.int64, count=n_seq)
+    ends = np.cumsum(lens)
+    t_rows = int(ends[-1]) if n_seq else 0
+    rows, tables = buf.host_rows[:, :t_rows], buf.host_tables
+    max_blocks = 1
+    for i, b in enumerate(batch):          # per sequence: its new token ids and block table
+        seq, lo, table = b.seq, int(first[i]), b.seq.block_table
+        rows[0, ends[i] - lens[i]:ends[i]] = seq.tokens[lo:lo + b.num_tokens]
+        tables[i, :len(table)] = table
         max_blocks = max(max_blocks, len(table))
-        if b.samples:
-            sample_rows.append(row - 1)
-            sampled.append(b)
-    return _to_device(buf, t_rows, n_seq, max_blocks, max_ctx, seg_start, seg_slot,
-                      sample_rows, sampled)
+    q_seq = np.repeat(np.arange(n_seq), lens)
+    pos = np.arange(t_rows) - (ends - lens)[q_seq] + first[q_seq]
+    rows[1], rows[3] = pos, q_seq
+    rows[2] = tables[q_seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    samples = np.fromiter((b.samples for b in batch), dtype=bool, count=n_seq)
+    sampled = [b for b, x in zip(batch, samples) if x]
+    slots = np.fromiter((b.seq.slot for b in batch), dtype=np.int64, count=n_seq)
+    g = _segments(buf, slots, ends)
+    sample_rows = ends[samples] - 1
+    buf.host_sample_rows[:len(sample_rows)] = sample_rows
+    max_ctx = int((first + lens).max()) if n_seq else 1
+    return _to_device(buf, t_rows, n_seq, max_blocks, max_ctx, g, len(sample_rows),
+                      bool((slots >= 0).any()), sampled)
 
 
-def _to_device(buf, t_rows, n_seq, max_blocks, max_ctx, seg_start, seg_slot, sample_rows,
+def _segments(buf: InputBuffers, slots: np.ndarray, ends: np.ndarray) -> int:
+    """Runs of equal adapter slot over the (sorted) sequences -> segment starts/slots; count."""
+    change = np.flatnonzero(slots[1:] != slots[:-1]) + 1
+    first_seq = np.concatenate(([0], change)) if len(slots) else np.zeros(0, dtype=np.int64)
+    g = len(first_seq)
+    segs = buf.host_segs
+    segs[0, 0] = 0
+    segs[0, 1:g + 1] = ends[np.concatenate((change - 1, [len(slots) - 1]))] if g else []
+    segs[1, :g] = slots[first_seq]
+    return g
+
+
+def _to_device(buf, t_rows, n_seq, max_blocks, max_ctx, g, n_sample, has_lora,
                sampled) -> StepInputs:
-    g = len(seg_slot)
-    buf.segs[0][0, :g + 1] = torch.tensor(seg_start, dtype=torch.int32)
-    buf.segs[0][1, :g] = torch.tensor(seg_slot, dtype=torch.int32)
-    buf.sample_rows[0][:len(sample_rows)] = torch.tensor(sample_rows, dtype=torch.int64)
-    nb = non_blocking = buf.device.type == "cuda"
+    nb = buf.device.type == "cuda"
     rows = buf.rows[1][:, :t_rows]
     rows.copy_(buf.rows[0][:, :t_rows], non_blocking=nb)
     tables = buf.tables[1][:n_seq, :max_blocks]
-    tables.copy_(buf.tables[0][:n_seq, :max_blocks], non_blocking=non_blocking)
+    tables.copy_(buf.tables[0][:n_seq, :max_blocks], non_blocking=nb)
     segs = buf.segs[1][:, :g + 1]
     segs.copy_(buf.segs[0][:, :g + 1], non_blocking=nb)
-    srows = buf.sample_rows[1][:len(sample_rows)]
-    srows.copy_(buf.sample_rows[0][:len(sample_rows)], non_blocking=nb)
+    srows = buf.sample_rows[1][:n_sample]
+    srows.copy_(buf.sample_rows[0][:n_sample], non_blocking=nb)
     ctx = StepContext(
         positions=rows[1], slot_mapping=rows[2], block_tables=tables,
         q_seq=rows[3].to(torch.int32), q_pos=rows[1].to(torch.int32), sample_rows=srows,
-        seg_start=segs[0], seg_slot=segs[1][:g], max_context=max_ctx,
-        has_lora=any(s >= 0 for s in seg_slot))
+        seg_start=segs[0], seg_slot=segs[1][:g], max_context=max_ctx, has_lora=has_lora)
     return StepInputs(rows[0], ctx, sampling_batch(sampled, buf.device), sampled)
 
 
