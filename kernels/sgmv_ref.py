@@ -34,22 +34,24 @@ def sgmv_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.
     max_rank is unused here (kernels size their tiles with it).
     """
     del max_rank
-    starts = seg_start.tolist()
-    slots = seg_slot.tolist()
+    # read the small tables once (a per-element tensor read costs microseconds on CPU)
+    starts, slots = seg_start.tolist(), seg_slot.tolist()
+    a_tab, b_tab = a_off.tolist(), b_off.tolist()
+    rank_of, scale_of = ranks.tolist(), scales.tolist()
     k = x.shape[1]
     for i, s in enumerate(slots):
         lo, hi = starts[i], starts[i + 1]
         if s < 0 or hi <= lo:
             continue
-        r = int(ranks[s])
+        r = rank_of[s]
         xs = x[lo:hi].float()
         for j in range(len(slice_starts) - 1):
-            ao, bo = int(a_off[j, s]), int(b_off[j, s])
+            ao, bo = a_tab[j][s], b_tab[j][s]
             if ao < 0:
                 continue
-            n = slice_starts[j + 1] - slice_starts[j]
+            c0, c1 = slice_starts[j], slice_starts[j + 1]
             a = pool[ao:ao + r * k].view(r, k).float()
-            bt = pool[bo:bo + r * n].view(r, n).float()
-            delta = (xs @ a.t()) @ bt * float(scales[s])
-            y[lo:hi, slice_starts[j]:slice_starts[j + 1]] += delta.to(y.dtype)
+            bt = pool[bo:bo + r * (c1 - c0)].view(r, c1 - c0).float()
+            delta = (xs @ a.t()) @ bt
+            y[lo:hi, c0:c1] += (delta * scale_of[s]).to(y.dtype)
     return y

@@ -79,19 +79,26 @@ def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
                                                      SEG_BLOCK, BLOCK_M)
-    total = tl.sum(tiles) * N_SLICES * max_col_blocks
+    base = tl.sum(tiles) * N_SLICES
+    # column splits: enough items to fill the grid; with many live tiles, one item sums v once
+    # and sweeps several column blocks
+    n_split = tl.minimum(tl.maximum(nprog // tl.maximum(base, 1), 1), max_col_blocks)
     rm = tl.arange(0, BLOCK_M)
     rr = tl.arange(0, RANK_BLOCK)
     rn = tl.arange(0, BLOCK_N)
-    for w in range(pid, total, nprog):
-        nb = w % max_col_blocks
-        j = (w // max_col_blocks) % N_SLICES
-        tile = w // (max_col_blocks * N_SLICES)
+    for w in range(pid, base * n_split, nprog):
+        split = w % n_split
+        j = (w // n_split) % N_SLICES
+        tile = w // (n_split * N_SLICES)
         s, row0, m_len = _locate(tile, si, lo, hi, slot, tiles, tiles_end, BLOCK_M)
         col0, col1 = _slice_bounds(j, s0, s1, s2, s3, s4, N_SLICES)
         width = col1 - col0
+        n_blocks = (width + BLOCK_N - 1) // BLOCK_N
+        per = (n_blocks + n_split - 1) // n_split
+        nb0 = split * per
+        nb1 = tl.minimum(nb0 + per, n_blocks)
         b_o = tl.load(b_off_ptr + j * n_slots + s)
-        if (b_o >= 0) & (nb * BLOCK_N < width):
+        if (b_o >= 0) & (nb0 < nb1):
             rank = tl.load(ranks_ptr + s)
             scale = tl.load(scales_ptr + s)
             rows = (row0 + rm).to(tl.int64)
@@ -102,18 +109,21 @@ def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_
                 v += tl.load(v_ptr + v_rows[:, None] + rr[None, :], mask=row_ok[:, None],
                              other=0.0)
             v = (v * scale).to(pool_ptr.dtype.element_ty)
-            cols = nb * BLOCK_N + rn
-            c_ok = cols < width
-            bt = tl.load(pool_ptr + b_o + rr[:, None] * width + cols[None, :],
-                         mask=(rr < rank)[:, None] & c_ok[None, :], other=0.0)
             if UPCAST:
                 v = v.to(tl.float32)
-                bt = bt.to(tl.float32)
-            delta = tl.dot(v, bt, input_precision=DOT_PREC)
-            y_ptrs = y_ptr + rows[:, None] * stride_y + (col0 + cols)[None, :]
-            io_ok = row_ok[:, None] & c_ok[None, :]
-            old = tl.load(y_ptrs, mask=io_ok, other=0.0)
-            tl.store(y_ptrs, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=io_ok)
+            for nb in range(nb0, nb1):                   # not pipelined: it stores into y
+                cols = nb * BLOCK_N + rn
+                c_ok = cols < width
+                bt = tl.load(pool_ptr + b_o + rr[:, None] * width + cols[None, :],
+                             mask=(rr < rank)[:, None] & c_ok[None, :], other=0.0)
+                if UPCAST:
+                    bt = bt.to(tl.float32)
+                delta = tl.dot(v, bt, input_precision=DOT_PREC)
+                y_ptrs = y_ptr + rows[:, None] * stride_y + (col0 + cols)[None, :]
+                io_ok = row_ok[:, None] & c_ok[None, :]
+                old = tl.load(y_ptrs, mask=io_ok, other=0.0)
+                tl.store(y_ptrs, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty),
+                         mask=io_ok)
 
 
 def _programs(device: torch.device) -> int:
