@@ -197,7 +197,7 @@ def _staging(spec: ModelSpec, registered: int, reps: int) -> list[float]:
     from services.common.cache_policy import CachePolicy
     base = build_layout(tensors(spec, 16, 3), {"r": 16, "lora_alpha": 32}, spec, torch.bfloat16)
     n_el = base.blob.numel()
-    arena = torch.empty(registered * n_el, dtype=torch.bfloat16).pin_memory()
+    arena = torch.empty(registered * n_el, dtype=torch.bfloat16, pin_memory=True)
     layouts = []
     for i in range(registered):
         view = arena[i * n_el:(i + 1) * n_el]
