@@ -130,38 +130,26 @@ def engine_rows(args, device) -> tuple[list[dict], dict]:
                 continue
             use = slots[:n] if n else []
             run_engine(built, use, batch, args.prompt, 8, seed=99)          # warm up
+            built.engine.runner.timings = []
             r = run_engine(built, use, batch, args.prompt, args.new, seed=n)
-            r.update(impl="lorafleet", batch=batch, distinct=n)
+            torch.cuda.synchronize()
+            r.update(impl="lorafleet", batch=batch, distinct=n,
+                     graph_replay_ms=replay_ms(built.engine.runner, batch))
+            built.engine.runner.timings = None
             rows.append(r)
             print(json.dumps(r), flush=True)
-    replay = graph_replay_ms(built.engine.runner, args.batch)
-    for r in rows:
-        r["graph_replay_ms"] = replay.get(r["batch"])
-    meta = {"weight_bytes": wbytes, "graph_replays": getattr(built.engine.runner, "replays", 0),
-            "graph_replay_ms": replay}
+    meta = {"weight_bytes": wbytes, "graph_replays": getattr(built.engine.runner, "replays", 0)}
     del built, weights
     torch.cuda.empty_cache()
     return rows, meta
 
 
-def graph_replay_ms(runner, batches) -> dict:
-    """Device time of one captured decode step (CUDA events, median of 50): the GPU's share of
-    a step, without the host's scheduling, metadata and sampling around it."""
-    out = {}
-    for b in batches:
-        graph = getattr(runner, "graphs", {}).get(b)
-        if graph is None:
-            continue
-        times = []
-        for _ in range(55):
-            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-            s.record()
-            graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        out[b] = statistics.median(times[5:])
-    return out
+def replay_ms(runner, batch: int) -> float | None:
+    """Median device time of the decode graphs replayed for `batch` rows during the last run
+    (CUDA events around each replay): the GPU's share of a step, without the host's scheduling,
+    metadata and sampling around it."""
+    times = [s.elapsed_time(e) for b, s, e in (getattr(runner, "timings", None) or []) if b == batch]
+    return statistics.median(times[2:]) if len(times) > 2 else None
 
 
 class _NullTokenizer:

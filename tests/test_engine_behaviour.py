@@ -295,3 +295,24 @@ def test_refused_at_submit(ckpt):
         c.submit("none", prompt(1, 4), n=0)
     c.submit("fits", prompt(1, 40), n=8)                 # 48 tokens: exactly 12 blocks
     assert c.run().final["fits"].stop is Stop.MAX_TOKENS
+
+
+def test_incremental_detokenization_equals_full_decode():
+    """The engine decodes a small window per step; the text must equal decoding everything,
+    multi-byte characters split across tokens included (byte-level BPE of the demo model)."""
+    import random
+    from tokenizers import Tokenizer
+    from services.worker.engine import Engine
+    from tests.support import MODEL_DIR
+    tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    engine = Engine.__new__(Engine)
+    engine.tokenizer = tok
+    text = "Héllo wörld, naïve café — 東京 🌧️ rain! " * 3
+    ids = tok.encode(text, add_special_tokens=False).ids
+    rng = random.Random(0)
+    ids += [rng.randrange(4, tok.get_vocab_size()) for _ in range(40)]
+    seq = Sequence("r", [1, 2, 3])
+    for i, t in enumerate(ids):
+        seq.tokens.append(t)
+        engine._decoded(seq, final=i == len(ids) - 1)
+    assert seq.decoded == tok.decode(ids, skip_special_tokens=True)

@@ -159,8 +159,8 @@ class Engine:
         """Text safe to emit since the last emit; STOP_SEQUENCE (text cut before it) if one
         matched. Until final, the last len(longest stop) - 1 characters are held back, since
         they may be the start of a stop sequence that the output must not contain."""
-        full = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        if full.endswith("\ufffd") and not final:
+        full = self._decoded(seq, final)
+        if full is None:
             return "", Stop.NONE          # a partial UTF-8 character: wait for the rest
         stops = [s for s in seq.stopping.stop_sequences if s]
         stop, end = Stop.NONE, len(full)
@@ -175,6 +175,21 @@ class Engine:
         delta = full[len(seq.text):max(end, len(seq.text))]
         seq.text += delta
         return delta, stop
+
+    def _decoded(self, seq: Sequence, final: bool) -> str | None:
+        """All output text so far, decoding only a window of the newest tokens (the text of
+        out[prefix:] minus that of out[prefix:read]), so a step costs O(1) per row, not O(n).
+        None while the newest bytes end inside a UTF-8 character (unless final)."""
+        start = len(seq.prompt)
+        window = seq.tokens[start + seq.detok_prefix:]
+        read = seq.detok_read - seq.detok_prefix
+        before = self.tokenizer.decode(window[:read], skip_special_tokens=True) if read else ""
+        now = self.tokenizer.decode(window, skip_special_tokens=True)
+        if now.endswith("\ufffd") and not final:
+            return None
+        seq.decoded += now[len(before):]
+        seq.detok_prefix, seq.detok_read = seq.detok_read, seq.num_output
+        return seq.decoded
 
     def _finish(self, seq: Sequence, stop: Stop, last=None, error: str = "") -> None:
         """End a request: free its row and blocks, send the final event (with any text held

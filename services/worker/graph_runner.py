@@ -33,24 +33,22 @@ class GraphRunner:
         top = self.sizes[-1]
         self.max_blocks = runner.buffers.max_blocks
         self.block_size = runner.block_size
-        i64 = dict(dtype=torch.int64, device=dev)
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.ids = torch.zeros(top, **i64)
-        self.pos = torch.zeros(top, **i64)
-        self.slots = torch.full((top,), -1, **i64)
-        self.q_seq = torch.full((top,), -1, **i32)
-        self.q_pos = torch.zeros(top, **i32)
-        self.tables = torch.zeros(top, self.max_blocks, **i32)
-        self.seg_start = torch.zeros(top + 1, **i32)
-        self.seg_slot = torch.full((top,), -1, **i32)
-        self.rows = torch.arange(top, **i64)
-        self.host = torch.zeros(6, top, dtype=torch.int64, pin_memory=True)
-        self.host_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, pin_memory=True)
-        self.host_segs = torch.zeros(2, top + 1, dtype=torch.int32, pin_memory=True)
+        mb = self.max_blocks
+        # two packed buffers (int64 rows, int32 metadata) -> two host-to-device copies a step
+        self.dev64 = torch.zeros(3, top, dtype=torch.int64, device=dev)
+        self.dev32 = torch.zeros(4 * top + 1 + top * mb, dtype=torch.int32, device=dev)
+        self.host64 = torch.zeros(3, top, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.host32 = torch.zeros(4 * top + 1 + top * mb, dtype=torch.int32,
+                                  pin_memory=dev.type == "cuda")
+        self.ids, self.pos, self.slots = self.dev64[0], self.dev64[1], self.dev64[2]
+        self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = self._split32(
+            self.dev32, top, mb)
+        self.rows = torch.arange(top, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
         self.rank = 0
+        self.timings: list | None = None     # set to a list to record (batch, start, end) events
 
     def _ctx(self, b: int) -> StepContext:
         return StepContext(positions=self.pos[:b], slot_mapping=self.slots[:b],
@@ -106,48 +104,58 @@ class GraphRunner:
             return self.runner.run(batch)
         batch = sorted(batch, key=lambda x: (x.seq.slot < 0, x.seq.slot, x.seq.arrival))
         self._fill(batch, b)
-        self.graphs[b].replay()
+        if self.timings is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.graphs[b].replay()
+            end.record()
+            self.timings.append((b, start, end))
+        else:
+            self.graphs[b].replay()
         self.replays += 1
         logits = self.outputs[b][:len(batch)]
         tokens = sample(logits, sampling_batch(batch, self.model.device))
         return batch, tokens.tolist()
 
-    def _fill(self, batch: list[Scheduled], b: int) -> None:
-        n = len(batch)
-        h = self.host[:, :b].numpy()
-        h[:] = 0
-        h[2, :] = -1
-        h[3, :] = -1
-        slots_of = np.empty(n, dtype=np.int64)
-        self.host_tables[:b].zero_()
-        ht = self.host_tables.numpy()
-        for i, x in enumerate(batch):
-            seq = x.seq
-            p = seq.num_computed
-            blk = seq.block_table[p // self.block_size]
-            h[0, i], h[1, i], h[2, i], h[3, i] = seq.tokens[p], p, blk * self.block_size + \
-                p % self.block_size, i
-            ht[i, :len(seq.block_table)] = seq.block_table
-            slots_of[i] = seq.slot
-        self._segments(slots_of, b)
-        self.ids[:b].copy_(self.host[0, :b], non_blocking=True)
-        self.pos[:b].copy_(self.host[1, :b], non_blocking=True)
-        self.slots[:b].copy_(self.host[2, :b], non_blocking=True)
-        self.q_seq[:b].copy_(self.host[3, :b], non_blocking=True)
-        self.q_pos[:b].copy_(self.host[1, :b], non_blocking=True)
-        self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
-        self.seg_start[:b + 1].copy_(self.host_segs[0, :b + 1], non_blocking=True)
-        self.seg_slot[:b].copy_(self.host_segs[1, :b], non_blocking=True)
+    @staticmethod
+    def _split32(buf: torch.Tensor, top: int, mb: int):
+        """Views of the int32 buffer: q_seq [top], q_pos [top], seg_start [top+1],
+        seg_slot [top], block tables [top, mb]."""
+        q_seq, q_pos = buf[:top], buf[top:2 * top]
+        seg_start, seg_slot = buf[2 * top:3 * top + 1], buf[3 * top + 1:4 * top + 1]
+        return q_seq, q_pos, seg_start, seg_slot, buf[4 * top + 1:].view(top, mb)
 
-    def _segments(self, slots_of: np.ndarray, b: int) -> None:
-        """Contiguous runs of equal slots; padded segments are empty (start = n) and base-only."""
+    def _fill(self, batch: list[Scheduled], b: int) -> None:
+        """Write a decode step's metadata for batch size b (padding rows inert), two copies."""
+        n, bs = len(batch), self.block_size
+        top = self.host64.shape[1]
+        q_seq, q_pos, seg_start, seg_slot, tables = (
+            t.numpy() for t in self._split32(self.host32, top, self.max_blocks))
+        h = self.host64.numpy()
+        seqs = [x.seq for x in batch]
+        pos = np.fromiter((q.num_computed for q in seqs), np.int64, n)
+        blk = np.fromiter((q.block_table[p // bs] for q, p in zip(seqs, pos.tolist())),
+                          np.int64, n)
+        h[0, :n] = [q.tokens[p] for q, p in zip(seqs, pos.tolist())]
+        h[1, :n] = pos
+        h[2, :n] = blk * bs + pos % bs
+        h[:, n:b] = np.array([[0], [0], [-1]])     # padding rows: token 0, no KV write
+        q_seq[:b] = np.arange(b)
+        q_seq[n:b] = -1                            # padding rows: no attention
+        q_pos[:b] = h[1, :b]
+        tables[:b] = 0
+        for i, q in enumerate(seqs):
+            tables[i, :len(q.block_table)] = q.block_table
+        self._segments(np.fromiter((q.slot for q in seqs), np.int64, n), seg_start, seg_slot)
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+
+    @staticmethod
+    def _segments(slots_of: np.ndarray, seg_start: np.ndarray, seg_slot: np.ndarray) -> None:
+        """Contiguous runs of equal slots; padded segments are empty (start = n), base-only."""
         n = len(slots_of)
-        change = np.flatnonzero(np.diff(slots_of)) + 1
-        starts = np.concatenate(([0], change))
-        segs = self.host_segs.numpy()
-        segs[0, :] = n
-        segs[1, :] = -1
-        segs[0, :len(starts)] = starts
-        segs[1, :len(starts)] = slots_of[starts]
-        segs[0, len(starts)] = n
-        # rows n..b-1 (padding) belong to no segment: every segment past the live ones is [n, n)
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(slots_of)) + 1))
+        seg_start[:] = n
+        seg_slot[:] = -1
+        seg_start[:len(starts)] = starts
+        seg_slot[:len(starts)] = slots_of[starts]

@@ -32,7 +32,7 @@ def counter_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
 @dataclass
 class SamplingBatch:
     """Per-row parameters as tensors on the logits' device. R rows."""
-    temperature: torch.Tensor      # float32 [R]; 0 = greedy
+    temperature: torch.Tensor | None   # float32 [R]; 0 = greedy (None: every row greedy)
     top_k: torch.Tensor            # int64 [R]; 0 = off
     top_p: torch.Tensor            # float32 [R]; 1 = off
     seed: torch.Tensor             # int64 [R]

@@ -64,6 +64,9 @@ class Sequence:
     first_token: float | None = None
     preemptions: int = 0
     text: str = ""                       # detokenized output so far (what was emitted)
+    decoded: str = ""                    # all output decoded so far (emitted + held back)
+    detok_prefix: int = 0                # incremental detokenization window over the output
+    detok_read: int = 0
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

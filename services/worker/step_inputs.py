@@ -114,6 +114,8 @@ def sampling_batch(sampled: list[Scheduled], device: torch.device) -> SamplingBa
     f32 = dict(dtype=torch.float32, device=device)
     i64 = dict(dtype=torch.int64, device=device)
     penalized = any(p.repetition_penalty not in (0.0, 1.0) for p in params)
+    if not penalized and all(p.greedy for p in params):      # argmax needs no parameters
+        return SamplingBatch(None, None, None, None, None, None, None, all_greedy=True)
     history = penalty = None
     if penalized:
         width = max(len(b.seq.tokens) for b in sampled)
