@@ -125,9 +125,16 @@ def rope_(q, k, cos, sin, positions, impl: str = "auto") -> None:
     if not _triton(q, impl):
         return rope_ref(q, k, cos, sin, positions)
     t, _, d = q.shape
+    if q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError("rope_: the head dimension must be contiguous")
+    heads = q.shape[1] + k.shape[1]
+    if (k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()
+            and k.stride(0) == q.stride(0) and k.stride(1) == q.stride(1) == d):
+        # q and k side by side in one qkv row (the engine's layout): one launch for both
+        _rope_kernel[(t,)](q, cos, sin, positions, q.stride(0), d, heads, HALF=d // 2,
+                           BLOCK_H=triton.next_power_of_2(heads))
+        return None
     for x in (q, k):
-        if x.stride(2) != 1:
-            raise ValueError("rope_: the head dimension must be contiguous")
         _rope_kernel[(t,)](x, cos, sin, positions, x.stride(0), x.stride(1), x.shape[1],
                            HALF=d // 2, BLOCK_H=triton.next_power_of_2(x.shape[1]))
     return None

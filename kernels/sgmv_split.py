@@ -8,7 +8,9 @@ block of y. Both launches are persistent grids over work items of live segments 
 and padded segments cost nothing); nothing reads device memory on the host, so both can be
 captured in a CUDA graph.
 
-Shapes: as sgmv_ref. Scratch: v [KS, n_slices, T, RANK_BLOCK] fp32, KS = cdiv(K, K_CHUNK).
+Shapes: as sgmv_ref. Scratch: v [KS, n_slices, T, RANK_BLOCK] fp32, KS = cdiv(K, k_chunk); the
+kernels use only as many K chunks (<= KS) as fill the grid once: few live tiles (one adapter,
+decode) take many short chunks, many segments take fewer, longer ones.
 """
 from __future__ import annotations
 
@@ -32,14 +34,24 @@ def _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs, SEG_BLOCK: tl.constexpr,
 
 
 @triton.jit
+def _k_split(tiles, n_ks, budget, N_SLICES: tl.constexpr):
+    """How many K chunks the shrink uses: enough items to fill `budget` programs once, at most
+    n_ks (the scratch's depth). Both kernels compute it the same way from the live tiles."""
+    base = tl.sum(tiles) * N_SLICES
+    return tl.minimum(tl.maximum(budget // tl.maximum(base, 1), 1), n_ks)
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, v_ptr,
-                   K, T, n_slots, n_segs, n_ks, stride_x,
+                   K, T, n_slots, n_segs, n_ks, stride_x, budget,
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                   BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
                                                      SEG_BLOCK, BLOCK_M)
+    n_ks = _k_split(tiles, n_ks, budget, N_SLICES)
+    chunk = ((K + n_ks - 1) // n_ks + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     total = tl.sum(tiles) * N_SLICES * n_ks
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -55,7 +67,7 @@ def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slo
             rows = (row0 + rm).to(tl.int64)
             row_ok = rm < m_len
             acc = tl.zeros((BLOCK_M, RANK_BLOCK), dtype=tl.float32)
-            for k0 in range(ks * K_CHUNK, tl.minimum(ks * K_CHUNK + K_CHUNK, K), BLOCK_K):
+            for k0 in range(ks * chunk, tl.minimum(ks * chunk + chunk, K), BLOCK_K):
                 k_ok = (k0 + rk) < K
                 xt = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + rk)[None, :],
                              mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -72,13 +84,14 @@ def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slo
 @triton.jit
 def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
                    seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
-                   s0, s1, s2, s3, s4,
+                   budget, s0, s1, s2, s3, s4,
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
                    UPCAST: tl.constexpr):
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
                                                      SEG_BLOCK, BLOCK_M)
+    n_ks = _k_split(tiles, n_ks, budget, N_SLICES)
     base = tl.sum(tiles) * N_SLICES
     # column splits: enough items to fill the grid; with many live tiles, one item sums v once
     # and sweeps several column blocks
@@ -154,15 +167,17 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     seg_block = max(16, triton.next_power_of_2(n_segs))
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = x.dtype == torch.bfloat16 and not x.is_cuda
-    _shrink_kernel[(max(1, min(progs, tiles_bound * n_slices * n_ks)),)](
+    shrink_grid = max(1, min(progs, tiles_bound * n_slices * n_ks))
+    _shrink_kernel[(shrink_grid,)](
         x, pool, a_off, ranks, seg_start, seg_slot, v, k, t_rows, ranks.shape[0], n_segs,
-        n_ks, x.stride(0), N_SLICES=n_slices, SEG_BLOCK=seg_block, BLOCK_M=block_m,
-        BLOCK_K=block_k, K_CHUNK=k_chunk, RANK_BLOCK=rb, DOT_PREC=prec, UPCAST=upcast,
+        n_ks, x.stride(0), shrink_grid, N_SLICES=n_slices, SEG_BLOCK=seg_block,
+        BLOCK_M=block_m, BLOCK_K=block_k, RANK_BLOCK=rb, DOT_PREC=prec, UPCAST=upcast,
         num_warps=4, num_stages=1)
     s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
     _expand_kernel[(max(1, min(progs, tiles_bound * n_slices * max_col_blocks)),)](
         y, pool, b_off, ranks, scales, seg_start, seg_slot, v, t_rows, ranks.shape[0], n_segs,
-        n_ks, max_col_blocks, y.stride(0), *s, N_SLICES=n_slices, SEG_BLOCK=seg_block,
+        n_ks, max_col_blocks, y.stride(0), shrink_grid, *s, N_SLICES=n_slices,
+        SEG_BLOCK=seg_block,
         BLOCK_M=block_m, BLOCK_N=block_n, RANK_BLOCK=rb, DOT_PREC=prec, UPCAST=upcast,
         num_warps=4, num_stages=1)
     return y
