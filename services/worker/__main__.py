@@ -46,6 +46,8 @@ def load_fn(engine):
 
 async def main_async(cfg: WorkerConfig) -> None:
     worker_id = cfg.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+    if engine_options(cfg).device == "cpu" and cfg.cpu_threads > 0:
+        torch.set_num_threads(cfg.cpu_threads)
     built = await asyncio.to_thread(build_engine, cfg.model, engine_options(cfg))
     store = StoreClient(channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key))
     feed_ref: list[ResidencyFeed] = []

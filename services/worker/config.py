@@ -35,6 +35,7 @@ class WorkerConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     worker_id: str = ""
+    cpu_threads: int = 1                # torch intra-op threads for a CPU engine (0 = torch's)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -71,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--tenant-share", type=float, default=0.5,
                    help="per-tenant cap of each adapter tier (fraction; 0 = caps off)")
     p.add_argument("--worker-id", default="", help="name in residency streams (default: random)")
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch threads for a CPU engine; 0 = torch's default (1: small decode "
+                        "steps are faster on one thread than split over cores)")
     a = p.parse_args(argv)
     return WorkerConfig(
         listen=a.listen, model=a.model, store=a.store, device=a.device, dtype=a.dtype,
@@ -80,4 +84,5 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
         tenant_share=a.tenant_share, metrics_port=a.metrics_port, grace=a.grace,
         log_level=a.log_level, otlp_endpoint=a.otlp_endpoint, trace_file=a.trace_file,
-        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca, worker_id=a.worker_id)
+        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca, worker_id=a.worker_id,
+        cpu_threads=a.cpu_threads)
