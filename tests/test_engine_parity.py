@@ -10,16 +10,13 @@ import torch
 from services.worker.adapter_layout import layout_from_peft_dir
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.sequence import Sequence, Stopping
-from tests.hf_fixtures import ADAPTER_SPECS, make_adapter, make_base
+from tests.hf_fixtures import ADAPTER_SPECS
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    base = make_base(root / "base")
-    peft_models = {n: make_adapter(base, root / "adapters", n, seed=i + 1)
-                   for i, n in enumerate(ADAPTER_SPECS)}
-    return root, base, peft_models
+def ckpt(hf_ckpt):
+    """(root, base, {name: peft model}): conftest's session checkpoint."""
+    return hf_ckpt
 
 
 def _engine(root: pathlib.Path, **kw):
