@@ -10,6 +10,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from services.client.client import LorafleetClient
+from services.common.errors import retry_after_of
 from services.common.gen.lorafleet.v1 import common_pb2
 
 
@@ -21,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="bearer token naming your tenant (env LORAFLEET_TOKEN)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds (120)")
     p.add_argument("--tls-ca", default=None, help="CA to verify the router's TLS certificate")
+    p.add_argument("--tls-cert", default=None, help="client certificate (PEM), for mTLS")
+    p.add_argument("--tls-key", default=None, help="client private key (PEM), for mTLS")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate a completion")
     g.add_argument("prompt", nargs="?", default="", help="prompt text")
@@ -124,7 +127,8 @@ def _stats_text(d: dict) -> str:
 
 
 def run(args) -> int:
-    with LorafleetClient(args.router, args.token, args.timeout, args.tls_ca) as c:
+    with LorafleetClient(args.router, args.token, args.timeout, args.tls_ca, args.tls_cert,
+                         args.tls_key) as c:
         if args.cmd == "generate":
             return _generate(c, args)
         if args.cmd == "register":
@@ -147,7 +151,8 @@ def run(args) -> int:
             print(json.dumps(d) if args.json else _stats_text(d))
         elif args.cmd == "model":
             info = MessageToDict(c.model_info(), preserving_proto_field_name=True)
-            print(json.dumps(info) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
+            print(json.dumps(info) if args.json
+                  else "\n".join(f"{k}: {v}" for k, v in info.items()))
     return 0
 
 
@@ -156,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except grpc.RpcError as err:
-        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        delay = retry_after_of(err)
+        hint = f" (retry in {delay:.2f}s)" if delay is not None else ""
+        print(f"error: {err.code().name}: {err.details()}{hint}", file=sys.stderr)
         return 1
 
 

@@ -9,12 +9,18 @@ from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
 
 
 class LorafleetClient:
-    """Synchronous client. `token` is the bearer token that names your tenant."""
+    """Synchronous client. `token` is the bearer token that names your tenant.
+
+    TLS: `ca` verifies the router's certificate; `cert` + `key` present a client certificate
+    (a router started with --tls-ca requires one). Errors are grpc.RpcError; for
+    RESOURCE_EXHAUSTED, `services.common.errors.retry_after_of(err)` is the delay to wait.
+    """
 
     def __init__(self, target: str = "127.0.0.1:7001", token: str | None = None,
-                 timeout: float = 120.0, ca: str | None = None):
-        if ca:
-            creds = grpc.ssl_channel_credentials(open(ca, "rb").read())
+                 timeout: float = 120.0, ca: str | None = None, cert: str | None = None,
+                 key: str | None = None):
+        if ca or cert:
+            creds = grpc.ssl_channel_credentials(_read(ca), _read(key), _read(cert))
             self._channel = grpc.secure_channel(target, creds)
         else:
             self._channel = grpc.insecure_channel(target)
@@ -35,7 +41,7 @@ class LorafleetClient:
     def request(prompt: str = "", *, adapter: str = "", prompt_ids: Sequence[int] = (),
                 max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 0.0, seed: int = 0, repetition_penalty: float = 0.0,
-                stop: Sequence[str] = (), time_limit_ms: int = 0,
+                stop: Sequence[str] = (), time_limit_ms: int = 0, ignore_eos: bool = False,
                 request_id: str = "") -> rpb.GenerateRequest:
         req = rpb.GenerateRequest(adapter_id=adapter, text=prompt,
                                   prompt_token_ids=list(prompt_ids), request_id=request_id)
@@ -44,6 +50,7 @@ class LorafleetClient:
         req.stopping.max_new_tokens = max_new_tokens
         req.stopping.stop_sequences.extend(stop)
         req.stopping.time_limit_ms = time_limit_ms
+        req.stopping.ignore_eos = ignore_eos
         return req
 
     def generate(self, prompt: str = "", **kw) -> rpb.GenerateResponse:
@@ -80,3 +87,10 @@ class LorafleetClient:
     def tokenize(self, text: str) -> rpb.TokenizeResponse:
         return self._stub.Tokenize(rpb.TokenizeRequest(text=text), timeout=self.timeout,
                                    metadata=self._metadata)
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()

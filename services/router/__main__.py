@@ -5,6 +5,8 @@ import asyncio
 import logging
 import sys
 
+from prometheus_client import REGISTRY
+
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, router_pb2_grpc
 from services.common.runtime import setup_logging, start_metrics
 from services.common.server import channel, create_server, serve, server_credentials
@@ -15,7 +17,7 @@ from services.router.fair_queue import FairGate
 from services.router.quotas import Quotas
 from services.router.resolve import Resolver
 from services.router.servicer import GenerationServicer, RouterApp
-from services.router.stats import RouterStats
+from services.router.stats import FleetCollector, RouterStats
 from services.router.workers import WorkerSet
 
 log = logging.getLogger("lorafleet.router")
@@ -29,14 +31,20 @@ async def main_async(cfg: RouterConfig) -> None:
     tls = (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
     store_chan = channel(cfg.store, *tls)
     workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period)
+    stats = RouterStats()
+    REGISTRY.register(FleetCollector(workers, stats))
     app = RouterApp(
         tenants=tenants, quotas=Quotas(tenants.quotas),
         gate=FairGate(cfg.max_in_flight_per_worker * len(cfg.workers), fair=cfg.fair,
-                      weights=tenants.weights),
+                      weights=tenants.weights,
+                      foothold=cfg.foothold_per_worker * len(cfg.workers)),
         resolver=Resolver(store_chan, cfg.resolve_ttl), workers=workers,
-        store=adapter_store_pb2_grpc.AdapterStoreStub(store_chan), stats=RouterStats(),
-        per_worker=cfg.max_in_flight_per_worker)
+        store=adapter_store_pb2_grpc.AdapterStoreStub(store_chan), stats=stats,
+        per_worker=cfg.max_in_flight_per_worker, spill_rows=cfg.spill_rows,
+        foothold_per_worker=cfg.foothold_per_worker)
     await workers.start()
+    if not await workers.wait_ready(timeout=15.0):
+        log.warning("no worker reachable yet; serving anyway (requests get UNAVAILABLE)")
     servicer = GenerationServicer(app)
     server, port, health = create_server(
         cfg.listen, lambda s: (router_pb2_grpc.add_GenerationServiceServicer_to_server(

@@ -25,6 +25,7 @@ from services.router.quotas import QuotaConfig
 
 log = logging.getLogger(__name__)
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ROLES = {"user", "admin"}
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,21 @@ class Tenants:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Tenants":
+        """Parse the tenants file; ValueError names what is wrong (the router does not start)."""
+        _only(data, {"tenants", "default_quota"}, "tenants file")
         tokens, weights, quota_map = {}, {}, {}
         for name, spec in (data.get("tenants") or {}).items():
             if not TENANT_NAME.match(str(name)):
                 raise ValueError(f"tenants file: bad tenant name {name!r}")
             spec = spec or {}
-            admin = spec.get("role", "user") == "admin"
+            _only(spec, {"tokens", "role", "weight", "quota"}, f"tenant {name!r}")
+            role = spec.get("role", "user")
+            if role not in ROLES:
+                raise ValueError(f"tenant {name!r}: role {role!r} is not one of {sorted(ROLES)}")
             for tok in spec.get("tokens") or []:
-                tokens[str(tok)] = Caller(str(name), admin)
+                if not str(tok) or str(tok) in tokens:
+                    raise ValueError(f"tenant {name!r}: empty or repeated token")
+                tokens[str(tok)] = Caller(str(name), role == "admin")
             weights[str(name)] = float(spec.get("weight", 1.0))
             if spec.get("quota"):
                 quota_map[str(name)] = spec["quota"]
@@ -83,6 +91,12 @@ class Tenants:
             if hmac.compare_digest(known, token):
                 return caller
         raise Unauthenticated("invalid bearer token")
+
+
+def _only(spec: dict, keys: set[str], where: str) -> None:
+    unknown = sorted(set(spec) - keys)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown} (expected some of {sorted(keys)})")
 
 
 def bearer(metadata) -> str | None:

@@ -15,6 +15,8 @@ class RouterConfig:
     tenants: str | None = None
     fair: bool = True
     max_in_flight_per_worker: int = 64
+    spill_rows: int = 32
+    foothold_per_worker: int = 1
     resolve_ttl: float = 1.0
     retry_delay: float = 0.5
     dns_period: float = 10.0
@@ -32,6 +34,14 @@ class RouterConfig:
             raise ValueError("at least one --worker is required")
         if self.max_in_flight_per_worker < 1:
             raise ValueError("--max-in-flight-per-worker must be >= 1")
+        if self.foothold_per_worker < 0:
+            raise ValueError("--foothold-per-worker must be >= 0")
+        if self.spill_rows < 1:
+            raise ValueError("--spill-rows must be >= 1")
+        if self.resolve_ttl < 0:
+            raise ValueError("--resolve-ttl must be >= 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -48,6 +58,13 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                    help="weighted VTC fair queue under saturation (on) or FIFO (off)")
     p.add_argument("--max-in-flight-per-worker", type=int, default=64,
                    help="requests forwarded per live worker before the fair queue holds them")
+    p.add_argument("--foothold-per-worker", type=int, default=1,
+                   help="extra requests per live worker past that limit, only for tenants with "
+                        "nothing in flight, so a light tenant need not wait for a heavy one's "
+                        "request to end (1; fair queue only)")
+    p.add_argument("--spill-rows", type=int, default=32,
+                   help="rows (running + waiting) of one adapter on its worker above which its "
+                        "requests may spill to a second worker (32)")
     p.add_argument("--resolve-ttl", type=float, default=1.0, help="adapter name cache seconds")
     p.add_argument("--dns-period", type=float, default=10.0,
                    help="seconds between re-resolving DNS worker names")
@@ -55,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     return RouterConfig(
         listen=a.listen, store=a.store, workers=tuple(a.worker or ["127.0.0.1:7002"]),
         tenants=a.tenants, fair=a.fair_queue == "on",
-        max_in_flight_per_worker=a.max_in_flight_per_worker, resolve_ttl=a.resolve_ttl,
+        max_in_flight_per_worker=a.max_in_flight_per_worker, spill_rows=a.spill_rows,
+        foothold_per_worker=a.foothold_per_worker,
+        resolve_ttl=a.resolve_ttl,
         dns_period=a.dns_period, metrics_port=a.metrics_port, grace=a.grace,
         log_level=a.log_level, otlp_endpoint=a.otlp_endpoint, trace_file=a.trace_file,
         tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca)

@@ -12,6 +12,13 @@ however much more one of them asks for.
 
 ``fair=False`` serves in arrival order (FIFO) and keeps the counters for statistics only, for the
 measured comparison.
+
+The gate's slots are a router-side proxy for worker capacity and, unlike the paper's engine (where
+a new request joins the running batch at the next step), a slot frees only when a request ends.
+So a light tenant arriving while a heavy one holds every slot would wait for a whole heavy request
+to finish, however fair the order. ``foothold`` slots bound that: a tenant with nothing in flight
+may go past the limit by up to that many requests (in VTC order among such tenants), so every
+active tenant keeps one request moving; a tenant already served waits its turn as usual.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 
 class VirtualTokenCounter:
@@ -89,11 +96,13 @@ class VirtualTokenCounter:
             floor = 0.0
         self._counters[tenant] = max(self._counters.get(tenant, 0.0), floor)
 
-    def pop(self) -> tuple[str, Any]:
-        """Dequeue the next (tenant, item) and charge its est_tokens. IndexError when empty."""
-        if not self._queues:
+    def pop(self, among: Collection[str] | None = None) -> tuple[str, Any]:
+        """Dequeue the next (tenant, item) and charge its est_tokens; `among` limits the choice
+        to those backlogged tenants. IndexError when there is none."""
+        candidates = self._queues if among is None else [t for t in among if t in self._queues]
+        if not candidates:
             raise IndexError("pop from an empty VirtualTokenCounter")
-        tenant = min(self._queues, key=self._order_key)
+        tenant = min(candidates, key=self._order_key)
         queue = self._queues[tenant]
         _, item, est_tokens = queue.popleft()
         self._len -= 1
@@ -154,12 +163,17 @@ class FairGate:
     """
 
     def __init__(self, max_concurrency: int, *, fair: bool = True, w_in: float = 1.0,
-                 w_out: float = 2.0, weights: Mapping[str, float] | None = None) -> None:
+                 w_out: float = 2.0, weights: Mapping[str, float] | None = None,
+                 foothold: int = 0) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if foothold < 0:
+            raise ValueError(f"foothold must be >= 0, got {foothold}")
         self.vtc = VirtualTokenCounter(w_in, w_out, weights, fair)
         self._max = max_concurrency
+        self._foothold = foothold if fair else 0     # FIFO is the plain baseline
         self._in_flight = 0
+        self._by_tenant: dict[str, int] = {}
 
     @property
     def in_flight(self) -> int:
@@ -171,11 +185,21 @@ class FairGate:
         """Requests queued for a slot."""
         return len(self.vtc)
 
-    def set_max_concurrency(self, max_concurrency: int) -> None:
+    def would_wait(self, tenant: str) -> bool:
+        """Whether a request of tenant acquiring now would have to queue."""
+        if self._in_flight < self._max and not len(self.vtc):
+            return False
+        foothold = self._in_flight < self._max + self._foothold
+        return not (foothold and not self._by_tenant.get(tenant)
+                    and tenant not in self.vtc.backlogged())
+
+    def set_max_concurrency(self, max_concurrency: int, foothold: int | None = None) -> None:
         """Resize (e.g. when workers come and go); queued requests are admitted if room appears."""
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self._max = max_concurrency
+        if foothold is not None and self.vtc.fair:
+            self._foothold = max(0, foothold)
         self._dispatch()
 
     async def acquire(self, tenant: str, est_tokens: int = 0) -> Ticket:
@@ -199,12 +223,21 @@ class FairGate:
         return ticket
 
     def _dispatch(self) -> None:
-        while self._in_flight < self._max and len(self.vtc):
-            tenant, (ticket, future) = self.vtc.pop()
+        while len(self.vtc):
+            if self._in_flight < self._max:
+                tenant, (ticket, future) = self.vtc.pop()
+            elif self._in_flight < self._max + self._foothold:
+                idle = [t for t in self.vtc.backlogged() if not self._by_tenant.get(t)]
+                if not idle:
+                    return
+                tenant, (ticket, future) = self.vtc.pop(among=idle)
+            else:
+                return
             if future.done():  # cancelled while queued, not yet removed: refund its charge
                 self.vtc.charge(tenant, input_tokens=-ticket.est_tokens)
                 continue
             self._in_flight += 1
+            self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
             ticket.charged_in = ticket.est_tokens
             ticket.admitted_at = time.monotonic()
             future.set_result(None)
@@ -230,4 +263,9 @@ class FairGate:
                         actual_out - ticket.charged_out)
         ticket.charged_in, ticket.charged_out = actual_in, actual_out
         self._in_flight -= 1
+        left = self._by_tenant.get(ticket.tenant, 1) - 1
+        if left > 0:
+            self._by_tenant[ticket.tenant] = left
+        else:
+            self._by_tenant.pop(ticket.tenant, None)
         self._dispatch()

@@ -1,8 +1,10 @@
 """The request path: authenticate, resolve, quota, fair queue, place, forward, stream back.
 
 A worker lost before the first token means one retry on another worker; after it, the stream
-ends with UNAVAILABLE and nothing is duplicated. A client cancel cancels the worker call, which
-frees the row and its KV blocks there.
+ends with UNAVAILABLE and nothing is duplicated (tokens already sent are never sent again). A
+client cancel cancels the worker call, which frees the row and its KV blocks there. A worker
+that reports the adapter version it was sent is no longer the store's (FAILED_PRECONDITION: an
+alias or id moved under us) makes the router resolve the name again and retry once.
 """
 from __future__ import annotations
 
@@ -13,26 +15,29 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from services.common.errors import (InvalidArgument, LorafleetError, ResourceExhausted,
                                     Unavailable, from_rpc_error)
 from services.common.gen.lorafleet.v1 import router_pb2, worker_pb2 as wpb
-from services.common.telemetry import outgoing_metadata, tracer
+from services.common.telemetry import outgoing_metadata
 from services.router.auth import Caller
 from services.router.placement import NoWorker, choose_worker
 
 log = logging.getLogger(__name__)
-_tracer = tracer("lorafleet.router")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
              grpc.StatusCode.UNKNOWN)
+DEFAULT_NEW_TOKENS = 64     # the worker's default when max_new_tokens is 0 (for estimates)
 
 
 @dataclass
 class Admitted:
     caller: Caller
     adapter: router_pb2.AdapterInfo | None
-    est_tokens: int
+    prompt_estimate: int        # prompt tokens (text: about 4 characters a token)
+    est_tokens: int             # prompt + max new tokens: what the token quota is charged
     request_id: str
+    name: str = ""              # the adapter name as the client gave it (id or alias)
 
 
 def validate(req: router_pb2.GenerateRequest) -> None:
@@ -54,22 +59,26 @@ def validate(req: router_pb2.GenerateRequest) -> None:
 class RequestPath:
     def __init__(self, app):
         self.app = app   # services.router.servicer.RouterApp: tenants, quotas, gate, ...
+        self._hints: set[asyncio.Task] = set()
 
     async def admit(self, req, caller: Caller, timeout: float | None) -> Admitted:
+        """Validate, resolve the adapter and take the tenant's quota (RESOURCE_EXHAUSTED with a
+        retry delay when over it); the caller must then run `stream`, which gives it back."""
         validate(req)
         app = self.app
         adapter = None
         if req.adapter_id:
             adapter = await app.resolver.resolve(req.adapter_id, caller.tenant, timeout)
             app.stats.saw_adapter(adapter.id)
-        est = len(req.prompt_token_ids) or max(1, len(req.text) // 4)
-        est += req.stopping.max_new_tokens or 64
+        prompt = len(req.prompt_token_ids) or max(1, len(req.text) // 4)
+        est = prompt + (req.stopping.max_new_tokens or DEFAULT_NEW_TOKENS)
         wait = app.quotas.check(caller.tenant, est)
         if wait is not None:
             app.stats.throttle(caller.tenant)
             raise ResourceExhausted(f"tenant {caller.tenant!r} is over its quota; retry in "
                                     f"{wait:.2f}s", retry_after=wait)
-        return Admitted(caller, adapter, est, req.request_id or uuid.uuid4().hex[:16])
+        return Admitted(caller, adapter, prompt, est, req.request_id or uuid.uuid4().hex[:16],
+                        req.adapter_id)
 
     async def stream(self, req, adm: Admitted, context):
         """Yield GenerateResponse messages; the caller has already admitted the request."""
@@ -77,81 +86,138 @@ class RequestPath:
         start = time.monotonic()
         tokens = prompt_tokens = 0
         status = "OK"
-        self._prefetch(adm)
-        ticket = await app.gate.acquire(adm.caller.tenant, adm.est_tokens)
+        ticket = None
         try:
+            if app.gate.would_wait(adm.caller.tenant):
+                self._prefetch(adm)     # it will queue: let the worker stage meanwhile
+            ticket = await app.gate.acquire(adm.caller.tenant, adm.prompt_estimate)
             async for resp in self._forward(req, adm, context):
                 tokens += len(resp.token_ids)
                 app.gate.progress(ticket, len(resp.token_ids))
                 if resp.HasField("usage"):
                     prompt_tokens = resp.usage.prompt_tokens
                     resp.timings.queue_s += ticket.queue_seconds
+                    app.stats.cold_load(resp.timings)
                 yield resp
         except LorafleetError as err:
             status = err.code.name
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             status = "CANCELLED"
             raise
         finally:
-            app.gate.release(ticket, prompt_tokens, tokens)
+            if ticket is not None:
+                app.gate.release(ticket, prompt_tokens, tokens)
             app.quotas.release(adm.caller.tenant, adm.est_tokens, prompt_tokens + tokens)
             app.stats.record(adm.caller.tenant, time.monotonic() - start, tokens, prompt_tokens,
                              status)
 
     def _prefetch(self, adm: Admitted) -> None:
-        """Hint the likely worker at admission so staging overlaps the queue wait."""
+        """Hint the likely worker so staging overlaps the wait in the fair queue."""
         if adm.adapter is None:
             return
         try:
-            addr = choose_worker(adm.adapter.id, self.app.workers.views())
-        except NoWorker:
+            addr = self._place(adm, set())
+        except Unavailable:
             return
         worker = self.app.workers.workers.get(addr)
-        if worker is None or adm.adapter.id in worker.view().resident:
+        if worker is None or worker.view().holds(adm.adapter.id):
             return
-        ref = self._ref(adm)
-        task = asyncio.get_running_loop().create_task(
-            worker.stub.Prefetch(wpb.PrefetchRequest(adapters=[ref]), timeout=2.0))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        request = wpb.PrefetchRequest(adapters=[self._ref(adm)])
+        metadata = outgoing_metadata()
+
+        async def hint() -> None:
+            try:
+                await worker.stub.Prefetch(request, timeout=2.0, metadata=metadata)
+            except grpc.RpcError:
+                pass            # only a hint: the request itself stages the adapter
+        task = asyncio.get_running_loop().create_task(hint())
+        self._hints.add(task)
+        task.add_done_callback(self._hints.discard)
 
     def _ref(self, adm: Admitted) -> wpb.AdapterRef:
         a = adm.adapter
         return wpb.AdapterRef(id=a.id, version=a.version, tenant=adm.caller.tenant,
                               owner=a.owner)
 
-    async def _forward(self, req, adm: Admitted, context):
-        tried: set[str] = set()
+    def _worker_request(self, req, adm: Admitted) -> wpb.WorkerGenerateRequest:
         wreq = wpb.WorkerGenerateRequest(
             request_id=adm.request_id, prompt_token_ids=req.prompt_token_ids, text=req.text,
             sampling=req.sampling, stopping=req.stopping, tenant=adm.caller.tenant)
         if adm.adapter is not None:
             wreq.adapter.CopyFrom(self._ref(adm))
+        return wreq
+
+    async def _forward(self, req, adm: Admitted, context):
+        """Stream from one worker; before the first token, one more attempt (elsewhere after a
+        lost worker, anywhere after a moved version)."""
+        if not self.app.workers.live():
+            await self.app.workers.wait_ready(timeout=min(2.0, context.time_remaining() or 2.0))
+        tried: set[str] = set()
+        span = trace.get_current_span()
         for attempt in range(2):
-            addr = self._choose(adm, tried)
+            addr = self._place(adm, tried)
             tried.add(addr)
-            started = False
-            call = self.app.workers.workers[addr].stub.Generate(
-                wreq, timeout=context.time_remaining(), metadata=outgoing_metadata())
+            span.set_attribute("lora.worker", addr)
             try:
-                async for wresp in call:
-                    started = True
-                    yield self._response(wresp, adm)
+                async for resp in self._call(addr, self._worker_request(req, adm), adm, context):
+                    yield resp
                 return
-            except grpc.RpcError as err:
-                if started or attempt == 1 or err.code() not in RETRYABLE:
-                    if started and err.code() in RETRYABLE:
-                        raise Unavailable(f"worker {addr} lost mid-stream: {err.details()}")
+            except _NotStarted as failed:
+                err = failed.error
+                if attempt == 0 and await self._version_moved(err, adm, context):
+                    tried.discard(addr)
+                    continue
+                if attempt == 1 or err.code() not in RETRYABLE:
                     raise from_rpc_error(err) from None
+                span.add_event("retry", {"lora.worker": addr, "grpc.code": err.code().name})
                 log.warning("worker %s failed before the first token (%s); retrying elsewhere",
                             addr, err.code().name)
-            finally:
-                call.cancel()
 
-    def _choose(self, adm: Admitted, tried: set[str]) -> str:
+    async def _call(self, addr: str, wreq, adm: Admitted, context):
+        """One worker call. A failure before any message raises _NotStarted; after it, a lost
+        worker is UNAVAILABLE and anything else is relayed."""
+        worker = self.app.workers.workers[addr]
+        adapter_id = adm.adapter.id if adm.adapter else None
+        started = False
+        worker.begin(adapter_id)
+        call = worker.stub.Generate(wreq, timeout=context.time_remaining(),
+                                    metadata=outgoing_metadata())
+        try:
+            async for wresp in call:
+                started = True
+                yield self._response(wresp, adm)
+        except grpc.RpcError as err:
+            if not started:
+                raise _NotStarted(err) from None
+            if err.code() in RETRYABLE:
+                raise Unavailable(f"worker {addr} lost mid-stream: {err.details()}") from None
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()           # a no-op when done; on a client cancel it reaches the worker
+            worker.end(adapter_id)
+
+    async def _version_moved(self, err: grpc.RpcError, adm: Admitted, context) -> bool:
+        """After FAILED_PRECONDITION: resolve the name again; True (adm updated) if it moved."""
+        if err.code() != grpc.StatusCode.FAILED_PRECONDITION or adm.adapter is None:
+            return False
+        self.app.resolver.invalidate(adm.name)
+        self.app.resolver.invalidate(adm.adapter.id)
+        fresh = await self.app.resolver.resolve(adm.name, adm.caller.tenant,
+                                                context.time_remaining())
+        if (fresh.id, fresh.version) == (adm.adapter.id, adm.adapter.version):
+            return False
+        log.info("adapter %s moved from %s@%s to %s@%s; retrying", adm.name, adm.adapter.id,
+                 adm.adapter.version, fresh.id, fresh.version)
+        adm.adapter = fresh
+        return True
+
+    def _place(self, adm: Admitted, tried: set[str]) -> str:
         try:
             return choose_worker(adm.adapter.id if adm.adapter else None,
-                                 self.app.workers.views(), exclude=tried)
+                                 self.app.workers.views(), exclude=tried,
+                                 spill_rows=self.app.spill_rows,
+                                 load_floor=self.app.spill_rows)
         except NoWorker as err:
             raise Unavailable(f"no worker available: {err}") from None
 
@@ -165,3 +231,11 @@ class RequestPath:
             if adm.adapter is not None:
                 out.adapter_id, out.adapter_version = adm.adapter.id, adm.adapter.version
         return out
+
+
+class _NotStarted(Exception):
+    """A worker call failed before its first message (safe to try again)."""
+
+    def __init__(self, error: grpc.RpcError):
+        super().__init__(str(error))
+        self.error = error

@@ -13,8 +13,11 @@ For an adapter:
    and has a single holder may spill: its holder and its next rendezvous choice compete on load.
 
 Base-model requests (no adapter) go to the least loaded worker. Load bound: a worker whose
-``running + waiting`` exceeds ``(1 + eps) * average + 1`` is skipped (consistent hashing with
-bounded loads, Mirrokni et al. 2018). Hashes are stable across processes (blake2b, not hash()).
+``running + waiting`` exceeds ``max(load_floor, (1 + eps) * average + 1)`` is skipped (consistent
+hashing with bounded loads, Mirrokni et al. 2018). The floor is for batching engines: rows up to a
+batch's worth cost a step next to nothing, so at low load 3 rows against 0 is no reason to move
+an adapter (and pay a cold load) — without it a handful of requests would scatter the working
+sets. Hashes are stable across processes (blake2b, not hash()).
 """
 from __future__ import annotations
 
@@ -74,12 +77,12 @@ def live_workers(workers: Mapping[str, WorkerView], exclude: Collection[str] = (
     return {w: v for w, v in workers.items() if not v.draining and w not in exclude}
 
 
-def load_bound(workers: Mapping[str, WorkerView], eps: float) -> float:
-    """The bound above which a worker is skipped: (1 + eps) * average load + 1."""
+def load_bound(workers: Mapping[str, WorkerView], eps: float, floor: float = 0.0) -> float:
+    """The bound above which a worker is skipped: (1 + eps) * average load + 1, at least floor."""
     if not workers:
         return 0.0
     average = sum(v.load for v in workers.values()) / len(workers)
-    return (1.0 + eps) * average + 1.0
+    return max(floor, (1.0 + eps) * average + 1.0)
 
 
 def least_loaded(workers: Mapping[str, WorkerView]) -> str:
@@ -102,18 +105,19 @@ def needs_two(adapter_id: str, workers: Mapping[str, WorkerView], spill_rows: in
 
 def choose_worker(adapter_id: str | None, workers: Mapping[str, WorkerView], *,
                   exclude: Collection[str] = (), eps: float = 0.25,
-                  spill_rows: int | None = None) -> str:
+                  spill_rows: int | None = None, load_floor: float = 0.0) -> str:
     """Pick the worker for a request on adapter_id (None or "": the base model).
 
     exclude: workers already tried (retries). spill_rows: enables spilling a hot adapter to a
-    second worker (see needs_two). Raises NoWorker when no worker may take it.
+    second worker (see needs_two). load_floor: no worker under this many rows counts as
+    overloaded (see load_bound). Raises NoWorker when no worker may take it.
     """
     live = live_workers(workers, exclude)
     if not live:
         raise NoWorker("no live worker" + (f" outside {sorted(exclude)}" if exclude else ""))
     if not adapter_id:
         return least_loaded(live)
-    bound = load_bound(live, eps)
+    bound = load_bound(live, eps, load_floor)
     holders = [w for w, v in live.items() if v.holds(adapter_id)]
     fit = [w for w in holders if live[w].load <= bound]
     spill = (spill_rows is not None and len(holders) == 1

@@ -1,13 +1,12 @@
 """The public GenerationService: thin methods over the router's parts (RouterApp)."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
 import grpc
 
-from services.common.errors import LorafleetError, Unavailable, from_rpc_error
+from services.common.errors import Unavailable, from_rpc_error
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
@@ -34,7 +33,9 @@ class RouterApp:
     workers: WorkerSet
     store: object           # AdapterStoreStub
     stats: RouterStats
-    per_worker: int
+    per_worker: int             # requests forwarded per live worker before the gate holds them
+    spill_rows: int = 32        # placement: an adapter's rows on one worker before it spills
+    foothold_per_worker: int = 1   # gate slots past per_worker for tenants with none in flight
 
 
 async def _store_call(coro):
@@ -89,7 +90,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     def _resize_gate(self) -> None:
         live = max(1, len(self.app.workers.live()))
-        self.app.gate.set_max_concurrency(live * self.app.per_worker)
+        self.app.gate.set_max_concurrency(live * self.app.per_worker,
+                                          live * self.app.foothold_per_worker)
         QUEUED.set(self.app.gate.waiting)
 
     def _any_worker(self):
@@ -123,13 +125,16 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def RegisterAdapter(self, request, context):
         caller = self._caller(context)
         require_admin(caller)
-        owner = request.tenant
-        if self.app.tenants.dev_mode and not owner and caller.tenant != "dev":
-            owner = ""          # dev mode: shared unless --tenant names an owner
-        resp = await _store_call(self.app.store.Register(
-            spb.RegisterRequest(id=request.id, source=request.source, owner=owner,
-                                aliases=request.aliases, replace=True),
-            timeout=context.time_remaining() or 60, metadata=outgoing_metadata()))
+        parent = incoming_context(context.invocation_metadata())
+        with _tracer.start_as_current_span("router.register", context=parent) as span:
+            span.set_attributes({"lora.tenant": caller.tenant, "lora.adapter_id": request.id,
+                                 "lora.owner": request.tenant, "lora.source": request.source})
+            # replace=True: registering an existing id makes a new version, and the aliases
+            # given move to it (the store moves them atomically): cached resolutions are stale.
+            resp = await _store_call(self.app.store.Register(
+                spb.RegisterRequest(id=request.id, source=request.source, owner=request.tenant,
+                                    aliases=request.aliases, replace=True),
+                timeout=context.time_remaining() or 60, metadata=outgoing_metadata()))
         self.app.resolver.invalidate()
         log.info("tenant %s registered adapter %s from %s", caller.tenant, request.id,
                  request.source)

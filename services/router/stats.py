@@ -1,6 +1,11 @@
 """The four health signals as the router sees them: per-tenant service and latency (with Jain's
 index), the adapter working set; cache and cold-load figures are gathered from workers and the
-store at GetStats time. Plain Python (no torch)."""
+store at GetStats time. Plain Python (no torch).
+
+On /metrics the router also shows the fleet: cache hits/misses and adapter counts per worker tier
+from the residency streams (FleetCollector, read at scrape time) and the cold-load time requests
+saw, per source tier (COLD_LOAD); the store's host tier is on the store's own /metrics.
+"""
 from __future__ import annotations
 
 import collections
@@ -8,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 REQUESTS = Counter("lorafleet_router_requests_total", "Requests by tenant and status",
                    ["tenant", "status"])
@@ -17,6 +23,10 @@ LATENCY = Histogram("lorafleet_request_seconds", "End-to-end request latency per
 THROTTLED = Counter("lorafleet_throttled_total", "Requests refused by quota", ["tenant"])
 JAIN = Gauge("lorafleet_jain_index", "Jain's fairness index over active tenants' tokens")
 QUEUED = Gauge("lorafleet_fair_queue_waiting", "Requests waiting in the fair queue")
+COLD_TIERS = {2: "worker_host", 3: "store_host", 4: "source"}   # common_pb2.Tier values
+COLD_LOAD = Histogram("lorafleet_router_cold_load_seconds",
+                      "Adapter cold-load time requests waited for, by source tier", ["tier"],
+                      buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
 
 
 def percentile(values, q: float) -> float:
@@ -73,6 +83,12 @@ class RouterStats:
         self._t(tenant).throttled += 1
         THROTTLED.labels(tenant).inc()
 
+    def cold_load(self, timings) -> None:
+        """A request that waited for its adapter to be staged (common_pb2.Timings)."""
+        tier = COLD_TIERS.get(timings.adapter_tier)
+        if tier and timings.cold_load_s > 0:
+            COLD_LOAD.labels(tier).observe(timings.cold_load_s)
+
     def saw_adapter(self, adapter_id: str) -> None:
         self._adapters_seen[adapter_id] = time.monotonic()
 
@@ -85,3 +101,40 @@ class RouterStats:
 
     def jain(self) -> float:
         return jain_index(r.tokens for r in self.tenants.values() if r.requests)
+
+
+class FleetCollector:
+    """Prometheus collector over the live residency view (services.router.workers.WorkerSet):
+    per worker tier, cache hits, misses and hit rate, and resident adapters; live workers."""
+
+    def __init__(self, workers, stats: RouterStats):
+        self.workers, self.stats = workers, stats
+
+    def collect(self):
+        live = list(self.workers.live().values())
+        counts = {"gpu": [0, 0], "worker_host": [0, 0]}
+        for w in live:
+            for tier, c in w.cache.items():
+                acc = counts.setdefault(tier, [0, 0])
+                acc[0] += c.hits
+                acc[1] += c.misses
+        names = ("hits", "misses", "hit_rate")
+        families = {n: GaugeMetricFamily(f"lorafleet_fleet_cache_{n}",
+                                         f"Adapter cache {n.replace('_', ' ')} per worker tier, "
+                                         "summed over live workers", labels=["tier"])
+                    for n in names}
+        for tier, (hits, misses) in counts.items():
+            families["hits"].add_metric([tier], hits)
+            families["misses"].add_metric([tier], misses)
+            families["hit_rate"].add_metric([tier], hits / (hits + misses) if hits + misses else 0)
+        yield from families.values()
+        resident = GaugeMetricFamily("lorafleet_fleet_adapters", "Adapters resident per worker "
+                                     "tier, summed over live workers", labels=["tier"])
+        resident.add_metric(["gpu"], sum(len(w.view().resident) for w in live))
+        resident.add_metric(["worker_host"], sum(
+            1 for w in live for a in w.adapters.values() if a.tier))
+        yield resident
+        yield GaugeMetricFamily("lorafleet_working_set_adapters", "Distinct adapters requested "
+                                "in the recent window", value=self.stats.working_set())
+        yield GaugeMetricFamily("lorafleet_workers_live", "Workers with a live residency stream",
+                                value=len(live))

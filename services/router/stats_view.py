@@ -6,7 +6,7 @@ import asyncio
 import grpc
 
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
-from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
+from services.common.gen.lorafleet.v1 import router_pb2 as rpb
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
 from services.router.stats import percentile
 

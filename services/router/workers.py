@@ -4,10 +4,16 @@ Each worker endpoint has a watcher task: it connects, takes the full snapshot, a
 sequence order, and on a broken stream marks the worker gone and reconnects with backoff (a new
 snapshot replaces everything). A `--worker` given as a DNS name (a headless Service) is
 re-resolved periodically, so pods that come and go are found.
+
+The residency stream lags the requests this router has just sent (a delta follows the worker
+taking the request), so each worker also counts this router's own requests in flight, per
+adapter: placement sees max(reported, own), and an adapter with a request on its way counts as
+held there, so a burst for one adapter is grouped onto one worker instead of scattered.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import logging
 import socket
@@ -34,14 +40,34 @@ class WorkerState:
     load: wpb.WorkerLoad = field(default_factory=wpb.WorkerLoad)
     cache: dict[str, wpb.CacheCounters] = field(default_factory=dict)
     task: asyncio.Task | None = None
+    in_flight: int = 0          # this router's requests on this worker now
+    in_flight_by_adapter: collections.Counter = field(default_factory=collections.Counter)
 
     def view(self) -> WorkerView:
         resident = {a.id for a in self.adapters.values() if a.tier == common_pb2.GPU}
         loading = {a.id for a in self.adapters.values() if a.loading}
+        loading |= {a for a, n in self.in_flight_by_adapter.items() if n > 0} - resident
         rows = {a.id: a.running + a.waiting for a in self.adapters.values()}
-        return WorkerView(resident=resident, loading=loading, running=self.load.running,
-                          waiting=self.load.waiting, kv_used=self.load.kv_used_fraction,
-                          draining=self.load.draining, adapter_rows=rows)
+        for a, n in self.in_flight_by_adapter.items():
+            rows[a] = max(rows.get(a, 0), n)
+        running = self.load.running
+        waiting = max(self.load.waiting, self.in_flight - running)
+        return WorkerView(resident=resident, loading=loading, running=running, waiting=waiting,
+                          kv_used=self.load.kv_used_fraction, draining=self.load.draining,
+                          adapter_rows=rows)
+
+    def begin(self, adapter_id: str | None) -> None:
+        """This router sent a request here (placement counts it until `end`)."""
+        self.in_flight += 1
+        if adapter_id:
+            self.in_flight_by_adapter[adapter_id] += 1
+
+    def end(self, adapter_id: str | None) -> None:
+        self.in_flight -= 1
+        if adapter_id:
+            self.in_flight_by_adapter[adapter_id] -= 1
+            if self.in_flight_by_adapter[adapter_id] <= 0:
+                del self.in_flight_by_adapter[adapter_id]
 
     def apply(self, update: wpb.ResidencyUpdate) -> None:
         if update.snapshot:

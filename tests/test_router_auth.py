@@ -1,0 +1,134 @@
+"""Through the running services with a --tenants file: tokens name tenants, only admins manage
+adapters, a tenant sees its own and shared adapters and gets the unknown-id NOT_FOUND for another
+tenant's, quotas answer RESOURCE_EXHAUSTED with a RetryInfo delay, and a moved alias or version
+is picked up at once (the resolution cache is invalidated, not waited out)."""
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+
+from services.client.client import LorafleetClient
+from services.common.errors import retry_after_of
+from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb, adapter_store_pb2_grpc
+from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
+from tests.conftest import Stack
+
+pytestmark = pytest.mark.slow
+
+TENANTS = {
+    "tenants": {
+        "ops": {"tokens": ["tok-ops"], "role": "admin"},
+        "acme": {"tokens": ["tok-acme"], "weight": 2.0},
+        "beta": {"tokens": ["tok-beta"]},
+        "slow": {"tokens": ["tok-slow"], "quota": {"requests_per_s": 2, "request_burst": 1}},
+    },
+    "default_quota": {"requests_per_s": 1000, "max_in_flight": 64},
+}
+PROMPT = dict(prompt_ids=[5, 6, 7], max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def stack(lora_fleet, tmp_path_factory):
+    base, adapters = lora_fleet
+    log_dir = tmp_path_factory.mktemp("auth")
+    tenants = log_dir / "tenants.json"
+    tenants.write_text(json.dumps(TENANTS))
+    # A long resolve TTL: anything seen "at once" below is invalidation, not expiry.
+    s = Stack(base, adapters, log_dir, router_args=["--tenants", str(tenants),
+                                                     "--resolve-ttl", "600"])
+    yield s
+    assert all(code == 0 for code in s.terminate())
+
+
+def client(stack, token=None) -> LorafleetClient:
+    return LorafleetClient(stack.router.addr, token, timeout=30)
+
+
+def rpc_error(fn, *args, **kw) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, **kw)
+    return info.value
+
+
+def test_missing_or_unknown_token_is_unauthenticated(stack):
+    for token in (None, "tok-nobody"):
+        with client(stack, token) as c:
+            for call in (lambda: c.generate(adapter="a00", **PROMPT), c.adapters, c.stats):
+                assert rpc_error(call).code() == grpc.StatusCode.UNAUTHENTICATED
+    with client(stack, "tok-acme") as c:
+        assert c.generate(adapter="a00", **PROMPT).adapter_id == "a00"
+
+
+def test_only_admins_register_or_delete(stack):
+    with client(stack, "tok-acme") as c:
+        err = rpc_error(c.register, "mine", "file://a01", tenant="acme")
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert rpc_error(c.delete, "a00").code() == grpc.StatusCode.PERMISSION_DENIED
+    with client(stack, "tok-ops") as c:
+        assert c.register("ops-tmp", "file://a01").id == "ops-tmp"
+        c.delete("ops-tmp")
+
+
+def test_private_adapters_are_invisible_to_other_tenants(stack):
+    with client(stack, "tok-ops") as ops:
+        info = ops.register("acme-private", "file://a01", tenant="acme")
+        assert info.owner == "acme" and not info.shared
+    with client(stack, "tok-acme") as acme:
+        assert acme.generate(adapter="acme-private", **PROMPT).adapter_id == "acme-private"
+        mine = {a.id for a in acme.adapters()}
+        assert {"acme-private", "a00", "a49"} <= mine
+    with client(stack, "tok-beta") as beta:
+        hidden = rpc_error(beta.generate, adapter="acme-private", **PROMPT)
+        unknown = rpc_error(beta.generate, adapter="no-such-adapter", **PROMPT)
+        assert hidden.code() == unknown.code() == grpc.StatusCode.NOT_FOUND
+        assert (hidden.details().replace("acme-private", "X")
+                == unknown.details().replace("no-such-adapter", "X"))
+        visible = {a.id for a in beta.adapters()}
+        assert "acme-private" not in visible and {"a00", "a49"} <= visible   # shared: seen
+        assert beta.generate(adapter="a07", **PROMPT).adapter_id == "a07"
+
+
+def test_quota_answers_resource_exhausted_with_retry_delay(stack):
+    with client(stack, "tok-slow") as c:
+        c.generate(adapter="a00", **PROMPT)
+        err = rpc_error(c.generate, adapter="a00", **PROMPT)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        delay = retry_after_of(err)
+        assert delay is not None and 0 < delay <= 0.5 + 0.05, delay
+        time.sleep(delay + 0.05)
+        assert c.generate(adapter="a00", **PROMPT).stop_reason
+    with client(stack, "tok-ops") as ops:
+        slow = {t.tenant: t for t in ops.stats().tenants}["slow"]
+        assert (slow.requests, slow.throttled) == (2, 1)
+
+
+def test_alias_move_is_seen_at_once(stack):
+    with client(stack, "tok-ops") as ops, client(stack, "tok-acme") as acme:
+        ops.register("acme-v1", "file://a02", tenant="acme", aliases=["acme-chat"])
+        assert acme.generate(adapter="acme-chat", **PROMPT).adapter_id == "acme-v1"
+        ops.register("acme-v2", "file://a03", tenant="acme", aliases=["acme-chat"])
+        assert acme.generate(adapter="acme-chat", **PROMPT).adapter_id == "acme-v2"
+        old = ops.register("acme-v1", "file://a04", tenant="acme")      # a new version
+        resp = acme.generate(adapter="acme-v1", **PROMPT)
+        assert (resp.adapter_id, resp.adapter_version) == ("acme-v1", old.version)
+
+
+def test_version_moved_behind_the_routers_back_is_retried(stack):
+    """The store gets a new version directly (as through another router); the worker, sent the
+    cached old version, gets FAILED_PRECONDITION from the store; the router resolves again."""
+    with client(stack, "tok-ops") as ops, client(stack, "tok-acme") as acme:
+        first = ops.register("acme-v3", "file://a05", tenant="acme")
+        assert acme.generate(adapter="acme-v3", **PROMPT).adapter_version == first.version
+        with grpc.insecure_channel(stack.workers[0].addr) as ch:   # not cached on the worker
+            worker_pb2_grpc.WorkerStub(ch).OffloadAdapter(
+                wpb.OffloadAdapterRequest(id="acme-v3", to_host=False), timeout=10)
+        with grpc.insecure_channel(stack.store.addr) as ch:
+            second = adapter_store_pb2_grpc.AdapterStoreStub(ch).Register(spb.RegisterRequest(
+                id="acme-v3", source="file://a06", owner="acme", replace=True),
+                timeout=30).adapter
+        assert second.version != first.version
+        resp = acme.generate(adapter="acme-v3", **PROMPT)
+        assert (resp.adapter_id, resp.adapter_version) == ("acme-v3", second.version)

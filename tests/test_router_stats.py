@@ -1,0 +1,111 @@
+"""`lorafleet stats --json` (the real CLI, as a subprocess) after a known run shows every field of
+DESIGN.md's operator contract, with values that agree with what was sent: requests and tokens per
+tenant, one cold load per source tier as staged, hits and misses per tier, adapter counts; the
+router's /metrics carries the same signals."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+
+from services.client.client import LorafleetClient
+from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
+from tests.conftest import Stack
+from tests.support import S3_ENV, MotoS3, free_port
+
+pytestmark = pytest.mark.slow
+
+BUCKET = "lorafleet-stats"
+NEW = 4     # tokens per request (ignore_eos: exact)
+
+
+def cli(*args: str) -> str:
+    exe = pathlib.Path(sys.executable).parent / "lorafleet"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "services.client.cli"]
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
+    base, adapters = lora_fleet
+    moto = MotoS3(tmp_path)
+    s3 = moto.client()
+    s3.create_bucket(Bucket=BUCKET)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        s3.put_object(Bucket=BUCKET, Key=f"shared/cold/{name}",
+                      Body=(adapters / "a20" / name).read_bytes())
+    metrics_port = free_port()
+    stack = Stack(base, adapters, tmp_path, env=S3_ENV, store_args=["--s3-endpoint", moto.endpoint],
+                  router_args=["--metrics-port", str(metrics_port)])
+    try:
+        router = stack.router.addr
+        cli("--router", router, "--token", "ops", "register", "--id", "cold2",
+            "--source", f"s3://{BUCKET}/shared/cold")
+        run = {"t1": ["a00", "a01", "a02", "a00", "a01", "a02"], "t2": ["a00"] * 4,
+               "t3": ["", "", "cold2"]}
+        for tenant, names in run.items():
+            with LorafleetClient(router, tenant) as c:
+                for name in names:
+                    c.generate(adapter=name, prompt_ids=[7, 8, 9], max_new_tokens=NEW,
+                               ignore_eos=True)
+        with grpc.insecure_channel(stack.workers[0].addr) as ch:
+            worker = worker_pb2_grpc.WorkerStub(ch)
+            worker.OffloadAdapter(wpb.OffloadAdapterRequest(id="a01", to_host=True))
+            worker.OffloadAdapter(wpb.OffloadAdapterRequest(id="a02", to_host=False))
+        with LorafleetClient(router, "t3") as c:
+            tiers = [c.generate(adapter=a, prompt_ids=[7, 8, 9], max_new_tokens=NEW,
+                                ignore_eos=True).timings.adapter_tier for a in ("a01", "a02")]
+        assert tiers == [2, 3]                            # WORKER_HOST, STORE_HOST
+        run["t3"] += ["a01", "a02"]
+        stats = json.loads(cli("--router", router, "stats", "--json"))
+        text = cli("--router", router, "stats")
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                         timeout=10).read().decode()
+    finally:
+        codes = stack.terminate()
+        moto.stop()
+    assert all(code == 0 for code in codes)
+    print("\n" + text)
+
+    assert set(stats) >= {"cache", "cold_load_seconds", "tenants", "jain_index", "adapters"}
+    tenants = stats["tenants"]
+    assert set(tenants) == set(run)
+    for name, sent in run.items():
+        t = tenants[name]
+        assert (t["requests"], t["tokens_served"], t["throttled"]) == (len(sent),
+                                                                       NEW * len(sent), 0)
+        assert 0 < t["p50_latency_s"] <= t["p99_latency_s"]
+    tokens = [NEW * len(sent) for sent in run.values()]
+    assert stats["jain_index"] == pytest.approx(sum(tokens) ** 2 /
+                                                (len(tokens) * sum(x * x for x in tokens)))
+
+    with_adapter = sum(1 for names in run.values() for n in names if n)     # 13
+    distinct = {n for names in run.values() for n in names if n}            # a00 a01 a02 cold2
+    cache = stats["cache"]
+    # GPU: a miss per staging (4 first loads, a01 and a02 again), a hit for every other request.
+    assert (cache["gpu"]["misses"], cache["gpu"]["hits"]) == (6, with_adapter - 6)
+    assert (cache["worker_host"]["hits"], cache["worker_host"]["misses"]) == (1, 5)
+    assert (cache["store_host"]["hits"], cache["store_host"]["misses"]) == (1, 4)
+    for tier in cache.values():
+        total = tier["hits"] + tier["misses"]
+        assert tier["hit_rate"] == pytest.approx(tier["hits"] / total)
+    cold = stats["cold_load_seconds"]
+    assert {k: v["count"] for k, v in cold.items()} == {"source": 4, "store_host": 1,
+                                                        "worker_host": 1}
+    for v in cold.values():
+        assert 0 < v["p50"] <= v["p95"] <= v["p99"]
+    assert stats["adapters"] == {"registered": 51, "store_host": 4, "worker_host": 4,
+                                 "gpu_resident": 4, "working_set": len(distinct)}
+
+    for line in ('lorafleet_router_requests_total{status="OK",tenant="t1"} 6.0',
+                 'lorafleet_tokens_served_total{tenant="t2"} 16.0',
+                 'lorafleet_fleet_cache_misses{tier="gpu"} 6.0',
+                 'lorafleet_router_cold_load_seconds_count{tier="source"} 4.0',
+                 'lorafleet_fleet_adapters{tier="gpu"} 4.0', "lorafleet_jain_index "):
+        assert line in metrics, line
