@@ -21,6 +21,7 @@ from services.common.errors import ResourceExhausted
 from services.common.gen.lorafleet.v1 import common_pb2
 from services.common.telemetry import tracer
 from services.worker.adapter_layout import AdapterLayout, build_layout
+from services.worker import metrics
 from services.worker.device_pool import DevicePool, PoolFull
 from services.worker.model_spec import ModelSpec
 from services.worker.store_client import StoreClient
@@ -80,7 +81,9 @@ class AdapterManager:
         if slot is not None and self.gpu.touch(key):
             self.gpu.pin(key)
             self._use(key, +1)
+            metrics.CACHE.labels("gpu", "hit").inc()
             return Acquired(key, slot, common_pb2.GPU, 0.0)
+        metrics.CACHE.labels("gpu", "miss").inc()
         start = time.monotonic()
         with _tracer.start_as_current_span("lora.cold_load") as span:
             span.set_attributes({"lora.adapter_id": adapter_id, "lora.version": version,
@@ -139,7 +142,9 @@ class AdapterManager:
 
     async def _host_layout(self, key, adapter_id, version, tenant, deadline):
         if key in self.host_blobs and self.host.touch(key):
+            metrics.CACHE.labels("worker_host", "hit").inc()
             return self.host_blobs[key], common_pb2.WORKER_HOST
+        metrics.CACHE.labels("worker_host", "miss").inc()
         timeout = None if deadline is None else max(0.01, deadline - time.monotonic())
         with _tracer.start_as_current_span("lora.store_fetch") as span:
             fetched = await self.store.fetch(adapter_id, version, timeout)
@@ -232,7 +237,17 @@ class AdapterManager:
         return dropped
 
     def _record_cold(self, tier: int, seconds: float) -> None:
+        metrics.COLD_LOAD.labels(common_pb2.Tier.Name(tier).lower()).observe(seconds)
+        self._gauges()
         samples = self.cold_loads.setdefault(tier, [])
         samples.append(seconds)
         del samples[:-512]
         self.cold_load_count[tier] = self.cold_load_count.get(tier, 0) + 1
+
+    def _gauges(self) -> None:
+        """Adapter counts per tier and evictions per tenant, for /metrics."""
+        metrics.ADAPTERS.labels("gpu").set(sum(1 for i in self.info.values() if i.gpu))
+        metrics.ADAPTERS.labels("worker_host").set(len(self.host_blobs))
+        for tier, policy in (("gpu", self.gpu), ("worker_host", self.host)):
+            for tenant, st in policy.stats().items():
+                metrics.EVICTIONS.labels(tier, tenant).set(st.evictions)
