@@ -131,6 +131,7 @@ def test_cold_request_is_one_trace_across_the_services(lora_fleet, moto, tmp_pat
     assert fetch["attributes"]["lora.bytes"] == info.bytes
     gets = trace.named("s3.get")                 # adapter_config.json and the weights
     assert len(gets) == 2 and all(trace.parent(g) is fetch for g in gets)
+    assert trace.parent(trace.one("store.verify")) is fetch      # the digest check
     assert sum(g["attributes"]["lora.bytes"] for g in gets) > info.bytes
     assert trace.parent(trace.one("lora.host_to_device")) is cold
 

@@ -8,6 +8,7 @@ again and recomputes both: a mismatch is DATA_LOSS and nothing is cached.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pathlib
 import re
@@ -183,8 +184,14 @@ class AdapterStore:
         ref = parse_source(record.source, self._bucket)
         start = time.perf_counter()
         try:
-            raw = await asyncio.to_thread(self._reader.read, ref, remaining)
-            _, version, sha = await asyncio.to_thread(digests, raw.config, raw.blob)
+            # s3:// reads show as s3.get spans (sources.py); a local read gets one of its own
+            read_span = (_tracer.start_as_current_span("store.source_read") if ref.kind == "file"
+                         else contextlib.nullcontext())
+            with read_span:
+                raw = await asyncio.to_thread(self._reader.read, ref, remaining)
+            with _tracer.start_as_current_span("store.verify") as span:
+                span.set_attribute("lora.bytes", len(raw.blob))
+                _, version, sha = await asyncio.to_thread(digests, raw.config, raw.blob)
         except LorafleetError as exc:
             metrics.observe_source_load(self._window, ref.kind, "error", 0.0)
             log.warning("staging %r from %s failed: %s", record.id, ref.uri, exc.message)

@@ -54,3 +54,20 @@ def parse_bytes(text: str | int) -> int:
     if unit not in _UNITS or not num:
         raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB)")
     return int(float(num) * _UNITS[unit])
+
+
+def run_service(service: str, parse, main_async) -> int:
+    """A service's main(): build the config (a bad one exits 2 with the reason), then logging,
+    tracing and /metrics, then serve until SIGTERM."""
+    import asyncio
+    from services.common.telemetry import setup_tracing
+    try:
+        cfg = parse()
+    except ValueError as exc:
+        print(f"{service}: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(service, cfg.log_level)
+    setup_tracing(f"lorafleet-{service}", cfg.otlp_endpoint, cfg.trace_file)
+    start_metrics(cfg.metrics_port)
+    asyncio.run(main_async(cfg))
+    return 0

@@ -8,9 +8,8 @@ import sys
 from prometheus_client import REGISTRY
 
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, router_pb2_grpc
-from services.common.runtime import setup_logging, start_metrics
+from services.common.runtime import run_service
 from services.common.server import channel, create_server, serve, server_credentials
-from services.common.telemetry import setup_tracing
 from services.router.auth import Tenants
 from services.router.config import RouterConfig, parse_args
 from services.router.fair_queue import FairGate
@@ -57,12 +56,7 @@ async def main_async(cfg: RouterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    setup_logging("router", cfg.log_level)
-    setup_tracing("lorafleet-router", cfg.otlp_endpoint, cfg.trace_file)
-    start_metrics(cfg.metrics_port)
-    asyncio.run(main_async(cfg))
-    return 0
+    return run_service("router", lambda: parse_args(argv), main_async)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ import uuid
 import torch
 
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
-from services.common.runtime import setup_logging, start_metrics
+from services.common.runtime import run_service
 from services.common.server import channel, create_server, serve, server_credentials
-from services.common.telemetry import setup_tracing
 from services.worker import metrics
 from services.worker.adapter_manager import AdapterManager
 from services.worker.config import WorkerConfig, parse_args
@@ -87,12 +86,7 @@ async def main_async(cfg: WorkerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    setup_logging("worker", cfg.log_level)
-    setup_tracing("lorafleet-worker", cfg.otlp_endpoint, cfg.trace_file)
-    start_metrics(cfg.metrics_port)
-    asyncio.run(main_async(cfg))
-    return 0
+    return run_service("worker", lambda: parse_args(argv), main_async)
 
 
 if __name__ == "__main__":

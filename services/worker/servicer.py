@@ -45,6 +45,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.cfg, self.built, self.engine = cfg, built, built.engine
         self.manager, self.feed, self.worker_id = manager, feed, worker_id
         self.draining = False
+        self._background: set[asyncio.Task] = set()   # prefetch tasks, referenced until done
 
     def _prompt(self, request: wpb.WorkerGenerateRequest) -> list[int]:
         if request.prompt_token_ids:
@@ -141,8 +142,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return wpb.OffloadAdapterResponse()
 
     async def Prefetch(self, request, context):
-        for a in request.adapters:
-            asyncio.get_running_loop().create_task(self._prefetch(a))
+        parent = incoming_context(context.invocation_metadata())
+        for a in request.adapters:                 # the staging joins the caller's trace
+            with _tracer.start_as_current_span("worker.prefetch", context=parent) as span:
+                span.set_attribute("lora.adapter_id", a.id)
+                task = asyncio.get_running_loop().create_task(self._prefetch(a))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         return wpb.PrefetchResponse()
 
     async def _prefetch(self, a) -> None:
