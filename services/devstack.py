@@ -45,7 +45,8 @@ def main() -> int:
                            "--db", "state/adapter_store.sqlite"], f"{h}:7003"),
         ("worker", [py, "-m", "services.worker", "--listen", f"{h}:7002", "--model", a.model,
                     "--store", f"{h}:7003"], f"{h}:7002"),
-        ("router", [py, "-m", "services.router", "--listen", f"{h}:7001", "--store", f"{h}:7003",
+        ("router", [py, "-m", "services.router", "--listen", f"{h}:7001", "--http-listen",
+                    f"{h}:8080", "--store", f"{h}:7003",
                     "--worker", f"{h}:7002"], f"{h}:7001"),
     ]
     procs = []

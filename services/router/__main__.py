@@ -13,6 +13,7 @@ from services.common.server import channel, create_server, serve, server_credent
 from services.router.auth import Tenants
 from services.router.config import RouterConfig, parse_args
 from services.router.fair_queue import FairGate
+from services.router.openai_gateway import OpenAIGateway
 from services.router.quotas import Quotas
 from services.router.resolve import Resolver
 from services.router.servicer import GenerationServicer, RouterApp
@@ -51,8 +52,26 @@ async def main_async(cfg: RouterConfig) -> None:
         server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
     log.info("router serving on port %d; workers %s; store %s; fair queue %s", port,
              ", ".join(cfg.workers), cfg.store, "on" if cfg.fair else "off")
-    await serve(server, health, cfg.grace, name="router")
+    gateway = None
+    if cfg.http_listen:
+        gateway = OpenAIGateway(servicer, await _base_model_name(servicer))
+        http_port = await gateway.start(cfg.http_listen)
+        log.info("OpenAI-compatible HTTP gateway on port %d (/v1/completions, "
+                 "/v1/chat/completions, /v1/models)", http_port)
+    await serve(server, health, cfg.grace, name="router",
+                on_drain=gateway.stop if gateway else None)
     await workers.close()
+
+
+async def _base_model_name(servicer) -> str:
+    """The served base model's name (the gateway's model for base requests), if a worker is up."""
+    class _Ctx:
+        def invocation_metadata(self):
+            return []
+    try:
+        return (await servicer.ModelInfo(None, _Ctx())).model_name
+    except Exception:  # noqa: BLE001 - no worker yet: base requests use model ""
+        return ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from services.common.runtime import add_common_flags
 @dataclass(frozen=True)
 class RouterConfig:
     listen: str = "127.0.0.1:7001"
+    http_listen: str = ""               # OpenAI-compatible HTTP gateway; "" = off
     store: str = "127.0.0.1:7003"
     workers: tuple[str, ...] = ("127.0.0.1:7002",)
     tenants: str | None = None
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                                 description="lorafleet router: the public GenerationService")
     add_common_flags(p, listen="127.0.0.1:7001", metrics_port=9101, grace=10.0)
     p.add_argument("--store", default="127.0.0.1:7003", help="adapter-store address")
+    p.add_argument("--http-listen", default="",
+                   help="host:port for the OpenAI-compatible HTTP gateway (/v1/completions, "
+                        "/v1/chat/completions, /v1/models); empty = off")
     p.add_argument("--worker", action="append", default=[],
                    help="worker address, repeatable; a DNS name (headless Service) is "
                         "re-resolved periodically (default 127.0.0.1:7002)")
@@ -70,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                    help="seconds between re-resolving DNS worker names")
     a = p.parse_args(argv)
     return RouterConfig(
-        listen=a.listen, store=a.store, workers=tuple(a.worker or ["127.0.0.1:7002"]),
+        listen=a.listen, http_listen=a.http_listen, store=a.store, workers=tuple(a.worker or ["127.0.0.1:7002"]),
         tenants=a.tenants, fair=a.fair_queue == "on",
         max_in_flight_per_worker=a.max_in_flight_per_worker, spill_rows=a.spill_rows,
         foothold_per_worker=a.foothold_per_worker,
