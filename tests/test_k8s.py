@@ -350,7 +350,8 @@ def side_allows(policies, pod: Endpoint, peer: Endpoint, port: int, proto: str, 
 
 
 def expected_flows(components: set[str]) -> set[tuple]:
-    flows = {(src, "router", 7001, "TCP") for src in ["client", "prometheus", "other-pod"]}
+    flows = {(src, "router", port, "TCP") for src in ["client", "prometheus", "other-pod"]
+             for port in (7001, 8080)}
     flows |= {("prometheus", "router", 9101, "TCP"), ("prometheus", "adapter-store", 9103, "TCP"),
               ("prometheus", "worker", 9102, "TCP"), ("router", "adapter-store", 7003, "TCP"),
               ("router", "worker", 7002, "TCP"), ("worker", "adapter-store", 7003, "TCP")}
@@ -404,7 +405,7 @@ def test_network_policies_allow_exactly_the_intended_flows(docs):
     names = {ep.name for ep in inside}
     between = {f for f in expected if {f[0], f[1]} <= names}
     slack = {"Egress": {("adapter-store", n, 9000, "TCP") for n in names},
-             "Ingress": {(n, "router", 7001, "TCP") for n in names}}
+             "Ingress": {(n, "router", p, "TCP") for n in names for p in (7001, 8080)}}
     for side in ("Egress", "Ingress"):
         one_side = {f for f in allowed_flows(policies, inside, ports, (side,)) if {f[0], f[1]} <= names}
         assert one_side == between | slack[side], (side, sorted(one_side ^ (between | slack[side])))
