@@ -62,7 +62,10 @@ def main() -> int:
               "  .venv/bin/lorafleet adapters\n"
               "  .venv/bin/lorafleet generate --adapter pirate --max-new-tokens 24 "
               "'Tell me about the weather.'\n"
-              "  .venv/bin/lorafleet stats\nCtrl-C stops all three.\n", flush=True)
+              "  .venv/bin/lorafleet stats\n"
+              "  curl -s 127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' "
+              "-d '{\"model\": \"poet\", \"prompt\": \"Hello!\", \"max_tokens\": 24}'\n"
+              "Ctrl-C stops all three.\n", flush=True)
         while all(pr.poll() is None for pr in procs):
             time.sleep(0.5)
         print("a service exited; stopping the rest", file=sys.stderr)
