@@ -221,7 +221,12 @@ def main() -> int:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-peft", action="store_true")
+    p.add_argument("--attn-config", default="", help="decode attention BLOCK_N,WARPS,STAGES")
     a = p.parse_args()
+    if a.attn_config:
+        from kernels.attention_triton import DECODE_CONFIG
+        bn, warps, stages = (int(x) for x in a.attn_config.split(","))
+        DECODE_CONFIG.update(block_n=bn, num_warps=warps, num_stages=stages)
     a.layers, a.prompt, a.new = (4, 32, 16) if a.quick else (32, 128, 128)
     a.batch = [8] if a.quick else [32, 64]
     a.distinct = [1, 4] if a.quick else [1, 8, 32, 128]
@@ -238,6 +243,8 @@ def main() -> int:
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "python": platform.python_version(),
               "layers": a.layers, "prompt": a.prompt, "new": a.new, "copy_tb_s": bw / 1e12,
+              "attention_decode_config": __import__("kernels.attention_triton",
+                                                    fromlist=["x"]).DECODE_CONFIG,
               "floor_ms": 1e3 * meta["weight_bytes"] / bw, **meta}
     write(pathlib.Path(a.out), rows, header)
     print((pathlib.Path(a.out) / "e2e-h200.md").read_text())

@@ -162,10 +162,16 @@ def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
         raise ValueError("q_seq, q_pos [T] and block_tables [S, MB] expected")
 
 
+# Launch shape of decode steps (one row per sequence): key tile, warps, pipeline stages.
+# bench/attn_tune.py measures the alternatives on a GPU.
+DECODE_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}      # H200: attn-tune-h200.txt
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
                            scale: float, max_context: int, rows_per_program: int | None = None,
-                           block_n: int = 64) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Causal paged attention of each row over its sequence's cache; see kernels.attention_ref.
 
     rows_per_program bounds a prefill run (default: 1 when T <= S, as in decode, else enough
@@ -176,8 +182,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bs, h_kv = k_cache.shape[1], k_cache.shape[2]
     group = h_q // h_kv
     group_pad = triton.next_power_of_2(group)
+    decode = t_rows <= block_tables.shape[0]
+    cfg = DECODE_CONFIG if decode else {"block_n": 64, "num_warps": 4, "num_stages": 2}
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
     if rows_per_program is None:
-        rows_per_program = 1 if t_rows <= block_tables.shape[0] else max(1, 64 // group_pad)
+        rows_per_program = 1 if decode else max(1, 64 // group_pad)
     rows = max(triton.next_power_of_2(rows_per_program), triton.cdiv(16, group_pad))
     ctx_cap = min(block_tables.shape[1], triton.cdiv(max_context, bs)) * bs
     out = torch.empty_like(q)
@@ -193,5 +204,5 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=(q.dtype == torch.bfloat16 and not q.is_cuda),
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     return out
