@@ -8,7 +8,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Mapping
 
-from services.common.runtime import add_common_flags, parse_bytes
+from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -58,10 +58,9 @@ class StoreConfig:
         _require(self.tenant_share is None or 0 < self.tenant_share <= 1,
                  "tenant_share must be in (0, 1] or None")
         _require(bool(self.db), "--db must not be empty")
-        _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
         _require(self.s3_connect_timeout > 0 and self.s3_read_timeout > 0,
                  "S3 timeouts must be > 0")
-        _require(":" in self.listen, f"--listen must be HOST:PORT, got {self.listen!r}")
+        check_common(self)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -114,6 +113,4 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
         s3_region=args.s3_region or env.get("AWS_REGION") or "us-east-1",
         db=args.db, max_rank=args.max_rank, host_cache_bytes=args.host_cache_bytes,
         max_adapter_bytes=args.max_adapter_bytes, chunk_bytes=args.chunk_bytes,
-        metrics_port=args.metrics_port, grace=args.grace, log_level=args.log_level,
-        otlp_endpoint=args.otlp_endpoint, trace_file=args.trace_file,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+        **common_values(args))

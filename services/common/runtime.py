@@ -21,6 +21,27 @@ def start_metrics(port: int, host: str = "0.0.0.0") -> int:
     return server.server_port
 
 
+COMMON_FIELDS = ("metrics_port", "grace", "log_level", "otlp_endpoint", "trace_file",
+                 "tls_cert", "tls_key", "tls_ca")
+
+
+def common_values(args) -> dict:
+    """The values of the flags add_common_flags defines, as config keyword arguments."""
+    return {name: getattr(args, name) for name in COMMON_FIELDS}
+
+
+def check_common(cfg) -> None:
+    """Checks every service config runs on the common fields (raises ValueError)."""
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if cfg.grace < 0:
+        raise ValueError(f"--grace must be >= 0, got {cfg.grace}")
+    if not 0 <= cfg.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be a port (0 = off), got {cfg.metrics_port}")
+    if ":" not in cfg.listen:
+        raise ValueError(f"--listen must be HOST:PORT, got {cfg.listen!r}")
+
+
 def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> None:
     """Flags every service takes (see README: operator contract)."""
     parser.add_argument("--listen", default=listen, help=f"host:port to serve gRPC on ({listen})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.runtime import add_common_flags
+from services.common.runtime import add_common_flags, check_common, common_values
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,7 @@ class RouterConfig:
             raise ValueError("--spill-rows must be >= 1")
         if self.resolve_ttl < 0:
             raise ValueError("--resolve-ttl must be >= 0")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
+        check_common(self)
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -79,6 +78,4 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         max_in_flight_per_worker=a.max_in_flight_per_worker, spill_rows=a.spill_rows,
         foothold_per_worker=a.foothold_per_worker,
         resolve_ttl=a.resolve_ttl,
-        dns_period=a.dns_period, metrics_port=a.metrics_port, grace=a.grace,
-        log_level=a.log_level, otlp_endpoint=a.otlp_endpoint, trace_file=a.trace_file,
-        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca)
+        dns_period=a.dns_period, **common_values(a))

@@ -5,7 +5,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from services.common.runtime import add_common_flags, parse_bytes
+from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class WorkerConfig:
             raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
+        check_common(self)
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -82,7 +83,5 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         pool_slots=a.pool_slots, host_pool_bytes=a.host_pool_bytes, block_size=a.block_size,
         max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
         max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
-        tenant_share=a.tenant_share, metrics_port=a.metrics_port, grace=a.grace,
-        log_level=a.log_level, otlp_endpoint=a.otlp_endpoint, trace_file=a.trace_file,
-        tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca, worker_id=a.worker_id,
+        tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
         cpu_threads=a.cpu_threads)
