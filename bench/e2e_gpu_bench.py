@@ -222,17 +222,25 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-peft", action="store_true")
     p.add_argument("--attn-config", default="", help="decode attention BLOCK_N,WARPS,STAGES")
+    p.add_argument("--batches", default="", help="override: batch sizes, e.g. 64")
+    p.add_argument("--distincts", default="", help="override: distinct adapter counts, e.g. 1,32")
+    p.add_argument("--new", type=int, default=0, help="override: new tokens per request")
     a = p.parse_args()
     if a.attn_config:
         from kernels.attention_triton import DECODE_CONFIG
         bn, warps, stages = (int(x) for x in a.attn_config.split(","))
         DECODE_CONFIG.update(block_n=bn, num_warps=warps, num_stages=stages)
-    a.layers, a.prompt, a.new = (4, 32, 16) if a.quick else (32, 128, 128)
+    a.layers, a.prompt, a.new_default = (4, 32, 16) if a.quick else (32, 128, 128)
     a.batch = [8] if a.quick else [32, 64]
     a.distinct = [1, 4] if a.quick else [1, 8, 32, 128]
     a.peft_distinct = [1, 4] if a.quick else [1, 8, 32]
     a.peft_new = 4 if a.quick else 8
     a.kv_gib, a.pool_gib = (2, 1) if a.quick else (24, 6)
+    if a.batches:
+        a.batch = [int(x) for x in a.batches.split(",")]
+    if a.distincts:
+        a.distinct = [int(x) for x in a.distincts.split(",")]
+    a.new = a.new or a.new_default
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     rows, meta = engine_rows(a, device)

@@ -2,6 +2,8 @@
 # The GPU checks and benchmarks, as run on the H200 through the device tool (results in $OUT):
 #   bash bench/h200_run.sh quick     # smoke: GPU tests + small benchmark shapes
 #   bash bench/h200_run.sh full      # the benchmarks of bench/results/*-h200.*
+#   bash bench/h200_run.sh check     # GPU tests, a decode profile, batch-64 end to end
+#   bash bench/h200_run.sh sweep     # SGMV tile sweep (bench/sgmv_sweep.py)
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
 set -u
 MODE=${1:-quick}
@@ -15,7 +17,15 @@ python3 -c "import torch, triton, transformers, peft; print('torch', torch.__ver
 step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t))s: $1 $2"; }
 VLLM=()
 [ -d .peers/vllm_lora_ops ] && VLLM=(--vllm-src .peers/vllm_lora_ops)
-if [ "$MODE" = quick ]; then
+if [ "$MODE" = check ]; then
+  step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_sgmv.py \
+       tests/test_sgmv_split.py tests/test_gpu.py 2>&1 | tail -15
+  step python3 bench/profile_decode.py --layers 4 --batch 64 --distinct 32 2>&1 | tail -32
+  step python3 bench/e2e_gpu_bench.py --no-peft --batches 64 --distincts 1,32 --new 64 \
+       --out "$OUT/e2e" 2>&1 | tail -12
+elif [ "$MODE" = sweep ]; then
+  step python3 bench/sgmv_sweep.py --out "$OUT" "${@:2}" 2>&1 | tail -60
+elif [ "$MODE" = quick ]; then
   step python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu.py tests/test_sgmv.py \
        tests/test_attention.py 2>&1 | tail -40
   step python3 bench/kernel_bench.py --quick "${VLLM[@]}" --out "$OUT" 2>&1 | tail -30

@@ -265,35 +265,51 @@ def _kwargs(fn, available):
 
 # ----------------------------------------------------------------------------------------------
 def time_us(fn, device, warmup_ms, rep_ms):
-    """Median µs: CUDA-graph replays under do_bench (L2 flushed) on GPU, wall clock on CPU."""
-    fn()
+    """Median µs per call: CUDA-graph replays under do_bench (L2 flushed) on GPU, wall clock on CPU.
+
+    fn may be a list of calls: they are captured back to back in one graph and the replay time is
+    divided by their number ("chain": how kernels run inside the engine's decode graph, where one
+    graph launch serves hundreds of kernels). One call alone per graph includes the fixed cost of
+    a graph launch (header graph_floor_us)."""
+    fns = fn if isinstance(fn, list) else [fn]
+    for f in fns:
+        f()
     if device.type != "cuda":
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
+            for f in fns:
+                f()
+            times.append((time.perf_counter() - t0) * 1e6 / len(fns))
         return statistics.median(times)
     import triton
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        for f in fns:
+            f()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for f in fns:
+            f()
     ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     del graph
-    return ms * 1e3
+    return ms * 1e3 / len(fns)
 
 
 def copy_tbps(device, gib, warmup_ms, rep_ms):
-    """Device-to-device copy bandwidth, bytes read + written per second, in TB/s."""
+    """Device-to-device copy bandwidth, bytes read + written per second, in TB/s. Timed eagerly:
+    inside a CUDA graph a plain copy becomes a copy-engine node, far slower than the SMs' copy."""
     n = int(gib * 2 ** 30)
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src), device, warmup_ms, rep_ms)
+    if device.type == "cuda":
+        import triton
+        us = triton.testing.do_bench(lambda: dst.copy_(src), warmup=warmup_ms, rep=rep_ms,
+                                     return_mode="median") * 1e3
+    else:
+        us = time_us(lambda: dst.copy_(src), device, warmup_ms, rep_ms)
     del src, dst
     return 2 * n / (us * 1e-6) / 1e12
 
@@ -306,25 +322,31 @@ def base_bytes(p, elem):
     return elem * (2 * p["t"] * p["hidden"] + p["hidden"] ** 2)
 
 
-def measure(name, p, device, vllm, args):
-    """One row: median µs and the error of one run from y0 against the fp32 reference."""
+def measure(name, probs, device, vllm, args):
+    """One row: median µs of one call per graph, and per call in a chain over all the problems
+    (each with its own weights and inputs, so every call reads cold memory after the L2 flush);
+    the error of one run of the first problem from y0 against the fp32 reference."""
+    p = probs[0]
     row = {"impl": name, "T": p["t"], "n": p["n"], "rank": p["rank"], "median_us": None,
-           "max_err": None, "ok": False}
+           "chain_us": None, "max_err": None, "ok": False}
     try:
-        if name == "base":
-            out = torch.empty_like(p["y0"])
-            fn = lambda: torch.mm(p["x"], p["w"], out=out)            # noqa: E731
-            fn()
-            ref = p["x"].float() @ p["w"].float()
-        else:
-            out = p["y0"].clone()
-            fn = impl_fn(name, p, out, vllm)
-            fn()
-            ref = reference(p)
-        err = (out.float() - ref).abs()
-        row["max_err"] = float(err.max())
-        row["ok"] = bool((err / (1 + ref.abs())).max() <= TOL)
-        row["median_us"] = round(time_us(fn, device, args.warmup_ms, args.rep_ms), 2)
+        fns = []
+        for i, q in enumerate(probs):
+            if name == "base":
+                out = torch.empty_like(q["y0"])
+                fns.append(lambda q=q, out=out: torch.mm(q["x"], q["w"], out=out))
+            else:
+                out = q["y0"].clone()
+                fns.append(impl_fn(name, q, out, vllm))
+            if i == 0:
+                fns[0]()
+                ref = p["x"].float() @ p["w"].float() if name == "base" else reference(p)
+                err = (out.float() - ref).abs()
+                row["max_err"] = float(err.max())
+                row["ok"] = bool((err / (1 + ref.abs())).max() <= TOL)
+        row["median_us"] = round(time_us(fns[0], device, args.warmup_ms, args.rep_ms), 2)
+        if len(fns) > 1:
+            row["chain_us"] = round(time_us(fns, device, args.warmup_ms, args.rep_ms), 2)
     except Exception as exc:                  # keep going: one failing impl must not stop the run
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return row
@@ -349,7 +371,8 @@ def run(args):
               "torch": torch.__version__, "triton": _triton_version(),
               "cuda": torch.version.cuda, "hidden": args.hidden, "dtype": args.dtype,
               "pool_slots": POOL_SLOTS, "impls": status, "tolerance": TOL,
-              "method": "median of CUDA-graph replays, triton.testing.do_bench, L2 flushed"}
+              "method": "median of CUDA-graph replays, triton.testing.do_bench, L2 flushed",
+              "chain": args.chain}
     copy_gib = args.copy_gib if device.type == "cuda" else min(args.copy_gib, 1 / 16)
     header["copy_tbps"] = copy_tbps(device, copy_gib, args.warmup_ms, args.rep_ms)
     if device.type == "cuda":       # what this harness measures for a graph of one tiny kernel
@@ -371,13 +394,18 @@ def run(args):
                 vllm[2]._LORA_B_PTR_DICT.clear()
             if rank not in weights:
                 weights.clear()
-                weights[rank] = make_weights(args.hidden, rank, dtype, device, gen)
-            p = make_problem(weights[rank], args.hidden, rank, t, n, dtype, device, gen)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                weights[rank] = [make_weights(args.hidden, rank, dtype, device, gen)
+                                 for _ in range(args.chain)]
+            probs = [make_problem(w, args.hidden, rank, t, n, dtype, device, gen)
+                     for w in weights[rank]]
+            p = probs[0]
             floor = lora_bytes(p, elem) / (header["copy_tbps"] * 1e12) * 1e6
             if t not in base_cache:
-                base_cache[t] = measure("base", p, device, vllm, args)
+                base_cache[t] = measure("base", probs, device, vllm, args)
             shape_rows = [dict(base_cache[t], rank=rank, n=n)]
-            shape_rows += [measure(name, p, device, vllm, args) for name in impls]
+            shape_rows += [measure(name, probs, device, vllm, args) for name in impls]
             for row in shape_rows:
                 row["floor_us"] = round(floor, 2)
                 nbytes = base_bytes(p, elem) if row["impl"] == "base" else lora_bytes(p, elem)
@@ -387,7 +415,7 @@ def run(args):
             rows += shape_rows
             print(" ".join(f"{r['impl']}={r['median_us']}{'' if r['ok'] else '!'}"
                            for r in shape_rows), f"<- r={rank} T={t} n={n}", flush=True)
-            del p
+            del p, probs
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     header["wall_s"] = round(time.time() - t_start, 1)
@@ -403,33 +431,67 @@ def _triton_version():
 
 
 # ----------------------------------------------------------------------------------------------
+def _ratio(num, den):
+    return f"{num / den:.2f}" if num and den else "–"
+
+
 def write_markdown(path, header, rows):
     by = {}
     for r in rows:
         by.setdefault((r["rank"], r["T"], r["n"]), {})[r["impl"]] = r
-    cell = lambda r: "–" if not r or r["median_us"] is None else (     # noqa: E731
-        f"{r['median_us']:.1f}" + ("" if r["ok"] else " ✗"))
+    chain = header.get("chain", 1)
+
+    def cell(r, key="median_us"):
+        if not r or r.get(key) is None:
+            return "–"
+        return f"{r[key]:.1f}" + ("" if r["ok"] else " ✗")
+
+    def val(d, impl, key):
+        return (d.get(impl) or {}).get(key)
+
     lines = [f"# LoRA kernels on {header['gpu']} ({header['date']})", "",
              f"torch {header['torch']}, triton {header['triton']}, CUDA {header['cuda']}; "
              f"hidden {header['hidden']}, {header['dtype']}; device copy "
-             f"{header['copy_tbps']:.2f} TB/s; {header['method']}. A graph of one trivial "
-             f"kernel measures {header.get('graph_floor_us', float('nan')):.1f} µs here: every "
-             "figure includes that fixed cost.", "",
+             f"{header['copy_tbps']:.2f} TB/s (eager); {header['method']}.", "",
              "Impls: " + "; ".join(f"{k}: {v}" for k, v in header["impls"].items()), "",
              "Median µs per call (✗ = wrong result). floor = useful bytes / copy bandwidth; "
-             "ours %copy = our achieved bandwidth as a share of the copy.", "",
-             "| r | T | n | base | floor | ours | vLLM | loop | gather | ours/vLLM | ours %copy "
-             "| fused | split |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "%copy = our achieved bandwidth as a share of the copy; best = the faster of vLLM "
+             "and the cuBLAS loop.", ""]
+    if chain > 1:
+        lines += [f"## Chained: {chain} calls back to back in one graph, per call", "",
+                  "As kernels run inside the engine's decode graph: each call has its own "
+                  "weights and inputs (cold after the L2 flush), and the graph launch is shared.",
+                  "", "| r | T | n | base | floor | ours | vLLM | loop | ours/vLLM | ours/best "
+                  "| ours %copy | fused | split |", "|---|---|---|---|---|---|---|---|---|---|---|"
+                  "---|---|"]
+        for (rank, t, n), d in by.items():
+            ours, vl, lp = (val(d, i, "chain_us") for i in ("ours", "vllm", "loop"))
+            best = min(x for x in (vl, lp) if x) if (vl or lp) else None
+            floor = next(iter(d.values()))["floor_us"]
+            frac = f"{100 * floor / ours:.0f}%" if ours else "–"
+            lines.append(
+                f"| {rank} | {t} | {n} | {cell(d.get('base'), 'chain_us')} | {floor:.1f} | "
+                f"{cell(d.get('ours'), 'chain_us')} | {cell(d.get('vllm'), 'chain_us')} | "
+                f"{cell(d.get('loop'), 'chain_us')} | {_ratio(ours, vl)} | {_ratio(ours, best)} "
+                f"| {frac} | {cell(d.get('ours_fused'), 'chain_us')} | "
+                f"{cell(d.get('ours_split'), 'chain_us')} |")
+        lines.append("")
+    lines += ["## One call per graph", "",
+              f"A graph of one trivial kernel measures {header.get('graph_floor_us', float('nan')):.1f}"
+              " µs here: every figure in this table includes that fixed cost.", "",
+              "| r | T | n | base | floor | ours | vLLM | loop | gather | ours/vLLM | ours/best "
+              "| ours %copy | fused | split |", "|---|---|---|---|---|---|---|---|---|---|---|---|"
+              "---|---|"]
     for (rank, t, n), d in by.items():
-        ours, vl = d.get("ours"), d.get("vllm")
-        ratio = (f"{ours['median_us'] / vl['median_us']:.2f}" if ours and vl and
-                 ours["median_us"] and vl["median_us"] else "–")
-        frac = f"{100 * ours['copy_frac']:.0f}%" if ours and ours.get("copy_frac") else "–"
+        ours, vl, lp = (val(d, i, "median_us") for i in ("ours", "vllm", "loop"))
+        best = min(x for x in (vl, lp) if x) if (vl or lp) else None
+        frac = f"{100 * d['ours']['copy_frac']:.0f}%" if d.get("ours", {}).get("copy_frac") \
+            else "–"
         floor = next(iter(d.values()))["floor_us"]
         lines.append(f"| {rank} | {t} | {n} | {cell(d.get('base'))} | {floor:.1f} | "
-                     f"{cell(ours)} | {cell(vl)} | {cell(d.get('loop'))} | "
-                     f"{cell(d.get('gather'))} | {ratio} | {frac} | {cell(d.get('ours_fused'))} | "
-                     f"{cell(d.get('ours_split'))} |")
+                     f"{cell(d.get('ours'))} | {cell(d.get('vllm'))} | {cell(d.get('loop'))} | "
+                     f"{cell(d.get('gather'))} | {_ratio(ours, vl)} | {_ratio(ours, best)} | "
+                     f"{frac} | {cell(d.get('ours_fused'))} | {cell(d.get('ours_split'))} |")
     errors = [f"- {r['impl']} r={r['rank']} T={r['T']} n={r['n']}: {r['error']}"
               for r in rows if r.get("error")]
     if errors:
@@ -485,6 +547,8 @@ def main():
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--copy-gib", type=float, default=2.0)
     ap.add_argument("--budget-s", type=float, default=300, help="stop starting new shapes after")
+    ap.add_argument("--chain", type=int, default=8,
+                    help="problems per shape (own weights each), timed back to back in one graph")
     args = ap.parse_args()
     header, rows = run(args)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,23 @@
-"""Triton SGMV for decode-sized batches: split-K shrink, then expand — two short launches.
+"""Triton SGMV for decode-sized batches: split-K shrink, then expand — two short launches, or
+one launch with a grid barrier between the phases.
 
 Semantics are kernels.sgmv_ref.sgmv_ref's. At decode sizes the work is latency-bound: one
 program walking all of K for its rows is a long dependent chain. Here the shrink spreads K over
 programs, each writing a partial v = x[rows, Kc] @ A[:, Kc].T into a scratch buffer (fp32, no
-atomics, no memset), and the expand sums the partials and adds (scale * v) @ Bt to one column
-block of y. Both launches are persistent grids over work items of live segments only (base-only
-and padded segments cost nothing); nothing reads device memory on the host, so both can be
-captured in a CUDA graph.
+atomics, no memset; its K loop software-pipelined), and the expand sums the partials (all loads
+in flight together) and adds (scale * v) @ Bt to one column block of y. Both phases walk work
+items of live segments only (base-only and padded segments cost nothing); nothing reads device
+memory on the host, so a call can be captured in a CUDA graph.
+
+One launch or two (SplitConfig.one_launch; pick_split_config chooses from an H200 sweep). The
+one-launch form runs both phases in one persistent launch whose programs meet at a grid barrier
+(`_grid_sync`: an arrival counter and a generation word, reset by the last program to arrive, so
+the state needs no memset between calls). A barrier inside one launch is only safe when every
+program of the grid is resident at once: the first launch of each compiled variant takes one
+program per SM, later launches as many as its registers and shared memory allow (at most 4).
+A stream must not run two such launches concurrently (each device has one barrier word). On the
+H200 the barrier saves a launch but runs fewer programs; it wins only at rank 64 with many
+adapters. Under TRITON_INTERPRET=1, where programs run one after another, it runs as one program.
 
 Shapes: as sgmv_ref. Scratch: v [KS, n_slices, T, RANK_BLOCK] fp32, KS = cdiv(K, k_chunk); the
 kernels use only as many K chunks (<= KS) as fill the grid once: few live tiles (one adapter,
@@ -14,11 +25,38 @@ decode) take many short chunks, many segments take fewer, longer ones.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.sgmv_triton import _locate, _slice_bounds
+
+SPIN_LIMIT = 1 << 22          # barrier polls before a program gives up and flags a timeout
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Tiles and launch shape of the split kernel; pick_split_config chooses them."""
+    block_m: int = 16         # rows per tile
+    block_n: int = 64         # columns per expand step
+    k_chunk: int = 256        # the shortest K chunk a shrink item takes
+    num_warps: int = 4
+    stages: int = 3           # software pipelining of the shrink's K loop
+    one_launch: bool = False  # both phases in one launch with a grid barrier (GPU only)
+
+
+def pick_split_config(t_rows: int, max_rank: int) -> SplitConfig:
+    """From the H200 sweep (bench/results/sgmv-sweep-h200.json, chained calls): 16-row tiles and
+    256-wide K chunks throughout; rank <= 32 takes 256-column expand steps above 16 rows, 128 at
+    or below; rank 64+ takes 128, and above 16 rows the one-launch form (10-12% faster than two
+    launches at 32 adapters, 9% slower with one)."""
+    big_rank = max_rank > 32
+    if not big_rank:
+        return SplitConfig(block_n=128 if t_rows <= 16 else 256, one_launch=False)
+    return SplitConfig(block_n=128, one_launch=t_rows > 16)
 
 
 @triton.jit
@@ -36,18 +74,18 @@ def _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs, SEG_BLOCK: tl.constexpr,
 @triton.jit
 def _k_split(tiles, n_ks, budget, N_SLICES: tl.constexpr):
     """How many K chunks the shrink uses: enough items to fill `budget` programs once, at most
-    n_ks (the scratch's depth). Both kernels compute it the same way from the live tiles."""
+    n_ks (the scratch's depth). Both phases compute it the same way from the live tiles."""
     base = tl.sum(tiles) * N_SLICES
     return tl.minimum(tl.maximum(budget // tl.maximum(base, 1), 1), n_ks)
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, v_ptr,
-                   K, T, n_slots, n_segs, n_ks, stride_x, budget,
-                   N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
-                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
+def _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr,
+                  seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x, budget,
+                  N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
+    """Work items (row tile, slice, K chunk): v[chunk, slice, rows] = x[rows, Kc] @ A[:, Kc].T"""
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
                                                      SEG_BLOCK, BLOCK_M)
     n_ks = _k_split(tiles, n_ks, budget, N_SLICES)
@@ -67,7 +105,8 @@ def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slo
             rows = (row0 + rm).to(tl.int64)
             row_ok = rm < m_len
             acc = tl.zeros((BLOCK_M, RANK_BLOCK), dtype=tl.float32)
-            for k0 in range(ks * chunk, tl.minimum(ks * chunk + chunk, K), BLOCK_K):
+            for k0 in tl.range(ks * chunk, tl.minimum(ks * chunk + chunk, K), BLOCK_K,
+                               num_stages=STAGES):
                 k_ok = (k0 + rk) < K
                 xt = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + rk)[None, :],
                              mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -82,13 +121,15 @@ def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slo
 
 
 @triton.jit
-def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
-                   seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
-                   budget, s0, s1, s2, s3, s4,
-                   N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
+def _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
+                  seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
+                  budget, s0, s1, s2, s3, s4,
+                  N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
+                  UPCAST: tl.constexpr, KS_MAX: tl.constexpr):
+    """Work items (row tile, slice, column split): y[rows, cols] += (scale * sum v) @ Bt.
+    The K partials are summed in an unrolled loop (KS_MAX = the scratch's depth), so their loads
+    are all in flight together."""
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
                                                      SEG_BLOCK, BLOCK_M)
     n_ks = _k_split(tiles, n_ks, budget, N_SLICES)
@@ -117,10 +158,12 @@ def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_
             rows = (row0 + rm).to(tl.int64)
             row_ok = rm < m_len
             v = tl.zeros((BLOCK_M, RANK_BLOCK), dtype=tl.float32)
-            for ks in range(0, n_ks):
+            for ks in tl.static_range(KS_MAX):
                 v_rows = ((ks * N_SLICES + j) * T + rows) * RANK_BLOCK
-                v += tl.load(v_ptr + v_rows[:, None] + rr[None, :], mask=row_ok[:, None],
-                             other=0.0)
+                # .cg: read at L2, where the other programs' partials are (never a stale L1 line)
+                ks_ok = row_ok & (rm * 0 + ks < n_ks)    # (a tensor compare: the interpreter
+                v += tl.load(v_ptr + v_rows[:, None] + rr[None, :],    # wants tensor masks)
+                             mask=ks_ok[:, None], other=0.0, cache_modifier=".cg")
             v = (v * scale).to(pool_ptr.dtype.element_ty)
             if UPCAST:
                 v = v.to(tl.float32)
@@ -139,45 +182,169 @@ def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_
                          mask=io_ok)
 
 
-def _programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4                                                   # TRITON_INTERPRET=1
-    from kernels.sgmv_triton import _sm_count
-    return 4 * _sm_count(device.index if device.index is not None else
-                         torch.cuda.current_device())
+@triton.jit
+def _grid_sync(bar_ptr, nprog, SPIN_LIMIT: tl.constexpr):
+    """Every program of the launch waits here until all have arrived (all must be resident).
+
+    bar_ptr[0] counts arrivals, bar_ptr[1] is the generation: the last program to arrive resets
+    the count and then advances the generation, which releases the others. A program whose wait
+    exceeds SPIN_LIMIT polls sets bar_ptr[2] and goes on (wrong output, but no hung GPU).
+    Scalar atomics run on one thread of the program; the debug barriers order the program's
+    other threads around it (their stores before the arrival, their loads after the release).
+    """
+    tl.debug_barrier()
+    gen = tl.atomic_add(bar_ptr + 1, 0, sem="acquire")
+    arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel")
+    if arrived == nprog - 1:
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed")
+        tl.atomic_add(bar_ptr + 1, 1, sem="release")
+    else:
+        spins = 0
+        while (tl.atomic_add(bar_ptr + 1, 0, sem="acquire") == gen) & (spins < SPIN_LIMIT):
+            spins += 1
+        if spins >= SPIN_LIMIT:
+            tl.atomic_xchg(bar_ptr + 2, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, v_ptr,
+                   K, T, n_slots, n_segs, n_ks, stride_x, budget,
+                   N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
+    _shrink_items(tl.program_id(0), tl.num_programs(0), x_ptr, pool_ptr, a_off_ptr, ranks_ptr,
+                  seg_start_ptr, seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x,
+                  budget, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST,
+                  STAGES)
+
+
+@triton.jit
+def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
+                   seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
+                   budget, s0, s1, s2, s3, s4,
+                   N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
+                   UPCAST: tl.constexpr, KS_MAX: tl.constexpr):
+    _expand_items(tl.program_id(0), tl.num_programs(0), y_ptr, pool_ptr, b_off_ptr, ranks_ptr,
+                  scales_ptr, seg_start_ptr, seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks,
+                  max_col_blocks, stride_y, budget, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK,
+                  BLOCK_M, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX)
+
+
+@triton.jit
+def _one_launch_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, scales_ptr,
+                       seg_start_ptr, seg_slot_ptr, v_ptr, bar_ptr, K, T, n_slots, n_segs,
+                       n_ks, max_col_blocks, stride_x, stride_y, s0, s1, s2, s3, s4,
+                       N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                       RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
+                       UPCAST: tl.constexpr, STAGES: tl.constexpr, KS_MAX: tl.constexpr,
+                       SPIN_LIMIT: tl.constexpr):
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr,
+                  seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x, nprog,
+                  N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST, STAGES)
+    _grid_sync(bar_ptr, nprog, SPIN_LIMIT)
+    _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
+                  seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
+                  nprog, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_N,
+                  RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_BARRIERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_PER_SM: dict[tuple, int] = {}     # (device, constexprs) -> programs of the one-launch kernel per SM
+
+
+def barrier_state(device: torch.device) -> torch.Tensor:
+    """The device's barrier words [count, generation, timeout flag, unused] (int32, zeroed once).
+
+    Allocated on first use, which must not be inside a CUDA-graph capture: warm up first."""
+    key = (device.type, device.index)
+    state = _BARRIERS.get(key)
+    if state is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("sgmv_split: call it once before capturing a CUDA graph "
+                               "(the barrier state is allocated on first use)")
+        state = _BARRIERS[key] = torch.zeros(4, dtype=torch.int32, device=device)
+    return state
+
+
+def _resident_per_sm(compiled, num_warps: int) -> int:
+    """How many programs of a compiled kernel an SM holds at once (Hopper: 64K registers, 227 KB
+    shared memory, 64 warps), at most 4; 1 when the compiled kernel says nothing."""
+    regs, shared = getattr(compiled, "n_regs", None), getattr(
+        getattr(compiled, "metadata", None), "shared", None)
+    if not regs:
+        return 1
+    threads = 32 * num_warps
+    by_regs = 65536 // (((regs + 7) // 8 * 8) * threads)
+    by_smem = (227 * 1024) // shared if shared else 32
+    return max(1, min(4, by_regs, by_smem, 64 // num_warps))
 
 
 def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
-               max_rank: int, k_chunk: int = 256, block_n: int = 64) -> torch.Tensor:
-    """Same contract as kernels.sgmv_ref.sgmv_ref (checked by the caller): two launches."""
+               max_rank: int, config: SplitConfig | None = None, *, k_chunk: int | None = None,
+               block_n: int | None = None) -> torch.Tensor:
+    """Same contract as kernels.sgmv_ref.sgmv_ref (checked by the caller); returns y.
+
+    config defaults to pick_split_config(T, max_rank); k_chunk and block_n override its fields.
+    """
     t_rows, k = x.shape
     n_segs = seg_slot.shape[0]
     if t_rows == 0 or n_segs == 0:
         return y
+    cfg = config or pick_split_config(t_rows, max_rank)
+    k_chunk = k_chunk or cfg.k_chunk
+    block_n = block_n or cfg.block_n
+    on_gpu = x.is_cuda
     n_slices = len(slice_starts) - 1
     rb = max(16, triton.next_power_of_2(max_rank))
-    block_m = 16
+    block_m = cfg.block_m
     block_k = min(k_chunk, 128 if rb <= 32 else 64)
     n_ks = triton.cdiv(k, k_chunk)
     v = torch.empty((n_ks, n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
     widths = [slice_starts[i + 1] - slice_starts[i] for i in range(n_slices)]
     max_col_blocks = triton.cdiv(max(widths), block_n)
     tiles_bound = triton.cdiv(t_rows, block_m) + n_segs
-    progs = _programs(x.device)
     seg_block = max(16, triton.next_power_of_2(n_segs))
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    upcast = x.dtype == torch.bfloat16 and not x.is_cuda
+    upcast = x.dtype == torch.bfloat16 and not on_gpu
+    s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
+    common = dict(N_SLICES=n_slices, SEG_BLOCK=seg_block, BLOCK_M=block_m, RANK_BLOCK=rb,
+                  DOT_PREC=prec, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=1)
+    dev_index = x.device.index if x.device.index is not None else (
+        torch.cuda.current_device() if on_gpu else 0)
+    if cfg.one_launch:
+        # The grid barrier needs every program resident at once: the first launch of a compiled
+        # variant takes one program per SM (always resident), later ones as many as its
+        # registers and shared memory allow (at most 4 per SM). The interpreter runs programs
+        # one by one, so there the grid is one program.
+        consts = dict(common, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=cfg.stages, KS_MAX=n_ks,
+                      SPIN_LIMIT=SPIN_LIMIT)
+        key = (dev_index, x.dtype, tuple(sorted(consts.items())))
+        bound = tiles_bound * n_slices * max(n_ks, max_col_blocks)
+        per_sm = _PER_SM.get(key, 1)
+        grid = max(1, min(per_sm * _sms(dev_index), bound)) if on_gpu else 1
+        compiled = _one_launch_kernel[(grid,)](
+            y, x, pool, a_off, b_off, ranks, scales, seg_start, seg_slot, v,
+            barrier_state(x.device), k, t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks,
+            x.stride(0), y.stride(0), *s, **consts)
+        if on_gpu and key not in _PER_SM:
+            _PER_SM[key] = _resident_per_sm(compiled, cfg.num_warps)
+        return y
+    progs = 4 * _sms(dev_index) if on_gpu else 4          # 4: TRITON_INTERPRET=1
     shrink_grid = max(1, min(progs, tiles_bound * n_slices * n_ks))
     _shrink_kernel[(shrink_grid,)](
         x, pool, a_off, ranks, seg_start, seg_slot, v, k, t_rows, ranks.shape[0], n_segs,
-        n_ks, x.stride(0), shrink_grid, N_SLICES=n_slices, SEG_BLOCK=seg_block,
-        BLOCK_M=block_m, BLOCK_K=block_k, RANK_BLOCK=rb, DOT_PREC=prec, UPCAST=upcast,
-        num_warps=4, num_stages=1)
-    s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
+        n_ks, x.stride(0), shrink_grid, BLOCK_K=block_k, STAGES=cfg.stages, **common)
     _expand_kernel[(max(1, min(progs, tiles_bound * n_slices * max_col_blocks)),)](
         y, pool, b_off, ranks, scales, seg_start, seg_slot, v, t_rows, ranks.shape[0], n_segs,
-        n_ks, max_col_blocks, y.stride(0), shrink_grid, *s, N_SLICES=n_slices,
-        SEG_BLOCK=seg_block,
-        BLOCK_M=block_m, BLOCK_N=block_n, RANK_BLOCK=rb, DOT_PREC=prec, UPCAST=upcast,
-        num_warps=4, num_stages=1)
+        n_ks, max_col_blocks, y.stride(0), shrink_grid, *s, BLOCK_N=block_n, KS_MAX=n_ks,
+        **common)
     return y

@@ -254,6 +254,18 @@ def test_kernel_compiles_for_hopper(rank_block, block_m):
     assert compile_for_sm90(_sgmv_kernel, types, consts, num_stages=4).asm["cubin"]
 
 
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_one_launch_split_compiles_for_hopper():
+    """The grid barrier's atomics and spin loop must get through ptxas for sm_90."""
+    from kernels.sgmv_split import _one_launch_kernel
+    types = (["*bf16"] * 3 + ["*i64"] * 2 + ["*i32", "*fp32", "*i32", "*i32", "*fp32", "*i32"]
+             + ["i32"] * 13)
+    consts = dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=64, RANK_BLOCK=16,
+                  DOT_PREC="tf32", UPCAST=False, STAGES=3, KS_MAX=16, SPIN_LIMIT=1 << 22)
+    kernel = compile_for_sm90(_one_launch_kernel, types, consts, num_stages=1)
+    assert "atom" in kernel.asm["ptx"] and kernel.asm["cubin"]
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -280,6 +292,31 @@ def test_graph_capture_on_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert max_rel_err(c["y"], lora_fp32(dict(c, y=y0))) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_one_launch_barrier_on_gpu():
+    """The one-launch split kernel, replayed from a graph many times over changing inputs: a
+    broken grid barrier shows as a wrong sum (expand before the shrink finished), a timeout flag,
+    or a hang. The two-launch form (its K chunks may differ) must agree to rounding."""
+    from kernels.sgmv_split import SplitConfig, barrier_state, sgmv_split
+    c = build_case(CASES["uniform_qkv_fp16"], device="cuda")
+    one, two = SplitConfig(one_launch=True), SplitConfig(one_launch=False)
+    y0 = c["y"].clone()
+    sgmv_split(*_args(c), config=one)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sgmv_split(*_args(c), config=one)
+    for i in range(50):
+        c["x"].normal_()
+        c["y"].copy_(y0)
+        graph.replay()
+        expect = sgmv_split(*_args(dict(c, y=y0.clone())), config=two)
+        torch.cuda.synchronize()
+        assert max_rel_err(c["y"], expect.float().cpu()) <= TOL[torch.float16], i
+    assert max_rel_err(c["y"], lora_fp32(dict(c, y=y0))) <= TOL[torch.float16]
+    assert barrier_state(c["y"].device)[2].item() == 0          # no barrier timeout
 
 
 def interpreter_unsupported() -> str | None:

@@ -1,6 +1,7 @@
 """The split-K SGMV (kernels/sgmv_split.py) against the torch reference under the Triton
 interpreter: mixed ranks, untargeted slices, several column blocks, ragged and chunked K, and
-one-tile batches where the shrink spreads K over programs. (Run in a child process: the
+one-tile batches where the shrink spreads K over programs; both the two-launch form and the
+one-launch form with its grid barrier (one program under the interpreter). (Run in a child process: the
 interpreter must be switched on before triton loads.)"""
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def case(T, K, slices, ranks_list, seg_sizes, dtype):
+def case(T, K, slices, ranks_list, seg_sizes, dtype, one_launch=False):
     from kernels.sgmv_ref import sgmv_ref
-    from kernels.sgmv_split import sgmv_split
+    from kernels.sgmv_split import SplitConfig, sgmv_split
     torch.manual_seed(T * 1000 + K)
     parts, off, n_slots, ns = [], 0, len(ranks_list), len(slices) - 1
     a_off = torch.full((ns, n_slots), -1, dtype=torch.int64)
@@ -42,7 +43,8 @@ def case(T, K, slices, ranks_list, seg_sizes, dtype):
     scales = torch.rand(n_slots) + 0.5
     args = (a_off, b_off, ranks, scales, slices, seg_start, seg_slot, max(ranks_list))
     ref = sgmv_ref(y.clone().float(), x.float(), pool.float(), *args)
-    out = sgmv_split(y.clone(), x, pool, *args, k_chunk=64, block_n=32)
+    cfg = SplitConfig(block_m=16, block_n=32, k_chunk=64, one_launch=one_launch)
+    out = sgmv_split(y.clone(), x, pool, *args, config=cfg)
     return (out.float() - ref).abs().max().item()
 
 
@@ -60,15 +62,15 @@ def test_split_kernel_matches_reference_interpreted():
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == len(CASES) + 1
+    assert proc.stdout.count("ok") == 2 * len(CASES) + 1
 
 
 if __name__ == "__main__":
     for T, K, slices, ranks, segs, tol in CASES:
-        for dtype in (torch.float32,):
-            err = case(T, K, slices, ranks, segs, dtype)
-            assert err < tol, (T, K, err)
-            print("ok", T, K, err)
+        for one_launch in (False, True):
+            err = case(T, K, slices, ranks, segs, torch.float32, one_launch)
+            assert err < tol, (T, K, one_launch, err)
+            print("ok", T, K, "one launch" if one_launch else "two launches", err)
     err = case(12, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (6, 3), (2, 1)],
                torch.bfloat16)
     assert err < 0.05, err
