@@ -26,7 +26,7 @@ from bench.kernel_bench import (SCALE, TOL, make_problem, make_weights,  # noqa:
 DECODE = [(16, 1, 1), (16, 16, 8), (16, 64, 1), (16, 64, 8), (16, 64, 32), (16, 256, 8),
           (16, 256, 32), (16, 256, 128), (64, 16, 8), (64, 64, 1), (64, 64, 32), (64, 256, 32),
           (64, 256, 128)]
-LARGE = [(r, t, n) for r in (16, 64) for t in (1024, 4096) for n in (1, 8, 32, 128)]
+LARGE = [(r, t, n) for r in (16, 64) for t in (1024, 4096) for n in (1, 32)]
 
 
 def candidates(t):
@@ -42,12 +42,12 @@ def candidates(t):
             out.append(("split", SplitConfig(block_m=bm, block_n=bn, k_chunk=kc, num_warps=warps,
                                              one_launch=one)))
     else:
-        for bm, bn, warps in itertools.product((32, 64, 128), (64, 128), (4, 8)):
-            out.append(("fused", SgmvConfig(block_m=bm, block_n=bn, block_k=64,
+        for bm, warps in itertools.product((32, 64, 128), (4, 8)):
+            out.append(("fused", SgmvConfig(block_m=bm, block_n=128, block_k=128,
                                             num_programs=2 * sms, num_warps=warps,
-                                            num_stages=3)))
-        for bm, bn, kc in itertools.product((64, 128), (64, 128), (1024, 4096)):
-            out.append(("split", SplitConfig(block_m=bm, block_n=bn, k_chunk=kc, num_warps=8,
+                                            num_stages=4)))
+        for bm, bn, kc, warps in itertools.product((64, 128), (128, 256), (512, 1024), (4, 8)):
+            out.append(("split", SplitConfig(block_m=bm, block_n=bn, k_chunk=kc, num_warps=warps,
                                              one_launch=False)))
     return out
 

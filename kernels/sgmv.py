@@ -1,7 +1,7 @@
 """SGMV LoRA: apply each segment's adapter to its rows of a mixed batch in one call.
 
 `sgmv` has the semantics and signature of `kernels.sgmv_ref.sgmv_ref` (read its docstring for the
-pool layout). On CUDA tensors it runs a Triton kernel (split-K at decode sizes, fused above);
+pool layout). On CUDA tensors it runs a Triton kernel (split-K up to SPLIT_MAX_ROWS rows, fused above);
 elsewhere the torch reference. `impl="triton"` forces the kernel (tests run it under TRITON_INTERPRET=1 on CPU);
 `impl="torch"` forces the reference.
 """
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from kernels.sgmv_ref import sgmv_ref
 
-# Up to this many rows (decode, small mixed steps) the two-launch split-K kernel
-# (kernels.sgmv_split) wins; above it the fused one-launch kernel (kernels.sgmv_triton).
-SPLIT_MAX_ROWS = 512
+# Up to this many rows (decode, mixed and short prefill steps) the split-K kernel
+# (kernels.sgmv_split) wins on the H200; above it the fused kernel (kernels.sgmv_triton), which
+# reads each adapter's A and B once per row tile (bench/results/sgmv-sweep-h200.json).
+SPLIT_MAX_ROWS = 2048
 
 
 def sgmv(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot, max_rank,

@@ -49,11 +49,15 @@ class SplitConfig:
 
 
 def pick_split_config(t_rows: int, max_rank: int) -> SplitConfig:
-    """From the H200 sweep (bench/results/sgmv-sweep-h200.json, chained calls): 16-row tiles and
-    256-wide K chunks throughout; rank <= 32 takes 256-column expand steps above 16 rows, 128 at
-    or below; rank 64+ takes 128, and above 16 rows the one-launch form (10-12% faster than two
-    launches at 32 adapters, 9% slower with one)."""
+    """From the H200 sweep (bench/results/sgmv-sweep-h200.json, chained calls). Up to 256 rows:
+    16-row tiles and 256-wide K chunks; rank <= 32 takes 256-column expand steps above 16 rows,
+    128 at or below; rank 64+ takes 128, and above 16 rows the one-launch form (10-12% faster
+    than two launches at 32 adapters, 9% slower with one). Above 256 rows: 64-row tiles, 512-wide
+    K chunks, two launches (at 1024 rows and one adapter 19.4 us against the fused kernel's 24.0
+    at rank 16, 27.7 against 33.8 at rank 64)."""
     big_rank = max_rank > 32
+    if t_rows > 256:                 # prefill-sized: 64-row tiles, K in 512-wide chunks
+        return SplitConfig(block_m=64, block_n=128 if big_rank else 256, k_chunk=512)
     if not big_rank:
         return SplitConfig(block_n=128 if t_rows <= 16 else 256, one_launch=False)
     return SplitConfig(block_n=128, one_launch=t_rows > 16)
