@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from services.worker.adapter_layout import AdapterLayout
 from services.worker.model import LoraTables
-from services.worker.model_spec import GROUPS, ModelSpec
+from services.worker.model_spec import GROUP_BIT, GROUPS, ModelSpec
 from services.worker.range_alloc import RangeAllocator
 
 
@@ -34,7 +35,8 @@ class DevicePool:
             pool=torch.zeros(self.alloc.capacity, dtype=dtype, device=device),
             a_off=table(), b_off=table(),
             ranks=torch.zeros(max_slots, dtype=torch.int32, device=device),
-            scales=torch.zeros(max_slots, dtype=torch.float32, device=device), max_rank=1)
+            scales=torch.zeros(max_slots, dtype=torch.float32, device=device), max_rank=1,
+            slot_groups=np.zeros(max_slots, dtype=np.int64))
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._placed: dict[str, tuple[int, int, int, int]] = {}   # key -> slot, start, n, rank
         self._lock = threading.Lock()
@@ -88,6 +90,8 @@ class DevicePool:
             t.b_off[g][:, :, slot].copy_(o[..., 1], non_blocking=True)
         t.ranks[slot] = layout.rank
         t.scales[slot] = layout.scale
+        t.slot_groups[slot] = sum(GROUP_BIT[g] for g, offs in layout.offsets.items()
+                                  if (offs >= 0).any())
         t.max_rank = max(r for _, _, _, r in self._placed.values())
 
     def remove(self, key: str) -> None:
@@ -98,6 +102,7 @@ class DevicePool:
             for g in GROUPS:
                 t.a_off[g][:, :, slot] = -1
                 t.b_off[g][:, :, slot] = -1
+            t.slot_groups[slot] = 0
             self.alloc.release(start, n)
             self._free_slots.append(slot)
             t.max_rank = max((r for _, _, _, r in self._placed.values()), default=1)

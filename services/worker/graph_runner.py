@@ -5,6 +5,11 @@ the nearest captured batch size B and replayed from the graph captured for B; an
 (prefill, mixed prefill + decode, or larger than the biggest graph) runs eagerly. The graphs read
 their inputs from static buffers that a step only fills: padding rows get slot -1 (no KV write),
 q_seq -1 (no attention) and a base-only LoRA segment.
+
+A graph holds LoRA launches only for the projection groups that the step's adapters target
+(services.worker.model_spec.GROUP_BIT): a base-only step replays a graph with none, a batch of
+q/k/v/o adapters one without the MLP's. The graphs for every group and for none are captured at
+start; any other combination is captured the first time a step needs it.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import numpy as np
 import torch
 
 from services.worker.model import StepContext
+from services.worker.model_spec import ALL_GROUPS
 from services.worker.runner import ModelRunner
 from services.worker.sampling import sample
 from services.worker.scheduler import Scheduled
@@ -44,50 +50,60 @@ class GraphRunner:
         self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = self._split32(
             self.dev32, top, mb)
         self.rows = torch.arange(top, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}   # (batch, lora mask)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool = None                                                 # graphs share one
+        self.captured: set[int] = set()          # batch sizes captured at start
         self.replays = 0
         self.rank = 0
         self.timings: list | None = None     # set to a list to record (batch, start, end) events
 
-    def _ctx(self, b: int) -> StepContext:
+    def _ctx(self, b: int, mask: int) -> StepContext:
         return StepContext(positions=self.pos[:b], slot_mapping=self.slots[:b],
                            block_tables=self.tables[:b], q_seq=self.q_seq[:b],
                            q_pos=self.q_pos[:b], sample_rows=self.rows[:b],
                            seg_start=self.seg_start[:b + 1], seg_slot=self.seg_slot[:b],
-                           max_context=self.max_blocks * self.block_size, has_lora=True)
+                           max_context=self.max_blocks * self.block_size, has_lora=mask != 0,
+                           lora_mask=mask)
 
     def capture(self, max_rank: int = 64) -> None:
-        """Capture one graph per batch size, largest first, sharing one memory pool.
+        """Capture one graph per batch size, largest first, for all LoRA groups and for none,
+        sharing one memory pool.
 
         The SGMV kernel's rank tile is baked into a graph: graphs serve adapters of rank up to
         max_rank; a step with a larger adapter resident runs eagerly.
         """
         start = time.monotonic()
-        pool = None
-        kv = self.runner.kv_cache
-        tables = self.model.lora
-        saved, self.rank = tables.max_rank, max_rank
-        tables.max_rank = max_rank
-        try:
-            self._capture_all(kv, pool)
-        finally:
-            tables.max_rank = saved
+        self.rank = max_rank
+        masks = (ALL_GROUPS, 0) if self.model.lora is not None else (0,)
+        for mask in masks:
+            for b in reversed(self.sizes):
+                self._capture_one(b, mask)
+        self.captured = set(self.sizes)
         log.info("captured %d decode graphs (batch %s, rank <= %d) in %.1fs", len(self.graphs),
                  ",".join(map(str, self.sizes)), max_rank, time.monotonic() - start)
 
-    def _capture_all(self, kv, pool) -> None:
-        for b in reversed(self.sizes):
-            ctx = self._ctx(b)
-            for _ in range(2):                                 # warm up (Triton autotune etc.)
+    def _capture_one(self, b: int, mask: int) -> None:
+        """Capture the decode graph for batch size b and LoRA group mask (inputs: whatever the
+        static buffers hold; the warm-up passes rewrite the same KV slots with the same values)."""
+        kv, tables = self.runner.kv_cache, self.model.lora
+        saved = tables.max_rank if tables is not None else None
+        if tables is not None:
+            tables.max_rank = self.rank
+        try:
+            ctx = self._ctx(b, mask)
+            for _ in range(2):                                 # warm up (Triton compiles etc.)
                 self.model.forward(self.ids[:b], ctx, kv)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self.model.forward(self.ids[:b], ctx, kv)
-            pool = graph.pool()
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[(b, mask)] = self.model.forward(self.ids[:b], ctx, kv)
+            self.pool = graph.pool()
+            self.graphs[(b, mask)] = graph
+            torch.cuda.synchronize()
+        finally:
+            if tables is not None:
+                tables.max_rank = saved
 
     def _bucket(self, n: int) -> int | None:
         for b in self.sizes:
@@ -100,20 +116,24 @@ class GraphRunner:
         decode = all(x.num_tokens == 1 and x.samples for x in batch)
         penalized = any(x.seq.sampling.repetition_penalty not in (0.0, 1.0) for x in batch)
         too_big = self.model.lora is not None and self.model.lora.max_rank > self.rank
-        if b is None or not decode or penalized or too_big or b not in self.graphs:
+        if b is None or not decode or penalized or too_big or b not in self.captured:
             return self.runner.run(batch)
         batch = sorted(batch, key=lambda x: (x.seq.slot < 0, x.seq.slot, x.seq.arrival))
+        mask = self.model.lora_mask(x.seq.slot for x in batch)
         self._fill(batch, b)
+        if (b, mask) not in self.graphs:
+            log.info("capturing the decode graph for batch %d, LoRA groups %s", b, bin(mask))
+            self._capture_one(b, mask)
         if self.timings is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self.graphs[b].replay()
+            self.graphs[(b, mask)].replay()
             end.record()
             self.timings.append((b, start, end))
         else:
-            self.graphs[b].replay()
+            self.graphs[(b, mask)].replay()
         self.replays += 1
-        logits = self.outputs[b][:len(batch)]
+        logits = self.outputs[(b, mask)][:len(batch)]
         tokens = sample(logits, sampling_batch(batch, self.model.device))
         return batch, tokens.tolist()
 

@@ -7,15 +7,16 @@ replace the torch references on GPU without touching this file.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernels.attention import paged_attention, write_kv
 from kernels.fused import add_rms_norm, rms_norm, rope_, silu_mul
 from kernels.sgmv import sgmv
-from services.worker.model_spec import ModelSpec
+from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, ModelSpec
 
 
 @dataclass
@@ -31,6 +32,7 @@ class StepContext:
     seg_slot: torch.Tensor      # int32 [G]   adapter slot per segment, -1 = base only
     max_context: int            # host bound on positions + 1 (for sizing attention)
     has_lora: bool              # host flag: any segment with an adapter
+    lora_mask: int = ALL_GROUPS  # host: GROUP_BIT of each group some row's adapter targets
 
 
 @dataclass
@@ -42,6 +44,8 @@ class LoraTables:
     ranks: torch.Tensor                # int32 [n_slots]
     scales: torch.Tensor               # float32 [n_slots]
     max_rank: int
+    # host: GROUP_BIT mask of the groups each slot's adapter targets (0 = empty slot)
+    slot_groups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -80,10 +84,19 @@ class LlamaModel:
         self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
         self.lora: LoraTables | None = None
 
+    def lora_mask(self, slots) -> int:
+        """GROUP_BIT mask of the groups that the adapters in these slots target (-1 = none)."""
+        t = self.lora
+        if t is None:
+            return 0
+        s = np.fromiter(slots, dtype=np.int64)
+        s = s[s >= 0]
+        return int(np.bitwise_or.reduce(t.slot_groups[s])) if len(s) else 0
+
     def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,
               ctx: StepContext) -> None:
         t = self.lora
-        if ctx.has_lora and t is not None:
+        if ctx.has_lora and t is not None and ctx.lora_mask & GROUP_BIT[group]:
             sgmv(y, x, t.pool, t.a_off[group][layer], t.b_off[group][layer], t.ranks, t.scales,
                  self.slices[group], ctx.seg_start, ctx.seg_slot, t.max_rank)
 

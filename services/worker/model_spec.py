@@ -13,6 +13,9 @@ ROPE_TYPES = ("default", "linear", "llama3")
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 MODULE_GROUP = {m: (g, i) for g, mods in GROUPS.items() for i, m in enumerate(mods)}
+# one bit per group: a step applies LoRA only to the groups its adapters target
+GROUP_BIT = {g: 1 << i for i, g in enumerate(GROUPS)}
+ALL_GROUPS = (1 << len(GROUPS)) - 1
 
 
 class UnsupportedModel(ValueError):

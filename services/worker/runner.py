@@ -40,6 +40,7 @@ class ModelRunner:
     def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int]]:
         """One forward pass; returns the entries that sampled and their new token ids."""
         inputs = build(batch, self.buffers, self.block_size)
+        inputs.ctx.lora_mask = self.model.lora_mask(b.seq.slot for b in batch)
         logits = self.model.forward(inputs.input_ids, inputs.ctx, self.kv_cache)
         if not inputs.sampled:
             return [], []
