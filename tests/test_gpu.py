@@ -82,3 +82,36 @@ def test_gpu_prefill_logits_match_cpu_fp32():
     for name, ref in logits["cpu"].items():
         err = (logits["cuda"][name] - ref).abs().max().item()
         assert err < 1e-3, (name, err)
+
+
+@needs_cuda
+def test_gpu_sampling_params_match_cpu_with_many_in_flight():
+    """sampling_batch copies the parameters from pinned memory without waiting: many batches
+    built back to back, before any sync, all arrive with the CPU's values."""
+    import dataclasses
+    import random
+    from services.worker.scheduler import Scheduled
+    from services.worker.sequence import Sampling
+    from services.worker.step_inputs import sampling_batch
+    rng = random.Random(0)
+    pending = []
+    for k in range(200):
+        rows = []
+        for i in range(rng.randrange(1, 130)):
+            s = Sampling(temperature=rng.choice([0.0, 0.5, 1.3]), top_k=rng.choice([0, 5, 40]),
+                         top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 62),
+                         repetition_penalty=rng.choice([1.0, 1.2]) if k % 2 else 1.0)
+            seq = Sequence(f"s{i}", [rng.randrange(3, 900) for _ in range(rng.randrange(3, 30))],
+                           sampling=s)
+            seq.tokens += [rng.randrange(3, 900) for _ in range(rng.randrange(0, 20))]
+            rows.append(Scheduled(seq, 1))
+        pending.append((sampling_batch(rows, torch.device("cpu")),
+                        sampling_batch(rows, torch.device("cuda"))))
+    torch.cuda.synchronize()
+    for cpu, gpu in pending:
+        for f in dataclasses.fields(cpu):
+            a, b = getattr(cpu, f.name), getattr(gpu, f.name)
+            if isinstance(a, torch.Tensor):
+                assert b.is_cuda and torch.equal(a, b.cpu()), f.name
+            else:
+                assert a == b, f.name

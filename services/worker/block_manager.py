@@ -37,6 +37,10 @@ class BlockManager:
         return True
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of seq (on finish, cancel or preemption)."""
+        """Return every block of seq (on finish, cancel or preemption).
+
+        The table is replaced by a new empty list rather than cleared: a list that has been a
+        block table only ever grows, so a reader holding it (GraphRunner's copy of the tables)
+        knows that the same list at the same length still holds the same blocks."""
         self._free.extend(reversed(seq.block_table))
-        seq.block_table.clear()
+        seq.block_table = []

@@ -18,9 +18,10 @@ from services.worker.scheduler import Scheduled, Scheduler
 from services.worker.sequence import Sequence, Stop
 
 log = logging.getLogger(__name__)
+_NO_STOP = Stop.NONE      # bound once: an enum member lookup costs ~0.1 µs, paid per row per step
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenEvent:
     """What a request gets after a step: new tokens and text, and the end when stop is set."""
     token_ids: list[int]
@@ -45,6 +46,7 @@ class Engine:
         self.max_model_len = max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[Sequence, Sink]] = {}
+        self._timed: dict[str, Sequence] = {}        # the live requests with a time limit
         self._wake = threading.Event()
         self.steps = 0
         self.tokens_generated = 0
@@ -88,72 +90,88 @@ class Engine:
     def step(self) -> bool:
         """One engine step; False when there was nothing to do."""
         self._drain_inbox()
-        self._expire()
+        if self._timed:
+            self._expire()
         batch = self.scheduler.schedule()
         if not batch:
             return False
-        now = time.monotonic()
-        for b in batch:
-            if b.seq.first_scheduled is None:
-                b.seq.first_scheduled = now
+        now = time.monotonic()              # when this step's new sequences were scheduled
         try:
             sampled, tokens = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the worker
             log.exception("step failed; failing its %d requests", len(batch))
             for b in batch:
+                if b.seq.first_scheduled is None:
+                    b.seq.first_scheduled = now
                 self._finish(b.seq, Stop.ERROR, error=f"{type(exc).__name__}: {exc}")
             return True
         for b in batch:
-            b.seq.num_computed += b.num_tokens
+            seq = b.seq
+            seq.num_computed += b.num_tokens
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
         self.steps += 1
         self.tokens_generated += len(tokens)
+        append = self._append
         for b, tok in zip(sampled, tokens):
-            self._append(b, tok)
+            append(b, tok)
         return True
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, item, sink = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        inbox = self._inbox
+        while not inbox.empty():            # only this thread takes from the inbox
+            kind, item, sink = inbox.get_nowait()
             if kind == "add" and item.request_id in self._sinks:
                 sink(TokenEvent([], "", Stop.ERROR, error=f"request_id {item.request_id!r} "
                                                           "is already running"))
             elif kind == "add":
                 self._sinks[item.request_id] = (item, sink)
+                if item.stopping.time_limit_s:
+                    self._timed[item.request_id] = item
                 self.scheduler.add(item)
             elif item in self._sinks:
                 self._finish(self._sinks[item][0], Stop.CANCELLED)
 
     def _expire(self) -> None:
+        """Finish the requests past their time limit (only those with one are looked at)."""
         now = time.monotonic()
-        for seq, _ in list(self._sinks.values()):
+        for seq in list(self._timed.values()):
             limit = seq.stopping.time_limit_s
-            if limit and seq.first_scheduled and now - seq.first_scheduled >= limit:
+            if seq.first_scheduled and now - seq.first_scheduled >= limit:
                 self._finish(seq, Stop.TIME_LIMIT)
 
     def _append(self, b: Scheduled, token: int) -> None:
+        """A sampled token: add it to its sequence, then send its text or finish the request.
+        Runs for every row of every step, so it is kept flat: attribute reads, one tokenizer
+        call (_decode_new), and no stop-sequence work for sequences without stop sequences."""
         seq = b.seq
-        if seq.request_id not in self._sinks:
-            return
-        seq.tokens.append(token)
+        entry = self._sinks.get(seq.request_id)
+        if entry is None:
+            return                                   # finished or cancelled meanwhile
+        tokens, stopping = seq.tokens, seq.stopping
+        tokens.append(token)
         if seq.first_token is None:
             seq.first_token = time.monotonic()
-        stop = self._stop_reason(seq, token)
-        delta, matched = self._detokenize(seq, final=stop is not Stop.NONE)
-        stop = matched if matched is not Stop.NONE else stop
-        if stop is Stop.NONE:
-            self._sinks[seq.request_id][1](TokenEvent([token], delta))
+        if token in self.eos and not stopping.ignore_eos:
+            stop = Stop.EOS_TOKEN
+        elif len(tokens) - len(seq.prompt) >= stopping.max_new_tokens:     # seq.num_output
+            stop = Stop.MAX_TOKENS
+        else:
+            stop = _NO_STOP
+        if stopping.stops or len(seq.text) != len(seq.decoded):
+            delta, matched = self._detokenize(seq, final=stop is not _NO_STOP)
+            if matched is not _NO_STOP:
+                stop = matched
+        else:              # no stop sequences: nothing is held back, all decoded text is sent
+            delta = self._decode_new(seq, final=stop is not _NO_STOP)
+            if delta is None:
+                delta = ""                           # a partial UTF-8 character: wait
+            else:
+                seq.text = seq.decoded
+        if stop is _NO_STOP:
+            entry[1](TokenEvent([token], delta))
         else:
             self._finish(seq, stop, last=([token], delta))
-
-    def _stop_reason(self, seq: Sequence, token: int) -> Stop:
-        if token in self.eos and not seq.stopping.ignore_eos:
-            return Stop.EOS_TOKEN
-        if seq.num_output >= seq.stopping.max_new_tokens:
-            return Stop.MAX_TOKENS
-        return Stop.NONE
 
     def _detokenize(self, seq: Sequence, final: bool) -> tuple[str, Stop]:
         """Text safe to emit since the last emit; STOP_SEQUENCE (text cut before it) if one
@@ -161,40 +179,71 @@ class Engine:
         they may be the start of a stop sequence that the output must not contain."""
         full = self._decoded(seq, final)
         if full is None:
-            return "", Stop.NONE          # a partial UTF-8 character: wait for the rest
-        stops = [s for s in seq.stopping.stop_sequences if s]
-        stop, end = Stop.NONE, len(full)
-        for s in stops:
-            at = full.find(s, max(0, len(seq.text) - len(s) + 1))
+            return "", _NO_STOP           # a partial UTF-8 character: wait for the rest
+        text, stopping = seq.text, seq.stopping
+        stop, end = _NO_STOP, len(full)
+        for s in stopping.stops:
+            at = full.find(s, max(0, len(text) - len(s) + 1))
             if 0 <= at < end:
                 stop, end = Stop.STOP_SEQUENCE, at
-        if stop is Stop.NONE and not final and stops:
-            end -= max(map(len, stops)) - 1
-        if not full.startswith(seq.text):
+        if stop is _NO_STOP and not final:
+            end -= stopping.held_back
+        if not full.startswith(text):
             return "", stop               # the tokenizer rewrote emitted text: nothing new
-        delta = full[len(seq.text):max(end, len(seq.text))]
-        seq.text += delta
+        delta = full[len(text):max(end, len(text))]
+        seq.text = text + delta
         return delta, stop
 
     def _decoded(self, seq: Sequence, final: bool) -> str | None:
-        """All output text so far, decoding only a window of the newest tokens (the text of
-        out[prefix:] minus that of out[prefix:read]), so a step costs O(1) per row, not O(n).
-        None while the newest bytes end inside a UTF-8 character (unless final)."""
-        start = len(seq.prompt)
-        window = seq.tokens[start + seq.detok_prefix:]
-        read = seq.detok_read - seq.detok_prefix
-        before = self.tokenizer.decode(window[:read], skip_special_tokens=True) if read else ""
+        """All output text so far (see _decode_new); None while the newest bytes end inside a
+        UTF-8 character (unless final)."""
+        return None if self._decode_new(seq, final) is None else seq.decoded
+
+    def _decode_new(self, seq: Sequence, final: bool) -> str | None:
+        """Decode the newest output tokens and append their text to seq.decoded; returns that
+        text, or None while the newest bytes end inside a UTF-8 character (unless final).
+
+        Only a window of the newest tokens is decoded (the text of out[prefix:] minus that of
+        out[prefix:read]), so a step costs O(1) per row, not O(n). In a decode step
+        out[prefix:read] is the previous step's one token, whose text is memoised."""
+        start, prefix = len(seq.prompt), seq.detok_prefix
+        window = seq.tokens[start + prefix:]
+        read = seq.detok_read - prefix
+        if read == 1:
+            before = self._token_text(window[0])
+        else:
+            before = self.tokenizer.decode(window[:read], skip_special_tokens=True) if read else ""
         now = self.tokenizer.decode(window, skip_special_tokens=True)
         if now.endswith("\ufffd") and not final:
             return None
-        seq.decoded += now[len(before):]
-        seq.detok_prefix, seq.detok_read = seq.detok_read, seq.num_output
-        return seq.decoded
+        piece = now[len(before):]
+        seq.decoded += piece
+        seq.detok_prefix, seq.detok_read = seq.detok_read, len(seq.tokens) - start
+        return piece
+
+    # the text of single tokens, memoised per tokenizer (class defaults: tests make bare Engines)
+    _token_texts: dict[int, str] | None = None
+    _token_texts_of = None
+    _TOKEN_TEXTS_MAX = 1 << 18
+
+    def _token_text(self, token: int) -> str:
+        """tokenizer.decode([token], skip_special_tokens=True), memoised."""
+        texts = self._token_texts
+        if texts is None or self._token_texts_of is not self.tokenizer:
+            texts, self._token_texts_of = {}, self.tokenizer
+            self._token_texts = texts
+        text = texts.get(token)
+        if text is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=True)
+            if len(texts) < self._TOKEN_TEXTS_MAX:
+                texts[token] = text
+        return text
 
     def _finish(self, seq: Sequence, stop: Stop, last=None, error: str = "") -> None:
         """End a request: free its row and blocks, send the final event (with any text held
         back for stop sequences)."""
         entry = self._sinks.pop(seq.request_id, None)
+        self._timed.pop(seq.request_id, None)
         self.scheduler.remove(seq)
         seq.stop = stop
         if entry is None:

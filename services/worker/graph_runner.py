@@ -146,27 +146,24 @@ class GraphRunner:
         return q_seq, q_pos, seg_start, seg_slot, buf[4 * top + 1:].view(top, mb)
 
     def _fill(self, batch: list[Scheduled], b: int) -> None:
-        """Write a decode step's metadata for batch size b (padding rows inert), two copies."""
+        """Write a decode step's metadata for batch size b (padding rows inert), two copies.
+
+        Per row only attribute reads; the arithmetic is vectorized, and a row's block table is
+        rewritten only when it changed since the last fill (_sync_tables)."""
         n, bs = len(batch), self.block_size
-        top = self.host64.shape[1]
-        q_seq, q_pos, seg_start, seg_slot, tables = (
-            t.numpy() for t in self._split32(self.host32, top, self.max_blocks))
-        h = self.host64.numpy()
+        h, q_seq, q_pos, seg_start, seg_slot, tables = self._host_views()
         seqs = [x.seq for x in batch]
-        pos = np.fromiter((q.num_computed for q in seqs), np.int64, n)
-        blk = np.fromiter((q.block_table[p // bs] for q, p in zip(seqs, pos.tolist())),
-                          np.int64, n)
-        h[0, :n] = [q.tokens[p] for q, p in zip(seqs, pos.tolist())]
-        h[1, :n] = pos
-        h[2, :n] = blk * bs + pos % bs
+        pos_of = [q.num_computed for q in seqs]
+        h[0, :n] = [q.tokens[p] for q, p in zip(seqs, pos_of)]
+        pos = h[1, :n]
+        pos[:] = pos_of
+        self._sync_tables(seqs, b)
+        h[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         h[:, n:b] = np.array([[0], [0], [-1]])     # padding rows: token 0, no KV write
         q_seq[:b] = np.arange(b)
         q_seq[n:b] = -1                            # padding rows: no attention
         q_pos[:b] = h[1, :b]
-        tables[:b] = 0
-        for i, q in enumerate(seqs):
-            tables[i, :len(q.block_table)] = q.block_table
-        self._segments(np.fromiter((q.slot for q in seqs), np.int64, n), seg_start, seg_slot)
+        self._segments(np.array([q.slot for q in seqs], dtype=np.int64), seg_start, seg_slot)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
 
@@ -174,8 +171,54 @@ class GraphRunner:
     def _segments(slots_of: np.ndarray, seg_start: np.ndarray, seg_slot: np.ndarray) -> None:
         """Contiguous runs of equal slots; padded segments are empty (start = n), base-only."""
         n = len(slots_of)
-        starts = np.concatenate(([0], np.flatnonzero(np.diff(slots_of)) + 1))
-        seg_start[:] = n
-        seg_slot[:] = -1
-        seg_start[:len(starts)] = starts
-        seg_slot[:len(starts)] = slots_of[starts]
+        starts = np.flatnonzero(slots_of[1:] != slots_of[:-1])
+        starts += 1
+        g = len(starts) + 1
+        seg_start[0] = 0
+        seg_start[1:g] = starts
+        seg_start[g:] = n
+        seg_slot[0] = slots_of[0]
+        seg_slot[1:g] = slots_of[starts]
+        seg_slot[g:] = -1
+
+    def _host_views(self) -> tuple[np.ndarray, ...]:
+        """numpy views of the host buffers, made on first use: host64 [3, top], then q_seq,
+        q_pos, seg_start, seg_slot and the block tables [top, max_blocks] of host32."""
+        views = getattr(self, "_views", None)
+        if views is None:
+            top = self.host64.shape[1]
+            views = self._views = (self.host64.numpy(), *(
+                t.numpy() for t in self._split32(self.host32, top, self.max_blocks)))
+        return views
+
+    def _sync_tables(self, seqs: list, b: int) -> None:
+        """Rows 0..b-1 of the host block tables: row i holds seqs[i]'s table then zeros, padding
+        rows hold zeros.
+
+        The buffer keeps what the last fill wrote, and which list (and how much of it) each row
+        holds; a row is rewritten only when its sequence's table is another list or has grown.
+        That is exact because BlockManager only appends to a table and, on freeing, gives the
+        sequence a new list: the same list at the same length holds the same blocks."""
+        tables = self._host_views()[5]
+        held = getattr(self, "_tables_held", None)
+        if held is None:
+            held = self._tables_held = ([None] * len(tables), [0] * len(tables))
+        lists, lens = held
+        for i, q in enumerate(seqs):
+            t = q.block_table
+            k, old = len(t), lens[i]
+            if t is lists[i]:
+                if k == old:
+                    continue
+                if k > old:                           # grown: write the new blocks only
+                    tables[i, old:k] = t[old:]
+                    lens[i] = k
+                    continue
+            tables[i, :k] = t
+            if old > k:
+                tables[i, k:old] = 0
+            lists[i], lens[i] = t, k
+        for i in range(len(seqs), b):                 # padding rows
+            if lens[i]:
+                tables[i, :lens[i]] = 0
+            lists[i], lens[i] = None, 0

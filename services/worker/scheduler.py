@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from operator import attrgetter
 
 from services.worker.block_manager import BlockManager
 from services.worker.sequence import Sequence, Status
 
 
-@dataclass
+_ARRIVAL = attrgetter("arrival")
+
+
+@dataclass(slots=True)
 class Scheduled:
     seq: Sequence
     num_tokens: int          # tokens fed this step, starting at seq.num_computed
@@ -22,7 +26,8 @@ class Scheduled:
     @property
     def samples(self) -> bool:
         """Whether this step produces the sequence's next token."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.tokens)
+        seq = self.seq
+        return seq.num_computed + self.num_tokens == len(seq.tokens)
 
 
 class Scheduler:
@@ -53,17 +58,22 @@ class Scheduler:
     def schedule(self) -> list[Scheduled]:
         budget = self.max_batch_tokens
         batch: list[Scheduled] = []
-        # decode rows before prefill chunks: they are cheap and latency-bound
-        order = sorted(self.running, key=lambda s: (not s.is_decoding, s.arrival))
-        for seq in order:
+        append, running_status = batch.append, Status.RUNNING
+        block_size = self.blocks.block_size
+        for seq in self._decode_first():
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:
+            if seq.status is not running_status:
                 continue                       # preempted earlier in this loop
-            n = min(seq.remaining, budget)
-            if not self._reserve(seq, n, batch):
+            num_computed = seq.num_computed
+            n = len(seq.tokens) - num_computed                       # seq.remaining
+            if n > budget:
+                n = budget
+            # blocks already cover the n tokens (the usual decode step): nothing to reserve
+            if (len(seq.block_table) * block_size < num_computed + n
+                    and not self._reserve(seq, n, batch)):
                 continue
-            batch.append(Scheduled(seq, n))
+            append(Scheduled(seq, n))
             budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
@@ -76,6 +86,16 @@ class Scheduler:
             batch.append(Scheduled(seq, n))
             budget -= n
         return batch
+
+    def _decode_first(self) -> list[Sequence]:
+        """The running sequences, decoding ones (cheap, latency-bound) before prefill chunks,
+        each group in arrival order. In the usual step every one is decoding: then a sort by
+        arrival alone, with no per-sequence key tuple."""
+        running = self.running
+        if all(len(s.tokens) - s.num_computed == 1 and len(s.tokens) > len(s.prompt)
+               for s in running):                                   # all s.is_decoding
+            return sorted(running, key=_ARRIVAL)
+        return sorted(running, key=lambda s: (not s.is_decoding, s.arrival))
 
     def _reserve(self, seq: Sequence, n: int, batch: list[Scheduled]) -> bool:
         """Blocks for seq's next n tokens, preempting the newest others if needed."""

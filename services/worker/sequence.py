@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 class Status(enum.Enum):
@@ -42,6 +43,16 @@ class Stopping:
     stop_sequences: tuple[str, ...] = ()
     time_limit_s: float = 0.0
     ignore_eos: bool = False
+
+    @cached_property
+    def stops(self) -> tuple[str, ...]:
+        """The non-empty stop sequences (worked out once: read for every generated token)."""
+        return tuple(s for s in self.stop_sequences if s)
+
+    @cached_property
+    def held_back(self) -> int:
+        """Characters of output held back until final: a stop sequence may start there."""
+        return max(map(len, self.stops)) - 1 if self.stops else 0
 
 
 @dataclass(eq=False)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import random
+import threading
 import time
 
 import grpc
@@ -39,6 +41,42 @@ def stopping_from(s: common_pb2.StoppingCriteria, cfg: WorkerConfig) -> Stopping
                     s.ignore_eos)
 
 
+class EventHandoff:
+    """Hands calls from the engine thread to an event loop with one loop wake-up per burst.
+
+    loop.call_soon_threadsafe costs several microseconds a call (a Handle and a write to the
+    loop's self-pipe, each time); an engine step makes one call per row. put() queues the call
+    and wakes the loop only when no wake-up is pending, so a step's rows share one; the loop
+    then makes the queued calls in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._calls: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._armed = False                  # a _drain is scheduled and has not started
+
+    def put(self, fn, arg) -> None:
+        """Call fn(arg) on the loop (any thread)."""
+        self._calls.append((fn, arg))
+        with self._lock:
+            if self._armed:
+                return
+            self._armed = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            self._armed = False              # calls queued from now on schedule a new drain
+        calls = self._calls
+        while calls:
+            fn, arg = calls.popleft()
+            try:
+                fn(arg)
+            except Exception as exc:  # noqa: BLE001 - as the loop treats a failing callback
+                self.loop.call_exception_handler({"message": "EventHandoff call failed",
+                                                  "exception": exc})
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, cfg: WorkerConfig, built: Built, manager: AdapterManager, feed,
                  worker_id: str):
@@ -46,6 +84,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.manager, self.feed, self.worker_id = manager, feed, worker_id
         self.draining = False
         self._background: set[asyncio.Task] = set()   # prefetch tasks, referenced until done
+        self._handoff: EventHandoff | None = None        # engine thread -> this loop
 
     def _prompt(self, request: wpb.WorkerGenerateRequest) -> list[int]:
         if request.prompt_token_ids:
@@ -104,13 +143,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _submit(self, seq: Sequence, acq) -> asyncio.Queue:
         """Hand seq to the engine; the adapter pin is released when the engine is done."""
         loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = EventHandoff(loop)
+        handoff = self._handoff
         events: asyncio.Queue = asyncio.Queue()
         def deliver(ev: TokenEvent) -> None:
             events.put_nowait(ev)
             if ev.stop is not Stop.NONE and acq is not None:
                 self.manager.release(acq.key)
         try:
-            self.engine.submit(seq, lambda ev: loop.call_soon_threadsafe(deliver, ev))
+            self.engine.submit(seq, lambda ev: handoff.put(deliver, ev))
         except BaseException:
             if acq is not None:
                 self.manager.release(acq.key)

@@ -6,6 +6,7 @@ the SGMV kernel; a sequence's rows stay together and in order.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,24 +111,46 @@ def _to_device(buf, t_rows, n_seq, max_blocks, max_ctx, g, n_sample, has_lora,
 
 
 def sampling_batch(sampled: list[Scheduled], device: torch.device) -> SamplingBatch:
-    params = [b.seq.sampling for b in sampled]
-    f32 = dict(dtype=torch.float32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
-    penalized = any(p.repetition_penalty not in (0.0, 1.0) for p in params)
-    if not penalized and all(p.greedy for p in params):      # argmax needs no parameters
+    """The rows' sampling parameters as tensors on device; none when every row is greedy.
+
+    The parameters go over in two packed copies (float32 and int64 rows), from pinned memory
+    and without waiting on CUDA: a graph decode step builds them while its graph runs."""
+    for b in sampled:                       # one pass, for the usual all-greedy batch
+        p = b.seq.sampling
+        if not p.temperature <= 0.0 or p.repetition_penalty not in (0.0, 1.0):
+            break                           # sampled (not p.greedy) or penalized
+    else:                                   # argmax needs no parameters
         return SamplingBatch(None, None, None, None, None, None, None, all_greedy=True)
-    history = penalty = None
+    params = [b.seq.sampling for b in sampled]
+    penalized = any(p.repetition_penalty not in (0.0, 1.0) for p in params)
+    all_greedy = all(p.greedy for p in params)
+    floats = np.array([[p.temperature for p in params],
+                       [p.top_p if 0 < p.top_p < 1 else 1.0 for p in params],
+                       [p.repetition_penalty or 1.0 for p in params]], dtype=np.float32)
+    ints = np.array([[p.top_k for p in params], [p.seed for p in params],
+                     [b.seq.num_output for b in sampled]], dtype=np.int64)
+    history = None
     if penalized:
-        width = max(len(b.seq.tokens) for b in sampled)
-        hist = np.full((len(sampled), width), -1, dtype=np.int64)
-        for i, b in enumerate(sampled):
-            hist[i, :len(b.seq.tokens)] = b.seq.tokens
-        history = torch.from_numpy(hist).to(device)
-        penalty = torch.tensor([p.repetition_penalty or 1.0 for p in params], **f32)
-    return SamplingBatch(
-        temperature=torch.tensor([p.temperature for p in params], **f32),
-        top_k=torch.tensor([p.top_k for p in params], **i64),
-        top_p=torch.tensor([p.top_p if 0 < p.top_p < 1 else 1.0 for p in params], **f32),
-        seed=torch.tensor([p.seed for p in params], **i64),
-        counter=torch.tensor([b.seq.num_output for b in sampled], **i64),
-        penalty=penalty, history=history, all_greedy=all(p.greedy for p in params))
+        history = _host_to_device(_history(sampled), device)
+    f32, i64 = _host_to_device(floats, device), _host_to_device(ints, device)
+    return SamplingBatch(temperature=f32[0], top_k=i64[0], top_p=f32[1], seed=i64[1],
+                         counter=i64[2], penalty=f32[2] if penalized else None, history=history,
+                         all_greedy=all_greedy)
+
+
+def _history(sampled: list[Scheduled]) -> np.ndarray:
+    """Prompt + output ids of each row, padded with -1 to the longest: int64 [R, L]."""
+    lens = np.fromiter((len(b.seq.tokens) for b in sampled), dtype=np.int64, count=len(sampled))
+    hist = np.full((len(sampled), int(lens.max())), -1, dtype=np.int64)
+    hist[np.arange(hist.shape[1]) < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(b.seq.tokens for b in sampled), dtype=np.int64,
+        count=int(lens.sum()))
+    return hist
+
+
+def _host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on device: on CUDA through pinned memory, without a host sync."""
+    t = torch.from_numpy(a)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,199 @@
+"""The host side of a CUDA-graph decode step, checked on CPU.
+
+GraphRunner._fill keeps the block tables of its static buffers from one step to the next and
+rewrites only the rows that changed: after any sequence of growth, preemption (a freed table
+regrown to the same length with other blocks), reordering and padding, the buffers must hold
+exactly the sequences' tables. And the whole graph path (its buffers replayed by stand-in graphs
+that run the model eagerly) must give every request what the eager path gives.
+"""
+from __future__ import annotations
+
+import torch
+
+from services.worker.graph_runner import GraphRunner
+from services.worker.scheduler import Scheduled
+from services.worker.sequence import Sampling, Sequence, Stop, Stopping
+from tests.test_engine_parity import _engine
+
+
+class _StandIn:
+    """A captured graph's stand-in: replay() runs the model on the runner's static buffers into
+    its static output. key: the runner's graph key (batch size, or (batch size, LoRA mask))."""
+
+    def __init__(self, runner: GraphRunner, key):
+        self.runner, self.key = runner, key
+
+    def replay(self) -> None:
+        r = self.runner
+        args = self.key if isinstance(self.key, tuple) else (self.key,)
+        r.outputs[self.key].copy_(r.model.forward(r.ids[:args[0]], r._ctx(*args),
+                                                  r.runner.kv_cache))
+
+
+class _Captured(dict):
+    """Every key counts as captured; its value is made on first use."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __contains__(self, key) -> bool:
+        return True
+
+    def __missing__(self, key):
+        value = self[key] = self.make(key)
+        return value
+
+
+def _graph_runner(built, sizes=(1, 2, 4, 8)) -> GraphRunner:
+    """The engine's runner wrapped in a GraphRunner whose graphs are CPU stand-ins."""
+    g = GraphRunner(built.engine.runner, sizes=sizes)
+    g.rank = 64
+    g.captured = set(g.sizes)
+    vocab = built.spec.vocab_size
+    g.outputs = _Captured(lambda key: torch.zeros(key[0] if isinstance(key, tuple) else key,
+                                                  vocab))
+    g.graphs = _Captured(lambda key: _StandIn(g, key))
+    return g
+
+
+def _check_buffers(g: GraphRunner, seqs: list[Sequence], b: int) -> None:
+    """The device buffers hold exactly these decode rows, then inert padding up to b."""
+    n, bs = len(seqs), g.block_size
+    tables = g.tables.cpu()
+    for i, q in enumerate(seqs):
+        k, p = len(q.block_table), q.num_computed
+        assert tables[i, :k].tolist() == q.block_table, i
+        assert not tables[i, k:].any(), i
+        assert g.ids[i] == q.tokens[p] and g.pos[i] == p and g.q_pos[i] == p
+        assert g.slots[i] == q.block_table[p // bs] * bs + p % bs
+        assert g.q_seq[i] == i
+    assert not tables[n:b].any()
+    assert (g.slots[n:b] == -1).all() and (g.q_seq[n:b] == -1).all()
+
+
+def test_fill_keeps_block_tables_exact_across_steps(hf_ckpt):
+    root, _, _ = hf_ckpt
+    built, _ = _engine(root)
+    blocks = built.engine.scheduler.blocks
+    g = GraphRunner(built.engine.runner, sizes=(8,))
+    seqs = [Sequence(f"s{i}", list(range(3, 9 + 3 * i)), slot=i % 3 - 1) for i in range(6)]
+
+    def decode_step(rows):
+        for q in rows:                                  # one more token, blocks for it
+            assert blocks.ensure(q, len(q.tokens))
+            q.num_computed = len(q.tokens) - 1
+        g._fill([Scheduled(q, 1) for q in rows], 8)
+        _check_buffers(g, rows, 8)
+
+    decode_step(seqs)
+    for step in range(9):                               # tables grow across block boundaries
+        for q in seqs:
+            q.tokens.append(4 + step)
+        decode_step(seqs)
+    victim = seqs[2]                                    # preempted, its blocks taken by
+    held = list(victim.block_table)                     # another, then regrown in its row
+    blocks.free(victim)
+    other = Sequence("other", list(range(3, 3 + 4 * blocks.block_size)))
+    assert blocks.ensure(other, len(other.tokens))
+    decode_step(seqs)
+    assert len(victim.block_table) == len(held) and victim.block_table != held
+    decode_step(seqs[:2] + seqs[3:])                    # fewer rows: padding
+    decode_step(seqs[::-1])                             # rows in another order
+    decode_step(seqs[4:])
+
+
+def _workload():
+    greedy, sampled = Sampling(), Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(10):
+        prompt = torch.randint(2, 256, (4 + 3 * i,), generator=g).tolist()
+        stops = {0: ("t2",), 2: ("zzz", "t9 t")}.get(i % 4, ())      # word-level token text
+        out.append((f"r{i}", prompt, i % 4, sampled if i % 2 else greedy,
+                    Stopping(max_new_tokens=10 + 2 * i, stop_sequences=stops,
+                             ignore_eos=i % 3 != 0)))
+    return out
+
+
+def _serve(built, slots, runner=None):
+    """Run the workload (three requests join late); each request's tokens, text, end."""
+    names = [None, *slots]
+    results = {}
+    def sink_for(rid):
+        def sink(ev):
+            r = results.setdefault(rid, {"tokens": [], "text": "", "stop": None})
+            r["tokens"] += ev.token_ids
+            r["text"] += ev.text
+            if ev.stop is not Stop.NONE:
+                r["stop"] = ev.stop
+        return sink
+    engine = built.engine
+    if runner is not None:
+        engine.runner = runner
+    work = _workload()
+    for k, (rid, prompt, adapter, sampling, stopping) in enumerate(work):
+        name = names[adapter % len(names)]
+        engine.submit(Sequence(rid, prompt, slot=slots[name] if name else -1, sampling=sampling,
+                               stopping=stopping), sink_for(rid))
+        if k >= 6:
+            engine.step()
+    for _ in range(500):
+        if len([r for r in results.values() if r["stop"]]) == len(work):
+            break
+        engine.step()
+    return results
+
+
+def test_graph_decode_path_matches_eager(hf_ckpt):
+    """Small KV cache (preemptions), adapters, stop sequences, greedy and sampled rows."""
+    root, _, _ = hf_ckpt
+    per_block = 2 * 2 * 4 * 2 * 16 * 4                  # K+V, 2 layers, 4 tokens, 2 x 16, fp32
+    eager_built, eager_slots = _engine(root, kv=32 * per_block)
+    eager = _serve(eager_built, eager_slots)
+    built, slots = _engine(root, kv=32 * per_block)
+    graphs = _graph_runner(built)
+    got = _serve(built, slots, graphs)
+    assert graphs.replays > 10
+    assert built.engine.scheduler.preemptions > 0
+    assert got == eager
+    assert all(r["stop"] in (Stop.MAX_TOKENS, Stop.EOS_TOKEN, Stop.STOP_SEQUENCE)
+               for r in got.values())
+
+
+def test_event_handoff_delivers_every_call_in_order():
+    """The servicer's engine-to-loop handoff (one loop wake-up per burst): bursts from another
+    thread arrive complete and in order, and a failing call does not hold back the rest."""
+    import asyncio
+    import random
+    import threading
+    import time
+
+    from services.worker.servicer import EventHandoff
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda loop, context: errors.append(context["exception"]))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    got, errors, sent = [], [], []
+
+    def fail(arg):
+        raise ValueError(arg)
+    try:
+        handoff, rng = EventHandoff(loop), random.Random(0)
+        for burst in range(300):
+            for i in range(rng.randrange(1, 65)):
+                sent.append((burst, i))
+                handoff.put(got.append, (burst, i))
+            if burst % 50 == 0:
+                handoff.put(fail, burst)
+            if burst % 7 == 0:
+                time.sleep(0.0002)
+        deadline = time.monotonic() + 10
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == sent
+        assert [e.args[0] for e in errors] == list(range(0, 300, 50))
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
