@@ -23,6 +23,10 @@ if [ "$MODE" = check ]; then
   step python3 bench/profile_decode.py --layers 4 --batch 64 --distinct 32 2>&1 | tail -32
   step python3 bench/e2e_gpu_bench.py --no-peft --batches 64 --distincts 1,32 --new 64 \
        --out "$OUT/e2e" 2>&1 | tail -12
+elif [ "$MODE" = gemm ]; then
+  step python3 bench/gemm_layouts.py --out "$OUT" 2>&1 | tail -70
+  step python3 bench/e2e_gpu_bench.py --no-peft --batches 64 --distincts 1,32 --new 64 \
+       --out "$OUT/e2e" 2>&1 | tail -12
 elif [ "$MODE" = sweep ]; then
   step python3 bench/sgmv_sweep.py --out "$OUT" "${@:2}" 2>&1 | tail -60
 elif [ "$MODE" = quick ]; then

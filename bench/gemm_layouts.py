@@ -1,0 +1,73 @@
+"""Which weight layout cuBLAS serves fastest for the decode GEMMs of a Llama-2-7B layer (bf16):
+y = x @ W.T with W stored [N, K] (F.linear, as checkpoints store it) against W.T stored [K, N]
+(torch.mm), at decode batch sizes. Median of CUDA-graph replays, each call on its own weights
+(cold), achieved bandwidth next to an eager copy.
+
+    python bench/gemm_layouts.py --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.kernel_bench import copy_tbps, time_us  # noqa: E402
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
+          "down": (4096, 11008), "lm_head": (32000, 4096)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--batches", default="32,64,128")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_tbps(dev, 2.0, 25, 100)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+        wts = [w.t().contiguous() for w in ws]
+        for m in (int(b) for b in a.batches.split(",")):
+            xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+            outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+            variants = {
+                "linear_NK": [lambda i=i: torch.matmul(xs[i], ws[i].t(), out=outs[i])
+                              for i in range(4)],
+                "F.linear": [lambda i=i: F.linear(xs[i], ws[i]) for i in range(4)],
+                "mm_KN": [lambda i=i: torch.mm(xs[i], wts[i], out=outs[i]) for i in range(4)],
+                "mm_NK_xT": [lambda i=i: torch.mm(ws[i], xs[i].t()) for i in range(4)],
+            }
+            ref = (xs[0].float() @ ws[0].float().t())
+            for v, fns in variants.items():
+                out = fns[0]()
+                out = outs[0] if out is None else out
+                if v == "mm_NK_xT":
+                    out = out.t()
+                err = float((out.float() - ref).abs().max() / ref.abs().max())
+                us = time_us(fns, dev, 25, 100)
+                nbytes = 2 * (n * k + m * k + m * n)
+                rows.append({"gemm": name, "M": m, "N": n, "K": k, "variant": v,
+                             "us": round(us, 2), "tbps": round(nbytes / us / 1e6, 2),
+                             "rel_err": err})
+                print(f"{name:8s} M={m:4d} {v:10s} {us:7.2f} us {nbytes / us / 1e6:5.2f} TB/s "
+                      f"err {err:.1e}", flush=True)
+        del ws, wts
+        torch.cuda.empty_cache()
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "gemm-layouts-h200.json").write_text(json.dumps(
+        {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps": bw,
+         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}, indent=1))
+    print(f"copy {bw:.2f} TB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
