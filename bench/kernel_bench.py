@@ -265,7 +265,8 @@ def _kwargs(fn, available):
 
 # ----------------------------------------------------------------------------------------------
 def time_us(fn, device, warmup_ms, rep_ms):
-    """Median µs per call: CUDA-graph replays under do_bench (L2 flushed) on GPU, wall clock on CPU.
+    """Median µs per call: CUDA-graph replays under do_bench (L2 flushed) on GPU, wall clock on
+    CPU.
 
     fn may be a list of calls: they are captured back to back in one graph and the replay time is
     divided by their number ("chain": how kernels run inside the engine's decode graph, where one
@@ -477,8 +478,9 @@ def write_markdown(path, header, rows):
                 f"{cell(d.get('ours_split'), 'chain_us')} |")
         lines.append("")
     lines += ["## One call per graph", "",
-              f"A graph of one trivial kernel measures {header.get('graph_floor_us', float('nan')):.1f}"
-              " µs here: every figure in this table includes that fixed cost.", "",
+              "A graph of one trivial kernel measures "
+              f"{header.get('graph_floor_us', float('nan')):.1f} µs here: every figure in this "
+              "table includes that fixed cost.", "",
               "| r | T | n | base | floor | ours | vLLM | loop | gather | ours/vLLM | ours/best "
               "| ours %copy | fused | split |", "|---|---|---|---|---|---|---|---|---|---|---|---|"
               "---|---|"]

@@ -1,9 +1,9 @@
 """SGMV LoRA: apply each segment's adapter to its rows of a mixed batch in one call.
 
 `sgmv` has the semantics and signature of `kernels.sgmv_ref.sgmv_ref` (read its docstring for the
-pool layout). On CUDA tensors it runs a Triton kernel (split-K up to SPLIT_MAX_ROWS rows, fused above);
-elsewhere the torch reference. `impl="triton"` forces the kernel (tests run it under TRITON_INTERPRET=1 on CPU);
-`impl="torch"` forces the reference.
+pool layout). On CUDA tensors it runs a Triton kernel (split-K up to SPLIT_MAX_ROWS rows, fused
+above); elsewhere the torch reference. `impl="triton"` forces the fused kernel and `impl="split"`
+the split one (tests run them under TRITON_INTERPRET=1 on CPU); `impl="torch"` the reference.
 """
 from __future__ import annotations
 

@@ -262,7 +262,7 @@ def _sms(device_index: int) -> int:
 
 
 _BARRIERS: dict[tuple[str, int | None], torch.Tensor] = {}
-_PER_SM: dict[tuple, int] = {}     # (device, constexprs) -> programs of the one-launch kernel per SM
+_PER_SM: dict[tuple, int] = {}     # (device, constexprs) -> one-launch programs resident per SM
 
 
 def barrier_state(device: torch.device) -> torch.Tensor:

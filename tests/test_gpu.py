@@ -17,9 +17,11 @@ pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def greedy_tokens(device: str, dtype: str, graphs: bool = True) -> dict[str, list[int]]:
+def greedy_tokens(device: str, dtype: str, graphs: bool = True,
+                  overlap: bool = True) -> dict[str, list[int]]:
     opts = EngineOptions(device=device, dtype=dtype, kv_cache_bytes=16 << 20, block_size=16,
-                         max_batch_tokens=512, max_running=32, cuda_graphs=graphs)
+                         max_batch_tokens=512, max_running=32, cuda_graphs=graphs,
+                         overlap=overlap)
     built = build_engine(MODEL_DIR, opts)
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
     slots = {n: built.pool.place(n, layout_from_peft_dir(DEMO_ADAPTERS / n, built.spec,
@@ -54,6 +56,14 @@ def test_gpu_graphs_match_eager_bf16():
     graphs = greedy_tokens("cuda", "bfloat16", graphs=True)
     agree = sum(a == b for a, b in zip(eager.values(), graphs.values()))
     assert agree == len(eager)
+
+
+@needs_cuda
+def test_gpu_overlapped_decode_matches_waited_steps():
+    """Steps launched from the step in flight (tokens gathered on the device, events, double
+    buffers) give the tokens of steps that each wait for the last."""
+    assert greedy_tokens("cuda", "bfloat16", overlap=True) == greedy_tokens(
+        "cuda", "bfloat16", overlap=False)
 
 
 @needs_cuda

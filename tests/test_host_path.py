@@ -8,6 +8,7 @@ that run the model eagerly) must give every request what the eager path gives.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.worker.graph_runner import GraphRunner
@@ -116,7 +117,7 @@ def _workload():
     return out
 
 
-def _serve(built, slots, runner=None):
+def _serve(built, slots, runner=None, overlap=True):
     """Run the workload (three requests join late); each request's tokens, text, end."""
     names = [None, *slots]
     results = {}
@@ -131,6 +132,7 @@ def _serve(built, slots, runner=None):
     engine = built.engine
     if runner is not None:
         engine.runner = runner
+    engine.overlap = overlap
     work = _workload()
     for k, (rid, prompt, adapter, sampling, stopping) in enumerate(work):
         name = names[adapter % len(names)]
@@ -145,16 +147,24 @@ def _serve(built, slots, runner=None):
     return results
 
 
-def test_graph_decode_path_matches_eager(hf_ckpt):
-    """Small KV cache (preemptions), adapters, stop sequences, greedy and sampled rows."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_graph_decode_path_matches_eager(hf_ckpt, overlap):
+    """Small KV cache (preemptions), adapters, stop sequences, greedy and sampled rows. With
+    overlap, decode steps are launched from the step in flight (tokens gathered on the device,
+    sampling counters one ahead) across late arrivals, EOS, stop sequences and max_new_tokens."""
     root, _, _ = hf_ckpt
     per_block = 2 * 2 * 4 * 2 * 16 * 4                  # K+V, 2 layers, 4 tokens, 2 x 16, fp32
     eager_built, eager_slots = _engine(root, kv=32 * per_block)
     eager = _serve(eager_built, eager_slots)
     built, slots = _engine(root, kv=32 * per_block)
     graphs = _graph_runner(built)
-    got = _serve(built, slots, graphs)
+    launches = []
+    launch = graphs.launch
+    graphs.launch = lambda batch, prev=None: launches.append(prev is not None) or launch(
+        batch, prev)
+    got = _serve(built, slots, graphs, overlap=overlap)
     assert graphs.replays > 10
+    assert any(launches) == overlap                     # steps launched from steps in flight
     assert built.engine.scheduler.preemptions > 0
     assert got == eager
     assert all(r["stop"] in (Stop.MAX_TOKENS, Stop.EOS_TOKEN, Stop.STOP_SEQUENCE)

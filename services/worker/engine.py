@@ -1,5 +1,14 @@
 """The engine loop: schedule, run, post-process — on its own thread.
 
+Overlap. With a runner that can launch a step without waiting (GraphRunner.launch), a decode
+step is launched, and on the next call the step after it is launched from it (input tokens
+gathered on the device) before the first one's tokens are read and post-processed: the host's
+per-row work (detokenization, stop checks, events) and the next step's metadata run while the
+GPU computes. This holds while every running sequence decodes and nothing is waiting; any other
+step (arrivals, prefill, preemption, a full KV cache) first collects the step in flight. A
+sequence that stops on EOS or a stop sequence has had one more token computed, which is dropped;
+one that reaches max_new_tokens is left out of the next step in advance.
+
 The servicer submits sequences and receives TokenEvents through a sink callback (called on the
 engine thread; it must only hand the event over, e.g. loop.call_soon_threadsafe).
 """
@@ -15,7 +24,7 @@ from typing import Callable
 from services.common.errors import InvalidArgument
 from services.worker.runner import ModelRunner
 from services.worker.scheduler import Scheduled, Scheduler
-from services.worker.sequence import Sequence, Stop
+from services.worker.sequence import Sequence, Status, Stop
 
 log = logging.getLogger(__name__)
 _NO_STOP = Stop.NONE      # bound once: an enum member lookup costs ~0.1 µs, paid per row per step
@@ -40,8 +49,11 @@ Sink = Callable[[TokenEvent], None]
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer,
-                 eos_token_ids: tuple[int, ...], max_model_len: int):
+                 eos_token_ids: tuple[int, ...], max_model_len: int, overlap: bool = True):
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        # launch steps ahead of their post-processing when the runner can (see module doc)
+        self.overlap = overlap
+        self._pending = None                           # a launched step not yet collected
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -92,30 +104,88 @@ class Engine:
         self._drain_inbox()
         if self._timed:
             self._expire()
+        if self._pending is not None:
+            self._step_in_flight()
+            return True
         batch = self.scheduler.schedule()
         if not batch:
             return False
         now = time.monotonic()              # when this step's new sequences were scheduled
+        launch = getattr(self.runner, "launch", None) if self.overlap else None
         try:
-            sampled, tokens = self.runner.run(batch)
+            pending = launch(batch) if launch is not None else None
+            if pending is None:
+                sampled, tokens = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the worker
-            log.exception("step failed; failing its %d requests", len(batch))
-            for b in batch:
-                if b.seq.first_scheduled is None:
-                    b.seq.first_scheduled = now
-                self._finish(b.seq, Stop.ERROR, error=f"{type(exc).__name__}: {exc}")
+            self._fail(batch, exc, now)
             return True
         for b in batch:
             seq = b.seq
             seq.num_computed += b.num_tokens
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
+        if pending is not None:
+            self._pending = pending
+            return True
+        self._post(sampled, tokens)
+        return True
+
+    def _post(self, sampled: list[Scheduled], tokens: list[int]) -> None:
         self.steps += 1
         self.tokens_generated += len(tokens)
         append = self._append
         for b, tok in zip(sampled, tokens):
             append(b, tok)
-        return True
+
+    def _fail(self, batch: list[Scheduled], exc: Exception, now: float) -> None:
+        log.error("step failed; failing its %d requests", len(batch), exc_info=exc)
+        for b in batch:
+            if b.seq.first_scheduled is None:
+                b.seq.first_scheduled = now
+            self._finish(b.seq, Stop.ERROR, error=f"{type(exc).__name__}: {exc}")
+
+    def _step_in_flight(self) -> None:
+        """Launch the next decode step from the one in flight when nothing else needs the
+        scheduler, then collect and post-process the one in flight."""
+        done, self._pending = self._pending, None
+        rows = self._continuation(done.batch)
+        if rows:
+            try:
+                self._pending = self.runner.launch(rows, prev=done)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(rows, exc, time.monotonic())
+            if self._pending is not None:
+                for b in rows:
+                    b.seq.num_computed += 1
+        try:
+            sampled, tokens = self.runner.collect(done)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(done.batch, exc, time.monotonic())
+            return
+        self._post(sampled, tokens)
+
+    def _continuation(self, batch: list[Scheduled]) -> list[Scheduled] | None:
+        """The next decode step of a step in flight, or None when the scheduler must decide:
+        something is waiting or queued, a running sequence was not in the step, or KV blocks
+        for the next token are short. Leaves out sequences finished since, and those whose
+        in-flight token is their last (max_new_tokens)."""
+        sched = self.scheduler
+        if sched.waiting or not self._inbox.empty():
+            return None
+        stepped = {id(b.seq) for b in batch}
+        if any(id(s) not in stepped for s in sched.running):
+            return None
+        rows = []
+        for b in batch:
+            seq = b.seq
+            if seq.status is not Status.RUNNING:
+                continue                              # finished or cancelled meanwhile
+            if seq.num_output + 1 >= seq.stopping.max_new_tokens:
+                continue                              # its token in flight is its last
+            if not sched.blocks.ensure(seq, seq.num_computed + 1):
+                return None
+            rows.append(Scheduled(seq, 1))
+        return rows or None
 
     def _drain_inbox(self) -> None:
         inbox = self._inbox

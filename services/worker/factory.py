@@ -34,6 +34,7 @@ class EngineOptions:
     max_model_len: int = 0              # 0 = the model's max_position_embeddings
     cuda_graphs: bool = True            # capture decode steps on CUDA
     graph_max_rank: int = 64            # LoRA rank tile baked into the graphs
+    overlap: bool = True                # launch decode step N+1 before post-processing N
 
 
 @dataclass
@@ -85,5 +86,6 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
         from services.worker.graph_runner import GraphRunner
         runner = GraphRunner(runner)
         runner.capture(opts.graph_max_rank)
-    engine = Engine(runner, scheduler, tokenizer, spec.eos_token_ids, max_len)
+    engine = Engine(runner, scheduler, tokenizer, spec.eos_token_ids, max_len,
+                    overlap=opts.overlap)
     return Built(engine, pool, spec, tokenizer, device, dtype)

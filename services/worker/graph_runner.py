@@ -10,11 +10,18 @@ A graph holds LoRA launches only for the projection groups that the step's adapt
 (services.worker.model_spec.GROUP_BIT): a base-only step replays a graph with none, a batch of
 q/k/v/o adapters one without the MLP's. The graphs for every group and for none are captured at
 start; any other combination is captured the first time a step needs it.
+
+Overlap. `launch` starts a decode step and returns at once (the sampled tokens come back through
+a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
+flight (`prev`): its rows' input tokens are then gathered on the device from prev's sampled tokens,
+so the engine can queue step N+1 before it has read step N's tokens, and the GPU does not idle
+while the host post-processes step N (services.worker.engine).
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +37,30 @@ log = logging.getLogger(__name__)
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
+class _HostSet:
+    """Pinned staging buffers for one step: host64 [4, top] (ids, positions, slots, gather
+    index), host32 (q_seq, q_pos, seg_start, seg_slot, block tables), the sampled tokens' copy
+    target; numpy views of them, and which block-table list (and how much of it) each row of
+    host32 holds (see GraphRunner._sync_tables)."""
+
+    def __init__(self, top: int, mb: int, pin: bool):
+        self.host64 = torch.zeros(4, top, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(4 * top + 1 + top * mb, dtype=torch.int32, pin_memory=pin)
+        self.tokens = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
+        self.views = (self.host64.numpy(), *(
+            t.numpy() for t in GraphRunner._split32(self.host32, top, mb)))
+        self.held = ([None] * top, [0] * top)
+
+
+@dataclass
+class PendingStep:
+    """A launched decode step: its rows in replay order and its sampled tokens on the way."""
+    batch: list[Scheduled]
+    tokens: torch.Tensor                 # int64 [n] on the device
+    host: torch.Tensor                   # int64 [n], pinned: the copy's destination
+    done: torch.cuda.Event | None        # recorded after the copy (None on CPU)
+
+
 class GraphRunner:
     def __init__(self, runner: ModelRunner, sizes=DEFAULT_SIZES):
         self.runner = runner
@@ -41,11 +72,15 @@ class GraphRunner:
         self.block_size = runner.block_size
         mb = self.max_blocks
         # two packed buffers (int64 rows, int32 metadata) -> two host-to-device copies a step
-        self.dev64 = torch.zeros(3, top, dtype=torch.int64, device=dev)
+        # rows: input ids, positions, KV slots, and for a step launched from one in flight the
+        # index of each row's token in that step's sampled tokens
+        self.dev64 = torch.zeros(4, top, dtype=torch.int64, device=dev)
         self.dev32 = torch.zeros(4 * top + 1 + top * mb, dtype=torch.int32, device=dev)
-        self.host64 = torch.zeros(3, top, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self.host32 = torch.zeros(4 * top + 1 + top * mb, dtype=torch.int32,
-                                  pin_memory=dev.type == "cuda")
+        # two sets of pinned staging buffers, used in turn: with overlap, step N+1 is filled
+        # while step N's copies may still be queued behind step N-1
+        self._sets = [_HostSet(top, mb, dev.type == "cuda") for _ in range(2)]
+        self._flip = 0
+        self._filled = self._sets[0]              # the set the last _fill wrote
         self.ids, self.pos, self.slots = self.dev64[0], self.dev64[1], self.dev64[2]
         self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = self._split32(
             self.dev32, top, mb)
@@ -112,15 +147,38 @@ class GraphRunner:
         return None
 
     def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int]]:
+        """One step, waited for: from a graph when it is a decode step that has one, else
+        eagerly; returns the rows that sampled and their tokens."""
+        pending = self.launch(batch)
+        if pending is None:
+            return self.runner.run(batch)
+        return self.collect(pending)
+
+    def launch(self, batch: list[Scheduled], prev: PendingStep | None = None
+               ) -> PendingStep | None:
+        """Start a decode step from its graph and return without waiting; None (nothing
+        launched) when the step cannot run from a graph.
+
+        With prev (a step still in flight), every row continues a sequence of prev: its input
+        token is the one prev sampled for it, still only on the device, and its output counter
+        is one ahead of seq.tokens."""
         b = self._bucket(len(batch))
-        decode = all(x.num_tokens == 1 and x.samples for x in batch)
+        decode = all(x.num_tokens == 1 for x in batch) and (
+            prev is not None or all(x.samples for x in batch))
         penalized = any(x.seq.sampling.repetition_penalty not in (0.0, 1.0) for x in batch)
         too_big = self.model.lora is not None and self.model.lora.max_rank > self.rank
         if b is None or not decode or penalized or too_big or b not in self.captured:
-            return self.runner.run(batch)
+            return None
         batch = sorted(batch, key=lambda x: (x.seq.slot < 0, x.seq.slot, x.seq.arrival))
         mask = self.model.lora_mask(x.seq.slot for x in batch)
-        self._fill(batch, b)
+        src = None
+        if prev is not None:
+            where = {id(x.seq): i for i, x in enumerate(prev.batch)}
+            src = np.fromiter((where[id(x.seq)] for x in batch), np.int64, len(batch))
+        self._fill(batch, b, src)
+        if src is not None:
+            n = len(batch)
+            torch.index_select(prev.tokens, 0, self.dev64[3, :n], out=self.ids[:n])
         if (b, mask) not in self.graphs:
             log.info("capturing the decode graph for batch %d, LoRA groups %s", b, bin(mask))
             self._capture_one(b, mask)
@@ -134,8 +192,22 @@ class GraphRunner:
             self.graphs[(b, mask)].replay()
         self.replays += 1
         logits = self.outputs[(b, mask)][:len(batch)]
-        tokens = sample(logits, sampling_batch(batch, self.model.device))
-        return batch, tokens.tolist()
+        tokens = sample(logits, sampling_batch(batch, self.model.device,
+                                               ahead=0 if prev is None else 1))
+        host = self._filled.tokens[:len(batch)]
+        host.copy_(tokens, non_blocking=True)
+        done = None
+        if tokens.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return PendingStep(batch, tokens, host, done)
+
+    @staticmethod
+    def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int]]:
+        """Wait for a launched step's tokens: (its rows, their new token ids)."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        return pending.batch, pending.host.tolist()
 
     @staticmethod
     def _split32(buf: torch.Tensor, top: int, mb: int):
@@ -145,27 +217,34 @@ class GraphRunner:
         seg_start, seg_slot = buf[2 * top:3 * top + 1], buf[3 * top + 1:4 * top + 1]
         return q_seq, q_pos, seg_start, seg_slot, buf[4 * top + 1:].view(top, mb)
 
-    def _fill(self, batch: list[Scheduled], b: int) -> None:
+    def _fill(self, batch: list[Scheduled], b: int, src: np.ndarray | None = None) -> None:
         """Write a decode step's metadata for batch size b (padding rows inert), two copies.
+        src: for a step launched from one in flight, where each row's input token is in that
+        step's sampled tokens (the ids are then gathered on the device, not written here).
 
         Per row only attribute reads; the arithmetic is vectorized, and a row's block table is
         rewritten only when it changed since the last fill (_sync_tables)."""
         n, bs = len(batch), self.block_size
-        h, q_seq, q_pos, seg_start, seg_slot, tables = self._host_views()
+        hs = self._filled = self._sets[self._flip]
+        self._flip ^= 1
+        h, q_seq, q_pos, seg_start, seg_slot, tables = hs.views
         seqs = [x.seq for x in batch]
         pos_of = [q.num_computed for q in seqs]
-        h[0, :n] = [q.tokens[p] for q, p in zip(seqs, pos_of)]
+        if src is None:
+            h[0, :n] = [q.tokens[p] for q, p in zip(seqs, pos_of)]
+        else:
+            h[3, :n] = src
         pos = h[1, :n]
         pos[:] = pos_of
-        self._sync_tables(seqs, b)
+        self._sync_tables(seqs, b, hs)
         h[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
-        h[:, n:b] = np.array([[0], [0], [-1]])     # padding rows: token 0, no KV write
+        h[:3, n:b] = np.array([[0], [0], [-1]])    # padding rows: token 0, no KV write
         q_seq[:b] = np.arange(b)
         q_seq[n:b] = -1                            # padding rows: no attention
         q_pos[:b] = h[1, :b]
         self._segments(np.array([q.slot for q in seqs], dtype=np.int64), seg_start, seg_slot)
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
+        self.dev64.copy_(hs.host64, non_blocking=True)
+        self.dev32.copy_(hs.host32, non_blocking=True)
 
     @staticmethod
     def _segments(slots_of: np.ndarray, seg_start: np.ndarray, seg_slot: np.ndarray) -> None:
@@ -181,29 +260,16 @@ class GraphRunner:
         seg_slot[1:g] = slots_of[starts]
         seg_slot[g:] = -1
 
-    def _host_views(self) -> tuple[np.ndarray, ...]:
-        """numpy views of the host buffers, made on first use: host64 [3, top], then q_seq,
-        q_pos, seg_start, seg_slot and the block tables [top, max_blocks] of host32."""
-        views = getattr(self, "_views", None)
-        if views is None:
-            top = self.host64.shape[1]
-            views = self._views = (self.host64.numpy(), *(
-                t.numpy() for t in self._split32(self.host32, top, self.max_blocks)))
-        return views
-
-    def _sync_tables(self, seqs: list, b: int) -> None:
+    def _sync_tables(self, seqs: list, b: int, hs: _HostSet) -> None:
         """Rows 0..b-1 of the host block tables: row i holds seqs[i]'s table then zeros, padding
         rows hold zeros.
 
-        The buffer keeps what the last fill wrote, and which list (and how much of it) each row
+        Each buffer set keeps what its last fill wrote, and which list (and how much of it) each row
         holds; a row is rewritten only when its sequence's table is another list or has grown.
         That is exact because BlockManager only appends to a table and, on freeing, gives the
         sequence a new list: the same list at the same length holds the same blocks."""
-        tables = self._host_views()[5]
-        held = getattr(self, "_tables_held", None)
-        if held is None:
-            held = self._tables_held = ([None] * len(tables), [0] * len(tables))
-        lists, lens = held
+        tables = hs.views[5]
+        lists, lens = hs.held
         for i, q in enumerate(seqs):
             t = q.block_table
             k, old = len(t), lens[i]

@@ -110,8 +110,11 @@ def _to_device(buf, t_rows, n_seq, max_blocks, max_ctx, g, n_sample, has_lora,
     return StepInputs(rows[0], ctx, sampling_batch(sampled, buf.device), sampled)
 
 
-def sampling_batch(sampled: list[Scheduled], device: torch.device) -> SamplingBatch:
+def sampling_batch(sampled: list[Scheduled], device: torch.device,
+                   ahead: int = 0) -> SamplingBatch:
     """The rows' sampling parameters as tensors on device; none when every row is greedy.
+    ahead: output tokens each row has beyond seq.tokens (sampled in a step still in flight),
+    so that the counter of the token drawn is its index in the output all the same.
 
     The parameters go over in two packed copies (float32 and int64 rows), from pinned memory
     and without waiting on CUDA: a graph decode step builds them while its graph runs."""
@@ -128,7 +131,7 @@ def sampling_batch(sampled: list[Scheduled], device: torch.device) -> SamplingBa
                        [p.top_p if 0 < p.top_p < 1 else 1.0 for p in params],
                        [p.repetition_penalty or 1.0 for p in params]], dtype=np.float32)
     ints = np.array([[p.top_k for p in params], [p.seed for p in params],
-                     [b.seq.num_output for b in sampled]], dtype=np.int64)
+                     [b.seq.num_output + ahead for b in sampled]], dtype=np.int64)
     history = None
     if penalized:
         history = _host_to_device(_history(sampled), device)
