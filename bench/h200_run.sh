@@ -3,6 +3,7 @@
 #   bash bench/h200_run.sh quick     # smoke: GPU tests + small benchmark shapes
 #   bash bench/h200_run.sh full      # the benchmarks of bench/results/*-h200.*
 #   bash bench/h200_run.sh check     # GPU tests, a decode profile, batch-64 end to end
+#   bash bench/h200_run.sh final     # GPU tests, end to end with PEFT, kernels vs vLLM
 #   bash bench/h200_run.sh sweep     # SGMV tile sweep (bench/sgmv_sweep.py)
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
 set -u
@@ -17,7 +18,12 @@ python3 -c "import torch, triton, transformers, peft; print('torch', torch.__ver
 step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t))s: $1 $2"; }
 VLLM=()
 [ -d .peers/vllm_lora_ops ] && VLLM=(--vllm-src .peers/vllm_lora_ops)
-if [ "$MODE" = check ]; then
+if [ "$MODE" = final ]; then
+  step timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+       tests/test_sgmv_split.py tests/test_sgmv.py 2>&1 | tail -8
+  step python3 bench/e2e_gpu_bench.py --out "$OUT" 2>&1 | tail -30
+  step python3 bench/kernel_bench.py "${VLLM[@]}" --budget-s 200 --out "$OUT" 2>&1 | tail -40
+elif [ "$MODE" = check ]; then
   step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_sgmv.py \
        tests/test_sgmv_split.py tests/test_gpu.py 2>&1 | tail -15
   step python3 bench/profile_decode.py --layers 4 --batch 64 --distinct 32 2>&1 | tail -32
