@@ -213,6 +213,16 @@ def test_dispatch_uses_reference_on_cpu():
         sgmv(*_args(c), impl="cuda")
 
 
+def test_dispatch_picks_the_kernel_by_shape():
+    """Split-K for decode batches and long segments; fused for many short segments of a large
+    batch, for rank 64 with ~2 rows an adapter at 256 rows, and for very large batches."""
+    from kernels.sgmv import use_split
+    assert use_split(1, 2, 16) and use_split(64, 64, 64) and use_split(256, 129, 16)
+    assert not use_split(256, 129, 64) and use_split(256, 33, 64)
+    assert use_split(1024, 9, 64) and not use_split(1024, 129, 16)
+    assert not use_split(4096, 2, 16)
+
+
 def test_wrapper_rejects_bad_inputs():
     from kernels.sgmv_triton import sgmv_triton
     c = build_case(CASES["distinct_bf16"])
