@@ -207,3 +207,61 @@ def test_event_handoff_delivers_every_call_in_order():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+def test_overlap_cancel_and_time_limit_mid_flight(hf_ckpt):
+    """With steps launched from steps in flight, a request cancelled or timed out mid-decode
+    ends once (CANCELLED / TIME_LIMIT) with no tokens after its end, and the others get exactly
+    the tokens they get alone."""
+    root, _, _ = hf_ckpt
+    built, slots = _engine(root)
+    names = [None, *slots]
+
+    def requests():
+        return [Sequence(f"q{i}", list(range(5 + i, 12 + 2 * i)),
+                         slot=slots[names[i % 4]] if names[i % 4] else -1,
+                         stopping=Stopping(max_new_tokens=12, ignore_eos=True,
+                                           time_limit_s=3600.0 if i == 4 else 0.0))
+                for i in range(6)]
+
+    def serve(engine, seqs, interrupt):
+        events = {s.request_id: [] for s in seqs}
+        for s in seqs:
+            engine.submit(s, events[s.request_id].append)
+        for k in range(200):
+            if all(e and e[-1].stop is not Stop.NONE for e in events.values()):
+                break
+            interrupt(k, seqs)
+            engine.step()
+        return events
+
+    alone_built, alone_slots = _engine(root)
+    assert alone_slots == slots
+    alone_built.engine.overlap = False
+    alone = serve(alone_built.engine, requests(), lambda k, seqs: None)
+
+    graphs = _graph_runner(built)
+    built.engine.runner = graphs
+    launched_from = []
+    launch = graphs.launch
+    graphs.launch = lambda batch, prev=None: launched_from.append(prev is not None) or launch(
+        batch, prev)
+
+    def interrupt(k, seqs):
+        if k == 6:
+            built.engine.abort("q1")
+        if k == 7:
+            seqs[4].stopping = Stopping(max_new_tokens=12, ignore_eos=True, time_limit_s=1e-9)
+    got = serve(built.engine, requests(), interrupt)
+    assert any(launched_from)
+    for rid, evs in got.items():
+        ends = [e for e in evs if e.stop is not Stop.NONE]
+        assert len(ends) == 1 and evs[-1] is ends[0], rid
+        tokens = [t for e in evs for t in e.token_ids]
+        want = [t for e in alone[rid] for t in e.token_ids]
+        if rid in ("q1", "q4"):
+            assert ends[0].stop is (Stop.CANCELLED if rid == "q1" else Stop.TIME_LIMIT)
+            assert len(tokens) < len(want) and tokens == want[:len(tokens)], rid
+        else:
+            assert ends[0].stop is Stop.MAX_TOKENS and tokens == want, rid
+    assert not built.engine.scheduler.running and built.engine._pending is None
