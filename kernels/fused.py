@@ -1,6 +1,7 @@
 """Fused elementwise kernels for the decoder layer: RMSNorm (with the residual add), rotary
-embedding of q and k in place, and SiLU-gate. On CUDA each is one Triton launch; elsewhere the
-torch expressions below, which are also their semantics.
+embedding of q and k in place (optionally with the KV-cache write of k and v), and SiLU-gate. On
+CUDA each is one Triton launch; elsewhere the torch expressions below, which are also their
+semantics.
 
 Why: inside a CUDA-graph decode step each tiny torch op is still a kernel of ~2-3 µs; unfused,
 a Llama layer has ~45 of them, which costs more than streaming its weights at batch 64.
@@ -83,6 +84,39 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_he
 
 
 @triton.jit
+def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+                    stride_row, stride_v, n_q, n_heads, kv_elems,
+                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row: rotate its q and k heads (side by side in x) in place, and write the rotated k
+    and its v to the cache slot (none when the slot is negative)."""
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, HALF)
+    ok = (hs < n_heads)[:, None]
+    c = tl.load(cos_ptr + pos * HALF + ds).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + ds).to(tl.float32)[None, :]
+    base = x_ptr + row * stride_row + hs[:, None] * (2 * HALF) + ds[None, :]
+    x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+    y1 = (x1 * c - x2 * s).to(x_ptr.dtype.element_ty)
+    y2 = (x2 * c + x1 * s).to(x_ptr.dtype.element_ty)
+    tl.store(base, y1, mask=ok)
+    tl.store(base + HALF, y2, mask=ok)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot >= 0:
+        kh = hs - n_q                                 # k head index; negative for q heads
+        k_ok = ok & (kh >= 0)[:, None]
+        kbase = kc_ptr + slot * kv_elems + kh[:, None] * (2 * HALF) + ds[None, :]
+        tl.store(kbase, y1.to(kc_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(kbase + HALF, y2.to(kc_ptr.dtype.element_ty), mask=k_ok)
+        vs = tl.arange(0, BLOCK_V)
+        v_ok = vs < kv_elems
+        vv = tl.load(v_ptr + row * stride_v + vs, mask=v_ok)
+        tl.store(vc_ptr + slot * kv_elems + vs, vv.to(vc_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -137,6 +171,39 @@ def rope_(q, k, cos, sin, positions, impl: str = "auto") -> None:
     for x in (q, k):
         _rope_kernel[(t,)](x, cos, sin, positions, x.stride(0), x.stride(1), x.shape[1],
                            HALF=d // 2, BLOCK_H=triton.next_power_of_2(x.shape[1]))
+    return None
+
+
+def _side_by_side(q, k, v) -> bool:
+    """q, k, v heads packed in one row (the engine's qkv buffer), head dim contiguous."""
+    d, es = q.shape[2], q.element_size()
+    return (q.stride(2) == k.stride(2) == v.stride(2) == 1
+            and q.stride(1) == k.stride(1) == v.stride(1) == d
+            and q.stride(0) == k.stride(0) == v.stride(0)
+            and k.data_ptr() == q.data_ptr() + q.shape[1] * d * es
+            and v.data_ptr() == k.data_ptr() + k.shape[1] * d * es)
+
+
+def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
+                   impl: str = "auto") -> None:
+    """rope_(q, k, ...) then write_kv(k_cache, v_cache, k, v, slot_mapping): one launch on CUDA
+    when q, k and v sit side by side in one row (the engine's qkv layout); otherwise the two
+    ops. Shapes: q [T, Hq, D], k and v [T, Hk, D]; caches [NB, BS, Hk, D]; slot_mapping [T]."""
+    from kernels.attention import write_kv
+    if not _triton(q, impl) or not _side_by_side(q, k, v) or not (
+            k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape[2:] == k.shape[1:] and v_cache.shape == k_cache.shape):
+        rope_(q, k, cos, sin, positions, impl=impl)
+        write_kv(k_cache, v_cache, k, v, slot_mapping, impl=impl)
+        return None
+    t, hq, d = q.shape
+    if t == 0:
+        return None
+    kv_elems = k.shape[1] * d
+    _rope_kv_kernel[(t,)](q, v, k_cache, v_cache, cos, sin, positions, slot_mapping,
+                          q.stride(0), v.stride(0), hq, hq + k.shape[1], kv_elems, HALF=d // 2,
+                          BLOCK_H=triton.next_power_of_2(hq + k.shape[1]),
+                          BLOCK_V=triton.next_power_of_2(kv_elems))
     return None
 
 

@@ -36,9 +36,40 @@ def check(device: str = "cpu") -> None:
             k = t[:, 64:96].view(5, 2, 16)
             fused.rope_(q, k, cos, sin, pos, impl=impl)
         torch.testing.assert_close(a, b, atol=10 * tol, rtol=10 * tol)
+        check_rope_write_kv(g, device, dtype, tol)
         gu = torch.randn(6, 2 * 80, generator=g).to(device, dtype)
         torch.testing.assert_close(fused.silu_mul(gu, impl="triton"), fused.silu_mul_ref(gu),
                                    atol=tol, rtol=tol)
+
+
+def check_rope_write_kv(g, device, dtype, tol) -> None:
+    """The fused rope + KV write (GQA: 4 q heads, 2 kv heads; one row with no slot) against
+    rope_ then write_kv; caches poisoned with NaN, so unwritten or stray writes show."""
+    from kernels import fused
+    from kernels.attention_ref import write_kv_ref
+    t, hq, hk, d = 5, 4, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(device, dtype)
+    pos = torch.tensor([0, 3, 9, 2, 30]).to(device)
+    slots = torch.tensor([5, -1, 0, 13, 7]).to(device)
+    cos = torch.randn(64, d // 2, generator=g).to(device, dtype)
+    sin = torch.randn(64, d // 2, generator=g).to(device, dtype)
+    out = []
+    for impl in ("triton", "torch"):
+        x = qkv.clone()
+        q = x[:, :hq * d].view(t, hq, d)
+        k = x[:, hq * d:(hq + hk) * d].view(t, hk, d)
+        v = x[:, (hq + hk) * d:].view(t, hk, d)
+        kc = torch.full((4, 4, hk, d), float("nan"), dtype=dtype, device=device)
+        vc = kc.clone()
+        if impl == "triton":
+            fused.rope_write_kv_(q, k, v, cos, sin, pos, kc, vc, slots, impl="triton")
+        else:
+            fused.rope_ref(q, k, cos, sin, pos)
+            write_kv_ref(kc, vc, k, v, slots)
+        out.append((x, kc, vc))
+    for got, want in zip(*out):
+        torch.testing.assert_close(got, want, atol=10 * tol, rtol=10 * tol, equal_nan=True)
+    assert out[0][1].isnan().sum() == out[0][1].numel() - 4 * hk * d     # 4 rows written
 
 
 def test_fused_kernels_match_torch_under_the_interpreter():

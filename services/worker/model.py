@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import paged_attention, write_kv
-from kernels.fused import add_rms_norm, rms_norm, rope_, silu_mul
+from kernels.attention import paged_attention
+from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
 from kernels.sgmv import sgmv
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, ModelSpec
 
@@ -109,10 +109,11 @@ class LlamaModel:
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)          # views, strided rows
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
-        rope_(q, k, self.cos, self.sin, ctx.positions)                  # in place
+        # rotate q and k in place, write k and v to their KV slots (one launch on GPU)
+        rope_write_kv_(q, k, v, self.cos, self.sin, ctx.positions, kv[0], kv[1],
+                       ctx.slot_mapping)
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
-        write_kv(kv[0], kv[1], k, v, ctx.slot_mapping)
         attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
                                self.scale, ctx.max_context).reshape(-1, s.q_size)
         out = F.linear(attn, w["o"], w.get("o_bias"))
