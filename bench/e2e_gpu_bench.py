@@ -226,6 +226,32 @@ def write(out: pathlib.Path, rows: list[dict], header: dict) -> None:
                   f"throughput (target >= 90%), {100 * r32['tokens_per_s'] / r0['tokens_per_s']:.0f}"
                   "% of the base-only throughput (target >= 80%)."]
     (out / "e2e-h200.md").write_text("\n".join(lines) + "\n")
+    write_plot(out / "e2e-h200.png", rows, header)
+
+
+def write_plot(path: pathlib.Path, rows: list[dict], header: dict) -> bool:
+    """tokens/s against distinct adapters, per batch size: lorafleet and PEFT (log scale)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for impl, style in (("lorafleet", "-o"), ("peft", "--s")):
+        for batch in sorted({r["batch"] for r in rows if r["impl"] == impl}):
+            pts = sorted((r["distinct"], r["tokens_per_s"]) for r in rows
+                         if r["impl"] == impl and r["batch"] == batch)
+            ax.plot([str(d or "base") for d, _ in pts], [v for _, v in pts], style,
+                    label=f"{impl}, batch {batch}")
+    ax.set_yscale("log")
+    ax.set_xlabel("distinct adapters in the batch")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"Llama-2-7B shape, bf16, rank-16 q/k/v/o, {header['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
 
 
 def main() -> int:
@@ -237,7 +263,11 @@ def main() -> int:
     p.add_argument("--batches", default="", help="override: batch sizes, e.g. 64")
     p.add_argument("--distincts", default="", help="override: distinct adapter counts, e.g. 1,32")
     p.add_argument("--new", type=int, default=0, help="override: new tokens per request")
+    p.add_argument("--plot-from", type=pathlib.Path, help="only draw the plot of a results JSON")
     a = p.parse_args()
+    if a.plot_from:
+        doc = json.loads(a.plot_from.read_text())
+        return 0 if write_plot(a.plot_from.with_suffix(".png"), doc["rows"], doc["header"]) else 1
     if a.attn_config:
         from kernels.attention_triton import DECODE_CONFIG
         bn, warps, stages = (int(x) for x in a.attn_config.split(","))
