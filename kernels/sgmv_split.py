@@ -269,7 +269,7 @@ def barrier_state(device: torch.device) -> torch.Tensor:
     """The device's barrier words [count, generation, timeout flag, unused] (int32, zeroed once).
 
     Allocated on first use, which must not be inside a CUDA-graph capture: warm up first."""
-    key = (device.type, device.index)
+    key = _device_key(device)
     state = _BARRIERS.get(key)
     if state is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -277,6 +277,20 @@ def barrier_state(device: torch.device) -> torch.Tensor:
                                "(the barrier state is allocated on first use)")
         state = _BARRIERS[key] = torch.zeros(4, dtype=torch.int32, device=device)
     return state
+
+
+def barrier_timeouts(device: torch.device) -> bool:
+    """Whether a one-launch call on this device ever gave up waiting at its grid barrier (its
+    output was then wrong). Reads device memory: a sync, so not for the step path."""
+    state = _BARRIERS.get(_device_key(device))
+    return bool(state is not None and state[2].item())
+
+
+def _device_key(device: torch.device) -> tuple[str, int | None]:
+    """cuda and cuda:N name one device when N is the current one."""
+    if device.type == "cuda" and device.index is None:
+        return device.type, torch.cuda.current_device()
+    return device.type, device.index
 
 
 def _resident_per_sm(compiled, num_warps: int) -> int:

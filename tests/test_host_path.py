@@ -265,3 +265,38 @@ def test_overlap_cancel_and_time_limit_mid_flight(hf_ckpt):
         else:
             assert ends[0].stop is Stop.MAX_TOKENS and tokens == want, rid
     assert not built.engine.scheduler.running and built.engine._pending is None
+
+
+def test_lazy_capture_is_bounded_and_falls_back_to_the_all_groups_graph(hf_ckpt):
+    """A LoRA mask without a graph is captured on first use, up to MAX_LAZY masks; past that,
+    or after a failed capture (never retried), the step replays the all-groups graph, and every
+    request still gets the eager path's output."""
+    from services.worker.model_spec import ALL_GROUPS, GROUP_BIT as bit
+    root, _, _ = hf_ckpt
+    built, slots = _engine(root)
+    g = _graph_runner(built)
+    g.graphs = {(b, m): _StandIn(g, (b, m)) for b in g.sizes for m in (ALL_GROUPS, 0)}
+    calls = []
+
+    def capture_one(b, mask):
+        calls.append((b, mask))
+        if mask == bit["qkv"]:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        g.graphs[(b, mask)] = _StandIn(g, (b, mask))
+    g._capture_one = capture_one
+    assert g._capture_lazily(4, bit["qkv"]) == ALL_GROUPS
+    assert g._capture_lazily(4, bit["qkv"]) == ALL_GROUPS and calls == [(4, bit["qkv"])]
+    masks = [bit["qkv"] | bit["o"], bit["o"], bit["gate_up"], bit["down"], bit["o"] | bit["down"]]
+    assert [g._capture_lazily(4, m) for m in masks] == masks[:4] + [ALL_GROUPS]
+    assert g._capture_lazily(8, bit["o"]) == bit["o"]      # a known mask, another batch size
+
+    def failing(b, mask):
+        raise RuntimeError("CUDA out of memory (simulated)")
+    eager_built, eager_slots = _engine(root)
+    eager = _serve(eager_built, eager_slots)
+    built, slots = _engine(root)
+    g = _graph_runner(built)
+    g.graphs = {(b, m): _StandIn(g, (b, m)) for b in g.sizes for m in (ALL_GROUPS, 0)}
+    g._capture_one = failing
+    assert _serve(built, slots, g) == eager
+    assert g._failed and g.replays > 10

@@ -9,7 +9,11 @@ q_seq -1 (no attention) and a base-only LoRA segment.
 A graph holds LoRA launches only for the projection groups that the step's adapters target
 (services.worker.model_spec.GROUP_BIT): a base-only step replays a graph with none, a batch of
 q/k/v/o adapters one without the MLP's. The graphs for every group and for none are captured at
-start; any other combination is captured the first time a step needs it.
+start; another combination is captured the first time a step needs it, for up to MAX_LAZY of
+them. Past that, or when a capture fails, the step replays the all-groups graph (correct for
+any mask: a group no adapter in the step targets has no offsets, so adds nothing). The rank
+tile baked into the graphs travels in StepContext.lora_rank: capture never touches the pool's
+tables, which the adapter manager updates from its own thread.
 
 Overlap. `launch` starts a decode step and returns at once (the sampled tokens come back through
 a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
@@ -62,6 +66,7 @@ class PendingStep:
 
 
 class GraphRunner:
+    MAX_LAZY = 4      # LoRA masks (besides all and none) that get graphs of their own
     def __init__(self, runner: ModelRunner, sizes=DEFAULT_SIZES):
         self.runner = runner
         self.model = runner.model
@@ -89,6 +94,7 @@ class GraphRunner:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None                                                 # graphs share one
         self.captured: set[int] = set()          # batch sizes captured at start
+        self._failed: set[tuple[int, int]] = set()   # (batch, mask) whose capture failed
         self.replays = 0
         self.rank = 0
         self.timings: list | None = None     # set to a list to record (batch, start, end) events
@@ -99,7 +105,7 @@ class GraphRunner:
                            q_pos=self.q_pos[:b], sample_rows=self.rows[:b],
                            seg_start=self.seg_start[:b + 1], seg_slot=self.seg_slot[:b],
                            max_context=self.max_blocks * self.block_size, has_lora=mask != 0,
-                           lora_mask=mask)
+                           lora_mask=mask, lora_rank=self.rank)
 
     def capture(self, max_rank: int = 64) -> None:
         """Capture one graph per batch size, largest first, for all LoRA groups and for none,
@@ -115,30 +121,26 @@ class GraphRunner:
             for b in reversed(self.sizes):
                 self._capture_one(b, mask)
         self.captured = set(self.sizes)
+        from kernels.sgmv_split import barrier_timeouts
+        if barrier_timeouts(self.model.device):
+            log.error("an SGMV grid barrier timed out while capturing: LoRA output is wrong")
         log.info("captured %d decode graphs (batch %s, rank <= %d) in %.1fs", len(self.graphs),
                  ",".join(map(str, self.sizes)), max_rank, time.monotonic() - start)
 
     def _capture_one(self, b: int, mask: int) -> None:
         """Capture the decode graph for batch size b and LoRA group mask (inputs: whatever the
         static buffers hold; the warm-up passes rewrite the same KV slots with the same values)."""
-        kv, tables = self.runner.kv_cache, self.model.lora
-        saved = tables.max_rank if tables is not None else None
-        if tables is not None:
-            tables.max_rank = self.rank
-        try:
-            ctx = self._ctx(b, mask)
-            for _ in range(2):                                 # warm up (Triton compiles etc.)
-                self.model.forward(self.ids[:b], ctx, kv)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[(b, mask)] = self.model.forward(self.ids[:b], ctx, kv)
-            self.pool = graph.pool()
-            self.graphs[(b, mask)] = graph
-            torch.cuda.synchronize()
-        finally:
-            if tables is not None:
-                tables.max_rank = saved
+        kv = self.runner.kv_cache
+        ctx = self._ctx(b, mask)               # its rank tile is the graphs' (self.rank)
+        for _ in range(2):                                     # warm up (Triton compiles etc.)
+            self.model.forward(self.ids[:b], ctx, kv)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[(b, mask)] = self.model.forward(self.ids[:b], ctx, kv)
+        self.pool = graph.pool()
+        self.graphs[(b, mask)] = graph
+        torch.cuda.synchronize()
 
     def _bucket(self, n: int) -> int | None:
         for b in self.sizes:
@@ -180,8 +182,7 @@ class GraphRunner:
             n = len(batch)
             torch.index_select(prev.tokens, 0, self.dev64[3, :n], out=self.ids[:n])
         if (b, mask) not in self.graphs:
-            log.info("capturing the decode graph for batch %d, LoRA groups %s", b, bin(mask))
-            self._capture_one(b, mask)
+            mask = self._capture_lazily(b, mask)
         if self.timings is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -201,6 +202,23 @@ class GraphRunner:
             done = torch.cuda.Event()
             done.record()
         return PendingStep(batch, tokens, host, done)
+
+    def _capture_lazily(self, b: int, mask: int) -> int:
+        """Capture the graph for (b, mask) on first use and return mask; or return ALL_GROUPS
+        (whose graph serves any mask: untargeted groups have no offsets) once MAX_LAZY masks
+        have graphs, or when the capture fails (it is not tried again)."""
+        lazy = {m for _, m in self.graphs} - {ALL_GROUPS, 0}
+        if (b, mask) in self._failed or (mask not in lazy and len(lazy) >= self.MAX_LAZY):
+            return ALL_GROUPS
+        log.info("capturing the decode graph for batch %d, LoRA groups %s", b, bin(mask))
+        try:
+            self._capture_one(b, mask)
+            return mask
+        except Exception:  # noqa: BLE001 - out of memory etc.: serve from the all-groups graph
+            log.exception("capturing the graph for batch %d, LoRA groups %s failed; using "
+                          "the all-groups graph", b, bin(mask))
+            self._failed.add((b, mask))
+            return ALL_GROUPS
 
     @staticmethod
     def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int]]:

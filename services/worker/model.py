@@ -33,6 +33,7 @@ class StepContext:
     max_context: int            # host bound on positions + 1 (for sizing attention)
     has_lora: bool              # host flag: any segment with an adapter
     lora_mask: int = ALL_GROUPS  # host: GROUP_BIT of each group some row's adapter targets
+    lora_rank: int = 0          # host: the SGMV rank tile (a graph's); 0 = the pool's max rank
 
 
 @dataclass
@@ -98,7 +99,7 @@ class LlamaModel:
         t = self.lora
         if ctx.has_lora and t is not None and ctx.lora_mask & GROUP_BIT[group]:
             sgmv(y, x, t.pool, t.a_off[group][layer], t.b_off[group][layer], t.ranks, t.scales,
-                 self.slices[group], ctx.seg_start, ctx.seg_slot, t.max_rank)
+                 self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank)
 
     def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
                    kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
