@@ -67,9 +67,10 @@ def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, e
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, n_heads,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate the heads of one row of x in place; returns the rotated halves [BLOCK_H, HALF]
+    (in x's dtype), the head indices and their mask."""
     pos = tl.load(pos_ptr + row).to(tl.int64)
     hs = tl.arange(0, BLOCK_H)
     ds = tl.arange(0, HALF)
@@ -79,8 +80,18 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_he
     base = x_ptr + row * stride_row + hs[:, None] * stride_head + ds[None, :]
     x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
-    tl.store(base, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=ok)
-    tl.store(base + HALF, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=ok)
+    y1 = (x1 * c - x2 * s).to(x_ptr.dtype.element_ty)
+    y2 = (x2 * c + x1 * s).to(x_ptr.dtype.element_ty)
+    tl.store(base, y1, mask=ok)
+    tl.store(base + HALF, y2, mask=ok)
+    return y1, y2, hs, ok
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_heads,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, tl.program_id(0).to(tl.int64), stride_row,
+                stride_head, n_heads, HALF, BLOCK_H)
 
 
 @triton.jit
@@ -90,19 +101,9 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
     """One row: rotate its q and k heads (side by side in x) in place, and write the rotated k
     and its v to the cache slot (none when the slot is negative)."""
     row = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    hs = tl.arange(0, BLOCK_H)
+    y1, y2, hs, ok = _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, 2 * HALF,
+                                 n_heads, HALF, BLOCK_H)
     ds = tl.arange(0, HALF)
-    ok = (hs < n_heads)[:, None]
-    c = tl.load(cos_ptr + pos * HALF + ds).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * HALF + ds).to(tl.float32)[None, :]
-    base = x_ptr + row * stride_row + hs[:, None] * (2 * HALF) + ds[None, :]
-    x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
-    y1 = (x1 * c - x2 * s).to(x_ptr.dtype.element_ty)
-    y2 = (x2 * c + x1 * s).to(x_ptr.dtype.element_ty)
-    tl.store(base, y1, mask=ok)
-    tl.store(base + HALF, y2, mask=ok)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     if slot >= 0:
         kh = hs - n_q                                 # k head index; negative for q heads
