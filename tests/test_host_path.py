@@ -300,3 +300,32 @@ def test_lazy_capture_is_bounded_and_falls_back_to_the_all_groups_graph(hf_ckpt)
     g._capture_one = failing
     assert _serve(built, slots, g) == eager
     assert g._failed and g.replays > 10
+
+
+def test_overlap_continues_while_a_queue_cannot_start(hf_ckpt):
+    """With every row taken (max_running), waiting requests do not stop steps from being launched
+    ahead; they start as rows free up, and every request gets the eager path's output."""
+    root, _, _ = hf_ckpt
+    eager_built, eager_slots = _engine(root, max_running=3)
+    eager = _serve(eager_built, eager_slots)
+    built, slots = _engine(root, max_running=3)
+    graphs = _graph_runner(built)
+    ahead_with_queue = []
+    launch = graphs.launch
+
+    def spy(batch, prev=None):
+        if prev is not None:
+            ahead_with_queue.append(len(built.engine.scheduler.waiting))
+        return launch(batch, prev)
+    graphs.launch = spy
+    assert _serve(built, slots, graphs) == eager
+    assert any(ahead_with_queue)                   # launched ahead while requests were queued
+
+
+def test_graph_sizes_reach_the_row_limit(hf_ckpt):
+    """A full batch (max_running rows) always has a graph, up to the largest size."""
+    root, _, _ = hf_ckpt
+    for max_running, sizes in ((3, [1, 2, 3]), (100, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]),
+                               (300, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128])):
+        built, _ = _engine(root, max_running=max_running)
+        assert GraphRunner(built.engine.runner).sizes == sizes, max_running

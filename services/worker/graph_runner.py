@@ -71,7 +71,10 @@ class GraphRunner:
         self.runner = runner
         self.model = runner.model
         dev = self.model.device
-        self.sizes = sorted(s for s in sizes if s <= runner.buffers.max_seqs)
+        # the sizes up to the engine's row limit, and the limit itself (else a full batch of,
+        # say, 100 rows would find no graph between 96 and 128 and run eagerly)
+        cap = runner.buffers.max_seqs
+        self.sizes = sorted({s for s in sizes if s < cap} | {min(cap, max(sizes))})
         top = self.sizes[-1]
         self.max_blocks = runner.buffers.max_blocks
         self.block_size = runner.block_size
