@@ -4,8 +4,9 @@ Overlap. With a runner that can launch a step without waiting (GraphRunner.launc
 step is launched, and on the next call the step after it is launched from it (input tokens
 gathered on the device) before the first one's tokens are read and post-processed: the host's
 per-row work (detokenization, stop checks, events) and the next step's metadata run while the
-GPU computes. This holds while every running sequence decodes and nothing is waiting; any other
-step (arrivals, prefill, preemption, a full KV cache) first collects the step in flight. A
+GPU computes. This holds while every running sequence decodes; any other
+step (arrivals, a queued request that could start, prefill, preemption, KV blocks short for the
+next token) first collects the step in flight. A
 sequence that stops on EOS or a stop sequence has had one more token computed, which is dropped;
 one that reaches max_new_tokens is left out of the next step in advance.
 
@@ -166,11 +167,12 @@ class Engine:
 
     def _continuation(self, batch: list[Scheduled]) -> list[Scheduled] | None:
         """The next decode step of a step in flight, or None when the scheduler must decide:
-        something is waiting or queued, a running sequence was not in the step, or KV blocks
-        for the next token are short. Leaves out sequences finished since, and those whose
-        in-flight token is their last (max_new_tokens)."""
+        something new is queued, a waiting sequence could start now, a running sequence was not
+        in the step, or KV blocks for the next token are short. (A queue that cannot start -
+        rows or KV blocks all taken - does not stop the overlap.) Leaves out sequences finished
+        since, and those whose in-flight token is their last (max_new_tokens)."""
         sched = self.scheduler
-        if sched.waiting or not self._inbox.empty():
+        if not self._inbox.empty() or sched.would_admit():
             return None
         stepped = {id(b.seq) for b in batch}
         if any(id(s) not in stepped for s in sched.running):

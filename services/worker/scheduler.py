@@ -46,6 +46,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def would_admit(self) -> bool:
+        """Whether schedule() would now start the head of the queue: a free row, token budget
+        beside one decode token per running sequence, and KV blocks for its first chunk."""
+        if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        budget = self.max_batch_tokens - len(self.running)
+        if budget <= 0:
+            return False
+        seq = self.waiting[0]
+        need = self.blocks.blocks_for(seq.num_computed + min(seq.remaining, budget))
+        return need - len(seq.block_table) <= self.blocks.free_blocks
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or cancelled) and free its blocks."""
         if seq in self.running:
