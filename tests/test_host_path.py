@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.host_overhead_bench import StandIns      # every key captured, made on first use
 from services.worker.graph_runner import GraphRunner
 from services.worker.scheduler import Scheduled
 from services.worker.sequence import Sampling, Sequence, Stop, Stopping
@@ -31,30 +32,15 @@ class _StandIn:
                                                   r.runner.kv_cache))
 
 
-class _Captured(dict):
-    """Every key counts as captured; its value is made on first use."""
-
-    def __init__(self, make):
-        super().__init__()
-        self.make = make
-
-    def __contains__(self, key) -> bool:
-        return True
-
-    def __missing__(self, key):
-        value = self[key] = self.make(key)
-        return value
-
-
 def _graph_runner(built, sizes=(1, 2, 4, 8)) -> GraphRunner:
     """The engine's runner wrapped in a GraphRunner whose graphs are CPU stand-ins."""
     g = GraphRunner(built.engine.runner, sizes=sizes)
     g.rank = 64
     g.captured = set(g.sizes)
     vocab = built.spec.vocab_size
-    g.outputs = _Captured(lambda key: torch.zeros(key[0] if isinstance(key, tuple) else key,
+    g.outputs = StandIns(lambda key: torch.zeros(key[0] if isinstance(key, tuple) else key,
                                                   vocab))
-    g.graphs = _Captured(lambda key: _StandIn(g, key))
+    g.graphs = StandIns(lambda key: _StandIn(g, key))
     return g
 
 
