@@ -25,6 +25,7 @@ decode) take many short chunks, many segments take fewer, longer ones.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -306,6 +307,80 @@ def _resident_per_sm(compiled, num_warps: int) -> int:
     return max(1, min(4, by_regs, by_smem, 64 // num_warps))
 
 
+def _progs(device: torch.device) -> int:
+    """Programs of a two-launch call's grid: 4 per SM (4 under TRITON_INTERPRET=1)."""
+    if device.type != "cuda":
+        return 4
+    return 4 * _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, tiles_bound, block_k, stages,
+                   common) -> int:
+    """The shrink phase alone: v[ks, slice, rows] partials. Returns its grid size, which the
+    reader of v passes as `budget` so that it sums the same number of K chunks."""
+    n_ks, n_slices = v.shape[0], v.shape[1]
+    grid = max(1, min(_progs(x.device), tiles_bound * n_slices * n_ks))
+    _shrink_kernel[(grid,)](
+        x, pool, a_off, ranks, seg_start, seg_slot, v, x.shape[1], x.shape[0], ranks.shape[0],
+        seg_slot.shape[0], n_ks, x.stride(0), grid, BLOCK_K=block_k, STAGES=stages, **common)
+    return grid
+
+
+@dataclass
+class Shrunk:
+    """The output of `shrink`: what an expand (or a GEMM epilogue) needs to read v."""
+    v: torch.Tensor        # fp32 [KS, n_slices, T, RANK_BLOCK] partial sums over K chunks
+    budget: int            # the shrink's grid size (fixes how many chunks are live)
+    block_m: int           # the shrink's row tile
+    seg_block: int
+
+
+def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: int,
+           config: SplitConfig | None = None) -> Shrunk:
+    """Only the shrink phase of sgmv_split, for a consumer that applies Bt itself
+    (kernels.skinny's GEMM epilogue). Arguments as sgmv_split's; no device reads."""
+    t_rows, k = x.shape
+    n_segs = seg_slot.shape[0]
+    cfg = config or pick_split_config(t_rows, max_rank)
+    rb = max(16, triton.next_power_of_2(max_rank))
+    n_ks = triton.cdiv(k, cfg.k_chunk)
+    v = torch.empty((n_ks, n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
+    seg_block = max(16, triton.next_power_of_2(n_segs))
+    common = dict(N_SLICES=n_slices, SEG_BLOCK=seg_block, BLOCK_M=cfg.block_m, RANK_BLOCK=rb,
+                  DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                  UPCAST=x.dtype == torch.bfloat16 and not x.is_cuda,
+                  num_warps=cfg.num_warps, num_stages=1)
+    grid = _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v,
+                          triton.cdiv(t_rows, cfg.block_m) + n_segs,
+                          min(cfg.k_chunk, 128 if rb <= 32 else 64), cfg.stages, common)
+    return Shrunk(v, grid, cfg.block_m, seg_block)
+
+
+def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
+           max_rank: int, config: SplitConfig | None = None) -> torch.Tensor:
+    """The expand phase of sgmv_split over the partials of an earlier `shrink` call with the
+    same segments: y[rows, slice] += scale * v @ Bt, in place. No device reads."""
+    t_rows = y.shape[0]
+    n_segs = seg_slot.shape[0]
+    if t_rows == 0 or n_segs == 0:
+        return y
+    cfg = config or pick_split_config(t_rows, max_rank)
+    v = shrunk.v
+    n_ks, n_slices, rb = v.shape[0], v.shape[1], v.shape[3]
+    widths = [slice_starts[i + 1] - slice_starts[i] for i in range(n_slices)]
+    max_col_blocks = triton.cdiv(max(widths), cfg.block_n)
+    tiles_bound = triton.cdiv(t_rows, shrunk.block_m) + n_segs
+    s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
+    _expand_kernel[(max(1, min(_progs(y.device), tiles_bound * n_slices * max_col_blocks)),)](
+        y, pool, b_off, ranks, scales, seg_start, seg_slot, v, t_rows, ranks.shape[0], n_segs,
+        n_ks, max_col_blocks, y.stride(0), shrunk.budget, *s, BLOCK_N=cfg.block_n,
+        KS_MAX=n_ks, N_SLICES=n_slices, SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
+        RANK_BLOCK=rb, DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
+        UPCAST=y.dtype == torch.bfloat16 and not y.is_cuda, num_warps=cfg.num_warps,
+        num_stages=1)
+    return y
+
+
 def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
                max_rank: int, config: SplitConfig | None = None, *, k_chunk: int | None = None,
                block_n: int | None = None) -> torch.Tensor:
@@ -318,10 +393,17 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     if t_rows == 0 or n_segs == 0:
         return y
     cfg = config or pick_split_config(t_rows, max_rank)
-    k_chunk = k_chunk or cfg.k_chunk
-    block_n = block_n or cfg.block_n
-    on_gpu = x.is_cuda
+    cfg = dataclasses.replace(cfg, k_chunk=k_chunk or cfg.k_chunk, block_n=block_n or cfg.block_n)
     n_slices = len(slice_starts) - 1
+    if not cfg.one_launch:
+        shrunk = shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices, max_rank, cfg)
+        return expand(y, shrunk, pool, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
+                      max_rank, cfg)
+    # One launch. The grid barrier needs every program resident at once: the first launch of a
+    # compiled variant takes one program per SM (always resident), later ones as many as its
+    # registers and shared memory allow (at most 4 per SM). The interpreter runs programs one
+    # by one, so there the grid is one program.
+    k_chunk, block_n, on_gpu = cfg.k_chunk, cfg.block_n, x.is_cuda
     rb = max(16, triton.next_power_of_2(max_rank))
     block_m = cfg.block_m
     block_k = min(k_chunk, 128 if rb <= 32 else 64)
@@ -338,31 +420,16 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
                   DOT_PREC=prec, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=1)
     dev_index = x.device.index if x.device.index is not None else (
         torch.cuda.current_device() if on_gpu else 0)
-    if cfg.one_launch:
-        # The grid barrier needs every program resident at once: the first launch of a compiled
-        # variant takes one program per SM (always resident), later ones as many as its
-        # registers and shared memory allow (at most 4 per SM). The interpreter runs programs
-        # one by one, so there the grid is one program.
-        consts = dict(common, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=cfg.stages, KS_MAX=n_ks,
-                      SPIN_LIMIT=SPIN_LIMIT)
-        key = (dev_index, x.dtype, tuple(sorted(consts.items())))
-        bound = tiles_bound * n_slices * max(n_ks, max_col_blocks)
-        per_sm = _PER_SM.get(key, 1)
-        grid = max(1, min(per_sm * _sms(dev_index), bound)) if on_gpu else 1
-        compiled = _one_launch_kernel[(grid,)](
-            y, x, pool, a_off, b_off, ranks, scales, seg_start, seg_slot, v,
-            barrier_state(x.device), k, t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks,
-            x.stride(0), y.stride(0), *s, **consts)
-        if on_gpu and key not in _PER_SM:
-            _PER_SM[key] = _resident_per_sm(compiled, cfg.num_warps)
-        return y
-    progs = 4 * _sms(dev_index) if on_gpu else 4          # 4: TRITON_INTERPRET=1
-    shrink_grid = max(1, min(progs, tiles_bound * n_slices * n_ks))
-    _shrink_kernel[(shrink_grid,)](
-        x, pool, a_off, ranks, seg_start, seg_slot, v, k, t_rows, ranks.shape[0], n_segs,
-        n_ks, x.stride(0), shrink_grid, BLOCK_K=block_k, STAGES=cfg.stages, **common)
-    _expand_kernel[(max(1, min(progs, tiles_bound * n_slices * max_col_blocks)),)](
-        y, pool, b_off, ranks, scales, seg_start, seg_slot, v, t_rows, ranks.shape[0], n_segs,
-        n_ks, max_col_blocks, y.stride(0), shrink_grid, *s, BLOCK_N=block_n, KS_MAX=n_ks,
-        **common)
+    consts = dict(common, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=cfg.stages, KS_MAX=n_ks,
+                  SPIN_LIMIT=SPIN_LIMIT)
+    key = (dev_index, x.dtype, tuple(sorted(consts.items())))
+    bound = tiles_bound * n_slices * max(n_ks, max_col_blocks)
+    per_sm = _PER_SM.get(key, 1)
+    grid = max(1, min(per_sm * _sms(dev_index), bound)) if on_gpu else 1
+    compiled = _one_launch_kernel[(grid,)](
+        y, x, pool, a_off, b_off, ranks, scales, seg_start, seg_slot, v,
+        barrier_state(x.device), k, t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks,
+        x.stride(0), y.stride(0), *s, **consts)
+    if on_gpu and key not in _PER_SM:
+        _PER_SM[key] = _resident_per_sm(compiled, cfg.num_warps)
     return y
