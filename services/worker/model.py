@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels.attention import paged_attention
 from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
-from kernels.sgmv import sgmv
+from kernels.sgmv import sgmv, use_split
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, ModelSpec
 
 
@@ -84,6 +84,9 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
         self.lora: LoraTables | None = None
+        # decode LoRA shrinks run on this stream beside the base GEMM that reads the same input
+        # (None: everything on the caller's stream)
+        self.lora_stream: torch.cuda.Stream | None = None
 
     def lora_mask(self, slots) -> int:
         """GROUP_BIT mask of the groups that the adapters in these slots target (-1 = none)."""
@@ -94,18 +97,41 @@ class LlamaModel:
         s = s[s >= 0]
         return int(np.bitwise_or.reduce(t.slot_groups[s])) if len(s) else 0
 
-    def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,
-              ctx: StepContext) -> None:
+    def _linear(self, group: str, layer: int, x: torch.Tensor, w: dict,
+                ctx: StepContext) -> torch.Tensor:
+        """x @ W.T (+ bias) plus each row's LoRA delta for this projection group.
+
+        With a side stream, at decode sizes where the split SGMV runs, the LoRA shrink
+        (x @ A.T for every segment) runs on it concurrently with the base GEMM, which reads the
+        same x; the expand then adds into the GEMM's output once both are done. Inside a CUDA
+        graph capture this records a fork and a join, so the replay overlaps them too.
+        """
         t = self.lora
-        if ctx.has_lora and t is not None and ctx.lora_mask & GROUP_BIT[group]:
-            sgmv(y, x, t.pool, t.a_off[group][layer], t.b_off[group][layer], t.ranks, t.scales,
-                 self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank)
+        bias = w.get(group + "_bias")
+        if not (ctx.has_lora and t is not None and ctx.lora_mask & GROUP_BIT[group]):
+            return F.linear(x, w[group], bias)
+        rank = ctx.lora_rank or t.max_rank
+        args = (t.pool, t.a_off[group][layer], t.b_off[group][layer], t.ranks, t.scales,
+                self.slices[group], ctx.seg_start, ctx.seg_slot, rank)
+        side = self.lora_stream
+        if side is None or not use_split(x.shape[0], ctx.seg_slot.shape[0], rank):
+            y = F.linear(x, w[group], bias)
+            sgmv(y, x, *args)
+            return y
+        from kernels.sgmv_split import expand, shrink
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)                   # x is ready
+        with torch.cuda.stream(side):
+            part = shrink(x, t.pool, args[1], t.ranks, ctx.seg_start, ctx.seg_slot,
+                          len(self.slices[group]) - 1, rank)
+        y = F.linear(x, w[group], bias)
+        main.wait_stream(side)
+        return expand(y, part, t.pool, args[2], t.ranks, t.scales, *args[5:])
 
     def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
                    kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         s = self.spec
-        qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))                 # [T, q + 2kv]
-        self._lora("qkv", i, qkv, x, ctx)
+        qkv = self._linear("qkv", i, x, w, ctx)                        # [T, q + 2kv]
         t = qkv.shape[0]
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)          # views, strided rows
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
@@ -117,17 +143,12 @@ class LlamaModel:
             q = q.contiguous()               # the torch reference attention wants dense rows
         attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
                                self.scale, ctx.max_context).reshape(-1, s.q_size)
-        out = F.linear(attn, w["o"], w.get("o_bias"))
-        self._lora("o", i, out, attn, ctx)
+        out = self._linear("o", i, attn, w, ctx)
         return out
 
     def _mlp(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
-        self._lora("gate_up", i, gu, x, ctx)
-        act = silu_mul(gu)                                               # [T, I]
-        out = F.linear(act, w["down"])
-        self._lora("down", i, out, act, ctx)
-        return out
+        act = silu_mul(self._linear("gate_up", i, x, w, ctx))          # [2I] -> [T, I]
+        return self._linear("down", i, act, w, ctx)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
