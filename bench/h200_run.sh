@@ -5,7 +5,6 @@
 #   bash bench/h200_run.sh check     # GPU tests, a decode profile, batch-64 end to end
 #   bash bench/h200_run.sh final     # GPU tests, end to end with PEFT, kernels vs vLLM
 #   bash bench/h200_run.sh sweep     # SGMV tile sweep (bench/sgmv_sweep.py)
-#   bash bench/h200_run.sh skinny    # decode GEMM tile sweep (bench/skinny_sweep.py)
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
 set -u
 MODE=${1:-quick}
@@ -34,9 +33,6 @@ elif [ "$MODE" = gemm ]; then
   step python3 bench/gemm_layouts.py --out "$OUT" 2>&1 | tail -70
   step python3 bench/e2e_gpu_bench.py --no-peft --batches 64 --distincts 1,32 --new 64 \
        --out "$OUT/e2e" 2>&1 | tail -12
-elif [ "$MODE" = skinny ]; then
-  step timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_skinny.py 2>&1 | tail -8
-  step python3 bench/skinny_sweep.py --out "$OUT" "${@:2}" 2>&1 | grep -v "^gate_up\|^qkv\|^o \|^down"
 elif [ "$MODE" = sweep ]; then
   step python3 bench/sgmv_sweep.py --out "$OUT" "${@:2}" 2>&1 | tail -60
 elif [ "$MODE" = quick ]; then
