@@ -140,10 +140,10 @@ def engine_rows(args, device) -> tuple[list[dict], dict]:
         rows.append(r)
         print(json.dumps(r), flush=True)
     built.engine.overlap = True
-    # the same with the LoRA shrinks on the main stream (no fork beside the base GEMMs)
+    # the same with each LoRA expand as its own launch (not fused into the consumer kernel)
     model, runner = built.engine.runner.model, built.engine.runner
-    if getattr(model, "lora_stream", None) is not None and hasattr(runner, "graphs"):
-        model.lora_stream = None
+    if getattr(model, "fuse_lora", False) and hasattr(runner, "graphs"):
+        model.fuse_lora = False
         runner.graphs.clear()
         runner.outputs.clear()
         runner.pool = None
@@ -155,7 +155,7 @@ def engine_rows(args, device) -> tuple[list[dict], dict]:
             runner.timings = []
             r = run_engine(built, use, batch, args.prompt, args.new, seed=n)
             torch.cuda.synchronize()
-            r.update(impl="lorafleet, LoRA on one stream", batch=batch, distinct=n,
+            r.update(impl="lorafleet, expand unfused", batch=batch, distinct=n,
                      graph_replay_ms=replay_ms(runner, batch))
             runner.timings = None
             rows.append(r)

@@ -35,7 +35,6 @@ class EngineOptions:
     cuda_graphs: bool = True            # capture decode steps on CUDA
     graph_max_rank: int = 64            # LoRA rank tile baked into the graphs
     overlap: bool = True                # launch decode step N+1 before post-processing N
-    lora_stream: bool = True            # decode LoRA shrinks beside the base GEMM (CUDA)
 
 
 @dataclass
@@ -83,8 +82,6 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
                           opts.max_running)
     pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots)
     model.lora = pool.tables
-    if device.type == "cuda" and opts.lora_stream:
-        model.lora_stream = torch.cuda.Stream(device)
     if device.type == "cuda" and opts.cuda_graphs:
         from services.worker.graph_runner import GraphRunner
         runner = GraphRunner(runner)
