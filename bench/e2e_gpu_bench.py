@@ -140,26 +140,6 @@ def engine_rows(args, device) -> tuple[list[dict], dict]:
         rows.append(r)
         print(json.dumps(r), flush=True)
     built.engine.overlap = True
-    # the same with each LoRA expand as its own launch (not fused into the consumer kernel)
-    model, runner = built.engine.runner.model, built.engine.runner
-    if getattr(model, "fuse_lora", False) and hasattr(runner, "graphs"):
-        model.fuse_lora = False
-        runner.graphs.clear()
-        runner.outputs.clear()
-        runner.pool = None
-        torch.cuda.empty_cache()
-        runner.capture(opts.graph_max_rank)
-        for batch, n in [(max(args.batch), n) for n in (1, 32) if n <= max(args.batch)]:
-            use = slots[:n]
-            run_engine(built, use, batch, args.prompt, 8, seed=99)
-            runner.timings = []
-            r = run_engine(built, use, batch, args.prompt, args.new, seed=n)
-            torch.cuda.synchronize()
-            r.update(impl="lorafleet, expand unfused", batch=batch, distinct=n,
-                     graph_replay_ms=replay_ms(runner, batch))
-            runner.timings = None
-            rows.append(r)
-            print(json.dumps(r), flush=True)
     meta = {"weight_bytes": wbytes, "graph_replays": getattr(built.engine.runner, "replays", 0)}
     del built, weights
     torch.cuda.empty_cache()

@@ -145,14 +145,7 @@ def rms_norm(x, w, eps: float, impl: str = "auto"):
     return out
 
 
-def add_rms_norm(h, delta, w, eps: float, impl: str = "auto", lora=None):
-    """h += delta (in place); return rms_norm(h) * w. lora: a pending LoRA delta of the
-    projection that produced `delta` (kernels.lora_fused.LoraDelta), added first."""
-    if lora is not None:
-        if _triton(h, impl):
-            from kernels.lora_fused import add_rms_norm_lora
-            return add_rms_norm_lora(h, delta, w, eps, lora)
-        lora.apply_(delta)
+def add_rms_norm(h, delta, w, eps: float, impl: str = "auto"):
     if not _triton(h, impl):
         return add_rms_norm_ref(h, delta, w, eps)
     out = torch.empty_like(h)
@@ -192,34 +185,15 @@ def _side_by_side(q, k, v) -> bool:
             and v.data_ptr() == k.data_ptr() + k.shape[1] * d * es)
 
 
-def rope_kv_fusable(q, k, v, k_cache, v_cache, impl: str = "auto") -> bool:
-    """Whether rope_write_kv_ runs as one launch (and can take a pending LoRA delta)."""
-    return _triton(q, impl) and _side_by_side(q, k, v) and (
-        k_cache.is_contiguous() and v_cache.is_contiguous()
-        and k_cache.shape[2:] == k.shape[1:] and v_cache.shape == k_cache.shape)
-
-
 def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
-                   impl: str = "auto", lora=None) -> None:
+                   impl: str = "auto") -> None:
     """rope_(q, k, ...) then write_kv(k_cache, v_cache, k, v, slot_mapping): one launch on CUDA
     when q, k and v sit side by side in one row (the engine's qkv layout); otherwise the two
-    ops. Shapes: q [T, Hq, D], k and v [T, Hk, D]; caches [NB, BS, Hk, D]; slot_mapping [T].
-    lora: the q/k/v projection's pending LoRA delta (kernels.lora_fused.LoraDelta), added to
-    the packed row first; only where rope_kv_fusable (else apply it before calling)."""
+    ops. Shapes: q [T, Hq, D], k and v [T, Hk, D]; caches [NB, BS, Hk, D]; slot_mapping [T]."""
     from kernels.attention import write_kv
-    fusable = rope_kv_fusable(q, k, v, k_cache, v_cache, impl)
-    if lora is not None:
-        if not fusable:
-            raise ValueError("rope_write_kv_: a LoRA delta needs the fused layout; apply it "
-                             "to the q/k/v buffer first")
-        from kernels.lora_fused import rope_write_kv_lora_
-        d = q.shape[2]
-        packed = torch.as_strided(q, (q.shape[0], (q.shape[1] + 2 * k.shape[1]) * d),
-                                  (q.stride(0), 1))
-        rope_write_kv_lora_(packed, q.shape[1], k.shape[1], d, cos, sin, positions, k_cache,
-                            v_cache, slot_mapping, lora)
-        return None
-    if not fusable:
+    if not _triton(q, impl) or not _side_by_side(q, k, v) or not (
+            k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape[2:] == k.shape[1:] and v_cache.shape == k_cache.shape):
         rope_(q, k, cos, sin, positions, impl=impl)
         write_kv(k_cache, v_cache, k, v, slot_mapping, impl=impl)
         return None
@@ -234,13 +208,7 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
     return None
 
 
-def silu_mul(gu, impl: str = "auto", lora=None):
-    """silu(gate) * up; lora: the gate/up projection's pending LoRA delta, added first."""
-    if lora is not None:
-        if _triton(gu, impl):
-            from kernels.lora_fused import silu_mul_lora
-            return silu_mul_lora(gu, lora)
-        lora.apply_(gu)
+def silu_mul(gu, impl: str = "auto"):
     if not _triton(gu, impl):
         return silu_mul_ref(gu)
     t, two_i = gu.shape

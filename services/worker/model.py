@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import paged_attention
-from kernels.fused import add_rms_norm, rms_norm, rope_kv_fusable, rope_write_kv_, silu_mul
-from kernels.lora_fused import LoraDelta
-from kernels.sgmv import sgmv, use_split
+from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
+from kernels.sgmv import sgmv
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, ModelSpec
 
 
@@ -85,8 +84,6 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
         self.lora: LoraTables | None = None
-        # GPU decode: each projection's LoRA expand runs inside the kernel that consumes it
-        self.fuse_lora = True
 
     def lora_mask(self, slots) -> int:
         """GROUP_BIT mask of the groups that the adapters in these slots target (-1 = none)."""
@@ -97,57 +94,40 @@ class LlamaModel:
         s = s[s >= 0]
         return int(np.bitwise_or.reduce(t.slot_groups[s])) if len(s) else 0
 
-    def _linear(self, group: str, layer: int, x: torch.Tensor, w: dict,
-                ctx: StepContext) -> tuple[torch.Tensor, LoraDelta | None]:
-        """x @ W.T (+ bias) and this projection group's LoRA delta for each row's adapter.
-
-        Either the delta is already added (returned None), or - on GPU at decode sizes, where
-        the split SGMV runs - only its shrink has run and the pending delta is returned for the
-        kernel that consumes y (rope + KV write, residual add + norm, SiLU-gate) to add: that
-        saves the expand's launch and its read-modify-write of y.
-        """
+    def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,
+              ctx: StepContext) -> None:
         t = self.lora
-        y = F.linear(x, w[group], w.get(group + "_bias"))
-        if not (ctx.has_lora and t is not None and ctx.lora_mask & GROUP_BIT[group]):
-            return y, None
-        rank = ctx.lora_rank or t.max_rank
-        a_off, b_off = t.a_off[group][layer], t.b_off[group][layer]
-        if not (self.fuse_lora and y.is_cuda and use_split(x.shape[0], ctx.seg_slot.shape[0],
-                                                           rank)):
-            sgmv(y, x, t.pool, a_off, b_off, t.ranks, t.scales, self.slices[group],
-                 ctx.seg_start, ctx.seg_slot, rank)
-            return y, None
-        from kernels.sgmv_split import shrink
-        part = shrink(x, t.pool, a_off, t.ranks, ctx.seg_start, ctx.seg_slot,
-                      len(self.slices[group]) - 1, rank)
-        return y, LoraDelta(part, t.pool, a_off, b_off, t.ranks, t.scales, self.slices[group],
-                            ctx.seg_start, ctx.seg_slot, rank)
+        if ctx.has_lora and t is not None and ctx.lora_mask & GROUP_BIT[group]:
+            sgmv(y, x, t.pool, t.a_off[group][layer], t.b_off[group][layer], t.ranks, t.scales,
+                 self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank)
 
     def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
-                   kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, LoraDelta | None]:
+                   kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         s = self.spec
-        qkv, lora = self._linear("qkv", i, x, w, ctx)                  # [T, q + 2kv]
+        qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))                 # [T, q + 2kv]
+        self._lora("qkv", i, qkv, x, ctx)
         t = qkv.shape[0]
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)          # views, strided rows
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
-        if lora is not None and not rope_kv_fusable(q, k, v, kv[0], kv[1]):
-            lora.apply_(qkv)
-            lora = None
-        # add the LoRA delta, rotate q and k in place, write k and v to their KV slots (one
-        # launch on GPU)
+        # rotate q and k in place, write k and v to their KV slots (one launch on GPU)
         rope_write_kv_(q, k, v, self.cos, self.sin, ctx.positions, kv[0], kv[1],
-                       ctx.slot_mapping, lora=lora)
+                       ctx.slot_mapping)
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
         attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
                                self.scale, ctx.max_context).reshape(-1, s.q_size)
-        return self._linear("o", i, attn, w, ctx)
+        out = F.linear(attn, w["o"], w.get("o_bias"))
+        self._lora("o", i, out, attn, ctx)
+        return out
 
-    def _mlp(self, i: int, w: dict, x: torch.Tensor,
-             ctx: StepContext) -> tuple[torch.Tensor, LoraDelta | None]:
-        gu, lora = self._linear("gate_up", i, x, w, ctx)               # [T, 2I]
-        return self._linear("down", i, silu_mul(gu, lora=lora), w, ctx)
+    def _mlp(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
+        self._lora("gate_up", i, gu, x, ctx)
+        act = silu_mul(gu)                                               # [T, I]
+        out = F.linear(act, w["down"])
+        self._lora("down", i, out, act, ctx)
+        return out
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
@@ -162,9 +142,7 @@ class LlamaModel:
         h = self.w["embed"][input_ids]                                   # [T, H], a new tensor
         x = rms_norm(h, layers[0]["in_norm"], eps)
         for i, w in enumerate(layers):
-            out, lora = self._attention(i, w, x, ctx, kv_cache[i])
-            x = add_rms_norm(h, out, w["post_norm"], eps, lora=lora)
+            x = add_rms_norm(h, self._attention(i, w, x, ctx, kv_cache[i]), w["post_norm"], eps)
             after = layers[i + 1]["in_norm"] if i + 1 < len(layers) else self.w["norm"]
-            out, lora = self._mlp(i, w, x, ctx)
-            x = add_rms_norm(h, out, after, eps, lora=lora)
+            x = add_rms_norm(h, self._mlp(i, w, x, ctx), after, eps)
         return F.linear(x[ctx.sample_rows], self.w["lm_head"]).float()
