@@ -82,12 +82,36 @@ def test_prefill_logits_match_peft(ckpt):
     for s in seqs:
         assert built.engine.scheduler.blocks.ensure(s, len(s.tokens))
     inputs = build([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers, runner.block_size)
+    # the eager step carries host copies of its segment table (kernels.sgmv's cuBLAS routing)
+    assert [a.tolist() for a in inputs.ctx.host_segs] == [inputs.ctx.seg_start.tolist(),
+                                                            inputs.ctx.seg_slot.tolist()]
     logits = runner.model.forward(inputs.input_ids, inputs.ctx, runner.kv_cache)
     for row, entry in enumerate(inputs.sampled):
         name = entry.seq.request_id
         with torch.no_grad():
             ref = peft_models[name](torch.tensor([prompts[name]])).logits[0, -1]
         torch.testing.assert_close(logits[row], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_pool_host_tables_mirror_the_device_tables(ckpt):
+    """The host copies of the offset, rank and scale tables follow every place and remove."""
+    root, _, _ = ckpt
+    built, slots = _engine(root)
+    t = built.pool.tables
+
+    def same():
+        for g in t.a_off:
+            assert (t.a_off_host[g] == t.a_off[g].numpy()).all()
+            assert (t.b_off_host[g] == t.b_off[g].numpy()).all()
+        assert (t.ranks_host == t.ranks.numpy()).all()
+        assert (t.scales_host == t.scales.numpy()).all()
+
+    same()
+    assert (t.ranks_host[list(slots.values())] > 0).all()
+    gone = next(iter(slots))
+    built.pool.remove(gone)
+    same()
+    assert all((t.a_off_host[g][:, :, slots[gone]] == -1).all() for g in t.a_off)
 
 
 def test_adapters_really_change_the_output(ckpt):

@@ -223,6 +223,46 @@ def test_dispatch_picks_the_kernel_by_shape():
     assert not use_split(4096, 2, 16)
 
 
+def host_tables(c):
+    from kernels.sgmv import HostSegments
+    return HostSegments(c["seg_start"].tolist(), c["seg_slot"].tolist(), c["a_off"].numpy(),
+                        c["b_off"].numpy(), c["ranks"].numpy(), c["scales"].numpy())
+
+
+@pytest.mark.parametrize("name", ["identical_fp32", "single_token_split_bf16",
+                                  "uniform_qkv_fp16"])
+def test_cublas_path_for_one_high_rank_segment(name):
+    """One live segment of a rank >= 33 adapter (the others base-only or padded): with the host
+    tables, the cuBLAS pair path gives the reference's result, also where the adapter leaves a
+    slice out."""
+    from kernels.sgmv import cublas_segment, sgmv
+    c = build_case(CASES[name], seed=3)
+    c["seg_slot"][:] = -1
+    c["seg_slot"][0] = 0                                   # slot 0 has the case's max rank
+    if len(c["slice_starts"]) > 2:                         # q/k/v-like: slot 0 skips slice 1
+        c["a_off"][1, 0] = c["b_off"][1, 0] = -1
+        del c["weights"][(1, 0)]
+    host = host_tables(c)
+    seg = cublas_segment(host)
+    end = int(c["seg_start"][1])
+    assert seg == (0, end, 0) and end > 0
+    out = sgmv(*_args(dict(c, y=c["y"].clone())), impl="cublas", host=host)
+    assert max_rel_err(out, lora_fp32(c)) <= TOL[c["dtype"]]
+
+
+def test_cublas_path_only_for_one_live_high_rank_segment():
+    from kernels.sgmv import cublas_segment, sgmv
+    many = build_case(CASES["uniform_qkv_fp16"])          # 4 adapters
+    assert cublas_segment(host_tables(many)) is None
+    with pytest.raises(ValueError):
+        sgmv(*_args(many), impl="cublas", host=host_tables(many))
+    low = build_case(CASES["single_token_fp16"])           # one adapter, rank <= 16
+    assert cublas_segment(host_tables(low)) is None
+    assert cublas_segment(None) is None
+    base = build_case(CASES["norows_lora_fp32"])           # no live segment
+    assert cublas_segment(host_tables(base)) is None
+
+
 def test_wrapper_rejects_bad_inputs():
     from kernels.sgmv_triton import sgmv_triton
     c = build_case(CASES["distinct_bf16"])

@@ -36,7 +36,13 @@ class DevicePool:
             a_off=table(), b_off=table(),
             ranks=torch.zeros(max_slots, dtype=torch.int32, device=device),
             scales=torch.zeros(max_slots, dtype=torch.float32, device=device), max_rank=1,
-            slot_groups=np.zeros(max_slots, dtype=np.int64))
+            slot_groups=np.zeros(max_slots, dtype=np.int64),
+            a_off_host={g: np.full((L, len(m), max_slots), -1, dtype=np.int64)
+                        for g, m in GROUPS.items()},
+            b_off_host={g: np.full((L, len(m), max_slots), -1, dtype=np.int64)
+                        for g, m in GROUPS.items()},
+            ranks_host=np.zeros(max_slots, dtype=np.int64),
+            scales_host=np.zeros(max_slots, dtype=np.float32))
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._placed: dict[str, tuple[int, int, int, int]] = {}   # key -> slot, start, n, rank
         self._lock = threading.Lock()
@@ -88,8 +94,12 @@ class DevicePool:
             o = torch.where(o >= 0, o + start, o)
             t.a_off[g][:, :, slot].copy_(o[..., 0], non_blocking=True)
             t.b_off[g][:, :, slot].copy_(o[..., 1], non_blocking=True)
+            t.a_off_host[g][:, :, slot] = o[..., 0].numpy()
+            t.b_off_host[g][:, :, slot] = o[..., 1].numpy()
         t.ranks[slot] = layout.rank
         t.scales[slot] = layout.scale
+        t.ranks_host[slot] = layout.rank
+        t.scales_host[slot] = layout.scale
         t.slot_groups[slot] = sum(GROUP_BIT[g] for g, offs in layout.offsets.items()
                                   if (offs >= 0).any())
         t.max_rank = max(r for _, _, _, r in self._placed.values())
@@ -102,6 +112,8 @@ class DevicePool:
             for g in GROUPS:
                 t.a_off[g][:, :, slot] = -1
                 t.b_off[g][:, :, slot] = -1
+                t.a_off_host[g][:, :, slot] = -1
+                t.b_off_host[g][:, :, slot] = -1
             t.slot_groups[slot] = 0
             self.alloc.release(start, n)
             self._free_slots.append(slot)

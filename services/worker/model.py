@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels.attention import paged_attention
 from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
-from kernels.sgmv import sgmv
+from kernels.sgmv import HostSegments, sgmv
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, ModelSpec
 
 
@@ -34,6 +34,8 @@ class StepContext:
     has_lora: bool              # host flag: any segment with an adapter
     lora_mask: int = ALL_GROUPS  # host: GROUP_BIT of each group some row's adapter targets
     lora_rank: int = 0          # host: the SGMV rank tile (a graph's); 0 = the pool's max rank
+    # host copies of seg_start and seg_slot (eager steps; None in captured graphs)
+    host_segs: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -47,6 +49,11 @@ class LoraTables:
     max_rank: int
     # host: GROUP_BIT mask of the groups each slot's adapter targets (0 = empty slot)
     slot_groups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # host mirrors of a_off, b_off, ranks and scales (what the pool wrote to the device copies)
+    a_off_host: dict[str, np.ndarray] = field(default_factory=dict)
+    b_off_host: dict[str, np.ndarray] = field(default_factory=dict)
+    ranks_host: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    scales_host: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -98,8 +105,14 @@ class LlamaModel:
               ctx: StepContext) -> None:
         t = self.lora
         if ctx.has_lora and t is not None and ctx.lora_mask & GROUP_BIT[group]:
+            host = None
+            if ctx.host_segs is not None and group in t.a_off_host:
+                host = HostSegments(ctx.host_segs[0], ctx.host_segs[1],
+                                    t.a_off_host[group][layer], t.b_off_host[group][layer],
+                                    t.ranks_host, t.scales_host)
             sgmv(y, x, t.pool, t.a_off[group][layer], t.b_off[group][layer], t.ranks, t.scales,
-                 self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank)
+                 self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank,
+                 host=host)
 
     def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
                    kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

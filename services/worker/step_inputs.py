@@ -106,7 +106,8 @@ def _to_device(buf, t_rows, n_seq, max_blocks, max_ctx, g, n_sample, has_lora,
     ctx = StepContext(
         positions=rows[1], slot_mapping=rows[2], block_tables=tables,
         q_seq=rows[3].to(torch.int32), q_pos=rows[1].to(torch.int32), sample_rows=srows,
-        seg_start=segs[0], seg_slot=segs[1][:g], max_context=max_ctx, has_lora=has_lora)
+        seg_start=segs[0], seg_slot=segs[1][:g], max_context=max_ctx, has_lora=has_lora,
+        host_segs=(buf.host_segs[0, :g + 1].copy(), buf.host_segs[1, :g].copy()))
     return StepInputs(rows[0], ctx, sampling_batch(sampled, buf.device), sampled)
 
 
