@@ -9,7 +9,9 @@ replays under triton.testing.do_bench (L2 flushed before each replay). Each impl
 shape against an fp32 reference. Bandwidth = useful bytes (x, y read + written, the n adapters'
 weights) / time, next to a device-to-device copy measured in the same run.
 Writes DIR/kernels-h200.json, DIR/kernels-h200.md and DIR/kernels-h200.png (if matplotlib).
-"ours" is what the engine runs (kernels.sgmv.sgmv: split-K at decode sizes, fused above);
+"ours" is what the engine's eager steps run (kernels.sgmv.sgmv with the host tables: split-K at
+decode sizes, fused above, cuBLAS pairs for one adapter of rank >= 64); captured decode graphs
+run the kernels only (the "fused"/"split" columns, as kernels.sgmv.use_split picks).
 "ours_fused" and "ours_split" are the two kernels on every shape.
 
 --vllm-src is a folder holding vLLM's lora_shrink_op.py, lora_expand_op.py, kernel_utils.py and
@@ -214,9 +216,12 @@ def impl_fn(name, p, y, vllm):
     """A closure that adds the LoRA delta into y in place (ours/vllm/loop/gather)."""
     args = (y, p["x"], p["pool"], p["a_off"], p["b_off"], p["ranks"], p["scales"],
             [0, p["hidden"]], p["seg_start"], p["seg_slot"], p["rank"])
-    if name == "ours":                         # what the engine calls: split-K at decode sizes
-        from kernels.sgmv import sgmv
-        return lambda: sgmv(*args)
+    if name == "ours":          # what the engine's eager steps call (with the host tables)
+        from kernels.sgmv import HostSegments, sgmv
+        host = HostSegments(p["starts"] + [p["t"]], p["slots"] + [-1],
+                            p["a_off"].cpu().numpy(), p["b_off"].cpu().numpy(),
+                            p["ranks"].cpu().numpy(), p["scales"].cpu().numpy())
+        return lambda: sgmv(*args, host=host)
     if name in ("ours_fused", "ours_split"):
         from kernels.sgmv_split import sgmv_split
         from kernels.sgmv_triton import sgmv_triton
@@ -458,6 +463,11 @@ def write_markdown(path, header, rows):
              "Median µs per call (✗ = wrong result). floor = useful bytes / copy bandwidth; "
              "%copy = our achieved bandwidth as a share of the copy; best = the faster of vLLM "
              "and the cuBLAS loop.", ""]
+    if header.get("remeasured"):
+        re_ = header["remeasured"]
+        lines += [f"Shapes re-run on {re_['date']} (every impl, same card): "
+                  + ", ".join(f"r={r} T={t} n={n}" for r, t, n in re_["shapes"])
+                  + f" - {re_['why']}.", ""]
     if chain > 1:
         lines += [f"## Chained: {chain} calls back to back in one graph, per call", "",
                   "As kernels run inside the engine's decode graph: each call has its own "
