@@ -43,26 +43,33 @@ CUBLAS_MIN_RANK = 33          # a single live segment at this rank or more: cuBL
 
 @dataclass(frozen=True)
 class HostSegments:
-    """Host copies of what the device tables hold for one call: the segment table and, for
-    this layer and projection group, the pool's offset tables, ranks and scales."""
-    starts: Sequence[int]        # [S+1], as seg_start
-    slots: Sequence[int]         # [S], as seg_slot
+    """Host copies of what the device tables hold for one call: the call's only live segment
+    (see only_live_segment) and, for this layer and projection group, the pool's offset
+    tables, ranks and scales."""
+    live: tuple[int, int, int] | None   # (first row, end row, slot); None: none or several
     a_off: np.ndarray            # int64 [n_slices, n_slots], as a_off
     b_off: np.ndarray
     ranks: np.ndarray            # [n_slots]
     scales: np.ndarray           # [n_slots]
 
 
+def only_live_segment(starts, slots) -> tuple[int, int, int] | None:
+    """(first row, end row, slot) of the one segment with an adapter and rows, from host copies
+    of seg_start [S+1] and seg_slot [S]; None when there are none or several. Once a step."""
+    starts, slots = np.asarray(starts), np.asarray(slots)
+    live = np.flatnonzero((slots >= 0) & (starts[1:] > starts[:-1]))
+    if len(live) != 1:
+        return None
+    i = int(live[0])
+    return int(starts[i]), int(starts[i + 1]), int(slots[i])
+
+
 def cublas_segment(host: HostSegments | None) -> tuple[int, int, int] | None:
-    """(first row, end row, slot) of the call's only live segment when it should run on
-    cuBLAS (rank >= CUBLAS_MIN_RANK); None otherwise."""
-    if host is None:
+    """The call's only live segment when it should run on cuBLAS (its adapter's rank is at
+    least CUBLAS_MIN_RANK); None otherwise."""
+    if host is None or host.live is None or int(host.ranks[host.live[2]]) < CUBLAS_MIN_RANK:
         return None
-    live = [(lo, hi, s) for lo, hi, s in zip(host.starts, host.starts[1:], host.slots)
-            if s >= 0 and hi > lo]
-    if len(live) != 1 or int(host.ranks[live[0][2]]) < CUBLAS_MIN_RANK:
-        return None
-    return tuple(int(v) for v in live[0])
+    return host.live
 
 
 def _cublas(y, x, pool, slice_starts, host: HostSegments, lo: int, hi: int, s: int):

@@ -82,9 +82,10 @@ def test_prefill_logits_match_peft(ckpt):
     for s in seqs:
         assert built.engine.scheduler.blocks.ensure(s, len(s.tokens))
     inputs = build([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers, runner.block_size)
-    # the eager step carries host copies of its segment table (kernels.sgmv's cuBLAS routing)
-    assert [a.tolist() for a in inputs.ctx.host_segs] == [inputs.ctx.seg_start.tolist(),
-                                                            inputs.ctx.seg_slot.tolist()]
+    # the eager step knows on the host whether one adapter has all the LoRA rows (it has not)
+    assert inputs.ctx.host_single is None
+    one = build([Scheduled(seqs[0], len(seqs[0].tokens))], runner.buffers, runner.block_size)
+    assert one.ctx.host_single == (0, len(seqs[0].tokens), slots[seqs[0].request_id])
     logits = runner.model.forward(inputs.input_ids, inputs.ctx, runner.kv_cache)
     for row, entry in enumerate(inputs.sampled):
         name = entry.seq.request_id

@@ -224,9 +224,10 @@ def test_dispatch_picks_the_kernel_by_shape():
 
 
 def host_tables(c):
-    from kernels.sgmv import HostSegments
-    return HostSegments(c["seg_start"].tolist(), c["seg_slot"].tolist(), c["a_off"].numpy(),
-                        c["b_off"].numpy(), c["ranks"].numpy(), c["scales"].numpy())
+    from kernels.sgmv import HostSegments, only_live_segment
+    return HostSegments(only_live_segment(c["seg_start"].tolist(), c["seg_slot"].tolist()),
+                        c["a_off"].numpy(), c["b_off"].numpy(), c["ranks"].numpy(),
+                        c["scales"].numpy())
 
 
 @pytest.mark.parametrize("name", ["identical_fp32", "single_token_split_bf16",
@@ -261,6 +262,14 @@ def test_cublas_path_only_for_one_live_high_rank_segment():
     assert cublas_segment(None) is None
     base = build_case(CASES["norows_lora_fp32"])           # no live segment
     assert cublas_segment(host_tables(base)) is None
+
+
+def test_only_live_segment():
+    from kernels.sgmv import only_live_segment
+    assert only_live_segment([0, 3, 5, 9, 9], [-1, 4, -1, -1]) == (3, 5, 4)
+    assert only_live_segment([0, 3, 5, 9, 9], [-1, 4, 2, -1]) is None      # two adapters
+    assert only_live_segment([0, 3, 3, 9], [-1, 4, -1]) is None            # empty segment
+    assert only_live_segment([0, 9], [-1]) is None
 
 
 def test_wrapper_rejects_bad_inputs():

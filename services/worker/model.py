@@ -34,8 +34,9 @@ class StepContext:
     has_lora: bool              # host flag: any segment with an adapter
     lora_mask: int = ALL_GROUPS  # host: GROUP_BIT of each group some row's adapter targets
     lora_rank: int = 0          # host: the SGMV rank tile (a graph's); 0 = the pool's max rank
-    # host copies of seg_start and seg_slot (eager steps; None in captured graphs)
-    host_segs: tuple[np.ndarray, np.ndarray] | None = None
+    # host: (first row, end row, slot) of the only segment with an adapter, from the host's copy
+    # of the segment table (eager steps; None with none or several, and in captured graphs)
+    host_single: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -106,10 +107,9 @@ class LlamaModel:
         t = self.lora
         if ctx.has_lora and t is not None and ctx.lora_mask & GROUP_BIT[group]:
             host = None
-            if ctx.host_segs is not None and group in t.a_off_host:
-                host = HostSegments(ctx.host_segs[0], ctx.host_segs[1],
-                                    t.a_off_host[group][layer], t.b_off_host[group][layer],
-                                    t.ranks_host, t.scales_host)
+            if ctx.host_single is not None and group in t.a_off_host:
+                host = HostSegments(ctx.host_single, t.a_off_host[group][layer],
+                                    t.b_off_host[group][layer], t.ranks_host, t.scales_host)
             sgmv(y, x, t.pool, t.a_off[group][layer], t.b_off[group][layer], t.ranks, t.scales,
                  self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank,
                  host=host)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.sgmv import only_live_segment
 from services.worker.model import StepContext
 from services.worker.sampling import SamplingBatch
 from services.worker.scheduler import Scheduled
@@ -107,7 +108,8 @@ def _to_device(buf, t_rows, n_seq, max_blocks, max_ctx, g, n_sample, has_lora,
         positions=rows[1], slot_mapping=rows[2], block_tables=tables,
         q_seq=rows[3].to(torch.int32), q_pos=rows[1].to(torch.int32), sample_rows=srows,
         seg_start=segs[0], seg_slot=segs[1][:g], max_context=max_ctx, has_lora=has_lora,
-        host_segs=(buf.host_segs[0, :g + 1].copy(), buf.host_segs[1, :g].copy()))
+        host_single=only_live_segment(buf.host_segs[0, :g + 1], buf.host_segs[1, :g])
+        if has_lora else None)
     return StepInputs(rows[0], ctx, sampling_batch(sampled, buf.device), sampled)
 
 
