@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, wait_then_release
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
@@ -38,7 +40,8 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
                        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     t0 = tl.program_id(0)
     kvh = tl.program_id(1)
     seq0 = tl.load(q_seq_ptr + t0)
@@ -107,7 +110,8 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
 
 @triton.jit
 def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_k, stride_v, n_elem,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -142,7 +146,8 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
         return
     n_elem = h_kv * d
     _write_kv_kernel[(t_rows,)](k_cache, v_cache, k, v, slot_mapping, k.stride(0), v.stride(0),
-                                n_elem, BLOCK=min(4096, triton.next_power_of_2(n_elem)))
+                                n_elem, BLOCK=min(4096, triton.next_power_of_2(n_elem)),
+                                **launch_args(k.device))
 
 
 def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
@@ -204,5 +209,5 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=(q.dtype == torch.bfloat16 and not q.is_cuda),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **launch_args(q.device))
     return out

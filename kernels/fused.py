@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, wait_then_release
+
 
 # ---------------------------------------------------------------- torch semantics (references)
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,7 +52,8 @@ def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- Triton kernels
 @triton.jit
 def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, eps,
-                ADD: tl.constexpr, BLOCK: tl.constexpr):
+                ADD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -89,7 +92,8 @@ def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, tl.program_id(0).to(tl.int64), stride_row,
                 stride_head, n_heads, HALF, BLOCK_H)
 
@@ -97,9 +101,11 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_he
 @triton.jit
 def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                     stride_row, stride_v, n_q, n_heads, kv_elems,
-                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr):
+                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """One row: rotate its q and k heads (side by side in x) in place, and write the rotated k
     and its v to the cache slot (none when the slot is negative)."""
+    wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     y1, y2, hs, ok = _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, 2 * HALF,
                                  n_heads, HALF, BLOCK_H)
@@ -118,7 +124,9 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -141,7 +149,8 @@ def rms_norm(x, w, eps: float, impl: str = "auto"):
     out = torch.empty_like(x)
     t, h = x.shape
     _rms_kernel[(t,)](x, x, w, out, h, x.stride(0), x.stride(0), out.stride(0), eps,
-                      ADD=False, BLOCK=triton.next_power_of_2(h), num_warps=8 if h >= 4096 else 4)
+                      ADD=False, BLOCK=triton.next_power_of_2(h), num_warps=8 if h >= 4096 else 4,
+                      **launch_args(x.device))
     return out
 
 
@@ -152,7 +161,7 @@ def add_rms_norm(h, delta, w, eps: float, impl: str = "auto"):
     t, hid = h.shape
     _rms_kernel[(t,)](h, delta, w, out, hid, h.stride(0), delta.stride(0), out.stride(0), eps,
                       ADD=True, BLOCK=triton.next_power_of_2(hid),
-                      num_warps=8 if hid >= 4096 else 4)
+                      num_warps=8 if hid >= 4096 else 4, **launch_args(h.device))
     return out
 
 
@@ -167,11 +176,12 @@ def rope_(q, k, cos, sin, positions, impl: str = "auto") -> None:
             and k.stride(0) == q.stride(0) and k.stride(1) == q.stride(1) == d):
         # q and k side by side in one qkv row (the engine's layout): one launch for both
         _rope_kernel[(t,)](q, cos, sin, positions, q.stride(0), d, heads, HALF=d // 2,
-                           BLOCK_H=triton.next_power_of_2(heads))
+                           BLOCK_H=triton.next_power_of_2(heads), **launch_args(q.device))
         return None
     for x in (q, k):
         _rope_kernel[(t,)](x, cos, sin, positions, x.stride(0), x.stride(1), x.shape[1],
-                           HALF=d // 2, BLOCK_H=triton.next_power_of_2(x.shape[1]))
+                           HALF=d // 2, BLOCK_H=triton.next_power_of_2(x.shape[1]),
+                           **launch_args(x.device))
     return None
 
 
@@ -204,7 +214,7 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
     _rope_kv_kernel[(t,)](q, v, k_cache, v_cache, cos, sin, positions, slot_mapping,
                           q.stride(0), v.stride(0), hq, hq + k.shape[1], kv_elems, HALF=d // 2,
                           BLOCK_H=triton.next_power_of_2(hq + k.shape[1]),
-                          BLOCK_V=triton.next_power_of_2(kv_elems))
+                          BLOCK_V=triton.next_power_of_2(kv_elems), **launch_args(q.device))
     return None
 
 
@@ -216,5 +226,5 @@ def silu_mul(gu, impl: str = "auto"):
     out = torch.empty((t, inter), dtype=gu.dtype, device=gu.device)
     block = 1024
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, inter, gu.stride(0), out.stride(0),
-                                                      BLOCK=block)
+                                                      BLOCK=block, **launch_args(gu.device))
     return out

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, wait_then_release
 from kernels.sgmv_triton import _locate, _slice_bounds
 
 SPIN_LIMIT = 1 << 22          # barrier polls before a program gives up and flags a timeout
@@ -217,7 +218,9 @@ def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slo
                    K, T, n_slots, n_segs, n_ks, stride_x, budget,
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
-                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
+                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     _shrink_items(tl.program_id(0), tl.num_programs(0), x_ptr, pool_ptr, a_off_ptr, ranks_ptr,
                   seg_start_ptr, seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x,
                   budget, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST,
@@ -230,7 +233,8 @@ def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_
                    budget, s0, s1, s2, s3, s4,
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
-                   UPCAST: tl.constexpr, KS_MAX: tl.constexpr):
+                   UPCAST: tl.constexpr, KS_MAX: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     _expand_items(tl.program_id(0), tl.num_programs(0), y_ptr, pool_ptr, b_off_ptr, ranks_ptr,
                   scales_ptr, seg_start_ptr, seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks,
                   max_col_blocks, stride_y, budget, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK,
@@ -245,7 +249,8 @@ def _one_launch_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, 
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                        RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
                        UPCAST: tl.constexpr, STAGES: tl.constexpr, KS_MAX: tl.constexpr,
-                       SPIN_LIMIT: tl.constexpr):
+                       SPIN_LIMIT: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr,
                   seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x, nprog,
@@ -322,7 +327,8 @@ def _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, tiles_bound, b
     grid = max(1, min(_progs(x.device), tiles_bound * n_slices * n_ks))
     _shrink_kernel[(grid,)](
         x, pool, a_off, ranks, seg_start, seg_slot, v, x.shape[1], x.shape[0], ranks.shape[0],
-        seg_slot.shape[0], n_ks, x.stride(0), grid, BLOCK_K=block_k, STAGES=stages, **common)
+        seg_slot.shape[0], n_ks, x.stride(0), grid, BLOCK_K=block_k, STAGES=stages, **common,
+        **launch_args(x.device))
     return grid
 
 
@@ -377,7 +383,7 @@ def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_star
         KS_MAX=n_ks, N_SLICES=n_slices, SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
         RANK_BLOCK=rb, DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
         UPCAST=y.dtype == torch.bfloat16 and not y.is_cuda, num_warps=cfg.num_warps,
-        num_stages=1)
+        num_stages=1, **launch_args(y.device))
     return y
 
 
@@ -429,7 +435,7 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     compiled = _one_launch_kernel[(grid,)](
         y, x, pool, a_off, b_off, ranks, scales, seg_start, seg_slot, v,
         barrier_state(x.device), k, t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks,
-        x.stride(0), y.stride(0), *s, **consts)
+        x.stride(0), y.stride(0), *s, **consts, **launch_args(x.device))
     if on_gpu and key not in _PER_SM:
         _PER_SM[key] = _resident_per_sm(compiled, cfg.num_warps)
     return y

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, wait_then_release
+
 MAX_SLICES = 4
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -123,7 +125,8 @@ def _sgmv_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, scales
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
                  EVEN_K: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr,
                  UPCAST: tl.constexpr, STAGES: tl.constexpr, NARROW_N: tl.constexpr,
-                 NARROW_K: tl.constexpr):
+                 NARROW_K: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # Segment table -> row tiles per live segment (0 for base-only and padded segments).
@@ -274,5 +277,5 @@ def sgmv_triton(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: tor
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=(x.dtype == torch.bfloat16 and not x.is_cuda), STAGES=cfg.num_stages,
         NARROW_N=max(16, cfg.block_n // 4), NARROW_K=max(16, cfg.block_k // 4),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(x.device))
     return y

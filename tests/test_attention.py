@@ -177,10 +177,10 @@ def test_kernels_compile_for_hopper():
     from kernels.attention_triton import _paged_attn_kernel, _write_kv_kernel
     types = ["*bf16"] * 4 + ["*i32"] * 3 + ["i32"] * 4 + ["fp32"] + ["i32"] * 10
     consts = dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64,
-                  DOT_PREC="tf32", UPCAST=False)
+                  DOT_PREC="tf32", UPCAST=False, USE_PDL=False)
     assert compile_for_sm90(_paged_attn_kernel, types, consts).asm["cubin"]
     types = ["*bf16"] * 4 + ["*i64"] + ["i32"] * 3
-    assert compile_for_sm90(_write_kv_kernel, types, dict(BLOCK=1024)).asm["cubin"]
+    assert compile_for_sm90(_write_kv_kernel, types, dict(BLOCK=1024, USE_PDL=False)).asm["cubin"]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

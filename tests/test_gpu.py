@@ -67,6 +67,22 @@ def test_gpu_overlapped_decode_matches_waited_steps():
 
 
 @needs_cuda
+def test_gpu_pdl_gives_the_tokens_of_plain_launches():
+    """Kernels launched early (programmatic dependent launch, captured into the decode graphs)
+    wait for their predecessors: the tokens equal those of plain launches."""
+    from kernels import pdl
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch on this device")
+    with_pdl = greedy_tokens("cuda", "bfloat16")
+    pdl.set_enabled(False)
+    try:
+        plain = greedy_tokens("cuda", "bfloat16")
+    finally:
+        pdl.set_enabled(True)
+    assert with_pdl == plain
+
+
+@needs_cuda
 def test_gpu_prefill_logits_match_cpu_fp32():
     """Prefill logits for every demo adapter (and the base), GPU kernels against the CPU path."""
     from services.worker.scheduler import Scheduled

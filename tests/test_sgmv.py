@@ -309,7 +309,8 @@ def test_kernel_compiles_for_hopper(rank_block, block_m):
     types = ["*bf16"] * 3 + ["*i64"] * 2 + ["*i32", "*fp32", "*i32", "*i32"] + ["i32"] * 11
     consts = dict(N_SLICES=3, SEG_BLOCK=256, BLOCK_M=block_m, BLOCK_N=128 if rank_block < 128
                   else 64, BLOCK_K=64, RANK_BLOCK=rank_block, EVEN_K=True, ALIGN=8,
-                  DOT_PREC="tf32", UPCAST=False, STAGES=4, NARROW_N=32, NARROW_K=16)
+                  DOT_PREC="tf32", UPCAST=False, STAGES=4, NARROW_N=32, NARROW_K=16,
+                  USE_PDL=False)
     assert compile_for_sm90(_sgmv_kernel, types, consts, num_stages=4).asm["cubin"]
 
 
@@ -320,7 +321,8 @@ def test_one_launch_split_compiles_for_hopper():
     types = (["*bf16"] * 3 + ["*i64"] * 2 + ["*i32", "*fp32", "*i32", "*i32", "*fp32", "*i32"]
              + ["i32"] * 13)
     consts = dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=64, RANK_BLOCK=16,
-                  DOT_PREC="tf32", UPCAST=False, STAGES=3, KS_MAX=16, SPIN_LIMIT=1 << 22)
+                  DOT_PREC="tf32", UPCAST=False, STAGES=3, KS_MAX=16, SPIN_LIMIT=1 << 22,
+                  USE_PDL=False)
     kernel = compile_for_sm90(_one_launch_kernel, types, consts, num_stages=1)
     assert "atom" in kernel.asm["ptx"] and kernel.asm["cubin"]
 

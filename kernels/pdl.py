@@ -1,0 +1,72 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step.
+
+Why: a decode step is ~14 short kernels a layer, and inside a CUDA graph each still pays a gap
+between the end of one kernel and the start of the next (launch, ramp-up; ~1-3 us on the H200).
+With PDL (Hopper and later) a kernel is launched while its predecessor in the stream is still
+running; its programs start, then wait at `griddepcontrol.wait` until the predecessor has
+finished and its writes are visible. The launch and ramp-up overlap the predecessor's tail.
+
+The contract each kernel launched with `launch_pdl=True` keeps (see `wait_then_release`):
+- it calls `gdc_wait` in every program before it reads or writes any memory that another
+  kernel writes or reads. Every program calls it, even one with no work, so the kernel cannot
+  finish before its predecessor has: "kernel N finished" then still implies "every kernel
+  before N finished", as without PDL;
+- right after the wait it lets its own dependents launch (`gdc_launch_dependents`). They can
+  only be past their own wait once this kernel has finished, so at most two kernels of a stream
+  are ever in flight.
+Kernels that are not ours (cuBLAS, torch) launch normally and wait for full completion of
+whatever precedes them.
+
+`enabled(device)`: PDL on sm_90+ CUDA devices, with a Triton that has gdc_wait, unless
+LORAFLEET_PDL=0 (or `set_enabled(False)`, for benchmarks that compare both). The flag is read
+at each launch; a captured CUDA graph keeps what it was captured with.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_ON = os.environ.get("LORAFLEET_PDL", "1") != "0"
+
+
+def set_enabled(on: bool) -> None:
+    """Turn PDL on or off for later launches (benchmarks; the default is LORAFLEET_PDL)."""
+    global _ON
+    _ON = bool(on)
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(device_index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on this device launch with PDL now."""
+    if not _ON or device.type != "cuda":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_args(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch: the USE_PDL constexpr and Triton's launch_pdl."""
+    on = enabled(device)
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_then_release(USE_PDL: tl.constexpr):
+    """At the top of every program of a PDL kernel: wait for the predecessor kernel to finish
+    (its writes are then visible), then let the next kernel launch. A no-op without PDL."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,86 @@
+"""Programmatic dependent launch (kernels.pdl): when it is on, and that every kernel launched
+with it waits for its predecessor before anything else (compiled for sm_90 without a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import pdl
+from test_sgmv import compile_for_sm90
+
+I32, BF16, I64, F32 = "i32", "*bf16", "*i64", "*fp32"
+
+# kernel -> (argument types, constexprs other than USE_PDL)
+KERNELS = {
+    "fused._rms_kernel": ([BF16] * 4 + [I32] * 4 + ["fp32"], dict(ADD=True, BLOCK=4096)),
+    "fused._rope_kernel": ([BF16] * 3 + [I64] + [I32] * 3, dict(HALF=64, BLOCK_H=64)),
+    "fused._rope_kv_kernel": ([BF16] * 6 + [I64] * 2 + [I32] * 5,
+                              dict(HALF=64, BLOCK_H=128, BLOCK_V=4096)),
+    "fused._silu_mul_kernel": ([BF16] * 2 + [I32] * 3, dict(BLOCK=1024)),
+    "attention_triton._paged_attn_kernel": (
+        [BF16] * 4 + ["*i32"] * 3 + [I32] * 4 + ["fp32"] + [I32] * 10,
+        dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64, DOT_PREC="tf32",
+             UPCAST=False)),
+    "attention_triton._write_kv_kernel": ([BF16] * 4 + [I64] + [I32] * 3, dict(BLOCK=1024)),
+    "sgmv_split._shrink_kernel": (
+        [BF16] * 2 + [I64, "*i32", "*i32", "*i32", F32] + [I32] * 7,
+        dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, RANK_BLOCK=16,
+             DOT_PREC="tf32", UPCAST=False, STAGES=3)),
+    "sgmv_split._expand_kernel": (
+        [BF16] * 2 + [I64, "*i32", F32, "*i32", "*i32", F32] + [I32] * 12,
+        dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_N=256, RANK_BLOCK=16,
+             DOT_PREC="tf32", UPCAST=False, KS_MAX=16)),
+    "sgmv_split._one_launch_kernel": (
+        [BF16] * 3 + [I64] * 2 + ["*i32", F32, "*i32", "*i32", F32, "*i32"] + [I32] * 13,
+        dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=64, RANK_BLOCK=16,
+             DOT_PREC="tf32", UPCAST=False, STAGES=3, KS_MAX=16, SPIN_LIMIT=1 << 22)),
+    "sgmv_triton._sgmv_kernel": (
+        [BF16] * 3 + [I64] * 2 + ["*i32", F32, "*i32", "*i32"] + [I32] * 11,
+        dict(N_SLICES=3, SEG_BLOCK=256, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, RANK_BLOCK=16,
+             EVEN_K=True, ALIGN=8, DOT_PREC="tf32", UPCAST=False, STAGES=2, NARROW_N=32,
+             NARROW_K=16)),
+}
+
+
+def _kernel(name: str):
+    module, attr = name.split(".")
+    return getattr(__import__(f"kernels.{module}", fromlist=[attr]), attr)
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_waits_first_under_pdl(name):
+    """With USE_PDL the program starts with griddepcontrol.wait, then launch_dependents, before
+    its first global load; without it neither instruction is there."""
+    types, consts = KERNELS[name]
+    ptx = compile_for_sm90(_kernel(name), types, dict(consts, USE_PDL=True),
+                           num_stages=1).asm["ptx"]
+    wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
+    assert 0 <= wait < release < first_load, (wait, release, first_load)
+    plain = compile_for_sm90(_kernel(name), types, dict(consts, USE_PDL=False),
+                             num_stages=1).asm["ptx"]
+    assert "griddepcontrol" not in plain
+
+
+def test_enabled_only_on_capable_cuda_devices(monkeypatch):
+    assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.launch_args(torch.device("cpu")) == {"USE_PDL": False, "launch_pdl": False}
+    was = pdl._ON
+    pdl.set_enabled(True)
+    pdl._capable.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        dev = torch.device("cuda", 0)
+        assert pdl.enabled(dev) and pdl.launch_args(dev) == {"USE_PDL": True, "launch_pdl": True}
+        pdl.set_enabled(False)
+        assert not pdl.enabled(dev)
+        pdl.set_enabled(True)
+        pdl._capable.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
+        assert not pdl.enabled(dev)                       # Ampere: no griddepcontrol
+    finally:
+        pdl.set_enabled(was)
+        pdl._capable.cache_clear()
