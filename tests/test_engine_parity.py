@@ -123,3 +123,26 @@ def test_adapters_really_change_the_output(ckpt):
         ref = base(ids).logits[0, -1]
         for name, model in peft_models.items():
             assert (model(ids).logits[0, -1] - ref).abs().max() > 1e-2, name
+
+
+def test_kn_layout_keeps_the_values_and_the_linear():
+    """to_kn_layout (what a CUDA model does to its decode GEMMs' weights) stores them
+    column-major with the same shape and values, so F.linear gives the same product; a tied
+    lm_head stays the row-major embedding table it is gathered from."""
+    from services.worker.model import KN_GEMMS, to_kn_layout
+    g = torch.Generator().manual_seed(0)
+    layer = {n: torch.randn(48, 32, generator=g) for n in (*KN_GEMMS, "down")}
+    before = {n: t.clone() for n, t in layer.items()}
+    embed = torch.randn(100, 32, generator=g)
+    weights = {"layers": [layer], "embed": embed, "lm_head": embed}
+    x = torch.randn(5, 32, generator=g)
+    to_kn_layout(weights)
+    for n in KN_GEMMS:
+        assert layer[n].shape == (48, 32) and layer[n].stride() == (1, 48)
+        assert torch.equal(layer[n], before[n])
+        torch.testing.assert_close(torch.nn.functional.linear(x, layer[n]), x @ before[n].T)
+    assert layer["down"].is_contiguous()                  # measured slower as [K, N]: kept
+    assert weights["lm_head"] is embed and embed.is_contiguous()
+    untied = {"layers": [], "embed": embed, "lm_head": embed.clone()}
+    to_kn_layout(untied)
+    assert untied["lm_head"].stride() == (1, 100) and torch.equal(untied["lm_head"], embed)
