@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -109,7 +110,20 @@ def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, s
             "steps": len(steps)}
 
 
-def engine_rows(args, device) -> tuple[list[dict], dict]:
+def apply_variant(variant: str) -> None:
+    """A build variant, "pdl=0,layout=nk" style: PDL on or off (kernels.pdl), the decode GEMMs'
+    weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built). Empty: the defaults."""
+    from kernels import pdl
+    opts = dict(kv.split("=") for kv in variant.split(",") if kv)
+    unknown = set(opts) - {"pdl", "layout"}
+    if unknown:
+        raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout)")
+    pdl.set_enabled(opts.get("pdl", os.environ.get("LORAFLEET_PDL", "1")) != "0")
+    os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get("layout", "kn")
+
+
+def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:
+    apply_variant(variant)
     spec = llama7b_spec(args.layers)
     weights = random_weights(spec, device, torch.bfloat16)
     wbytes = weight_bytes(weights)
@@ -126,7 +140,8 @@ def engine_rows(args, device) -> tuple[list[dict], dict]:
     rows = []
     runs = [(batch, n, True) for batch in args.batch for n in [0, *args.distinct] if n <= batch]
     # the same without overlap (each step waits for the last before the next is launched)
-    runs += [(max(args.batch), n, False) for n in (0, 32) if n <= max(args.batch)]
+    if not args.no_waited:
+        runs += [(max(args.batch), n, False) for n in (0, 32) if n <= max(args.batch)]
     for batch, n, overlap in runs:
         built.engine.overlap = overlap
         use = slots[:n] if n else []
@@ -134,8 +149,9 @@ def engine_rows(args, device) -> tuple[list[dict], dict]:
         built.engine.runner.timings = []
         r = run_engine(built, use, batch, args.prompt, args.new, seed=n)
         torch.cuda.synchronize()
-        r.update(impl="lorafleet" if overlap else "lorafleet, no overlap", batch=batch,
-                 distinct=n, graph_replay_ms=replay_ms(built.engine.runner, batch))
+        impl = "lorafleet" if overlap else "lorafleet, no overlap"
+        r.update(impl=impl + (f" [{variant}]" if variant else ""), batch=batch, distinct=n,
+                 graph_replay_ms=replay_ms(built.engine.runner, batch))
         built.engine.runner.timings = None
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -216,15 +232,19 @@ def write(out: pathlib.Path, rows: list[dict], header: dict) -> None:
                      f"{r.get('graph_replay_ms') or 0:.2f} |" if ms else
                      f"| {r['impl']} | {r['batch']} | {r['distinct']} | {r['tokens_per_s']:.0f} "
                      "| - | - |")
-    ours = {(r["batch"], r["distinct"]): r for r in rows if r["impl"] == "lorafleet"}
-    big = max((b for b, _ in ours), default=None)
-    if big is not None and all((big, n) in ours for n in (0, 1, 32)):
-        r0, r1, r32 = (ours[(big, n)] for n in (0, 1, 32))
-        lines += ["", f"Batch {big}, 32 distinct adapters: decode step "
-                  f"{r32['decode_step_ms'] / floor:.2f}x the floor (target <= 2), "
-                  f"{100 * r32['tokens_per_s'] / r1['tokens_per_s']:.0f}% of the single-adapter "
-                  f"throughput (target >= 90%), {100 * r32['tokens_per_s'] / r0['tokens_per_s']:.0f}"
-                  "% of the base-only throughput (target >= 80%)."]
+    builds = [i for i in dict.fromkeys(r["impl"] for r in rows)
+              if i.startswith("lorafleet") and "no overlap" not in i]
+    for impl in builds:                  # one build, or each A/B variant
+        ours = {(r["batch"], r["distinct"]): r for r in rows if r["impl"] == impl}
+        big = max((b for b, _ in ours), default=None)
+        if big is not None and all((big, n) in ours for n in (0, 1, 32)):
+            r0, r1, r32 = (ours[(big, n)] for n in (0, 1, 32))
+            lines += ["", f"{impl}, batch {big}, 32 distinct adapters: decode step "
+                      f"{r32['decode_step_ms'] / floor:.2f}x the floor (target <= 2), "
+                      f"{100 * r32['tokens_per_s'] / r1['tokens_per_s']:.0f}% of the "
+                      "single-adapter throughput (target >= 90%), "
+                      f"{100 * r32['tokens_per_s'] / r0['tokens_per_s']:.0f}% of the base-only "
+                      "throughput (target >= 80%)."]
     (out / "e2e-h200.md").write_text("\n".join(lines) + "\n")
     write_plot(out / "e2e-h200.png", rows, header)
 
@@ -264,6 +284,9 @@ def main() -> int:
     p.add_argument("--distincts", default="", help="override: distinct adapter counts, e.g. 1,32")
     p.add_argument("--new", type=int, default=0, help="override: new tokens per request")
     p.add_argument("--plot-from", type=pathlib.Path, help="only draw the plot of a results JSON")
+    p.add_argument("--variants", default="", help="A/B builds, ';'-separated, each like "
+                   "'pdl=0,layout=nk' (rows tagged with it); default: one default build")
+    p.add_argument("--no-waited", action="store_true", help="skip the runs without overlap")
     a = p.parse_args()
     if a.plot_from:
         doc = json.loads(a.plot_from.read_text())
@@ -285,7 +308,10 @@ def main() -> int:
     a.new = a.new or a.new_default
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
-    rows, meta = engine_rows(a, device)
+    rows, meta = [], {}
+    for variant in (a.variants.split(";") if a.variants else [""]):
+        more, meta = engine_rows(a, device, variant)
+        rows += more
     if not a.no_peft:
         rows += peft_rows(a, device)
     import triton

@@ -5,11 +5,14 @@
 #   bash bench/h200_run.sh check     # GPU tests, a decode profile, batch-64 end to end
 #   bash bench/h200_run.sh final     # GPU tests, end to end with PEFT, kernels vs vLLM
 #   bash bench/h200_run.sh sweep     # SGMV tile sweep (bench/sgmv_sweep.py)
+#   bash bench/h200_run.sh ab-kernels  # GPU tests, decode kernel shapes with and without PDL
+#   bash bench/h200_run.sh ab-e2e      # batch 64 end to end: PDL on/off, weight layouts
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
 set -u
 MODE=${1:-quick}
 OUT=${OUT:-bench/results}
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/tmp/triton-cache}  # kept between warm calls
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, \
@@ -33,6 +36,16 @@ elif [ "$MODE" = gemm ]; then
   step python3 bench/gemm_layouts.py --out "$OUT" 2>&1 | tail -70
   step python3 bench/e2e_gpu_bench.py --no-peft --batches 64 --distincts 1,32 --new 64 \
        --out "$OUT/e2e" 2>&1 | tail -12
+elif [ "$MODE" = ab-kernels ]; then
+  step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+       tests/test_sgmv_split.py tests/test_sgmv.py tests/test_attention.py tests/test_pdl.py \
+       2>&1 | tail -8
+  step python3 bench/kernel_bench.py "${VLLM[@]}" --shapes \
+       16:1:1,16:16:8,16:64:8,16:64:32,16:256:8,16:256:32,64:16:8,64:64:8,64:256:8,64:256:32 \
+       --out "$OUT/kernels" 2>&1 | tail -14
+elif [ "$MODE" = ab-e2e ]; then
+  step python3 bench/e2e_gpu_bench.py --no-peft --no-waited --batches 64 --distincts 1,32 \
+       --new 64 --variants "${2:-;pdl=0;pdl=0,layout=nk}" --out "$OUT/e2e" 2>&1 | tail -16
 elif [ "$MODE" = sweep ]; then
   step python3 bench/sgmv_sweep.py --out "$OUT" "${@:2}" 2>&1 | tail -60
 elif [ "$MODE" = quick ]; then

@@ -47,7 +47,9 @@ TOL = 2e-2                                   # max |out - ref| / (1 + |ref|) at 
 FULL = [(r, t, n) for r in (16, 64) for t in (1, 16, 64, 256, 1024, 4096)
         for n in (1, 8, 32, 128) if n <= t]
 QUICK = [(16, 1, 1), (16, 64, 8), (64, 1024, 32)]
-IMPLS = ("ours", "ours_fused", "ours_split", "vllm", "loop", "gather")
+# ours_nopdl: "ours" launched without programmatic dependent launch (kernels.pdl);
+# vllm_pdl: vLLM's kernels with their PDL path on (vLLM takes it only with its dual-stream flag)
+IMPLS = ("ours", "ours_nopdl", "ours_fused", "ours_split", "vllm", "vllm_pdl", "loop", "gather")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,6 +224,27 @@ def impl_fn(name, p, y, vllm):
                             p["a_off"].cpu().numpy(), p["b_off"].cpu().numpy(),
                             p["ranks"].cpu().numpy(), p["scales"].cpu().numpy())
         return lambda: sgmv(*args, host=host)
+    if name == "ours_nopdl":
+        from kernels import pdl
+        ours = impl_fn("ours", p, y, vllm)
+
+        def run():                             # the flag is read at each launch
+            pdl.set_enabled(False)
+            try:
+                ours()
+            finally:
+                pdl.set_enabled(True)
+        return run
+    if name == "vllm_pdl":
+        plain = impl_fn("vllm", p, y, vllm)
+
+        def run():                             # vLLM reads the flag at each call
+            _ENV_DEFAULTS["VLLM_LORA_ENABLE_DUAL_STREAM"] = True
+            try:
+                plain()
+            finally:
+                _ENV_DEFAULTS.pop("VLLM_LORA_ENABLE_DUAL_STREAM")
+        return run
     if name in ("ours_fused", "ours_split"):
         from kernels.sgmv_split import sgmv_split
         from kernels.sgmv_triton import sgmv_triton
@@ -362,10 +385,16 @@ def run(args):
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    status = {"ours": "ok", "ours_fused": "ok", "ours_split": "ok", "vllm": "ok"}
+    status = {"ours": "ok", "ours_nopdl": "ok", "ours_fused": "ok", "ours_split": "ok",
+              "vllm": "ok", "vllm_pdl": "ok"}
     vllm = load_vllm(args.vllm_src)
     if isinstance(vllm, str):
         status["vllm"], vllm = "skipped: " + vllm, None
+        status["vllm_pdl"] = status["vllm"]
+    from kernels import pdl
+    if not pdl.enabled(device):
+        for key in ("ours_nopdl", "vllm_pdl"):
+            status[key] = "skipped: no programmatic dependent launch on this device"
     if device.type == "cpu" and not interpreted:
         for key in ("ours", "ours_fused", "ours_split", "vllm"):
             status[key] = "skipped: CPU without TRITON_INTERPRET=1"
@@ -472,9 +501,12 @@ def write_markdown(path, header, rows):
         lines += [f"## Chained: {chain} calls back to back in one graph, per call", "",
                   "As kernels run inside the engine's decode graph: each call has its own "
                   "weights and inputs (cold after the L2 flush), and the graph launch is shared.",
-                  "", "| r | T | n | base | floor | ours | vLLM | loop | ours/vLLM | ours/best "
-                  "| ours %copy | fused | split |", "|---|---|---|---|---|---|---|---|---|---|---|"
-                  "---|---|"]
+                  "ours is launched with programmatic dependent launch where the device has it; "
+                  "no PDL is the same without; vLLM PDL is vLLM's kernels with their PDL path "
+                  "(off by default in vLLM).", "",
+                  "| r | T | n | base | floor | ours | vLLM | loop | ours/vLLM | ours/best "
+                  "| ours %copy | fused | split | no PDL | vLLM PDL |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for (rank, t, n), d in by.items():
             ours, vl, lp = (val(d, i, "chain_us") for i in ("ours", "vllm", "loop"))
             best = min(x for x in (vl, lp) if x) if (vl or lp) else None
@@ -485,7 +517,9 @@ def write_markdown(path, header, rows):
                 f"{cell(d.get('ours'), 'chain_us')} | {cell(d.get('vllm'), 'chain_us')} | "
                 f"{cell(d.get('loop'), 'chain_us')} | {_ratio(ours, vl)} | {_ratio(ours, best)} "
                 f"| {frac} | {cell(d.get('ours_fused'), 'chain_us')} | "
-                f"{cell(d.get('ours_split'), 'chain_us')} |")
+                f"{cell(d.get('ours_split'), 'chain_us')} | "
+                f"{cell(d.get('ours_nopdl'), 'chain_us')} | "
+                f"{cell(d.get('vllm_pdl'), 'chain_us')} |")
         lines.append("")
     lines += ["## One call per graph", "",
               "A graph of one trivial kernel measures "
