@@ -112,15 +112,13 @@ def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, s
 
 def apply_variant(variant: str) -> None:
     """A build variant, "pdl=0,layout=nk" style: PDL on or off (kernels.pdl), the decode GEMMs'
-    weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built), the SGMV fold form
-    for decode (kernels.sgmv_split.FOLD) on or off. Empty: the defaults."""
+    weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built). Empty: the
+    defaults."""
     from kernels import pdl
     opts = dict(kv.split("=") for kv in variant.split(",") if kv)
-    unknown = set(opts) - {"pdl", "layout", "fold"}
+    unknown = set(opts) - {"pdl", "layout"}
     if unknown:
-        raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, fold)")
-    from kernels import sgmv_split
-    sgmv_split.FOLD = opts.get("fold", os.environ.get("LORAFLEET_SGMV_FOLD", "1")) != "0"
+        raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout)")
     pdl.set_enabled(opts.get("pdl", os.environ.get("LORAFLEET_PDL", "1")) != "0")
     os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get("layout", "kn")
 

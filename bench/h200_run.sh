@@ -45,7 +45,7 @@ elif [ "$MODE" = ab-kernels ]; then
        --out "$OUT/kernels" 2>&1 | tail -14
 elif [ "$MODE" = ab-e2e ]; then
   step python3 bench/e2e_gpu_bench.py --no-peft --no-waited --batches 64 --distincts 1,32 \
-       --new 64 --variants "${2:-;fold=0;pdl=0;pdl=0,layout=nk}" --out "$OUT/e2e" 2>&1 | tail -16
+       --new 64 --variants "${2:-;pdl=0;pdl=0,layout=nk}" --out "$OUT/e2e" 2>&1 | tail -16
 elif [ "$MODE" = sweep ]; then
   step python3 bench/sgmv_sweep.py --out "$OUT" "${@:2}" 2>&1 | tail -60
 elif [ "$MODE" = quick ]; then

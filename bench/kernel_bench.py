@@ -49,8 +49,7 @@ FULL = [(r, t, n) for r in (16, 64) for t in (1, 16, 64, 256, 1024, 4096)
 QUICK = [(16, 1, 1), (16, 64, 8), (64, 1024, 32)]
 # ours_nopdl: "ours" launched without programmatic dependent launch (kernels.pdl);
 # vllm_pdl: vLLM's kernels with their PDL path on (vLLM takes it only with its dual-stream flag)
-IMPLS = ("ours", "ours_nopdl", "ours_fused", "ours_split", "ours_fold", "ours_two", "vllm",
-         "vllm_pdl", "loop", "gather")
+IMPLS = ("ours", "ours_nopdl", "ours_fused", "ours_split", "vllm", "vllm_pdl", "loop", "gather")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,12 +224,6 @@ def impl_fn(name, p, y, vllm):
                             p["a_off"].cpu().numpy(), p["b_off"].cpu().numpy(),
                             p["ranks"].cpu().numpy(), p["scales"].cpu().numpy())
         return lambda: sgmv(*args, host=host)
-    if name in ("ours_fold", "ours_two"):     # the split kernel in one form or the other
-        import dataclasses
-        from kernels.sgmv_split import pick_split_config, sgmv_split
-        cfg = dataclasses.replace(pick_split_config(p["t"], p["rank"]), one_launch=False,
-                                  fold=name == "ours_fold")
-        return lambda: sgmv_split(*args, config=cfg)
     if name == "ours_nopdl":
         from kernels import pdl
         ours = impl_fn("ours", p, y, vllm)
@@ -393,7 +386,7 @@ def run(args):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     status = {"ours": "ok", "ours_nopdl": "ok", "ours_fused": "ok", "ours_split": "ok",
-              "ours_fold": "ok", "ours_two": "ok", "vllm": "ok", "vllm_pdl": "ok"}
+              "vllm": "ok", "vllm_pdl": "ok"}
     vllm = load_vllm(args.vllm_src)
     if isinstance(vllm, str):
         status["vllm"], vllm = "skipped: " + vllm, None
@@ -403,7 +396,7 @@ def run(args):
         for key in ("ours_nopdl", "vllm_pdl"):
             status[key] = "skipped: no programmatic dependent launch on this device"
     if device.type == "cpu" and not interpreted:
-        for key in ("ours", "ours_fused", "ours_split", "ours_fold", "ours_two", "vllm"):
+        for key in ("ours", "ours_fused", "ours_split", "vllm"):
             status[key] = "skipped: CPU without TRITON_INTERPRET=1"
     impls = [i for i in IMPLS if status.get(i, "ok") == "ok"]
     shapes = args.shapes or (QUICK if args.quick else FULL)
@@ -510,11 +503,10 @@ def write_markdown(path, header, rows):
                   "weights and inputs (cold after the L2 flush), and the graph launch is shared.",
                   "ours is launched with programmatic dependent launch where the device has it; "
                   "no PDL is the same without; vLLM PDL is vLLM's kernels with their PDL path "
-                  "(off by default in vLLM). fold and two: the split kernel in its one-launch "
-                  "fold form (the last K chunk of a tile expands it) and as two launches.", "",
+                  "(off by default in vLLM).", "",
                   "| r | T | n | base | floor | ours | vLLM | loop | ours/vLLM | ours/best "
-                  "| ours %copy | fused | split | no PDL | vLLM PDL | fold | two |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| ours %copy | fused | split | no PDL | vLLM PDL |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for (rank, t, n), d in by.items():
             ours, vl, lp = (val(d, i, "chain_us") for i in ("ours", "vllm", "loop"))
             best = min(x for x in (vl, lp) if x) if (vl or lp) else None
@@ -527,8 +519,7 @@ def write_markdown(path, header, rows):
                 f"| {frac} | {cell(d.get('ours_fused'), 'chain_us')} | "
                 f"{cell(d.get('ours_split'), 'chain_us')} | "
                 f"{cell(d.get('ours_nopdl'), 'chain_us')} | "
-                f"{cell(d.get('vllm_pdl'), 'chain_us')} | "
-                f"{cell(d.get('ours_fold'), 'chain_us')} | {cell(d.get('ours_two'), 'chain_us')} |")
+                f"{cell(d.get('vllm_pdl'), 'chain_us')} |")
         lines.append("")
     lines += ["## One call per graph", "",
               "A graph of one trivial kernel measures "

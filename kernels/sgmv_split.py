@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +37,6 @@ from kernels.pdl import launch_args, wait_then_release
 from kernels.sgmv_triton import _locate, _slice_bounds
 
 SPIN_LIMIT = 1 << 22          # barrier polls before a program gives up and flags a timeout
-# decode calls at rank <= 32 take the fold form (LORAFLEET_SGMV_FOLD=0: the two launches)
-FOLD = os.environ.get("LORAFLEET_SGMV_FOLD", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -51,7 +48,6 @@ class SplitConfig:
     num_warps: int = 4
     stages: int = 3           # software pipelining of the shrink's K loop
     one_launch: bool = False  # both phases in one launch with a grid barrier (GPU only)
-    fold: bool = False        # both phases in one launch, the last chunk of a tile expands
 
 
 def pick_split_config(t_rows: int, max_rank: int) -> SplitConfig:
@@ -65,7 +61,7 @@ def pick_split_config(t_rows: int, max_rank: int) -> SplitConfig:
     if t_rows > 256:                 # prefill-sized: 64-row tiles, K in 512-wide chunks
         return SplitConfig(block_m=64, block_n=128 if big_rank else 256, k_chunk=512)
     if not big_rank:
-        return SplitConfig(block_n=128 if t_rows <= 16 else 256, fold=FOLD)
+        return SplitConfig(block_n=128 if t_rows <= 16 else 256)
     return SplitConfig(block_n=128, one_launch=t_rows > 16)
 
 
@@ -218,77 +214,6 @@ def _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr,
                 v = v.to(tl.float32)
             _expand_cols(y_ptr, pool_ptr, b_o, tl.load(ranks_ptr + s), v, rows, row_ok, width,
                          col0, nb0, nb1, stride_y, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST)
-
-
-@triton.jit
-def _fold_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, scales_ptr,
-                 seg_start_ptr, seg_slot_ptr, v_ptr, cnt_ptr, K, T, n_slots, n_segs, n_ks,
-                 stride_x, stride_y, s0, s1, s2, s3, s4,
-                 N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr,
-                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                 KS_MAX: tl.constexpr, USE_PDL: tl.constexpr):
-    """Both phases in one launch, with no barrier: the shrink's work items (row tile, slice,
-    K chunk) each write their partial, then arrive at their (tile, slice) counter; the last to
-    arrive sums the partials and adds v @ Bt to every column of the slice, and resets the
-    counter for the next call. No program ever waits for another, so nothing needs to be
-    resident at once. With one K chunk a tile's item expands its own v (no scratch)."""
-    wait_then_release(USE_PDL)
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
-    si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
-                                                     SEG_BLOCK, BLOCK_M)
-    n_ks = _k_split(tiles, n_ks, nprog, N_SLICES)
-    chunk = ((K + n_ks - 1) // n_ks + BLOCK_K - 1) // BLOCK_K * BLOCK_K
-    total = tl.sum(tiles) * N_SLICES * n_ks
-    rm = tl.arange(0, BLOCK_M)
-    rr = tl.arange(0, RANK_BLOCK)
-    for w in range(pid, total, nprog):
-        ks = w % n_ks
-        j = (w // n_ks) % N_SLICES
-        tile = w // (n_ks * N_SLICES)
-        s, row0, m_len = _locate(tile, si, lo, hi, slot, tiles, tiles_end, BLOCK_M)
-        a_o = tl.load(a_off_ptr + j * n_slots + s)
-        b_o = tl.load(b_off_ptr + j * n_slots + s)
-        if (a_o >= 0) & (b_o >= 0):             # the same for every chunk of (tile, slice)
-            rank = tl.load(ranks_ptr + s)
-            rows = (row0 + rm).to(tl.int64)
-            row_ok = rm < m_len
-            acc = _shrink_chunk(x_ptr, pool_ptr, a_o, rank, rows, row_ok, ks * chunk,
-                                tl.minimum(ks * chunk + chunk, K), K, stride_x, BLOCK_M,
-                                BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST, STAGES)
-            if n_ks == 1:                       # the whole of K: expand at once
-                _fold_expand(y_ptr, pool_ptr, b_o, rank, acc, tl.load(scales_ptr + s), rows,
-                             row_ok, j, s0, s1, s2, s3, s4, stride_y, N_SLICES, BLOCK_N,
-                             RANK_BLOCK, DOT_PREC, UPCAST)
-            else:
-                v_rows = ((ks * N_SLICES + j) * T + rows) * RANK_BLOCK
-                tl.store(v_ptr + v_rows[:, None] + rr[None, :], acc, mask=row_ok[:, None])
-                # every thread's partial is stored before the release; one thread arrives
-                tl.debug_barrier()
-                arrived = tl.atomic_add(cnt_ptr + tile * N_SLICES + j, 1, sem="acq_rel")
-                if arrived == n_ks - 1:
-                    tl.atomic_xchg(cnt_ptr + tile * N_SLICES + j, 0, sem="relaxed")
-                    tl.debug_barrier()
-                    v = _sum_partials(v_ptr, rows, row_ok, j, T, n_ks, N_SLICES, BLOCK_M,
-                                      RANK_BLOCK, KS_MAX)
-                    _fold_expand(y_ptr, pool_ptr, b_o, rank, v, tl.load(scales_ptr + s), rows,
-                                 row_ok, j, s0, s1, s2, s3, s4, stride_y, N_SLICES, BLOCK_N,
-                                 RANK_BLOCK, DOT_PREC, UPCAST)
-
-
-@triton.jit
-def _fold_expand(y_ptr, pool_ptr, b_o, rank, v, scale, rows, row_ok, j, s0, s1, s2, s3, s4,
-                 stride_y, N_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
-                 RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """y[rows, all of slice j] += (scale * v) @ Bt."""
-    col0, col1 = _slice_bounds(j, s0, s1, s2, s3, s4, N_SLICES)
-    width = col1 - col0
-    v = (v * scale).to(pool_ptr.dtype.element_ty)
-    if UPCAST:
-        v = v.to(tl.float32)
-    _expand_cols(y_ptr, pool_ptr, b_o, rank, v, rows, row_ok, width, col0, 0,
-                 (width + BLOCK_N - 1) // BLOCK_N, stride_y, BLOCK_N, RANK_BLOCK, DOT_PREC,
-                 UPCAST)
 
 
 @triton.jit
@@ -490,50 +415,6 @@ def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_star
     return y
 
 
-COUNTERS = 1 << 16            # arrival counters per device: (row tile, slice) pairs of one call
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's fold counters (int32 [COUNTERS], zeroed once; every call leaves them zero).
-    Allocated on first use, which must not be inside a CUDA-graph capture: warm up first. Like
-    the barrier word, one stream at a time may run fold launches on a device."""
-    key = _device_key(device)
-    cnt = _COUNTERS.get(key)
-    if cnt is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("sgmv_split: call it once before capturing a CUDA graph "
-                               "(the fold counters are allocated on first use)")
-        cnt = _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return cnt
-
-
-def _fold(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
-          max_rank: int, cfg: SplitConfig) -> bool:
-    """The fold form (_fold_kernel): one launch of 4 programs an SM at most. False, and
-    nothing launched, when the call has more (tile, slice) pairs than there are counters."""
-    t_rows, k = x.shape
-    n_segs, n_slices = seg_slot.shape[0], len(slice_starts) - 1
-    tiles_bound = triton.cdiv(t_rows, cfg.block_m) + n_segs
-    if tiles_bound * n_slices > COUNTERS:
-        return False
-    rb = max(16, triton.next_power_of_2(max_rank))
-    n_ks = triton.cdiv(k, cfg.k_chunk)
-    v = torch.empty((n_ks, n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
-    s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
-    grid = max(1, min(_progs(x.device), tiles_bound * n_slices * n_ks))
-    _fold_kernel[(grid,)](
-        y, x, pool, a_off, b_off, ranks, scales, seg_start, seg_slot, v,
-        arrival_counters(x.device), k, t_rows, ranks.shape[0], n_segs, n_ks, x.stride(0),
-        y.stride(0), *s, N_SLICES=n_slices, SEG_BLOCK=max(16, triton.next_power_of_2(n_segs)),
-        BLOCK_M=cfg.block_m, BLOCK_K=min(cfg.k_chunk, 128 if rb <= 32 else 64),
-        BLOCK_N=cfg.block_n, RANK_BLOCK=rb,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        UPCAST=x.dtype == torch.bfloat16 and not x.is_cuda, STAGES=cfg.stages, KS_MAX=n_ks,
-        num_warps=cfg.num_warps, num_stages=1, **launch_args(x.device))
-    return True
-
-
 def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
                max_rank: int, config: SplitConfig | None = None, *, k_chunk: int | None = None,
                block_n: int | None = None) -> torch.Tensor:
@@ -548,9 +429,6 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     cfg = config or pick_split_config(t_rows, max_rank)
     cfg = dataclasses.replace(cfg, k_chunk=k_chunk or cfg.k_chunk, block_n=block_n or cfg.block_n)
     n_slices = len(slice_starts) - 1
-    if cfg.fold and _fold(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
-                          seg_slot, max_rank, cfg):
-        return y
     if not cfg.one_launch:
         shrunk = shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices, max_rank, cfg)
         return expand(y, shrunk, pool, b_off, ranks, scales, slice_starts, seg_start, seg_slot,

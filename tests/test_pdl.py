@@ -34,10 +34,6 @@ KERNELS = {
         [BF16] * 3 + [I64] * 2 + ["*i32", F32, "*i32", "*i32", F32, "*i32"] + [I32] * 13,
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=64, RANK_BLOCK=16,
              DOT_PREC="tf32", UPCAST=False, STAGES=3, KS_MAX=16, SPIN_LIMIT=1 << 22)),
-    "sgmv_split._fold_kernel": (
-        [BF16] * 3 + [I64] * 2 + ["*i32", F32, "*i32", "*i32", F32, "*i32"] + [I32] * 12,
-        dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=256, RANK_BLOCK=16,
-             DOT_PREC="tf32", UPCAST=False, STAGES=3, KS_MAX=16)),
     "sgmv_triton._sgmv_kernel": (
         [BF16] * 3 + [I64] * 2 + ["*i32", F32, "*i32", "*i32"] + [I32] * 11,
         dict(N_SLICES=3, SEG_BLOCK=256, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, RANK_BLOCK=16,

@@ -380,37 +380,6 @@ def test_one_launch_barrier_on_gpu():
     assert not barrier_timeouts(c["y"].device)                   # no barrier timeout
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("spec", [("bf16", 4096, (4096, 1024, 1024), 64, "distinct", 8, 16, ""),
-                                  ("fp16", 2048, (2048,), 16, "zipf", 3, 32, "pad")])
-def test_fold_form_on_gpu(spec):
-    """The fold form (the last K chunk of a row tile to arrive expands it), replayed from a
-    graph over changing inputs with 2 to 16 K chunks a tile: its sums equal the two-launch
-    form's to rounding every time, and its counters are zero after every call."""
-    import dataclasses
-    from kernels.sgmv_split import SplitConfig, arrival_counters, sgmv_split
-    c = build_case(spec, device="cuda")
-    fold, two = SplitConfig(fold=True), SplitConfig()
-    tol = TOL[c["y"].dtype]
-    y0 = c["y"].clone()
-    for k_chunk in (256, 512, 64):                  # with few tiles, many K chunks
-        cfg = dataclasses.replace(fold, k_chunk=k_chunk)
-        sgmv_split(*_args(dict(c, y=y0.clone())), config=cfg)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            sgmv_split(*_args(c), config=cfg)
-        for i in range(20):
-            c["x"].normal_()
-            c["y"].copy_(y0)
-            graph.replay()
-            expect = sgmv_split(*_args(dict(c, y=y0.clone())), config=two)
-            torch.cuda.synchronize()
-            assert max_rel_err(c["y"], expect.float().cpu()) <= tol, (k_chunk, i)
-            assert int(arrival_counters(c["y"].device).abs().sum()) == 0
-    assert max_rel_err(c["y"], lora_fp32(dict(c, y=y0))) <= tol
-
-
 def interpreter_unsupported() -> str | None:
     """Why this triton's interpreter cannot run our loops, or None. (Triton 3.6's interpreter
     fails on loop bounds computed from tl.program_id; the GPU tests cover the kernels there.)"""
