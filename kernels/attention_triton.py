@@ -41,13 +41,13 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
                        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_then_release(USE_PDL)
     t0 = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq0 = tl.load(q_seq_ptr + t0)
+    seq0 = tl.load(q_seq_ptr + t0)                 # step inputs: read before the PDL wait
     pos0 = tl.load(q_pos_ptr + t0)
     prev_seq = tl.load(q_seq_ptr + t0 - 1, mask=t0 > 0, other=-1)
     prev_pos = tl.load(q_pos_ptr + t0 - 1, mask=t0 > 0, other=-2)
+    wait_then_release(USE_PDL)                     # q and this step's K/V: after it
     leads = (t0 == 0) | _starts_run(seq0, prev_seq, pos0, prev_pos, ROWS)
     # Query tile rows m = (run row ri, head g in the kv group).
     M: tl.constexpr = ROWS * GROUP_PAD

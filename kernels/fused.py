@@ -53,10 +53,11 @@ def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, eps,
                 ADD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)    # a weight: before the wait
+    wait_then_release(USE_PDL)
     x = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
     if ADD:
         x = (x.to(tl.float32) + tl.load(d_ptr + row * stride_d + cols, mask=ok,
@@ -65,21 +66,22 @@ def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, e
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     normed = (xf * inv).to(h_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, n_heads,
-                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     """Rotate the heads of one row of x in place; returns the rotated halves [BLOCK_H, HALF]
-    (in x's dtype), the head indices and their mask."""
+    (in x's dtype), the head indices and their mask. Under PDL the position and its angles (a
+    step input and a table) are read before the wait, x after it."""
     pos = tl.load(pos_ptr + row).to(tl.int64)
     hs = tl.arange(0, BLOCK_H)
     ds = tl.arange(0, HALF)
     ok = (hs < n_heads)[:, None]
     c = tl.load(cos_ptr + pos * HALF + ds).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * HALF + ds).to(tl.float32)[None, :]
+    wait_then_release(USE_PDL)
     base = x_ptr + row * stride_row + hs[:, None] * stride_head + ds[None, :]
     x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
@@ -93,9 +95,8 @@ def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_heads,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_then_release(USE_PDL)
     _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, tl.program_id(0).to(tl.int64), stride_row,
-                stride_head, n_heads, HALF, BLOCK_H)
+                stride_head, n_heads, HALF, BLOCK_H, USE_PDL)
 
 
 @triton.jit
@@ -105,12 +106,11 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
                     USE_PDL: tl.constexpr):
     """One row: rotate its q and k heads (side by side in x) in place, and write the rotated k
     and its v to the cache slot (none when the slot is negative)."""
-    wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)     # a step input: before the PDL wait
     y1, y2, hs, ok = _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, 2 * HALF,
-                                 n_heads, HALF, BLOCK_H)
+                                 n_heads, HALF, BLOCK_H, USE_PDL)
     ds = tl.arange(0, HALF)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
     if slot >= 0:
         kh = hs - n_q                                 # k head index; negative for q heads
         k_ok = ok & (kh >= 0)[:, None]

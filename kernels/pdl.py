@@ -7,10 +7,13 @@ running; its programs start, then wait at `griddepcontrol.wait` until the predec
 finished and its writes are visible. The launch and ramp-up overlap the predecessor's tail.
 
 The contract each kernel launched with `launch_pdl=True` keeps (see `wait_then_release`):
-- it calls `gdc_wait` in every program before it reads or writes any memory that another
-  kernel writes or reads. Every program calls it, even one with no work, so the kernel cannot
-  finish before its predecessor has: "kernel N finished" then still implies "every kernel
-  before N finished", as without PDL;
+- it calls `gdc_wait` in every program before it writes anything, and before it reads
+  anything that the kernel just before it may write. Every program calls it, even one with no
+  work, so the kernel cannot finish before its predecessor has: "kernel N finished" then still
+  implies "every kernel before N finished", as without PDL. So when kernel N starts, kernel
+  N-2 and all before it have finished; what they wrote, and what was written before the step
+  (the step's tables, positions, slot map; norm weights, rope tables, adapter weights), may be
+  read before the wait. The split SGMV, norm, rope and attention kernels read those early;
 - right after the wait it lets its own dependents launch (`gdc_launch_dependents`). They can
   only be past their own wait once this kernel has finished, so at most two kernels of a stream
   are ever in flight.

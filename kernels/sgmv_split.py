@@ -124,24 +124,37 @@ def _sum_partials(v_ptr, rows, row_ok, j, T, n_ks, N_SLICES: tl.constexpr,
 
 
 @triton.jit
-def _expand_cols(y_ptr, pool_ptr, b_o, rank, v, rows, row_ok, width, col0, nb0, nb1, stride_y,
-                 BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """y[rows, col0 + column blocks nb0:nb1 of the slice] += v @ Bt (v scaled, pool dtype)."""
+def _b_block(pool_ptr, b_o, rank, width, nb, ok, BLOCK_N: tl.constexpr,
+             RANK_BLOCK: tl.constexpr):
+    """Column block nb of an adapter's Bt [rank, width] (zeros where not ok)."""
     rr = tl.arange(0, RANK_BLOCK)
+    cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_rank = tl.where(ok, rank, 0)             # (no scalar in the mask: the interpreter)
+    return tl.load(pool_ptr + b_o + rr[:, None] * width + cols[None, :],
+                   mask=(rr < live_rank)[:, None] & (cols < width)[None, :], other=0.0)
+
+
+@triton.jit
+def _expand_cols(y_ptr, pool_ptr, b_o, rank, v, rows, row_ok, width, col0, nb0, nb1, stride_y,
+                 bt, BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """y[rows, col0 + column blocks nb0:nb1 of the slice] += v @ Bt (v scaled, pool dtype).
+    bt: block nb0 of Bt, loaded by the caller (before its PDL wait); each step loads the next
+    block while it works on this one."""
     rn = tl.arange(0, BLOCK_N)
-    for nb in range(nb0, nb1):                   # not pipelined: it stores into y
+    for nb in range(nb0, nb1):                   # not pipelined by the compiler: it stores y
         cols = nb * BLOCK_N + rn
-        c_ok = cols < width
-        bt = tl.load(pool_ptr + b_o + rr[:, None] * width + cols[None, :],
-                     mask=(rr < rank)[:, None] & c_ok[None, :], other=0.0)
-        if UPCAST:
-            bt = bt.to(tl.float32)
-        delta = tl.dot(v, bt, input_precision=DOT_PREC)
         y_ptrs = y_ptr + rows[:, None] * stride_y + (col0 + cols)[None, :]
-        io_ok = row_ok[:, None] & c_ok[None, :]
+        io_ok = row_ok[:, None] & (cols < width)[None, :]
         old = tl.load(y_ptrs, mask=io_ok, other=0.0)
+        bt_next = _b_block(pool_ptr, b_o, rank, width, nb + 1, nb + 1 < nb1, BLOCK_N,
+                           RANK_BLOCK)
+        if UPCAST:
+            delta = tl.dot(v, bt.to(tl.float32), input_precision=DOT_PREC)
+        else:
+            delta = tl.dot(v, bt, input_precision=DOT_PREC)
         tl.store(y_ptrs, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=io_ok)
+        bt = bt_next
 
 
 @triton.jit
@@ -149,8 +162,12 @@ def _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_p
                   seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x, budget,
                   N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
-                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
-    """Work items (row tile, slice, K chunk): v[chunk, slice, rows] = x[rows, Kc] @ A[:, Kc].T"""
+                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """Work items (row tile, slice, K chunk): v[chunk, slice, rows] = x[rows, Kc] @ A[:, Kc].T
+
+    Under PDL the segment and offset tables (written before the step, never by the kernel
+    before this one) are read before the wait; x and the scratch after it."""
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
                                                      SEG_BLOCK, BLOCK_M)
     n_ks = _k_split(tiles, n_ks, budget, N_SLICES)
@@ -164,14 +181,17 @@ def _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_p
         tile = w // (n_ks * N_SLICES)
         s, row0, m_len = _locate(tile, si, lo, hi, slot, tiles, tiles_end, BLOCK_M)
         a_o = tl.load(a_off_ptr + j * n_slots + s)
+        rank = tl.load(ranks_ptr + s)
+        wait_then_release(USE_PDL)
         if a_o >= 0:
             rows = (row0 + rm).to(tl.int64)
             row_ok = rm < m_len
-            acc = _shrink_chunk(x_ptr, pool_ptr, a_o, tl.load(ranks_ptr + s), rows, row_ok,
+            acc = _shrink_chunk(x_ptr, pool_ptr, a_o, rank, rows, row_ok,
                                 ks * chunk, tl.minimum(ks * chunk + chunk, K), K, stride_x,
                                 BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST, STAGES)
             v_rows = ((ks * N_SLICES + j) * T + rows) * RANK_BLOCK
             tl.store(v_ptr + v_rows[:, None] + rr[None, :], acc, mask=row_ok[:, None])
+    wait_then_release(USE_PDL)               # a program without items waits too
 
 
 @triton.jit
@@ -180,10 +200,11 @@ def _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr,
                   budget, s0, s1, s2, s3, s4,
                   N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
-                  UPCAST: tl.constexpr, KS_MAX: tl.constexpr):
+                  UPCAST: tl.constexpr, KS_MAX: tl.constexpr, USE_PDL: tl.constexpr):
     """Work items (row tile, slice, column split): y[rows, cols] += (scale * sum v) @ Bt.
     The K partials are summed in an unrolled loop (KS_MAX = the scratch's depth), so their loads
-    are all in flight together."""
+    are all in flight together. Under PDL the tables and the item's first block of Bt are read
+    before the wait; the partials and y after it."""
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
                                                      SEG_BLOCK, BLOCK_M)
     n_ks = _k_split(tiles, n_ks, budget, N_SLICES)
@@ -204,16 +225,22 @@ def _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr,
         nb0 = split * per
         nb1 = tl.minimum(nb0 + per, n_blocks)
         b_o = tl.load(b_off_ptr + j * n_slots + s)
-        if (b_o >= 0) & (nb0 < nb1):
+        rank = tl.load(ranks_ptr + s)
+        scale = tl.load(scales_ptr + s)
+        live = (b_o >= 0) & (nb0 < nb1)
+        bt = _b_block(pool_ptr, b_o, rank, width, nb0, live, BLOCK_N, RANK_BLOCK)
+        wait_then_release(USE_PDL)
+        if live:
             rows = (row0 + rm).to(tl.int64)
             row_ok = rm < m_len
             v = _sum_partials(v_ptr, rows, row_ok, j, T, n_ks, N_SLICES, BLOCK_M, RANK_BLOCK,
                               KS_MAX)
-            v = (v * tl.load(scales_ptr + s)).to(pool_ptr.dtype.element_ty)
+            v = (v * scale).to(pool_ptr.dtype.element_ty)
             if UPCAST:
                 v = v.to(tl.float32)
-            _expand_cols(y_ptr, pool_ptr, b_o, tl.load(ranks_ptr + s), v, rows, row_ok, width,
-                         col0, nb0, nb1, stride_y, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST)
+            _expand_cols(y_ptr, pool_ptr, b_o, rank, v, rows, row_ok, width, col0, nb0, nb1,
+                         stride_y, bt, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST)
+    wait_then_release(USE_PDL)               # a program without items waits too
 
 
 @triton.jit
@@ -248,11 +275,10 @@ def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slo
                    BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
                    USE_PDL: tl.constexpr):
-    wait_then_release(USE_PDL)
     _shrink_items(tl.program_id(0), tl.num_programs(0), x_ptr, pool_ptr, a_off_ptr, ranks_ptr,
                   seg_start_ptr, seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x,
                   budget, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST,
-                  STAGES)
+                  STAGES, USE_PDL)
 
 
 @triton.jit
@@ -262,11 +288,10 @@ def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
                    UPCAST: tl.constexpr, KS_MAX: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_then_release(USE_PDL)
     _expand_items(tl.program_id(0), tl.num_programs(0), y_ptr, pool_ptr, b_off_ptr, ranks_ptr,
                   scales_ptr, seg_start_ptr, seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks,
                   max_col_blocks, stride_y, budget, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK,
-                  BLOCK_M, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX)
+                  BLOCK_M, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX, USE_PDL)
 
 
 @triton.jit
@@ -278,16 +303,16 @@ def _one_launch_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, 
                        RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
                        UPCAST: tl.constexpr, STAGES: tl.constexpr, KS_MAX: tl.constexpr,
                        SPIN_LIMIT: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_then_release(USE_PDL)
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr,
                   seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x, nprog,
-                  N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST, STAGES)
+                  N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST, STAGES,
+                  USE_PDL)
     _grid_sync(bar_ptr, nprog, SPIN_LIMIT)
     _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
                   seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
                   nprog, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_N,
-                  RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX)
+                  RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX, USE_PDL)
 
 
 @functools.lru_cache(maxsize=None)
