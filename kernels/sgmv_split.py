@@ -139,22 +139,28 @@ def _expand_cols(y_ptr, pool_ptr, b_o, rank, v, rows, row_ok, width, col0, nb0, 
                  bt, BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
                  UPCAST: tl.constexpr):
     """y[rows, col0 + column blocks nb0:nb1 of the slice] += v @ Bt (v scaled, pool dtype).
-    bt: block nb0 of Bt, loaded by the caller (before its PDL wait); each step loads the next
-    block while it works on this one."""
+    bt: block nb0 of Bt, loaded by the caller (before its PDL wait). At rank <= 32 each step
+    loads the next block while it works on this one; at rank 64 two blocks would not fit the
+    registers (the H200 run had rank 64 slower by 2-3 us), so it loads it after its store."""
     rn = tl.arange(0, BLOCK_N)
     for nb in range(nb0, nb1):                   # not pipelined by the compiler: it stores y
         cols = nb * BLOCK_N + rn
         y_ptrs = y_ptr + rows[:, None] * stride_y + (col0 + cols)[None, :]
         io_ok = row_ok[:, None] & (cols < width)[None, :]
         old = tl.load(y_ptrs, mask=io_ok, other=0.0)
-        bt_next = _b_block(pool_ptr, b_o, rank, width, nb + 1, nb + 1 < nb1, BLOCK_N,
-                           RANK_BLOCK)
+        if RANK_BLOCK <= 32:
+            bt_next = _b_block(pool_ptr, b_o, rank, width, nb + 1, nb + 1 < nb1, BLOCK_N,
+                               RANK_BLOCK)
         if UPCAST:
             delta = tl.dot(v, bt.to(tl.float32), input_precision=DOT_PREC)
         else:
             delta = tl.dot(v, bt, input_precision=DOT_PREC)
         tl.store(y_ptrs, (old.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=io_ok)
-        bt = bt_next
+        if RANK_BLOCK <= 32:
+            bt = bt_next
+        else:
+            bt = _b_block(pool_ptr, b_o, rank, width, nb + 1, nb + 1 < nb1, BLOCK_N,
+                          RANK_BLOCK)
 
 
 @triton.jit
@@ -458,7 +464,8 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
         shrunk = shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices, max_rank, cfg)
         return expand(y, shrunk, pool, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
                       max_rank, cfg)
-    # One launch. The grid barrier needs every program resident at once: the first launch of a
+    # One launch, without PDL (on the H200 PDL made it 1.2 us slower at rank 64, 64-256 rows).
+    # The grid barrier needs every program resident at once: the first launch of a
     # compiled variant takes one program per SM (always resident), later ones as many as its
     # registers and shared memory allow (at most 4 per SM). The interpreter runs programs one
     # by one, so there the grid is one program.
@@ -488,7 +495,7 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     compiled = _one_launch_kernel[(grid,)](
         y, x, pool, a_off, b_off, ranks, scales, seg_start, seg_slot, v,
         barrier_state(x.device), k, t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks,
-        x.stride(0), y.stride(0), *s, **consts, **launch_args(x.device))
+        x.stride(0), y.stride(0), *s, **consts, USE_PDL=False, launch_pdl=False)
     if on_gpu and key not in _PER_SM:
         _PER_SM[key] = _resident_per_sm(compiled, cfg.num_warps)
     return y

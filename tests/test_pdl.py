@@ -104,8 +104,9 @@ def test_enabled_only_on_capable_cuda_devices(monkeypatch):
 def test_chained_sgmv_reads_what_the_previous_call_wrote():
     """Eight SGMV calls in one graph, each one's x the y that the call before it wrote (the
     engine's dependency: an expand's output feeds the next shrink). Under PDL each kernel starts
-    before the last one ends and reads its tables early; its sums must still see the finished
-    inputs: every replay equals the calls run one by one through the torch reference."""
+    before the last one ends and reads its tables early; it must still see finished inputs.
+    The kernels are deterministic (no atomics in the sums), so a graph captured with PDL gives
+    bit for bit what one captured without gives, every replay; both are near the reference."""
     from kernels import pdl as pdl_mod
     from kernels.sgmv import sgmv
     from kernels.sgmv_ref import sgmv_ref
@@ -122,20 +123,32 @@ def test_chained_sgmv_reads_what_the_previous_call_wrote():
         def chain():
             for i in range(8):
                 sgmv(*_args(dict(c, x=bufs[i], y=bufs[i + 1])))
-        chain()                                                   # compile, allocate
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain()
+
+        graphs = {}
+        try:
+            for on in (True, False):
+                pdl_mod.set_enabled(on)
+                chain()                                           # compile, allocate
+                graphs[on] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[on]):
+                    chain()
+        finally:
+            pdl_mod.set_enabled(True)
         for rep in range(10):
-            for b, s0 in zip(bufs, start):
+            for s0 in start:
                 s0.normal_()
-                b.copy_(s0)
-            graph.replay()
+            outs = {}
+            for on, graph in graphs.items():
+                for b, s0 in zip(bufs, start):
+                    b.copy_(s0)
+                graph.replay()
+                outs[on] = [b.clone() for b in bufs]
+            torch.cuda.synchronize()
+            for i in range(1, 9):
+                assert torch.equal(outs[True][i], outs[False][i]), (spec[3], spec[6], rep, i)
             ref = [s0.float() for s0 in start]
             for i in range(8):
                 args = _args(dict(c, y=ref[i + 1], x=ref[i], pool=c["pool"].float()))
                 ref[i + 1] = sgmv_ref(*args).to(torch.bfloat16).float()
-            torch.cuda.synchronize()
-            for i in range(1, 9):
-                err = ((bufs[i].float() - ref[i]).abs() / (1 + ref[i].abs())).max().item()
-                assert err < 3e-2, (spec[3], rep, i, err)
+            err = ((outs[True][8].float() - ref[8]).abs() / (1 + ref[8].abs())).max().item()
+            assert err < 0.1, (spec[3], spec[6], rep, err)
