@@ -22,8 +22,8 @@ step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - 
 VLLM=()
 [ -d .peers/vllm_lora_ops ] && VLLM=(--vllm-src .peers/vllm_lora_ops)
 if [ "$MODE" = final ]; then
-  step timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_pdl.py \
-       tests/test_sgmv_split.py tests/test_sgmv.py 2>&1 | tail -8
+  step timeout 200 python3 -m pytest -q --tb=line -p no:cacheprovider -m gpu tests/test_gpu.py \
+       tests/test_pdl.py tests/test_sgmv_split.py tests/test_sgmv.py 2>&1 | tail -8
   step python3 bench/e2e_gpu_bench.py --out "$OUT" 2>&1 | tail -30
   step python3 bench/kernel_bench.py "${VLLM[@]}" --budget-s 200 --out "$OUT" 2>&1 | tail -40
 elif [ "$MODE" = check ]; then
