@@ -106,7 +106,8 @@ def test_chained_sgmv_reads_what_the_previous_call_wrote():
     engine's dependency: an expand's output feeds the next shrink). Under PDL each kernel starts
     before the last one ends and reads its tables early; it must still see finished inputs.
     The kernels are deterministic (no atomics in the sums), so a graph captured with PDL gives
-    bit for bit what one captured without gives, every replay; both are near the reference."""
+    bit for bit what one captured without gives, every replay; and each call's output is its
+    start plus the reference delta of the output before it."""
     from kernels import pdl as pdl_mod
     from kernels.sgmv import sgmv
     from kernels.sgmv_ref import sgmv_ref
@@ -146,9 +147,12 @@ def test_chained_sgmv_reads_what_the_previous_call_wrote():
             torch.cuda.synchronize()
             for i in range(1, 9):
                 assert torch.equal(outs[True][i], outs[False][i]), (spec[3], spec[6], rep, i)
-            ref = [s0.float() for s0 in start]
-            for i in range(8):
-                args = _args(dict(c, y=ref[i + 1], x=ref[i], pool=c["pool"].float()))
-                ref[i + 1] = sgmv_ref(*args).to(torch.bfloat16).float()
-            err = ((outs[True][8].float() - ref[8]).abs() / (1 + ref[8].abs())).max().item()
-            assert err < 0.1, (spec[3], spec[6], rep, err)
+            for i in range(8):      # each call against the reference from its real input
+                got = outs[True]
+                args = _args(dict(c, y=start[i + 1].float(), x=got[i].float(),
+                                  pool=c["pool"].float()))
+                ref = sgmv_ref(*args)
+                # normwise: the chain grows the values, so elementwise ratios meet
+                # cancellation; reading x before the call before had written it is off by O(1)
+                err = ((got[i + 1].float() - ref).abs().max() / ref.abs().max()).item()
+                assert err < 1e-2, (spec[3], spec[6], rep, i, err)
