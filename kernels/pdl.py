@@ -60,10 +60,18 @@ def enabled(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_args(device: torch.device) -> dict:
-    """Keyword arguments for a kernel launch: the USE_PDL constexpr and Triton's launch_pdl."""
-    on = enabled(device)
+def launch_args(device: torch.device, wanted: bool = True) -> dict:
+    """Keyword arguments for a kernel launch: the USE_PDL constexpr and Triton's launch_pdl
+    (on when `wanted` and enabled on this device)."""
+    on = wanted and enabled(device)
     return {"USE_PDL": on, "launch_pdl": on}
+
+
+# SGMV calls launch with PDL up to this many rows. On the H200 (bench/results/kernels-h200.md,
+# chained, "no PDL" column) PDL cut decode-sized calls by 20-40% at rank 16 (64 rows, 8
+# adapters: 9.8 -> 6.5 us) and cost up to 18% on prefill-sized ones (rank 64, 1024 rows, 8
+# adapters: 31.2 -> 36.8 us; rank 16, 1024 rows, 128 adapters: 32.1 -> 35.8).
+SGMV_MAX_ROWS = 256
 
 
 @triton.jit

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.pdl import launch_args, wait_then_release
 from kernels.sgmv_triton import _locate, _slice_bounds
 
@@ -387,7 +388,7 @@ def _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, tiles_bound, b
     _shrink_kernel[(grid,)](
         x, pool, a_off, ranks, seg_start, seg_slot, v, x.shape[1], x.shape[0], ranks.shape[0],
         seg_slot.shape[0], n_ks, x.stride(0), grid, BLOCK_K=block_k, STAGES=stages, **common,
-        **launch_args(x.device))
+        **launch_args(x.device, x.shape[0] <= pdl.SGMV_MAX_ROWS))
     return grid
 
 
@@ -442,7 +443,7 @@ def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_star
         KS_MAX=n_ks, N_SLICES=n_slices, SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
         RANK_BLOCK=rb, DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
         UPCAST=y.dtype == torch.bfloat16 and not y.is_cuda, num_warps=cfg.num_warps,
-        num_stages=1, **launch_args(y.device))
+        num_stages=1, **launch_args(y.device, t_rows <= pdl.SGMV_MAX_ROWS))
     return y
 
 

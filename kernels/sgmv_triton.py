@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.pdl import launch_args, wait_then_release
 
 MAX_SLICES = 4
@@ -277,5 +278,6 @@ def sgmv_triton(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: tor
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=(x.dtype == torch.bfloat16 and not x.is_cuda), STAGES=cfg.num_stages,
         NARROW_N=max(16, cfg.block_n // 4), NARROW_K=max(16, cfg.block_k // 4),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(x.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_args(x.device, t_rows <= pdl.SGMV_MAX_ROWS))
     return y

@@ -88,6 +88,7 @@ def test_enabled_only_on_capable_cuda_devices(monkeypatch):
     try:
         dev = torch.device("cuda", 0)
         assert pdl.enabled(dev) and pdl.launch_args(dev) == {"USE_PDL": True, "launch_pdl": True}
+        assert pdl.launch_args(dev, False) == {"USE_PDL": False, "launch_pdl": False}
         pdl.set_enabled(False)
         assert not pdl.enabled(dev)
         pdl.set_enabled(True)
