@@ -497,6 +497,9 @@ def write_markdown(path, header, rows):
         lines += [f"Shapes re-run on {re_['date']} (every impl, same card): "
                   + ", ".join(f"r={r} T={t} n={n}" for r, t, n in re_["shapes"])
                   + f" - {re_['why']}.", ""]
+    lines += [f"After the run: {note}" for note in header.get("notes", [])]
+    if header.get("notes"):
+        lines.append("")
     if chain > 1:
         lines += [f"## Chained: {chain} calls back to back in one graph, per call", "",
                   "As kernels run inside the engine's decode graph: each call has its own "
