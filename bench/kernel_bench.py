@@ -229,11 +229,8 @@ def impl_fn(name, p, y, vllm):
         ours = impl_fn("ours", p, y, vllm)
 
         def run():                             # the flag is read at each launch
-            pdl.set_enabled(False)
-            try:
+            with pdl.disabled():
                 ours()
-            finally:
-                pdl.set_enabled(True)
         return run
     if name == "vllm_pdl":
         plain = impl_fn("vllm", p, y, vllm)

@@ -26,6 +26,7 @@ at each launch; a captured CUDA graph keeps what it was captured with.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -40,6 +41,17 @@ def set_enabled(on: bool) -> None:
     """Turn PDL on or off for later launches (benchmarks; the default is LORAFLEET_PDL)."""
     global _ON
     _ON = bool(on)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Launches inside the block go without PDL; the setting before it comes back after."""
+    global _ON
+    was, _ON = _ON, False
+    try:
+        yield
+    finally:
+        _ON = was
 
 
 @functools.lru_cache(maxsize=None)

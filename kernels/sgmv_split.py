@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import launch_args, wait_then_release
-from kernels.sgmv_triton import _locate, _slice_bounds
+from kernels.sgmv_triton import _live_tiles, _locate, _slice_bounds
 
 SPIN_LIMIT = 1 << 22          # barrier polls before a program gives up and flags a timeout
 
@@ -64,18 +64,6 @@ def pick_split_config(t_rows: int, max_rank: int) -> SplitConfig:
     if not big_rank:
         return SplitConfig(block_n=128 if t_rows <= 16 else 256)
     return SplitConfig(block_n=128, one_launch=t_rows > 16)
-
-
-@triton.jit
-def _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs, SEG_BLOCK: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    si = tl.arange(0, SEG_BLOCK)
-    s_ok = si < n_segs
-    lo = tl.load(seg_start_ptr + si, mask=s_ok, other=0)
-    hi = tl.load(seg_start_ptr + si + 1, mask=s_ok, other=0)
-    slot = tl.load(seg_slot_ptr + si, mask=s_ok, other=-1)
-    tiles = tl.where(slot >= 0, (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M, 0)
-    return si, lo, hi, slot, tiles, tl.cumsum(tiles, axis=0)
 
 
 @triton.jit

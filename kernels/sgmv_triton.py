@@ -55,6 +55,20 @@ def _slice_bounds(j, s0, s1, s2, s3, s4, N_SLICES: tl.constexpr):
 
 
 @triton.jit
+def _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs, SEG_BLOCK: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """The segment table as row tiles: (segment index, first row, end row, slot, tiles of each
+    live segment (0 for base-only and padded ones), their running sum)."""
+    si = tl.arange(0, SEG_BLOCK)
+    s_ok = si < n_segs
+    lo = tl.load(seg_start_ptr + si, mask=s_ok, other=0)
+    hi = tl.load(seg_start_ptr + si + 1, mask=s_ok, other=0)
+    slot = tl.load(seg_slot_ptr + si, mask=s_ok, other=-1)
+    tiles = tl.where(slot >= 0, (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    return si, lo, hi, slot, tiles, tl.cumsum(tiles, axis=0)
+
+
+@triton.jit
 def _locate(tile, si, lo, hi, slot, tiles, tiles_end, BLOCK_M: tl.constexpr):
     """(slot, first row, row count) of row tile `tile`, counting tiles of live segments only."""
     pick = si == tl.sum((tiles_end <= tile).to(tl.int32))        # the segment holding the tile
@@ -127,17 +141,11 @@ def _sgmv_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, scales
                  EVEN_K: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr,
                  UPCAST: tl.constexpr, STAGES: tl.constexpr, NARROW_N: tl.constexpr,
                  NARROW_K: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_then_release(USE_PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    # Segment table -> row tiles per live segment (0 for base-only and padded segments).
-    si = tl.arange(0, SEG_BLOCK)
-    s_ok = si < n_segs
-    lo = tl.load(seg_start_ptr + si, mask=s_ok, other=0)
-    hi = tl.load(seg_start_ptr + si + 1, mask=s_ok, other=0)
-    slot = tl.load(seg_slot_ptr + si, mask=s_ok, other=-1)
-    tiles = tl.where(slot >= 0, (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M, 0)
-    tiles_end = tl.cumsum(tiles, axis=0)
+    si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
+                                                     SEG_BLOCK, BLOCK_M)
+    wait_then_release(USE_PDL)      # the step's tables before the wait (kernels.pdl), x after
     base = tl.sum(tiles) * N_SLICES
     # Column splits: enough work items to occupy the grid, at most one split per column block.
     n_split = tl.minimum(tl.maximum(nprog // tl.maximum(base, 1), 1), max_col_blocks)

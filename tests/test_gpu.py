@@ -74,11 +74,8 @@ def test_gpu_pdl_gives_the_tokens_of_plain_launches():
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("no programmatic dependent launch on this device")
     with_pdl = greedy_tokens("cuda", "bfloat16")
-    pdl.set_enabled(False)
-    try:
+    with pdl.disabled():
         plain = greedy_tokens("cuda", "bfloat16")
-    finally:
-        pdl.set_enabled(True)
     assert with_pdl == plain
 
 

@@ -1,6 +1,9 @@
-"""Programmatic dependent launch (kernels.pdl): when it is on, and that every kernel launched
-with it waits for its predecessor before anything else (compiled for sm_90 without a GPU)."""
+"""Programmatic dependent launch (kernels.pdl): when it is on; that every kernel launched with
+it waits for its predecessor (compiled for sm_90 without a GPU); and, on a GPU, that chained
+calls under PDL give bit for bit what plain launches give."""
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -51,7 +54,8 @@ def _kernel(name: str):
 # written before the step, never by the kernel just before (kernels.pdl's contract).
 EARLY_READS = {"sgmv_split._shrink_kernel", "sgmv_split._expand_kernel",
                "sgmv_split._one_launch_kernel", "fused._rms_kernel", "fused._rope_kernel",
-               "fused._rope_kv_kernel", "attention_triton._paged_attn_kernel"}
+               "fused._rope_kv_kernel", "attention_triton._paged_attn_kernel",
+               "sgmv_triton._sgmv_kernel"}
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
@@ -89,9 +93,9 @@ def test_enabled_only_on_capable_cuda_devices(monkeypatch):
         dev = torch.device("cuda", 0)
         assert pdl.enabled(dev) and pdl.launch_args(dev) == {"USE_PDL": True, "launch_pdl": True}
         assert pdl.launch_args(dev, False) == {"USE_PDL": False, "launch_pdl": False}
-        pdl.set_enabled(False)
-        assert not pdl.enabled(dev)
-        pdl.set_enabled(True)
+        with pdl.disabled():
+            assert not pdl.enabled(dev)
+        assert pdl.enabled(dev)
         pdl._capable.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
         assert not pdl.enabled(dev)                       # Ampere: no griddepcontrol
@@ -127,15 +131,12 @@ def test_chained_sgmv_reads_what_the_previous_call_wrote():
                 sgmv(*_args(dict(c, x=bufs[i], y=bufs[i + 1])))
 
         graphs = {}
-        try:
-            for on in (True, False):
-                pdl_mod.set_enabled(on)
+        for on in (True, False):
+            with contextlib.nullcontext() if on else pdl_mod.disabled():
                 chain()                                           # compile, allocate
                 graphs[on] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graphs[on]):
                     chain()
-        finally:
-            pdl_mod.set_enabled(True)
         for rep in range(10):
             for s0 in start:
                 s0.normal_()
