@@ -120,7 +120,8 @@ def apply_variant(variant: str) -> None:
     if unknown:
         raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout)")
     pdl.set_enabled(opts.get("pdl", os.environ.get("LORAFLEET_PDL", "1")) != "0")
-    os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get("layout", "kn")
+    os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get(
+        "layout", os.environ.get("LORAFLEET_WEIGHT_LAYOUT", "kn"))
 
 
 def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:
@@ -251,7 +252,8 @@ def write(out: pathlib.Path, rows: list[dict], header: dict) -> None:
 
 
 def write_plot(path: pathlib.Path, rows: list[dict], header: dict) -> bool:
-    """tokens/s against distinct adapters, per batch size: lorafleet and PEFT (log scale)."""
+    """tokens/s against distinct adapters, per batch size: each lorafleet build (the default
+    one, or each A/B variant) and PEFT (log scale)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -259,7 +261,9 @@ def write_plot(path: pathlib.Path, rows: list[dict], header: dict) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for impl, style in (("lorafleet", "-o"), ("peft", "--s")):
+    builds = [i for i in dict.fromkeys(r["impl"] for r in rows)
+              if i.startswith("lorafleet") and "no overlap" not in i]
+    for impl, style in [(b, "-o") for b in builds] + [("peft", "--s")]:
         for batch in sorted({r["batch"] for r in rows if r["impl"] == impl}):
             pts = sorted((r["distinct"], r["tokens_per_s"]) for r in rows
                          if r["impl"] == impl and r["batch"] == batch)

@@ -13,7 +13,7 @@ The contract each kernel launched with `launch_pdl=True` keeps (see `wait_then_r
   implies "every kernel before N finished", as without PDL. So when kernel N starts, kernel
   N-2 and all before it have finished; what they wrote, and what was written before the step
   (the step's tables, positions, slot map; norm weights, rope tables, adapter weights), may be
-  read before the wait. The split SGMV, norm, rope and attention kernels read those early;
+  read before the wait. The SGMV, norm, rope and attention kernels read those early;
 - right after the wait it lets its own dependents launch (`gdc_launch_dependents`). They can
   only be past their own wait once this kernel has finished, so at most two kernels of a stream
   are ever in flight.
