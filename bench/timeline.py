@@ -1,0 +1,195 @@
+"""Where the time of a CUDA graph goes, kernel by kernel: each replay is profiled (CUPTI records
+the kernels a graph launches), and every kernel is charged the time from the end of the kernel
+before it to its own end ("increment"). Under programmatic dependent launch a kernel starts
+before its predecessor ends, so its duration overstates its cost; the increments add up to the
+replay's span.
+
+    python bench/timeline.py sgmv --shapes 64:64:8,16:64:32 [--chain 8] [--configs "base;k_chunk=512"]
+    python bench/timeline.py decode --layers 4 --batch 64 --distinct 32
+
+Prints, per kernel name: calls per replay, mean duration and mean increment (µs), and their sum.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import re
+import sys
+import tempfile
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MARK = "spin_kernel"            # torch.cuda._sleep's kernel: separates the replays
+
+
+def _short(name: str) -> str:
+    name = re.sub(r"<.*", "", name)
+    name = re.sub(r"\(.*", "", name)
+    return name[:56]
+
+
+def profile_replays(replay, reps: int = 20, flush_mib: int = 512) -> list[list[tuple]]:
+    """Kernels of `reps` calls of replay(), L2 flushed before each: one list of
+    (name, start_us, end_us) per call, sorted by start."""
+    flush = torch.empty(flush_mib << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            torch.cuda._sleep(2000)
+            replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.load(open(path))["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") == "kernel")
+    groups, cur = [], None
+    for start, end, name in kernels:
+        if MARK in name:
+            cur = []
+            groups.append(cur)
+        elif cur is not None:
+            cur.append((name, start, end))
+    for g in groups:                       # the next call's flush ends each group
+        while g and "Fill" in g[-1][0]:
+            g.pop()
+    return [g for g in groups if g]
+
+
+def summarize(groups: list[list[tuple]], per: int = 1) -> list[dict]:
+    """Per kernel name: calls, duration and increment, means per replay divided by `per`."""
+    acc = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    spans = []
+    for g in groups:
+        prev_end = g[0][1]
+        for name, start, end in g:
+            a = acc[_short(name)]
+            a[0] += 1
+            a[1] += end - start
+            a[2] += max(0.0, end - prev_end)     # the gap before it counts as its cost
+            prev_end = max(prev_end, end)
+        spans.append(g[-1][2] - g[0][1])
+    n = len(groups) * per
+    rows = [dict(kernel=k, calls=c / n, dur_us=d / n, incr_us=i / n)
+            for k, (c, d, i) in acc.items()]
+    rows.sort(key=lambda r: -r["incr_us"])
+    spans.sort()
+    return rows, spans[len(spans) // 2] / per
+
+
+def print_rows(title: str, rows: list[dict], span: float) -> None:
+    print(f"--- {title}: span {span:.2f} us (median), increments sum "
+          f"{sum(r['incr_us'] for r in rows):.2f}")
+    for r in rows:
+        print(f"  {r['kernel']:<56} {r['calls']:5.2f}  dur {r['dur_us']:7.2f}  "
+              f"incr {r['incr_us']:7.2f}")
+
+
+def graph_of(fns):
+    for f in fns:
+        f()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return graph
+
+
+def sgmv_main(a) -> None:
+    from bench.kernel_bench import TOL, impl_fn, make_problem, make_weights, reference
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for shape in a.shapes.split(","):
+        rank, t, n = (int(v) for v in shape.split(":"))
+        weights = [make_weights(4096, rank, torch.bfloat16, dev, gen) for _ in range(a.chain)]
+        probs = [make_problem(w, 4096, rank, t, n, torch.bfloat16, dev, gen) for w in weights]
+        runs = [(impl, "") for impl in a.impls.split(",") if impl]
+        runs += [("ours_split", cfg) for cfg in a.configs.split(";") if a.configs]
+        ref = reference(probs[0])
+        for impl, cfg in runs:
+            os.environ["LORAFLEET_SGMV_SPLIT"] = "" if cfg == "base" else cfg
+            y = probs[0]["y0"].clone()
+            impl_fn(impl, probs[0], y, None)()
+            err = ((y.float() - ref).abs() / (1 + ref.abs())).max().item()
+            ys = [p["y0"].clone() for p in probs]
+            graph = graph_of([impl_fn(impl, p, y, None) for p, y in zip(probs, ys)])
+            rows, span = summarize(profile_replays(graph.replay, a.reps), per=a.chain)
+            ok = "ok" if err <= TOL else "WRONG"
+            print_rows(f"r{rank} T{t} n{n} {impl} {cfg} ({ok}, err {err:.1e}), per call of a "
+                       f"chain of {a.chain}", rows, span)
+            del graph
+        os.environ["LORAFLEET_SGMV_SPLIT"] = ""
+        del weights, probs
+        torch.cuda.empty_cache()
+
+
+def decode_main(a) -> None:
+    from bench.e2e_gpu_bench import (_NullTokenizer, adapter_tensors, llama7b_spec,
+                                     random_weights)
+    from services.worker.adapter_layout import build_layout
+    from services.worker.factory import EngineOptions, assemble
+    from services.worker.sequence import Sequence, Stopping
+    dev = torch.device("cuda")
+    spec = llama7b_spec(a.layers)
+    opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=4 << 30,
+                         max_batch_tokens=8192, max_running=128, pool_bytes=2 << 30,
+                         pool_slots=64, max_model_len=1024, cuda_graphs=True,
+                         graph_max_rank=a.grank)
+    built = assemble(spec, random_weights(spec, dev, torch.bfloat16), _NullTokenizer(), opts,
+                     dev, torch.bfloat16)
+    slots = [built.pool.place(f"a{i}", build_layout(adapter_tensors(spec, 16, i + 1, dev),
+                                                    {"r": 16, "lora_alpha": 32}, spec,
+                                                    torch.bfloat16)) for i in range(a.distinct)]
+    eng = built.engine
+    for i in range(a.batch):
+        slot = slots[i % len(slots)] if slots else -1
+        eng.submit(Sequence(f"r{i}", list(range(3, 131)), slot=slot,
+                            stopping=Stopping(max_new_tokens=400, ignore_eos=True)), lambda e: 0)
+    for _ in range(8):                                      # prefill, graph capture, warm steps
+        eng.step()
+    rows, span = summarize(profile_replays(eng.step, a.reps), per=a.layers)
+    print_rows(f"decode, batch {a.batch}, {a.distinct} adapters, graph rank tile {a.grank}, "
+               f"SGMV {os.environ.get('LORAFLEET_SGMV_SPLIT', '')!r}, per layer of {a.layers}",
+               rows, span)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sgmv")
+    s.add_argument("--shapes", default="16:64:8,16:64:32,64:64:8,64:256:32")
+    s.add_argument("--impls", default="ours")
+    s.add_argument("--configs", default="", help="';'-separated LORAFLEET_SGMV_SPLIT values "
+                   "run through sgmv_split ('base': none), e.g. 'base;k_chunk=512;progs_per_sm=2'")
+    s.add_argument("--chain", type=int, default=8)
+    s.add_argument("--reps", type=int, default=20)
+    d = sub.add_parser("decode")
+    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--batch", type=int, default=64)
+    d.add_argument("--distinct", type=int, default=32)
+    d.add_argument("--reps", type=int, default=10)
+    d.add_argument("--grank", type=int, default=16, help="the graphs' LoRA rank tile")
+    a = p.parse_args()
+    with torch.inference_mode():
+        (sgmv_main if a.cmd == "sgmv" else decode_main)(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
