@@ -110,29 +110,42 @@ def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, s
             "steps": len(steps)}
 
 
-def apply_variant(variant: str) -> None:
+ENV0 = {k: os.environ.get(k) for k in ("LORAFLEET_WEIGHT_LAYOUT", "LORAFLEET_SGMV_SPLIT")}
+
+
+def apply_variant(variant: str) -> int:
     """A build variant, "pdl=0,layout=nk" style: PDL on or off (kernels.pdl), the decode GEMMs'
-    weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built). Empty: the
-    defaults."""
+    weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built), the rank tile the
+    graphs are captured for (grank, default 16), and fields of the split SGMV's config
+    (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2: LORAFLEET_SGMV_SPLIT). Empty: the
+    defaults. Returns the graphs' rank tile."""
+    import dataclasses
     from kernels import pdl
+    from kernels.sgmv_split import SplitConfig
     opts = dict(kv.split("=") for kv in variant.split(",") if kv)
-    unknown = set(opts) - {"pdl", "layout"}
+    split_fields = {f.name for f in dataclasses.fields(SplitConfig)}
+    unknown = set(opts) - {"pdl", "layout", "grank"} - split_fields
     if unknown:
-        raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout)")
+        raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, "
+                         f"{', '.join(sorted(split_fields))})")
     pdl.set_enabled(opts.get("pdl", os.environ.get("LORAFLEET_PDL", "1")) != "0")
     os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get(
-        "layout", os.environ.get("LORAFLEET_WEIGHT_LAYOUT", "kn"))
+        "layout", ENV0["LORAFLEET_WEIGHT_LAYOUT"] or "kn")
+    split = [f"{k}={v}" for k, v in opts.items() if k in split_fields]
+    os.environ["LORAFLEET_SGMV_SPLIT"] = ",".join(
+        filter(None, [ENV0["LORAFLEET_SGMV_SPLIT"] or "", *split]))
+    return int(opts.get("grank", 16))
 
 
 def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:
-    apply_variant(variant)
+    grank = apply_variant(variant)
     spec = llama7b_spec(args.layers)
     weights = random_weights(spec, device, torch.bfloat16)
     wbytes = weight_bytes(weights)
     opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=args.kv_gib << 30,
                          block_size=16, max_batch_tokens=8192, max_running=128,
                          pool_bytes=args.pool_gib << 30, pool_slots=160, max_model_len=1024,
-                         graph_max_rank=16)
+                         graph_max_rank=grank)
     built = assemble(spec, weights, _NullTokenizer(), opts, device, torch.bfloat16)
     n_adapters = max(args.distinct)
     slots = [built.pool.place(f"a{i}", build_layout(adapter_tensors(spec, 16, i + 1, device),

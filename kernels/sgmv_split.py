@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,21 +50,50 @@ class SplitConfig:
     num_warps: int = 4
     stages: int = 3           # software pipelining of the shrink's K loop
     one_launch: bool = False  # both phases in one launch with a grid barrier (GPU only)
+    progs_per_sm: int = 4     # two-launch grids: programs per SM
+    block_k: int = 0          # the shrink's K step (0: 128 at rank <= 32, else 64)
+
+
+def _overrides() -> dict:
+    """LORAFLEET_SGMV_SPLIT="k_chunk=512,progs_per_sm=2": fields of SplitConfig set over
+    what pick_split_config chooses (for A/B runs; read at each pick, parsed once)."""
+    return _parse_overrides(os.environ.get("LORAFLEET_SGMV_SPLIT", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_overrides(text: str) -> dict:
+    fields = {f.name: f.type for f in dataclasses.fields(SplitConfig)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, val = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"LORAFLEET_SGMV_SPLIT: unknown field {key!r} ({sorted(fields)})")
+        out[key] = val not in ("0", "false", "") if fields[key] in (bool, "bool") else int(val)
+    return out
 
 
 def pick_split_config(t_rows: int, max_rank: int) -> SplitConfig:
+    """The config for T rows and this rank tile (_pick), with LORAFLEET_SGMV_SPLIT over it."""
+    cfg = _pick(t_rows, max_rank)
+    over = _overrides()
+    return dataclasses.replace(cfg, **over) if over else cfg
+
+
+def _pick(t_rows: int, max_rank: int) -> SplitConfig:
     """From the H200 sweep (bench/results/sgmv-sweep-h200.json, chained calls). Up to 256 rows:
     16-row tiles and 256-wide K chunks; rank <= 32 takes 256-column expand steps above 16 rows,
-    128 at or below; rank 64+ takes 128, and above 16 rows the one-launch form (10-12% faster
-    than two launches at 32 adapters, 9% slower with one). Above 256 rows: 64-row tiles, 512-wide
-    K chunks, two launches (at 1024 rows and one adapter 19.4 us against the fused kernel's 24.0
-    at rank 16, 27.7 against 33.8 at rank 64)."""
+    128 at or below; rank 64+ takes 128. Always two launches: with programmatic dependent launch
+    the one-launch form lost at every decode shape it used to win (rank 64, 8 chained calls: 64
+    rows x 8 adapters 17.5 us against 13.6, 256 x 32 30.3 against 29.6; `bench/timeline.py`
+    run of the fifth session). Above 256 rows: 64-row tiles, 512-wide K chunks (at 1024 rows
+    and one adapter 19.4 us against the fused kernel's 24.0 at rank 16, 27.7 against 33.8 at
+    rank 64)."""
     big_rank = max_rank > 32
     if t_rows > 256:                 # prefill-sized: 64-row tiles, K in 512-wide chunks
         return SplitConfig(block_m=64, block_n=128 if big_rank else 256, k_chunk=512)
     if not big_rank:
         return SplitConfig(block_n=128 if t_rows <= 16 else 256)
-    return SplitConfig(block_n=128, one_launch=t_rows > 16)
+    return SplitConfig(block_n=128)
 
 
 @triton.jit
@@ -78,7 +108,9 @@ def _k_split(tiles, n_ks, budget, N_SLICES: tl.constexpr):
 def _shrink_chunk(x_ptr, pool_ptr, a_o, rank, rows, row_ok, k_lo, k_hi, K, stride_x,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
-    """x[rows, k_lo:k_hi] @ A[:, k_lo:k_hi].T in fp32 [BLOCK_M, RANK_BLOCK]; K loop pipelined."""
+    """x[rows, k_lo:k_hi] @ A[:, k_lo:k_hi].T in fp32 [BLOCK_M, RANK_BLOCK]; K loop pipelined.
+    (Loading A's first blocks before the PDL wait was measured slower: 13.0 -> 13.4-17.6 us at
+    rank 16, 64 rows, 32 adapters, chained.)"""
     rk = tl.arange(0, BLOCK_K)
     rr = tl.arange(0, RANK_BLOCK)
     acc = tl.zeros((BLOCK_M, RANK_BLOCK), dtype=tl.float32)
@@ -360,22 +392,27 @@ def _resident_per_sm(compiled, num_warps: int) -> int:
     return max(1, min(4, by_regs, by_smem, 64 // num_warps))
 
 
-def _progs(device: torch.device) -> int:
-    """Programs of a two-launch call's grid: 4 per SM (4 under TRITON_INTERPRET=1)."""
+def _block_k(cfg: SplitConfig, rank_block: int) -> int:
+    return min(cfg.k_chunk, cfg.block_k or (128 if rank_block <= 32 else 64))
+
+
+def _progs(device: torch.device, per_sm: int = 4) -> int:
+    """Programs of a two-launch call's grid: per_sm per SM (4 under TRITON_INTERPRET=1)."""
     if device.type != "cuda":
         return 4
-    return 4 * _sms(device.index if device.index is not None else torch.cuda.current_device())
+    return per_sm * _sms(device.index if device.index is not None else
+                         torch.cuda.current_device())
 
 
-def _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, tiles_bound, block_k, stages,
-                   common) -> int:
+def _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, tiles_bound, block_k,
+                   cfg: SplitConfig, common) -> int:
     """The shrink phase alone: v[ks, slice, rows] partials. Returns its grid size, which the
     reader of v passes as `budget` so that it sums the same number of K chunks."""
     n_ks, n_slices = v.shape[0], v.shape[1]
-    grid = max(1, min(_progs(x.device), tiles_bound * n_slices * n_ks))
+    grid = max(1, min(_progs(x.device, cfg.progs_per_sm), tiles_bound * n_slices * n_ks))
     _shrink_kernel[(grid,)](
         x, pool, a_off, ranks, seg_start, seg_slot, v, x.shape[1], x.shape[0], ranks.shape[0],
-        seg_slot.shape[0], n_ks, x.stride(0), grid, BLOCK_K=block_k, STAGES=stages, **common,
+        seg_slot.shape[0], n_ks, x.stride(0), grid, BLOCK_K=block_k, STAGES=cfg.stages, **common,
         **launch_args(x.device, x.shape[0] <= pdl.SGMV_MAX_ROWS))
     return grid
 
@@ -406,7 +443,7 @@ def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: 
                   num_warps=cfg.num_warps, num_stages=1)
     grid = _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v,
                           triton.cdiv(t_rows, cfg.block_m) + n_segs,
-                          min(cfg.k_chunk, 128 if rb <= 32 else 64), cfg.stages, common)
+                          _block_k(cfg, rb), cfg, common)
     return Shrunk(v, grid, cfg.block_m, seg_block)
 
 
@@ -425,7 +462,9 @@ def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_star
     max_col_blocks = triton.cdiv(max(widths), cfg.block_n)
     tiles_bound = triton.cdiv(t_rows, shrunk.block_m) + n_segs
     s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
-    _expand_kernel[(max(1, min(_progs(y.device), tiles_bound * n_slices * max_col_blocks)),)](
+    grid = max(1, min(_progs(y.device, cfg.progs_per_sm),
+                      tiles_bound * n_slices * max_col_blocks))
+    _expand_kernel[(grid,)](
         y, pool, b_off, ranks, scales, seg_start, seg_slot, v, t_rows, ranks.shape[0], n_segs,
         n_ks, max_col_blocks, y.stride(0), shrunk.budget, *s, BLOCK_N=cfg.block_n,
         KS_MAX=n_ks, N_SLICES=n_slices, SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
@@ -461,7 +500,7 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     k_chunk, block_n, on_gpu = cfg.k_chunk, cfg.block_n, x.is_cuda
     rb = max(16, triton.next_power_of_2(max_rank))
     block_m = cfg.block_m
-    block_k = min(k_chunk, 128 if rb <= 32 else 64)
+    block_k = _block_k(cfg, rb)
     n_ks = triton.cdiv(k, k_chunk)
     v = torch.empty((n_ks, n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
     widths = [slice_starts[i + 1] - slice_starts[i] for i in range(n_slices)]

@@ -15,7 +15,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def case(T, K, slices, ranks_list, seg_sizes, dtype, one_launch=False):
+def case(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
     from kernels.sgmv_ref import sgmv_ref
     from kernels.sgmv_split import SplitConfig, sgmv_split
     torch.manual_seed(T * 1000 + K)
@@ -43,11 +43,13 @@ def case(T, K, slices, ranks_list, seg_sizes, dtype, one_launch=False):
     scales = torch.rand(n_slots) + 0.5
     args = (a_off, b_off, ranks, scales, slices, seg_start, seg_slot, max(ranks_list))
     ref = sgmv_ref(y.clone().float(), x.float(), pool.float(), *args)
-    cfg = SplitConfig(block_m=16, block_n=32, k_chunk=64, one_launch=one_launch)
+    cfg = SplitConfig(block_m=16, block_n=32, k_chunk=64, **knobs)
     out = sgmv_split(y.clone(), x, pool, *args, config=cfg)
     return (out.float() - ref).abs().max().item()
 
 
+# the launch forms, and a K step other than the one derived from the rank
+VARIANTS = [{}, {"one_launch": True}, {"block_k": 32}, {"one_launch": True, "block_k": 32}]
 CASES = [
     (10, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (4, -1), (2, 3)], 1e-3),
     (37, 128, (0, 64), [4, 64], [(20, 1), (17, 0)], 1e-3),
@@ -62,16 +64,16 @@ def test_split_kernel_matches_reference_interpreted():
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == 2 * len(CASES) + 1
+    assert proc.stdout.count("ok") == len(VARIANTS) * len(CASES) + 1
 
 
 if __name__ == "__main__":
     for T, K, slices, ranks, segs, tol in CASES:
-        for one_launch in (False, True):
-            err = case(T, K, slices, ranks, segs, torch.float32, one_launch)
-            assert err < tol, (T, K, one_launch, err)
-            print("ok", T, K, "one launch" if one_launch else "two launches", err)
+        for knobs in VARIANTS:
+            err = case(T, K, slices, ranks, segs, torch.float32, **knobs)
+            assert err < tol, (T, K, knobs, err)
+            print("ok", T, K, knobs, err)
     err = case(12, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (6, 3), (2, 1)],
-               torch.bfloat16)
+               torch.bfloat16, block_k=32)
     assert err < 0.05, err
     print("ok bf16", err)
