@@ -110,7 +110,7 @@ class CpuGraph:
     """Stands in for a captured decode graph on the CPU: replay() writes the logits of the rows
     in the GraphRunner's static buffers into its static output (with the model, or with the stub
     rule), and adds its time to `forward`. key: the runner's graph key, a batch size or
-    (batch size, LoRA group mask)."""
+    (batch size, LoRA group mask, rank tile)."""
 
     def __init__(self, runner: GraphRunner, key, clock: Clock, stub: bool):
         self.runner, self.key, self.clock, self.stub = runner, key, clock, stub
@@ -172,6 +172,7 @@ def build(model_dir: pathlib.Path, batch: int, prompt_len: int, new: int, clock:
         built.engine.runner = gr
         return built, gr, slots
     gr.rank = 64                       # what capture() would set: graphs serve ranks <= 64
+    gr.start_tiles = (16, 64)
     gr.captured = set(gr.sizes)        # (where the runner tracks captured sizes)
     vocab = built.spec.vocab_size
     gr.outputs = StandIns(lambda key: torch.zeros(batch, vocab, dtype=torch.float32))

@@ -20,7 +20,7 @@ from tests.test_engine_parity import _engine
 
 class _StandIn:
     """A captured graph's stand-in: replay() runs the model on the runner's static buffers into
-    its static output. key: the runner's graph key (batch size, or (batch size, LoRA mask))."""
+    its static output. key: the runner's graph key (batch size, LoRA mask, rank tile)."""
 
     def __init__(self, runner: GraphRunner, key):
         self.runner, self.key = runner, key
@@ -36,6 +36,7 @@ def _graph_runner(built, sizes=(1, 2, 4, 8)) -> GraphRunner:
     """The engine's runner wrapped in a GraphRunner whose graphs are CPU stand-ins."""
     g = GraphRunner(built.engine.runner, sizes=sizes)
     g.rank = 64
+    g.start_tiles = (16, 64)
     g.captured = set(g.sizes)
     vocab = built.spec.vocab_size
     g.outputs = StandIns(lambda key: torch.zeros(key[0] if isinstance(key, tuple) else key,
@@ -253,36 +254,48 @@ def test_overlap_cancel_and_time_limit_mid_flight(hf_ckpt):
     assert not built.engine.scheduler.running and built.engine._pending is None
 
 
+def _start_graphs(g: GraphRunner) -> dict:
+    """Stand-ins for what capture() makes at start: all groups at tiles 16 and 64, and none."""
+    from services.worker.model_spec import ALL_GROUPS
+    keys = [(b, m, t) for b in g.sizes for m, t in ((ALL_GROUPS, 16), (ALL_GROUPS, 64), (0, 0))]
+    return {k: _StandIn(g, k) for k in keys}
+
+
 def test_lazy_capture_is_bounded_and_falls_back_to_the_all_groups_graph(hf_ckpt):
-    """A LoRA mask without a graph is captured on first use, up to MAX_LAZY masks; past that,
-    or after a failed capture (never retried), the step replays the all-groups graph, and every
-    request still gets the eager path's output."""
+    """A (LoRA mask, rank tile) pair without a graph is captured on first use, up to MAX_LAZY
+    pairs; past that, or after a failed capture (never retried), the step replays the
+    all-groups graph of the smallest start tile that holds its rank, and every request still
+    gets the eager path's output."""
     from services.worker.model_spec import ALL_GROUPS, GROUP_BIT as bit
     root, _, _ = hf_ckpt
     built, slots = _engine(root)
     g = _graph_runner(built)
-    g.graphs = {(b, m): _StandIn(g, (b, m)) for b in g.sizes for m in (ALL_GROUPS, 0)}
+    g.graphs = _start_graphs(g)
     calls = []
 
-    def capture_one(b, mask):
-        calls.append((b, mask))
+    def capture_one(b, mask, tile):
+        calls.append((b, mask, tile))
         if mask == bit["qkv"]:
             raise RuntimeError("CUDA out of memory (simulated)")
-        g.graphs[(b, mask)] = _StandIn(g, (b, mask))
+        g.graphs[(b, mask, tile)] = _StandIn(g, (b, mask, tile))
     g._capture_one = capture_one
-    assert g._capture_lazily(4, bit["qkv"]) == ALL_GROUPS
-    assert g._capture_lazily(4, bit["qkv"]) == ALL_GROUPS and calls == [(4, bit["qkv"])]
-    masks = [bit["qkv"] | bit["o"], bit["o"], bit["gate_up"], bit["down"], bit["o"] | bit["down"]]
-    assert [g._capture_lazily(4, m) for m in masks] == masks[:4] + [ALL_GROUPS]
-    assert g._capture_lazily(8, bit["o"]) == bit["o"]      # a known mask, another batch size
+    assert g._capture_lazily(4, bit["qkv"], 16) == (4, ALL_GROUPS, 16)
+    assert g._capture_lazily(4, bit["qkv"], 32) == (4, ALL_GROUPS, 64)
+    assert g._capture_lazily(4, bit["qkv"], 16) == (4, ALL_GROUPS, 16)      # not retried
+    assert calls == [(4, bit["qkv"], 16), (4, bit["qkv"], 32)]
+    pairs = [(bit["qkv"] | bit["o"], 16), (bit["o"], 16), (bit["o"], 64), (bit["down"], 32),
+             (bit["o"] | bit["down"], 16)]
+    assert [g._capture_lazily(4, m, t) for m, t in pairs] == [
+        (4, m, t) for m, t in pairs[:4]] + [(4, ALL_GROUPS, 16)]
+    assert g._capture_lazily(8, bit["o"], 64) == (8, bit["o"], 64)   # a known pair, another b
 
-    def failing(b, mask):
+    def failing(b, mask, tile):
         raise RuntimeError("CUDA out of memory (simulated)")
     eager_built, eager_slots = _engine(root)
     eager = _serve(eager_built, eager_slots)
     built, slots = _engine(root)
     g = _graph_runner(built)
-    g.graphs = {(b, m): _StandIn(g, (b, m)) for b in g.sizes for m in (ALL_GROUPS, 0)}
+    g.graphs = _start_graphs(g)
     g._capture_one = failing
     assert _serve(built, slots, g) == eager
     assert g._failed and g.replays > 10
@@ -315,3 +328,49 @@ def test_graph_sizes_reach_the_row_limit(hf_ckpt):
                                (300, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128])):
         built, _ = _engine(root, max_running=max_running)
         assert GraphRunner(built.engine.runner).sizes == sizes, max_running
+
+
+@pytest.mark.parametrize("adapter,tile", [("r1-attn", 16), ("r8-rslora", 16), ("r64-all", 64),
+                                          (None, 0)])
+def test_a_step_replays_the_graph_of_its_own_adapters_rank_tile(hf_ckpt, adapter, tile):
+    """The rank tile of the replayed graph follows the largest rank among the step's adapters,
+    not the pool's (a rank-64 adapter is resident in every case here); with graphs only up to
+    rank 16, a step with the rank-64 adapter runs eagerly and gives the same tokens."""
+    root, _, _ = hf_ckpt
+    outputs = {}
+    for max_tile in (64, 16):
+        built, slots = _engine(root)
+        g = _graph_runner(built)
+        g.rank, g.start_tiles = max_tile, tuple(sorted({16, max_tile}))
+        replayed = []
+        graphs = g.graphs
+
+        class Spy(dict):
+            def __contains__(self, key):
+                return True
+
+            def __missing__(self, key):
+                graph = graphs[key]
+                replay = graph.replay
+                self[key] = graph
+                graph.replay = lambda: (replayed.append(key), replay())[1]
+                return graph
+        g.graphs = Spy()
+        built.engine.runner = g
+        out = {}
+        for i in range(3):
+            rid = f"q{i}"
+            out[rid] = []
+            built.engine.submit(
+                Sequence(rid, list(range(3, 9 + i)), slot=slots[adapter] if adapter else -1,
+                         stopping=Stopping(max_new_tokens=5, ignore_eos=True)),
+                lambda ev, rid=rid: out[rid].extend(ev.token_ids))
+        for _ in range(40):
+            built.engine.step()
+        assert all(len(t) == 5 for t in out.values()), out
+        outputs[max_tile] = out
+        if tile > max_tile:
+            assert replayed == []                        # too big for these graphs: eager
+        else:
+            assert replayed and {key[2] for key in replayed} == {tile}, replayed
+    assert outputs[16] == outputs[64]

@@ -33,7 +33,7 @@ class EngineOptions:
     pool_slots: int = 64
     max_model_len: int = 0              # 0 = the model's max_position_embeddings
     cuda_graphs: bool = True            # capture decode steps on CUDA
-    graph_max_rank: int = 64            # LoRA rank tile baked into the graphs
+    graph_max_rank: int = 64            # largest LoRA rank the graphs serve (tiles 16 .. this)
     overlap: bool = True                # launch decode step N+1 before post-processing N
 
 

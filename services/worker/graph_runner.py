@@ -11,9 +11,17 @@ A graph holds LoRA launches only for the projection groups that the step's adapt
 q/k/v/o adapters one without the MLP's. The graphs for every group and for none are captured at
 start; another combination is captured the first time a step needs it, for up to MAX_LAZY of
 them. Past that, or when a capture fails, the step replays the all-groups graph (correct for
-any mask: a group no adapter in the step targets has no offsets, so adds nothing). The rank
-tile baked into the graphs travels in StepContext.lora_rank: capture never touches the pool's
-tables, which the adapter manager updates from its own thread.
+any mask: a group no adapter in the step targets has no offsets, so adds nothing).
+
+A graph also bakes in the SGMV rank tile (StepContext.lora_rank: the kernels' RANK_BLOCK and
+launch shape), so graphs are keyed by (batch, mask, tile) and a step replays the one for the
+largest rank among its own adapters, not the pool's: rank-16 adapters run rank-16 kernels even
+while a rank-64 adapter is resident (on the H200, batch 64 with 32 rank-16 adapters spends 38
+us a layer in LoRA with the 16 tile against 83 with the 64 one). Tiles 16 and the largest
+(capture's max_rank) are captured at start with all groups; other (mask, tile) pairs lazily, as
+above, and the fallback is the all-groups graph of the smallest start tile that holds the
+step's rank. A step with an adapter above max_rank runs eagerly. Capture never touches the
+pool's tables, which the adapter manager updates from its own thread.
 
 Overlap. `launch` starts a decode step and returns at once (the sampled tokens come back through
 a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
@@ -38,6 +46,13 @@ from services.worker.scheduler import Scheduled
 from services.worker.step_inputs import sampling_batch
 
 log = logging.getLogger(__name__)
+
+
+def rank_tile(rank: int) -> int:
+    """The SGMV rank tile (the kernels' RANK_BLOCK) that serves adapters up to this rank."""
+    return max(16, 1 << max(0, int(rank) - 1).bit_length())
+
+
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -66,7 +81,7 @@ class PendingStep:
 
 
 class GraphRunner:
-    MAX_LAZY = 4      # LoRA masks (besides all and none) that get graphs of their own
+    MAX_LAZY = 4      # (LoRA mask, rank tile) pairs besides the start ones with graphs of their own
     def __init__(self, runner: ModelRunner, sizes=DEFAULT_SIZES):
         self.runner = runner
         self.model = runner.model
@@ -93,57 +108,70 @@ class GraphRunner:
         self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = self._split32(
             self.dev32, top, mb)
         self.rows = torch.arange(top, dtype=torch.int64, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}   # (batch, lora mask)
+        # (batch, LoRA mask, rank tile; 0 without LoRA) -> graph
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None                                                 # graphs share one
         self.captured: set[int] = set()          # batch sizes captured at start
-        self._failed: set[tuple[int, int]] = set()   # (batch, mask) whose capture failed
+        self._failed: set[tuple[int, int, int]] = set()   # keys whose capture failed
         self.replays = 0
-        self.rank = 0
+        self.rank = 0                            # the largest rank tile (capture's max_rank)
+        self.start_tiles: tuple[int, ...] = ()   # tiles captured at start for all groups
         self.timings: list | None = None     # set to a list to record (batch, start, end) events
 
-    def _ctx(self, b: int, mask: int) -> StepContext:
+    def _ctx(self, b: int, mask: int, tile: int = 0) -> StepContext:
         return StepContext(positions=self.pos[:b], slot_mapping=self.slots[:b],
                            block_tables=self.tables[:b], q_seq=self.q_seq[:b],
                            q_pos=self.q_pos[:b], sample_rows=self.rows[:b],
                            seg_start=self.seg_start[:b + 1], seg_slot=self.seg_slot[:b],
                            max_context=self.max_blocks * self.block_size, has_lora=mask != 0,
-                           lora_mask=mask, lora_rank=self.rank)
+                           lora_mask=mask, lora_rank=tile or self.rank)
 
     def capture(self, max_rank: int = 64) -> None:
-        """Capture one graph per batch size, largest first, for all LoRA groups and for none,
-        sharing one memory pool.
+        """Capture one graph per batch size, largest first, for all LoRA groups (one per start
+        rank tile: 16 and max_rank's) and for none, sharing one memory pool.
 
-        The SGMV kernel's rank tile is baked into a graph: graphs serve adapters of rank up to
-        max_rank; a step with a larger adapter resident runs eagerly.
+        The SGMV kernel's rank tile is baked into a graph: graphs serve steps whose adapters have
+        ranks up to max_rank; a step with a larger adapter runs eagerly.
         """
         start = time.monotonic()
         self.rank = max_rank
-        masks = (ALL_GROUPS, 0) if self.model.lora is not None else (0,)
-        for mask in masks:
+        self.start_tiles = tuple(sorted({rank_tile(min(16, max_rank)), rank_tile(max_rank)}))
+        keys = [(ALL_GROUPS, t) for t in reversed(self.start_tiles)] \
+            if self.model.lora is not None else []
+        for mask, tile in keys + [(0, 0)]:
             for b in reversed(self.sizes):
-                self._capture_one(b, mask)
+                self._capture_one(b, mask, tile)
         self.captured = set(self.sizes)
         from kernels.sgmv_split import barrier_timeouts
         if barrier_timeouts(self.model.device):
             log.error("an SGMV grid barrier timed out while capturing: LoRA output is wrong")
-        log.info("captured %d decode graphs (batch %s, rank <= %d) in %.1fs", len(self.graphs),
-                 ",".join(map(str, self.sizes)), max_rank, time.monotonic() - start)
+        log.info("captured %d decode graphs (batch %s, rank tiles %s) in %.1fs",
+                 len(self.graphs), ",".join(map(str, self.sizes)),
+                 ",".join(map(str, self.start_tiles)) or "-", time.monotonic() - start)
 
-    def _capture_one(self, b: int, mask: int) -> None:
-        """Capture the decode graph for batch size b and LoRA group mask (inputs: whatever the
-        static buffers hold; the warm-up passes rewrite the same KV slots with the same values)."""
+    def _capture_one(self, b: int, mask: int, tile: int = 0) -> None:
+        """Capture the decode graph for batch size b, LoRA group mask and rank tile (inputs:
+        whatever the static buffers hold; the warm-up passes rewrite the same KV slots with the
+        same values)."""
         kv = self.runner.kv_cache
-        ctx = self._ctx(b, mask)               # its rank tile is the graphs' (self.rank)
+        ctx = self._ctx(b, mask, tile)
         for _ in range(2):                                     # warm up (Triton compiles etc.)
             self.model.forward(self.ids[:b], ctx, kv)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[(b, mask)] = self.model.forward(self.ids[:b], ctx, kv)
+            self.outputs[(b, mask, tile)] = self.model.forward(self.ids[:b], ctx, kv)
         self.pool = graph.pool()
-        self.graphs[(b, mask)] = graph
+        self.graphs[(b, mask, tile)] = graph
         torch.cuda.synchronize()
+
+    def _step_tile(self, slots: np.ndarray) -> int:
+        """The rank tile for a step's adapter slots (-1 = base only): that of its largest rank."""
+        live = slots[slots >= 0]
+        if not len(live):
+            return 0
+        return rank_tile(int(self.model.lora.ranks_host[live].max()))
 
     def _bucket(self, n: int) -> int | None:
         for b in self.sizes:
@@ -171,11 +199,14 @@ class GraphRunner:
         decode = all(x.num_tokens == 1 for x in batch) and (
             prev is not None or all(x.samples for x in batch))
         penalized = any(x.seq.sampling.repetition_penalty not in (0.0, 1.0) for x in batch)
-        too_big = self.model.lora is not None and self.model.lora.max_rank > self.rank
-        if b is None or not decode or penalized or too_big or b not in self.captured:
+        if b is None or not decode or penalized or b not in self.captured:
+            return None
+        slots = np.fromiter((x.seq.slot for x in batch), np.int64, len(batch))
+        mask = self.model.lora_mask(slots)
+        tile = self._step_tile(slots) if mask else 0
+        if tile > rank_tile(self.rank):              # an adapter above the graphs' ranks
             return None
         batch = sorted(batch, key=lambda x: (x.seq.slot < 0, x.seq.slot, x.seq.arrival))
-        mask = self.model.lora_mask(x.seq.slot for x in batch)
         src = None
         if prev is not None:
             where = {id(x.seq): i for i, x in enumerate(prev.batch)}
@@ -184,18 +215,19 @@ class GraphRunner:
         if src is not None:
             n = len(batch)
             torch.index_select(prev.tokens, 0, self.dev64[3, :n], out=self.ids[:n])
-        if (b, mask) not in self.graphs:
-            mask = self._capture_lazily(b, mask)
+        key = (b, mask, tile)
+        if key not in self.graphs:
+            key = self._capture_lazily(b, mask, tile)
         if self.timings is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self.graphs[(b, mask)].replay()
+            self.graphs[key].replay()
             end.record()
             self.timings.append((b, start, end))
         else:
-            self.graphs[(b, mask)].replay()
+            self.graphs[key].replay()
         self.replays += 1
-        logits = self.outputs[(b, mask)][:len(batch)]
+        logits = self.outputs[key][:len(batch)]
         tokens = sample(logits, sampling_batch(batch, self.model.device,
                                                ahead=0 if prev is None else 1))
         host = self._filled.tokens[:len(batch)]
@@ -206,22 +238,27 @@ class GraphRunner:
             done.record()
         return PendingStep(batch, tokens, host, done)
 
-    def _capture_lazily(self, b: int, mask: int) -> int:
-        """Capture the graph for (b, mask) on first use and return mask; or return ALL_GROUPS
-        (whose graph serves any mask: untargeted groups have no offsets) once MAX_LAZY masks
-        have graphs, or when the capture fails (it is not tried again)."""
-        lazy = {m for _, m in self.graphs} - {ALL_GROUPS, 0}
-        if (b, mask) in self._failed or (mask not in lazy and len(lazy) >= self.MAX_LAZY):
-            return ALL_GROUPS
-        log.info("capturing the decode graph for batch %d, LoRA groups %s", b, bin(mask))
+    def _capture_lazily(self, b: int, mask: int, tile: int) -> tuple[int, int, int]:
+        """Capture the graph for (b, mask, tile) on first use and return its key; or return the
+        key of the all-groups graph of the smallest start tile >= tile (it serves any mask:
+        untargeted groups have no offsets) once MAX_LAZY (mask, tile) pairs have graphs, or when
+        the capture fails (it is not tried again)."""
+        start = {(ALL_GROUPS, t) for t in self.start_tiles} | {(0, 0)}
+        lazy = {(m, t) for _, m, t in self.graphs} - start
+        fallback = (b, ALL_GROUPS, min(t for t in self.start_tiles if t >= tile))
+        key = (b, mask, tile)
+        if key in self._failed or ((mask, tile) not in lazy and len(lazy) >= self.MAX_LAZY):
+            return fallback
+        log.info("capturing the decode graph for batch %d, LoRA groups %s, rank tile %d", b,
+                 bin(mask), tile)
         try:
-            self._capture_one(b, mask)
-            return mask
+            self._capture_one(*key)
+            return key
         except Exception:  # noqa: BLE001 - out of memory etc.: serve from the all-groups graph
-            log.exception("capturing the graph for batch %d, LoRA groups %s failed; using "
-                          "the all-groups graph", b, bin(mask))
-            self._failed.add((b, mask))
-            return ALL_GROUPS
+            log.exception("capturing the graph for batch %d, LoRA groups %s, rank tile %d "
+                          "failed; using the all-groups graph", b, bin(mask), tile)
+            self._failed.add(key)
+            return fallback
 
     @staticmethod
     def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int]]:
