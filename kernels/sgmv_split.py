@@ -17,7 +17,9 @@ program of the grid is resident at once: the first launch of each compiled varia
 program per SM, later launches as many as its registers and shared memory allow (at most 4).
 A stream must not run two such launches concurrently (each device has one barrier word). On the
 H200 the barrier saves a launch but runs fewer programs; it wins only at rank 64 with many
-adapters. Under TRITON_INTERPRET=1, where programs run one after another, it runs as one program.
+adapters, and only where the two launches go without programmatic dependent launch (before
+Hopper, or LORAFLEET_PDL=0): with it they win everywhere. Under TRITON_INTERPRET=1, where
+programs run one after another, it runs as one program.
 
 Shapes: as sgmv_ref. Scratch: v [KS, n_slices, T, RANK_BLOCK] fp32, KS = cdiv(K, k_chunk); the
 kernels use only as many K chunks (<= KS) as fill the grid once: few live tiles (one adapter,
@@ -72,28 +74,30 @@ def _parse_overrides(text: str) -> dict:
     return out
 
 
-def pick_split_config(t_rows: int, max_rank: int) -> SplitConfig:
-    """The config for T rows and this rank tile (_pick), with LORAFLEET_SGMV_SPLIT over it."""
-    cfg = _pick(t_rows, max_rank)
+def pick_split_config(t_rows: int, max_rank: int, pdl_on: bool = True) -> SplitConfig:
+    """The config for T rows and this rank tile (_pick), with LORAFLEET_SGMV_SPLIT over it.
+    pdl_on: whether the two-launch form would launch with programmatic dependent launch."""
+    cfg = _pick(t_rows, max_rank, pdl_on)
     over = _overrides()
     return dataclasses.replace(cfg, **over) if over else cfg
 
 
-def _pick(t_rows: int, max_rank: int) -> SplitConfig:
+def _pick(t_rows: int, max_rank: int, pdl_on: bool) -> SplitConfig:
     """From the H200 sweep (bench/results/sgmv-sweep-h200.json, chained calls). Up to 256 rows:
     16-row tiles and 256-wide K chunks; rank <= 32 takes 256-column expand steps above 16 rows,
-    128 at or below; rank 64+ takes 128. Always two launches: with programmatic dependent launch
-    the one-launch form lost at every decode shape it used to win (rank 64, 8 chained calls: 64
-    rows x 8 adapters 17.5 us against 13.6, 256 x 32 30.3 against 29.6; `bench/timeline.py`
-    run of the fifth session). Above 256 rows: 64-row tiles, 512-wide K chunks (at 1024 rows
-    and one adapter 19.4 us against the fused kernel's 24.0 at rank 16, 27.7 against 33.8 at
-    rank 64)."""
+    128 at or below; rank 64+ takes 128, and above 16 rows the one-launch form only where the
+    two launches would go without programmatic dependent launch (there it is 10-12% faster at
+    32 adapters, 9% slower with one). With PDL the two launches win at every decode shape (rank
+    64, 8 chained calls: 64 rows x 8 adapters 13.6 us against 17.5, 256 x 32 29.6 against 30.3;
+    bench/results/ab/timeline-sgmv-knobs-h200.txt). Above 256 rows: 64-row tiles, 512-wide K
+    chunks, two launches (at 1024 rows and one adapter 19.4 us against the fused kernel's 24.0
+    at rank 16, 27.7 against 33.8 at rank 64)."""
     big_rank = max_rank > 32
     if t_rows > 256:                 # prefill-sized: 64-row tiles, K in 512-wide chunks
         return SplitConfig(block_m=64, block_n=128 if big_rank else 256, k_chunk=512)
     if not big_rank:
         return SplitConfig(block_n=128 if t_rows <= 16 else 256)
-    return SplitConfig(block_n=128)
+    return SplitConfig(block_n=128, one_launch=t_rows > 16 and not pdl_on)
 
 
 @triton.jit
@@ -485,7 +489,8 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     n_segs = seg_slot.shape[0]
     if t_rows == 0 or n_segs == 0:
         return y
-    cfg = config or pick_split_config(t_rows, max_rank)
+    cfg = config or pick_split_config(
+        t_rows, max_rank, pdl.enabled(x.device) and t_rows <= pdl.SGMV_MAX_ROWS)
     cfg = dataclasses.replace(cfg, k_chunk=k_chunk or cfg.k_chunk, block_n=block_n or cfg.block_n)
     n_slices = len(slice_starts) - 1
     if not cfg.one_launch:

@@ -77,3 +77,23 @@ if __name__ == "__main__":
                torch.bfloat16, block_k=32)
     assert err < 0.05, err
     print("ok bf16", err)
+
+
+def test_pick_takes_one_launch_only_for_big_ranks_without_pdl(monkeypatch):
+    """Rank 64 above 16 rows: the grid-barrier form only where the two launches would go
+    without programmatic dependent launch; LORAFLEET_SGMV_SPLIT overrides picked fields, and
+    names no field that does not exist."""
+    import pytest
+    from kernels.sgmv_split import pick_split_config
+    monkeypatch.delenv("LORAFLEET_SGMV_SPLIT", raising=False)
+    assert not pick_split_config(64, 64, pdl_on=True).one_launch
+    assert pick_split_config(64, 64, pdl_on=False).one_launch
+    assert not pick_split_config(16, 64, pdl_on=False).one_launch
+    assert not pick_split_config(64, 16, pdl_on=False).one_launch
+    assert not pick_split_config(1024, 64, pdl_on=False).one_launch
+    monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", "one_launch=0,k_chunk=512,progs_per_sm=2")
+    cfg = pick_split_config(64, 64, pdl_on=False)
+    assert (cfg.one_launch, cfg.k_chunk, cfg.progs_per_sm, cfg.block_n) == (False, 512, 2, 128)
+    monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", "blockn=64")
+    with pytest.raises(ValueError, match="blockn"):
+        pick_split_config(64, 16)
