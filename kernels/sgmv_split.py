@@ -83,21 +83,23 @@ def pick_split_config(t_rows: int, max_rank: int, pdl_on: bool = True) -> SplitC
 
 
 def _pick(t_rows: int, max_rank: int, pdl_on: bool) -> SplitConfig:
-    """From the H200 sweep (bench/results/sgmv-sweep-h200.json, chained calls). Up to 256 rows:
-    16-row tiles and 256-wide K chunks; rank <= 32 takes 256-column expand steps above 16 rows,
-    128 at or below; rank 64+ takes 128, and above 16 rows the one-launch form only where the
-    two launches would go without programmatic dependent launch (there it is 10-12% faster at
-    32 adapters, 9% slower with one). With PDL the two launches win at every decode shape (rank
-    64, 8 chained calls: 64 rows x 8 adapters 13.6 us against 17.5, 256 x 32 29.6 against 30.3;
-    bench/results/ab/timeline-sgmv-knobs-h200.txt). Above 256 rows: 64-row tiles, 512-wide K
-    chunks, two launches (at 1024 rows and one adapter 19.4 us against the fused kernel's 24.0
-    at rank 16, 27.7 against 33.8 at rank 64)."""
+    """From the H200 runs (bench/results/sgmv-sweep-h200.json, and the fifth session's
+    bench/results/ab/timeline-*.txt; chained calls). Up to 256 rows: 16-row tiles, 256-wide K
+    chunks and 128-column expand steps (256 made the rank-16 expand hold 144-165 registers a
+    thread, three programs an SM, so a grid of four an SM ran in two waves: 64 rows x 32
+    adapters 12.9 us against 10.3). Rank 64+ grids take two programs an SM, what 255 registers
+    leave resident (256 rows x 32 adapters 29.3 us against 24.1), and, above 16 rows, the
+    one-launch form only where the two launches would go without programmatic dependent launch
+    (there it is 10-12% faster at 32 adapters, 9% slower with one); with PDL two launches win at
+    every decode shape (64 rows x 8 adapters 13.6 us against 17.5). Above 256 rows: 64-row
+    tiles, 512-wide K chunks, two launches (at 1024 rows and one adapter 19.4 us against the
+    fused kernel's 24.0 at rank 16, 27.7 against 33.8 at rank 64)."""
     big_rank = max_rank > 32
     if t_rows > 256:                 # prefill-sized: 64-row tiles, K in 512-wide chunks
         return SplitConfig(block_m=64, block_n=128 if big_rank else 256, k_chunk=512)
     if not big_rank:
-        return SplitConfig(block_n=128 if t_rows <= 16 else 256)
-    return SplitConfig(block_n=128, one_launch=t_rows > 16 and not pdl_on)
+        return SplitConfig(block_n=128)
+    return SplitConfig(block_n=128, progs_per_sm=2, one_launch=t_rows > 16 and not pdl_on)
 
 
 @triton.jit
