@@ -115,10 +115,10 @@ ENV0 = {k: os.environ.get(k) for k in ("LORAFLEET_WEIGHT_LAYOUT", "LORAFLEET_SGM
 
 def apply_variant(variant: str) -> int:
     """A build variant, "pdl=0,layout=nk" style: PDL on or off (kernels.pdl), the decode GEMMs'
-    weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built), the rank tile the
-    graphs are captured for (grank, default 16), and fields of the split SGMV's config
-    (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2: LORAFLEET_SGMV_SPLIT). Empty: the
-    defaults. Returns the graphs' rank tile."""
+    weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built), the largest rank the
+    graphs serve (grank; default: the worker's EngineOptions.graph_max_rank), and fields of the
+    split SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
+    LORAFLEET_SGMV_SPLIT). Empty: the defaults. Returns the graphs' largest rank."""
     import dataclasses
     from kernels import pdl
     from kernels.sgmv_split import SplitConfig
@@ -134,7 +134,7 @@ def apply_variant(variant: str) -> int:
     split = [f"{k}={v}" for k, v in opts.items() if k in split_fields]
     os.environ["LORAFLEET_SGMV_SPLIT"] = ",".join(
         filter(None, [ENV0["LORAFLEET_SGMV_SPLIT"] or "", *split]))
-    return int(opts.get("grank", 16))
+    return int(opts.get("grank", EngineOptions.graph_max_rank))
 
 
 def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:

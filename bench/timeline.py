@@ -4,7 +4,8 @@ before it to its own end ("increment"). Under programmatic dependent launch a ke
 before its predecessor ends, so its duration overstates its cost; the increments add up to the
 replay's span.
 
-    python bench/timeline.py sgmv --shapes 64:64:8,16:64:32 [--chain 8] [--configs "base;k_chunk=512"]
+    python bench/timeline.py sgmv --shapes 64:64:8,16:64:32 [--chain 8] \
+        [--configs "base;k_chunk=512"]
     python bench/timeline.py decode --layers 4 --batch 64 --distinct 32
 
 Prints, per kernel name: calls per replay, mean duration and mean increment (µs), and their sum.
@@ -66,8 +67,9 @@ def profile_replays(replay, reps: int = 20, flush_mib: int = 512) -> list[list[t
     return [g for g in groups if g]
 
 
-def summarize(groups: list[list[tuple]], per: int = 1) -> list[dict]:
-    """Per kernel name: calls, duration and increment, means per replay divided by `per`."""
+def summarize(groups: list[list[tuple]], per: int = 1) -> tuple[list[dict], float]:
+    """Per kernel name: calls, duration and increment, means per replay divided by `per`, most
+    costly first; and the median span of a replay divided by `per`."""
     acc = collections.defaultdict(lambda: [0, 0.0, 0.0])
     spans = []
     for g in groups:
