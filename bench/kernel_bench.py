@@ -289,6 +289,22 @@ def _kwargs(fn, available):
 
 
 # ----------------------------------------------------------------------------------------------
+def capture_graph(fns):
+    """The calls captured back to back in one CUDA graph (after a run on a side stream, as
+    torch asks before a capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return graph
+
+
 def time_us(fn, device, warmup_ms, rep_ms):
     """Median µs per call: CUDA-graph replays under do_bench (L2 flushed) on GPU, wall clock on
     CPU.
@@ -309,16 +325,7 @@ def time_us(fn, device, warmup_ms, rep_ms):
             times.append((time.perf_counter() - t0) * 1e6 / len(fns))
         return statistics.median(times)
     import triton
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
+    graph = capture_graph(fns)
     ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     del graph
     return ms * 1e3 / len(fns)

@@ -97,24 +97,9 @@ def print_rows(title: str, rows: list[dict], span: float) -> None:
               f"incr {r['incr_us']:7.2f}")
 
 
-def graph_of(fns):
-    for f in fns:
-        f()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    return graph
-
-
 def sgmv_main(a) -> None:
-    from bench.kernel_bench import TOL, impl_fn, make_problem, make_weights, reference
+    from bench.kernel_bench import (TOL, capture_graph, impl_fn, make_problem, make_weights,
+                                    reference)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     for shape in a.shapes.split(","):
@@ -130,7 +115,10 @@ def sgmv_main(a) -> None:
             impl_fn(impl, probs[0], y, None)()
             err = ((y.float() - ref).abs() / (1 + ref.abs())).max().item()
             ys = [p["y0"].clone() for p in probs]
-            graph = graph_of([impl_fn(impl, p, y, None) for p, y in zip(probs, ys)])
+            fns = [impl_fn(impl, p, y, None) for p, y in zip(probs, ys)]
+            for f in fns:
+                f()
+            graph = capture_graph(fns)
             rows, span = summarize(profile_replays(graph.replay, a.reps), per=a.chain)
             ok = "ok" if err <= TOL else "WRONG"
             print_rows(f"r{rank} T{t} n{n} {impl} {cfg} ({ok}, err {err:.1e}), per call of a "
@@ -141,32 +129,43 @@ def sgmv_main(a) -> None:
         torch.cuda.empty_cache()
 
 
-def decode_main(a) -> None:
+def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
+                  graph_max_rank: int | None = None, max_new: int = 400):
+    """The Llama-7B-shaped engine (random bf16 weights, `layers` layers) with `batch` requests
+    of 128 prompt tokens spread over `distinct` rank-16 q/k/v/o adapters (0: base only),
+    prefilled and a few decode steps in."""
     from bench.e2e_gpu_bench import (_NullTokenizer, adapter_tensors, llama7b_spec,
                                      random_weights)
     from services.worker.adapter_layout import build_layout
     from services.worker.factory import EngineOptions, assemble
     from services.worker.sequence import Sequence, Stopping
     dev = torch.device("cuda")
-    spec = llama7b_spec(a.layers)
+    spec = llama7b_spec(layers)
+    extra = {} if graph_max_rank is None else {"graph_max_rank": graph_max_rank}
     opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=4 << 30,
                          max_batch_tokens=8192, max_running=128, pool_bytes=2 << 30,
-                         pool_slots=64, max_model_len=1024, cuda_graphs=True,
-                         graph_max_rank=a.grank)
+                         pool_slots=64, max_model_len=1024, cuda_graphs=cuda_graphs, **extra)
     built = assemble(spec, random_weights(spec, dev, torch.bfloat16), _NullTokenizer(), opts,
                      dev, torch.bfloat16)
     slots = [built.pool.place(f"a{i}", build_layout(adapter_tensors(spec, 16, i + 1, dev),
                                                     {"r": 16, "lora_alpha": 32}, spec,
-                                                    torch.bfloat16)) for i in range(a.distinct)]
+                                                    torch.bfloat16)) for i in range(distinct)]
     eng = built.engine
-    for i in range(a.batch):
+    for i in range(batch):
         slot = slots[i % len(slots)] if slots else -1
         eng.submit(Sequence(f"r{i}", list(range(3, 131)), slot=slot,
-                            stopping=Stopping(max_new_tokens=400, ignore_eos=True)), lambda e: 0)
+                            stopping=Stopping(max_new_tokens=max_new, ignore_eos=True)),
+                   lambda e: 0)
     for _ in range(8):                                      # prefill, graph capture, warm steps
         eng.step()
+    return eng
+
+
+def decode_main(a) -> None:
+    eng = decode_engine(a.layers, a.batch, a.distinct, True, a.grank)
     rows, span = summarize(profile_replays(eng.step, a.reps), per=a.layers)
-    print_rows(f"decode, batch {a.batch}, {a.distinct} adapters, graph rank tile {a.grank}, "
+    print_rows(f"decode, batch {a.batch}, {a.distinct} adapters, graphs up to rank "
+               f"{a.grank or 'default'}, "
                f"SGMV {os.environ.get('LORAFLEET_SGMV_SPLIT', '')!r}, per layer of {a.layers}",
                rows, span)
 
@@ -186,7 +185,8 @@ def main() -> int:
     d.add_argument("--batch", type=int, default=64)
     d.add_argument("--distinct", type=int, default=32)
     d.add_argument("--reps", type=int, default=10)
-    d.add_argument("--grank", type=int, default=16, help="the graphs' LoRA rank tile")
+    d.add_argument("--grank", type=int, default=None,
+                   help="the largest rank the graphs serve (default: the worker's)")
     a = p.parse_args()
     with torch.inference_mode():
         (sgmv_main if a.cmd == "sgmv" else decode_main)(a)
