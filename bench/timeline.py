@@ -130,19 +130,20 @@ def sgmv_main(a) -> None:
 
 
 def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
-                  graph_max_rank: int | None = None, max_new: int = 400):
+                  graph_max_rank: int | None = None, max_new: int = 400, device: str = "cuda",
+                  prompt: int = 128):
     """The Llama-7B-shaped engine (random bf16 weights, `layers` layers) with `batch` requests
-    of 128 prompt tokens spread over `distinct` rank-16 q/k/v/o adapters (0: base only),
+    of `prompt` tokens spread over `distinct` rank-16 q/k/v/o adapters (0: base only),
     prefilled and a few decode steps in."""
     from bench.e2e_gpu_bench import (_NullTokenizer, adapter_tensors, llama7b_spec,
                                      random_weights)
     from services.worker.adapter_layout import build_layout
     from services.worker.factory import EngineOptions, assemble
     from services.worker.sequence import Sequence, Stopping
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     spec = llama7b_spec(layers)
     extra = {} if graph_max_rank is None else {"graph_max_rank": graph_max_rank}
-    opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=4 << 30,
+    opts = EngineOptions(device=device, dtype="bfloat16", kv_cache_bytes=4 << 30,
                          max_batch_tokens=8192, max_running=128, pool_bytes=2 << 30,
                          pool_slots=64, max_model_len=1024, cuda_graphs=cuda_graphs, **extra)
     built = assemble(spec, random_weights(spec, dev, torch.bfloat16), _NullTokenizer(), opts,
@@ -153,7 +154,7 @@ def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
     eng = built.engine
     for i in range(batch):
         slot = slots[i % len(slots)] if slots else -1
-        eng.submit(Sequence(f"r{i}", list(range(3, 131)), slot=slot,
+        eng.submit(Sequence(f"r{i}", list(range(3, 3 + prompt)), slot=slot,
                             stopping=Stopping(max_new_tokens=max_new, ignore_eos=True)),
                    lambda e: 0)
     for _ in range(8):                                      # prefill, graph capture, warm steps
