@@ -435,7 +435,7 @@ class Shrunk:
 def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: int,
            config: SplitConfig | None = None) -> Shrunk:
     """Only the shrink phase of sgmv_split, for a consumer that applies Bt itself
-    (kernels.skinny's GEMM epilogue). Arguments as sgmv_split's; no device reads."""
+    (a GEMM epilogue). Arguments as sgmv_split's; no device reads."""
     t_rows, k = x.shape
     n_segs = seg_slot.shape[0]
     cfg = config or pick_split_config(t_rows, max_rank)
