@@ -62,15 +62,29 @@ def _overrides() -> dict:
     return _parse_overrides(os.environ.get("LORAFLEET_SGMV_SPLIT", ""))
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 @functools.lru_cache(maxsize=8)
 def _parse_overrides(text: str) -> dict:
     fields = {f.name: f.type for f in dataclasses.fields(SplitConfig)}
     out = {}
-    for item in filter(None, text.split(",")):
-        key, _, val = item.partition("=")
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, val = (part.strip() for part in item.partition("="))
         if key not in fields:
             raise ValueError(f"LORAFLEET_SGMV_SPLIT: unknown field {key!r} ({sorted(fields)})")
-        out[key] = val not in ("0", "false", "") if fields[key] in (bool, "bool") else int(val)
+        if not eq or not val:
+            raise ValueError(f"LORAFLEET_SGMV_SPLIT: {key!r} needs a value ({key}=...)")
+        if fields[key] in (bool, "bool"):
+            if val.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"LORAFLEET_SGMV_SPLIT: {key}={val!r} is not a boolean")
+            out[key] = val.lower() in _TRUE
+        else:
+            try:
+                out[key] = int(val)
+            except ValueError:
+                raise ValueError(f"LORAFLEET_SGMV_SPLIT: {key}={val!r} is not an integer") \
+                    from None
     return out
 
 
@@ -87,8 +101,10 @@ def _pick(t_rows: int, max_rank: int, pdl_on: bool) -> SplitConfig:
     bench/results/ab/timeline-*.txt; chained calls). Up to 256 rows: 16-row tiles, 256-wide K
     chunks and 128-column expand steps (256 made the rank-16 expand hold 144-165 registers a
     thread, three programs an SM, so a grid of four an SM ran in two waves: 64 rows x 32
-    adapters 12.9 us against 10.3). Rank 64+ grids take two programs an SM, what 255 registers
-    leave resident (256 rows x 32 adapters 29.3 us against 24.1), and, above 16 rows, the
+    adapters 12.9 us against 10.3). Grids take as many programs an SM as the registers leave
+    resident (tests/test_sgmv.py checks it with ptxas): four at rank 16, three at 32 (not
+    measured on the GPU), two at 64+ (256 rows x 32 adapters 29.3 us against 24.1), and, above
+    16 rows, the
     one-launch form only where the two launches would go without programmatic dependent launch
     (there it is 10-12% faster at 32 adapters, 9% slower with one); with PDL two launches win at
     every decode shape (64 rows x 8 adapters 13.6 us against 17.5). Above 256 rows: 64-row
@@ -97,8 +113,8 @@ def _pick(t_rows: int, max_rank: int, pdl_on: bool) -> SplitConfig:
     big_rank = max_rank > 32
     if t_rows > 256:                 # prefill-sized: 64-row tiles, K in 512-wide chunks
         return SplitConfig(block_m=64, block_n=128 if big_rank else 256, k_chunk=512)
-    if not big_rank:
-        return SplitConfig(block_n=128)
+    if not big_rank:     # the rank-32 expand holds 166 registers a thread: three an SM
+        return SplitConfig(block_n=128, progs_per_sm=4 if max_rank <= 16 else 3)
     return SplitConfig(block_n=128, progs_per_sm=2, one_launch=t_rows > 16 and not pdl_on)
 
 

@@ -288,6 +288,10 @@ def test_lazy_capture_is_bounded_and_falls_back_to_the_all_groups_graph(hf_ckpt)
     assert [g._capture_lazily(4, m, t) for m, t in pairs] == [
         (4, m, t) for m, t in pairs[:4]] + [(4, ALL_GROUPS, 16)]
     assert g._capture_lazily(8, bit["o"], 64) == (8, bit["o"], 64)   # a known pair, another b
+    # past the limit: the smallest all-groups graph that holds the tile, a lazy one included
+    assert g._capture_lazily(4, bit["gate_up"], 32) == (4, ALL_GROUPS, 64)
+    g.graphs[(4, ALL_GROUPS, 32)] = _StandIn(g, (4, ALL_GROUPS, 32))
+    assert g._capture_lazily(4, bit["gate_up"], 32) == (4, ALL_GROUPS, 32)
 
     def failing(b, mask, tile):
         raise RuntimeError("CUDA out of memory (simulated)")

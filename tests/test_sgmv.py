@@ -347,7 +347,7 @@ def _ptxas_usage(kernel) -> tuple[int, int]:
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("rank", [16, 32, 64, 128])
 def test_decode_grids_fit_on_the_sms_at_once(rank, monkeypatch):
     """The split SGMV's decode grids (pick_split_config's programs an SM, with PDL) fit in an
     SM's registers and shared memory at once, as ptxas compiles them for sm_90: a grid that

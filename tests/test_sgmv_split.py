@@ -94,6 +94,12 @@ def test_pick_takes_one_launch_only_for_big_ranks_without_pdl(monkeypatch):
     monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", "one_launch=0,k_chunk=512,progs_per_sm=2")
     cfg = pick_split_config(64, 64, pdl_on=False)
     assert (cfg.one_launch, cfg.k_chunk, cfg.progs_per_sm, cfg.block_n) == (False, 512, 2, 128)
-    monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", "blockn=64")
-    with pytest.raises(ValueError, match="blockn"):
-        pick_split_config(64, 16)
+    monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", " one_launch = off , block_n=64 ")
+    cfg = pick_split_config(64, 64, pdl_on=False)
+    assert (cfg.one_launch, cfg.block_n) == (False, 64)
+    monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", "one_launch=True")
+    assert pick_split_config(64, 64).one_launch
+    for bad in ("blockn=64", "one_launch=maybe", "one_launch", "k_chunk=big"):
+        monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", bad)
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            pick_split_config(64, 16)

@@ -73,6 +73,9 @@ def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions) -> Built:
 def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
              device: torch.device, dtype: torch.dtype) -> Built:
     """Model, KV cache, scheduler, adapter pool and engine around already-loaded weights."""
+    if device.type == "cuda":           # a bad LORAFLEET_SGMV_SPLIT fails here, not in a step
+        from kernels.sgmv_split import pick_split_config
+        pick_split_config(1, 16)
     model = LlamaModel(spec, weights, device, dtype)
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)

@@ -20,7 +20,7 @@ while a rank-64 adapter is resident (on the H200, batch 64 with 32 rank-16 adapt
 us a layer in LoRA with the 16 tile against 83 with the 64 one). Tiles 16 and the largest
 (capture's max_rank) are captured at start with all groups; other (mask, tile) pairs lazily, as
 above, and the fallback is the all-groups graph of the smallest start tile that holds the
-step's rank. A step with an adapter above max_rank runs eagerly. Capture never touches the
+step's rank. A step with an adapter above max_rank's tile runs eagerly. Capture never touches the
 pool's tables, which the adapter manager updates from its own thread.
 
 Overlap. `launch` starts a decode step and returns at once (the sampled tokens come back through
@@ -110,12 +110,12 @@ class GraphRunner:
         self.rows = torch.arange(top, dtype=torch.int64, device=dev)
         # (batch, LoRA mask, rank tile; 0 without LoRA) -> graph
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
         self.pool = None                                                 # graphs share one
         self.captured: set[int] = set()          # batch sizes captured at start
         self._failed: set[tuple[int, int, int]] = set()   # keys whose capture failed
         self.replays = 0
-        self.rank = 0                            # the largest rank tile (capture's max_rank)
+        self.rank = 0                            # capture's max_rank (its tile: the largest)
         self.start_tiles: tuple[int, ...] = ()   # tiles captured at start for all groups
         self.timings: list | None = None     # set to a list to record (batch, start, end) events
 
@@ -132,7 +132,7 @@ class GraphRunner:
         rank tile: 16 and max_rank's) and for none, sharing one memory pool.
 
         The SGMV kernel's rank tile is baked into a graph: graphs serve steps whose adapters have
-        ranks up to max_rank; a step with a larger adapter runs eagerly.
+        ranks up to rank_tile(max_rank); a step with a larger adapter runs eagerly.
         """
         start = time.monotonic()
         self.rank = max_rank
@@ -160,7 +160,8 @@ class GraphRunner:
             self.model.forward(self.ids[:b], ctx, kv)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the adapter manager's thread may copy tables while a lazy capture runs
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.outputs[(b, mask, tile)] = self.model.forward(self.ids[:b], ctx, kv)
         self.pool = graph.pool()
         self.graphs[(b, mask, tile)] = graph
@@ -240,12 +241,15 @@ class GraphRunner:
 
     def _capture_lazily(self, b: int, mask: int, tile: int) -> tuple[int, int, int]:
         """Capture the graph for (b, mask, tile) on first use and return its key; or return the
-        key of the all-groups graph of the smallest start tile >= tile (it serves any mask:
+        key of the all-groups graph of the smallest tile >= tile (it serves any mask:
         untargeted groups have no offsets) once MAX_LAZY (mask, tile) pairs have graphs, or when
         the capture fails (it is not tried again)."""
         start = {(ALL_GROUPS, t) for t in self.start_tiles} | {(0, 0)}
         lazy = {(m, t) for _, m, t in self.graphs} - start
-        fallback = (b, ALL_GROUPS, min(t for t in self.start_tiles if t >= tile))
+        # the smallest all-groups graph of this batch size that holds the tile (a start tile
+        # always does; a lazily captured one may be smaller)
+        fallback = (b, ALL_GROUPS, min(t for bb, m, t in self.graphs
+                                       if bb == b and m == ALL_GROUPS and t >= tile))
         key = (b, mask, tile)
         if key in self._failed or ((mask, tile) not in lazy and len(lazy) >= self.MAX_LAZY):
             return fallback
