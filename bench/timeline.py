@@ -52,8 +52,13 @@ def profile_replays(replay, reps: int = 20, flush_mib: int = 512) -> list[list[t
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         events = json.load(open(path))["traceEvents"]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("cat") == "kernel")
+    return split_replays(sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                                if e.get("cat") == "kernel"))
+
+
+def split_replays(kernels: list[tuple]) -> list[list[tuple]]:
+    """(start, end, name) kernels sorted by start, of calls each preceded by an L2 flush (a
+    fill kernel) and the MARK kernel -> one list of (name, start, end) per call."""
     groups, cur = [], None
     for start, end, name in kernels:
         if MARK in name:
@@ -61,8 +66,8 @@ def profile_replays(replay, reps: int = 20, flush_mib: int = 512) -> list[list[t
             groups.append(cur)
         elif cur is not None:
             cur.append((name, start, end))
-    for g in groups:                       # the next call's flush ends each group
-        while g and "Fill" in g[-1][0]:
+    for g in groups[:-1]:                  # the next call's flush ends each group but the last
+        if g and "Fill" in g[-1][0]:
             g.pop()
     return [g for g in groups if g]
 
@@ -80,7 +85,7 @@ def summarize(groups: list[list[tuple]], per: int = 1) -> tuple[list[dict], floa
             a[1] += end - start
             a[2] += max(0.0, end - prev_end)     # the gap before it counts as its cost
             prev_end = max(prev_end, end)
-        spans.append(g[-1][2] - g[0][1])
+        spans.append(max(end for _, _, end in g) - g[0][1])
     n = len(groups) * per
     rows = [dict(kernel=k, calls=c / n, dur_us=d / n, incr_us=i / n)
             for k, (c, d, i) in acc.items()]
@@ -98,8 +103,8 @@ def print_rows(title: str, rows: list[dict], span: float) -> None:
 
 
 def sgmv_main(a) -> None:
-    from bench.kernel_bench import (TOL, capture_graph, impl_fn, make_problem, make_weights,
-                                    reference)
+    from bench.kernel_bench import (TOL, capture_graph, impl_fn, load_vllm, make_problem,
+                                    make_weights, reference)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     for shape in a.shapes.split(","):
@@ -107,15 +112,20 @@ def sgmv_main(a) -> None:
         weights = [make_weights(4096, rank, torch.bfloat16, dev, gen) for _ in range(a.chain)]
         probs = [make_problem(w, 4096, rank, t, n, torch.bfloat16, dev, gen) for w in weights]
         runs = [(impl, "") for impl in a.impls.split(",") if impl]
+        vllm = None
+        if any(impl.startswith("vllm") for impl, _ in runs):
+            vllm = load_vllm(a.vllm_src)
+            if isinstance(vllm, str):
+                raise SystemExit(f"vLLM's kernels: {vllm}")
         runs += [("ours_split", cfg) for cfg in a.configs.split(";") if a.configs]
         ref = reference(probs[0])
         for impl, cfg in runs:
             os.environ["LORAFLEET_SGMV_SPLIT"] = "" if cfg == "base" else cfg
             y = probs[0]["y0"].clone()
-            impl_fn(impl, probs[0], y, None)()
+            impl_fn(impl, probs[0], y, vllm)()
             err = ((y.float() - ref).abs() / (1 + ref.abs())).max().item()
             ys = [p["y0"].clone() for p in probs]
-            fns = [impl_fn(impl, p, y, None) for p, y in zip(probs, ys)]
+            fns = [impl_fn(impl, p, y, vllm) for p, y in zip(probs, ys)]
             for f in fns:
                 f()
             graph = capture_graph(fns)
@@ -176,7 +186,8 @@ def main() -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sgmv")
     s.add_argument("--shapes", default="16:64:8,16:64:32,64:64:8,64:256:32")
-    s.add_argument("--impls", default="ours")
+    s.add_argument("--impls", default="ours", help="kernel_bench impls (ours, vllm, loop, ...)")
+    s.add_argument("--vllm-src", default=".peers/vllm_lora_ops", help="for the vllm impls")
     s.add_argument("--configs", default="", help="';'-separated LORAFLEET_SGMV_SPLIT values "
                    "run through sgmv_split ('base': none), e.g. 'base;k_chunk=512;progs_per_sm=2'")
     s.add_argument("--chain", type=int, default=8)

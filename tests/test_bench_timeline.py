@@ -3,7 +3,7 @@ so kernels that overlap (programmatic dependent launch) are not counted twice, a
 kernel is its cost, and the charges add up to the replay's span."""
 from __future__ import annotations
 
-from bench.timeline import summarize
+from bench.timeline import split_replays, summarize
 
 
 def test_increments_add_up_to_the_span_and_overlap_counts_once():
@@ -28,3 +28,21 @@ def test_per_divides_by_the_calls_in_a_chain_and_names_are_shortened():
     assert span == 4.0
     assert {r["kernel"] for r in rows} == {"void cublasLt::splitKreduce_kernel", "_expand_kernel"}
     assert all(r["incr_us"] == 2.0 and r["calls"] == 0.5 for r in rows)
+
+
+def test_a_kernel_ending_inside_its_predecessor_costs_nothing_and_the_span_is_the_last_end():
+    rows, span = summarize([[("_rms_kernel", 0.0, 10.0), ("_rope_kv_kernel", 5.0, 8.0)]])
+    assert span == 10.0
+    assert {r["kernel"]: r["incr_us"] for r in rows} == {"_rms_kernel": 10.0,
+                                                         "_rope_kv_kernel": 0.0}
+
+
+def test_replays_are_split_at_the_marker_and_only_the_flush_is_dropped():
+    fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<uchar>>"
+    trace = [(0, 5, fill), (6, 7, "spin_kernel"), (8, 9, "_shrink_kernel"),
+             (9, 10, fill),                           # a fill of the step itself
+             (11, 12, "_expand_kernel"), (13, 18, fill), (19, 20, "spin_kernel"),
+             (21, 22, "_shrink_kernel"), (23, 24, fill)]
+    groups = split_replays(trace)
+    assert [[k[0] for k in g] for g in groups] == [
+        ["_shrink_kernel", fill, "_expand_kernel"], ["_shrink_kernel", fill]]
