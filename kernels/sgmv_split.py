@@ -38,6 +38,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import launch_args, wait_then_release
+from kernels.sgmv import rank_tile
 from kernels.sgmv_triton import _live_tiles, _locate, _slice_bounds
 
 SPIN_LIMIT = 1 << 22          # barrier polls before a program gives up and flags a timeout
@@ -455,7 +456,7 @@ def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: 
     t_rows, k = x.shape
     n_segs = seg_slot.shape[0]
     cfg = config or pick_split_config(t_rows, max_rank)
-    rb = max(16, triton.next_power_of_2(max_rank))
+    rb = rank_tile(max_rank)
     n_ks = triton.cdiv(k, cfg.k_chunk)
     v = torch.empty((n_ks, n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
     seg_block = max(16, triton.next_power_of_2(n_segs))
@@ -521,7 +522,7 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     # registers and shared memory allow (at most 4 per SM). The interpreter runs programs one
     # by one, so there the grid is one program.
     k_chunk, block_n, on_gpu = cfg.k_chunk, cfg.block_n, x.is_cuda
-    rb = max(16, triton.next_power_of_2(max_rank))
+    rb = rank_tile(max_rank)
     block_m = cfg.block_m
     block_k = _block_k(cfg, rb)
     n_ks = triton.cdiv(k, k_chunk)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import launch_args, wait_then_release
+from kernels.sgmv import rank_tile
 
 MAX_SLICES = 4
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -198,16 +199,12 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _rank_block(max_rank: int) -> int:
-    return max(16, triton.next_power_of_2(max_rank))
-
-
 def pick_config(t_rows: int, k: int, max_rank: int, dtype: torch.dtype,
                 device: torch.device) -> SgmvConfig:
     """Decode-sized batches take 16-row tiles; long prefill batches take taller tiles. At rank
     <= 32 and up to 8192 rows, 64-row tiles with 128-wide K steps (H200 sweep, 4096 rows: 39.0
     us a call; with 256-wide K steps 57, with 32-row tiles 43)."""
-    rb = _rank_block(max_rank)
+    rb = rank_tile(max_rank)
     elem = 4 if dtype == torch.float32 else 2
     block_m = 16 if t_rows <= 1024 else (32 if t_rows <= 8192 else 64)
     block_k = max(32, min(256, 16384 // (rb * elem), triton.next_power_of_2(k)))
@@ -281,7 +278,7 @@ def sgmv_triton(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: tor
         k, ranks.shape[0], n_segs, max_col_blocks, x.stride(0), y.stride(0), *s,
         N_SLICES=n_slices, SEG_BLOCK=max(16, triton.next_power_of_2(n_segs)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        RANK_BLOCK=_rank_block(max_rank), EVEN_K=(k % cfg.block_k == 0),
+        RANK_BLOCK=rank_tile(max_rank), EVEN_K=(k % cfg.block_k == 0),
         ALIGN=16 // pool.element_size(),
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=(x.dtype == torch.bfloat16 and not x.is_cuda), STAGES=cfg.num_stages,

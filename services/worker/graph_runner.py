@@ -19,8 +19,8 @@ largest rank among its own adapters, not the pool's: rank-16 adapters run rank-1
 while a rank-64 adapter is resident (on the H200, batch 64 with 32 rank-16 adapters spends 38
 us a layer in LoRA with the 16 tile against 83 with the 64 one). Tiles 16 and the largest
 (capture's max_rank) are captured at start with all groups; other (mask, tile) pairs lazily, as
-above, and the fallback is the all-groups graph of the smallest start tile that holds the
-step's rank. A step with an adapter above max_rank's tile runs eagerly. Capture never touches the
+above, and the fallback is the smallest all-groups graph (a start one, or one captured
+lazily) that holds the step's rank. A step with an adapter above max_rank's tile runs eagerly. Capture never touches the
 pool's tables, which the adapter manager updates from its own thread.
 
 Overlap. `launch` starts a decode step and returns at once (the sampled tokens come back through
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.sgmv import rank_tile
 from services.worker.model import StepContext
 from services.worker.model_spec import ALL_GROUPS
 from services.worker.runner import ModelRunner
@@ -46,13 +47,6 @@ from services.worker.scheduler import Scheduled
 from services.worker.step_inputs import sampling_batch
 
 log = logging.getLogger(__name__)
-
-
-def rank_tile(rank: int) -> int:
-    """The SGMV rank tile (the kernels' RANK_BLOCK) that serves adapters up to this rank."""
-    return max(16, 1 << max(0, int(rank) - 1).bit_length())
-
-
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -81,7 +75,7 @@ class PendingStep:
 
 
 class GraphRunner:
-    MAX_LAZY = 4      # (LoRA mask, rank tile) pairs besides the start ones with graphs of their own
+    MAX_LAZY = 4      # (LoRA mask, rank tile) pairs, besides the start ones, with own graphs
     def __init__(self, runner: ModelRunner, sizes=DEFAULT_SIZES):
         self.runner = runner
         self.model = runner.model
