@@ -63,6 +63,11 @@ def _overrides() -> dict:
     return _parse_overrides(os.environ.get("LORAFLEET_SGMV_SPLIT", ""))
 
 
+def check_overrides() -> None:
+    """Raise ValueError now if LORAFLEET_SGMV_SPLIT is malformed (an engine calls it at build)."""
+    _overrides()
+
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

@@ -74,8 +74,8 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
              device: torch.device, dtype: torch.dtype) -> Built:
     """Model, KV cache, scheduler, adapter pool and engine around already-loaded weights."""
     if device.type == "cuda":           # a bad LORAFLEET_SGMV_SPLIT fails here, not in a step
-        from kernels.sgmv_split import pick_split_config
-        pick_split_config(1, 16)
+        from kernels.sgmv_split import check_overrides
+        check_overrides()
     model = LlamaModel(spec, weights, device, dtype)
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
