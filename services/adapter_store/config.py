@@ -84,8 +84,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--s3-region", default=None, help="S3 region (env AWS_REGION; us-east-1)")
     p.add_argument("--db", default="state/adapter_store.sqlite",
                    help="SQLite registry file, created if missing; ':memory:' allowed")
-    p.add_argument("--model", default=None,
-                   help="served base model dir; its config.json gives the shapes to validate")
+    p.add_argument("--model", default="models/tiny-llama",
+                   help="served base model dir; its config.json gives the shapes to validate "
+                        "(default: the embedded tiny model, as the worker's)")
     p.add_argument("--base-config", default=None, help="base config.json (instead of --model)")
     p.add_argument("--max-rank", type=int, default=128, help="largest LoRA rank accepted (128)")
     p.add_argument("--host-cache-bytes", type=parse_bytes, default=2 * GiB,
@@ -99,12 +100,8 @@ def parser() -> argparse.ArgumentParser:
 
 def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
     """Build the config from parsed flags; environment fills what flags leave unset."""
-    if args.base_config:
-        base = pathlib.Path(args.base_config)
-    elif args.model:
-        base = pathlib.Path(args.model) / "config.json"
-    else:
-        raise ValueError("--model DIR (or --base-config FILE) is required")
+    base = (pathlib.Path(args.base_config) if args.base_config
+            else pathlib.Path(args.model) / "config.json")
     return StoreConfig(
         base_config=base, listen=args.listen,
         adapters_dir=pathlib.Path(args.adapters_dir) if args.adapters_dir else None,
