@@ -101,6 +101,24 @@ def test_cli_generate_and_listing(stack):
         assert {"id", "owner", "rank", "state"} <= set(listed[name])
 
 
+def test_malformed_names_are_refused_under_the_public_fields(stack):
+    """The router names the public request's fields (`adapter_id`, `tenant`, `aliases`), not the
+    store's, and serves the next request."""
+    adapter = demo_adapters()[0]
+    with LorafleetClient(stack.router.addr) as c:
+        for call, field in ((lambda: c.generate(PROMPT, adapter="bad id!!", max_new_tokens=2),
+                             "adapter_id:"),
+                            (lambda: c.register("okx", f"file://{adapter}", tenant="bad tenant"),
+                             "tenant:"),
+                            (lambda: c.register("okx", f"file://{adapter}", aliases=["a/b"]),
+                             "aliases:")):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith(field), err.value.details()
+        assert c.generate(PROMPT, adapter=adapter, max_new_tokens=2).token_ids
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(stack):
     """Each service, on SIGTERM: in-flight work finishes, the process exits 0 within its grace."""
     with LorafleetClient(stack.router.addr) as c:

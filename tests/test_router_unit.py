@@ -57,6 +57,9 @@ def test_dev_mode_token_is_the_tenant() -> None:
     assert t.authenticate(bearer("acme")).tenant == "acme" and t.authenticate([]).admin
     with pytest.raises(Unauthenticated):
         t.authenticate(bearer("../etc"))
+    for unreadable in ("Basic YWNtZQ==", "Bearer", "Bearer  "):    # not served as `dev`
+        with pytest.raises(Unauthenticated, match="Bearer <token>"):
+            t.authenticate([("authorization", unreadable)])
 
 
 def test_gate_foothold_lets_an_idle_tenant_past_a_full_gate() -> None:
@@ -167,3 +170,24 @@ def test_config_flags() -> None:
         parse_args(["--tls-cert", "c.pem"])
     with pytest.raises(ValueError):
         parse_args(["--spill-rows", "0"])
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(adapter_id="bad id!!"), "adapter_id:"),
+    (dict(adapter_id="../etc"), "adapter_id:"),
+    (dict(sampling=dict(temperature=float("nan"))), "sampling.temperature"),
+    (dict(sampling=dict(temperature=float("inf"))), "sampling.temperature"),
+    (dict(sampling=dict(top_p=float("nan"))), "sampling.top_p"),
+    (dict(sampling=dict(repetition_penalty=float("nan"))), "sampling.repetition_penalty"),
+    (dict(sampling=dict(repetition_penalty=float("inf"))), "sampling.repetition_penalty"),
+])
+def test_generate_validation_names_the_public_field(fields, named) -> None:
+    """A malformed adapter id is refused by the router under the request's own field name (not
+    the store's), and NaN or infinite sampling values fail their range checks."""
+    from services.common.errors import InvalidArgument
+    from services.router.generate import validate
+    sampling = common_pb2.SamplingParams(**fields.pop("sampling", {}))
+    req = router_pb2.GenerateRequest(text="hi", sampling=sampling, **fields)
+    with pytest.raises(InvalidArgument, match=named):
+        validate(req)
+    validate(router_pb2.GenerateRequest(text="hi", adapter_id="pirate-v2.1"))   # fine

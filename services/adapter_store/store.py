@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import pathlib
-import re
 import time
 from dataclasses import dataclass
 
@@ -27,21 +26,19 @@ from services.adapter_store.sources import SourceReader, SourceRef, parse_source
 from services.adapter_store.validate import AdapterSummary, BaseShapes, digests, validate
 from services.common.errors import (AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition,
                                     LorafleetError, unknown_adapter)
+from services.common.names import NAME, name_error
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_ALIASES = 32
 SOURCE, STORE_HOST = "SOURCE", "STORE_HOST"
 
 
 def check_name(field: str, value: str, allow_empty: bool = False) -> None:
     """Ids, aliases and tenants: a plain name, never a path or a URL (INVALID_ARGUMENT)."""
-    if allow_empty and value == "":
-        return
-    if not NAME.fullmatch(value):
-        raise Refusal("name", f"{field}: {value[:100]!r} is not a valid name "
-                              f"({NAME.pattern})")
+    message = name_error(field, value, allow_empty)
+    if message is not None:
+        raise Refusal("name", message)
 
 
 @dataclass(frozen=True)

@@ -100,10 +100,15 @@ def _only(spec: dict, keys: set[str], where: str) -> None:
 
 
 def bearer(metadata) -> str | None:
+    """The token of the `authorization: Bearer T` metadata; None when there is none. Any other
+    authorization value (another scheme, no token) is UNAUTHENTICATED, in dev mode too: a
+    client that sends credentials the router cannot read is told, not served as `dev`."""
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str):
             scheme, _, token = value.partition(" ")
-            return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+            if scheme.lower() != "bearer" or not token.strip():
+                raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
+            return token.strip()
     return None
 
 

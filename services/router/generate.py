@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from opentelemetry import trace
 from services.common.errors import (InvalidArgument, LorafleetError, ResourceExhausted,
                                     Unavailable, from_rpc_error)
 from services.common.gen.lorafleet.v1 import router_pb2, worker_pb2 as wpb
+from services.common.names import name_error
 from services.common.telemetry import outgoing_metadata
 from services.router.auth import Caller
 from services.router.placement import NoWorker, choose_worker
@@ -41,15 +43,19 @@ class Admitted:
 
 
 def validate(req: router_pb2.GenerateRequest) -> None:
+    """INVALID_ARGUMENT naming the public request's field (NaN fails every range check)."""
     s, st = req.sampling, req.stopping
+    message = name_error("adapter_id", req.adapter_id, allow_empty=True)
+    if message is not None:
+        raise InvalidArgument(message)
     if not req.text and not req.prompt_token_ids:
         raise InvalidArgument("text: empty prompt (give text or prompt_token_ids)")
-    if s.temperature < 0 or s.temperature > 100:
+    if not 0 <= s.temperature <= 100:
         raise InvalidArgument("sampling.temperature: must be within [0, 100]")
     if not 0 <= s.top_p <= 1:
         raise InvalidArgument("sampling.top_p: must be within [0, 1]")
-    if s.repetition_penalty < 0:
-        raise InvalidArgument("sampling.repetition_penalty: must be >= 0")
+    if not (math.isfinite(s.repetition_penalty) and s.repetition_penalty >= 0):
+        raise InvalidArgument("sampling.repetition_penalty: must be finite and >= 0")
     if any(len(x) > 256 for x in st.stop_sequences) or len(st.stop_sequences) > 16:
         raise InvalidArgument("stopping.stop_sequences: at most 16, each at most 256 chars")
     if len(req.request_id) > 128:

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.errors import Unavailable, from_rpc_error
+from services.common.errors import InvalidArgument, Unavailable, from_rpc_error
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
+from services.common.names import name_error
 from services.common.telemetry import incoming_context, outgoing_metadata, tracer
 from services.router.auth import Tenants, require_admin
 from services.router.fair_queue import FairGate
@@ -125,6 +126,12 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def RegisterAdapter(self, request, context):
         caller = self._caller(context)
         require_admin(caller)
+        for field, value, empty_ok in (("id", request.id, False),
+                                       ("tenant", request.tenant, True),
+                                       *(("aliases", a, False) for a in request.aliases)):
+            message = name_error(field, value, empty_ok)   # named as the public API names them
+            if message is not None:
+                raise InvalidArgument(message)
         parent = incoming_context(context.invocation_metadata())
         with _tracer.start_as_current_span("router.register", context=parent) as span:
             span.set_attributes({"lora.tenant": caller.tenant, "lora.adapter_id": request.id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import random
 import threading
 import time
@@ -25,8 +26,9 @@ _ids = itertools.count()
 
 
 def sampling_from(p: common_pb2.SamplingParams) -> Sampling:
-    if p.temperature < 0 or not 0 <= p.top_p <= 1 or p.repetition_penalty < 0:
-        raise InvalidArgument("sampling: temperature >= 0, 0 <= top_p <= 1 and "
+    if not (math.isfinite(p.temperature) and p.temperature >= 0 and 0 <= p.top_p <= 1
+            and math.isfinite(p.repetition_penalty) and p.repetition_penalty >= 0):
+        raise InvalidArgument("sampling: finite temperature >= 0, 0 <= top_p <= 1 and finite "
                               "repetition_penalty >= 0 are required")
     seed = p.seed & ((1 << 63) - 1) if p.seed else random.getrandbits(62) + 1
     return Sampling(p.temperature, p.top_k, p.top_p or 1.0, seed, p.repetition_penalty or 1.0)
