@@ -14,6 +14,26 @@ from services.common.errors import retry_after_of
 from services.common.gen.lorafleet.v1 import common_pb2
 
 
+def _count(text: str, bits: int = 32) -> int:
+    """An argparse type: a whole number in [0, 2**bits) (the fields are unsigned)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 1 << bits:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (0 to {(1 << bits) - 1})")
+    return value
+
+
+def _seed(text: str) -> int:
+    return _count(text, 64)
+
+
+def _token_ids(text: str) -> list[int]:
+    """An argparse type: comma-separated token ids ("1,2,3")."""
+    return [_count(x) for x in text.split(",") if x.strip()]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lorafleet", description="lorafleet client")
     p.add_argument("--router", default=os.environ.get("LORAFLEET_ROUTER", "127.0.0.1:7001"),
@@ -28,12 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion")
     g.add_argument("prompt", nargs="?", default="", help="prompt text")
     g.add_argument("--adapter", default="", help="adapter id or alias (empty = base model)")
-    g.add_argument("--prompt-ids", default="", help="comma-separated prompt token ids")
-    g.add_argument("--max-new-tokens", type=int, default=0, help="0 = server default")
+    g.add_argument("--prompt-ids", type=_token_ids, default=[],
+                   help="comma-separated prompt token ids")
+    g.add_argument("--max-new-tokens", type=_count, default=0, help="0 = server default")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (0)")
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-k", type=_count, default=0)
     g.add_argument("--top-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--repetition-penalty", type=float, default=0.0)
     g.add_argument("--stop", action="append", default=[], help="stop sequence, repeatable")
     g.add_argument("--stream", action="store_true", help="print tokens as they arrive")
@@ -94,8 +115,7 @@ def stats_dict(s) -> dict:
 
 
 def _generate(c: LorafleetClient, args) -> int:
-    ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()] if args.prompt_ids else []
-    kw = dict(adapter=args.adapter, prompt_ids=ids, max_new_tokens=args.max_new_tokens,
+    kw = dict(adapter=args.adapter, prompt_ids=args.prompt_ids, max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               repetition_penalty=args.repetition_penalty, stop=args.stop)
     if args.stream and not args.json:
@@ -162,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except grpc.RpcError as err:
         delay = retry_after_of(err)
-        hint = f" (retry in {delay:.2f}s)" if delay is not None else ""
+        hint = f" (retry in {delay:.2f}s)" if delay is not None and "retry in" not in (
+            err.details() or "") else ""
         print(f"error: {err.code().name}: {err.details()}{hint}", file=sys.stderr)
         return 1
 

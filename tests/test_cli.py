@@ -1,0 +1,42 @@
+"""The `lorafleet` CLI's argument checks (no services needed): numbers that the unsigned proto
+fields cannot hold, and malformed token ids, are usage errors (exit 2 with the flag named), not
+tracebacks; and the worker refuses NaN and infinite sampling values as the router does."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.client.cli import _parser
+from services.common.errors import InvalidArgument
+from services.common.gen.lorafleet.v1 import common_pb2
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["--top-k", "-3"], "--top-k"),
+    (["--seed", "-1"], "--seed"),
+    (["--max-new-tokens", str(1 << 32)], "--max-new-tokens"),
+    (["--prompt-ids=-5,2"], "--prompt-ids"),
+    (["--prompt-ids", "1,x"], "--prompt-ids"),
+])
+def test_out_of_range_numbers_are_usage_errors(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["generate", *flags, "hi"])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_prompt_ids_and_counts_parse():
+    a = _parser().parse_args(["generate", "--prompt-ids", "1, 2,3", "--seed", str((1 << 64) - 1),
+                              "--max-new-tokens", "7"])
+    assert a.prompt_ids == [1, 2, 3] and a.seed == (1 << 64) - 1 and a.max_new_tokens == 7
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_worker_refuses_non_finite_sampling(field, value):
+    from services.worker.servicer import sampling_from
+    with pytest.raises(InvalidArgument, match="sampling"):
+        sampling_from(common_pb2.SamplingParams(**{field: value}))
+    sampling_from(common_pb2.SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1))
