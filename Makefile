@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
-	$(VPY) -m pip install -q -e ".[engine,dev]"
+	$(VPY) -m pip install -q -e ".[engine,dev,otlp]"
 	touch $(STAMP)
 
 stubs: $(GEN)/.stamp
