@@ -86,6 +86,13 @@ def test_cold_then_warm(env):
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
     assert 'lorafleet_cold_load_seconds_count{tier="source"}' in text
     assert 'lorafleet_cache_hits_total{tier="store_host"}' in text
+    # one miss (the cold fetch) and one hit so far: the hit rate, and the adapter on the host tier
+    rate = next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith('lorafleet_cache_hit_rate{tier="store_host"}'))
+    assert rate == stats.host_hits / (stats.host_hits + stats.host_misses) > 0
+    resident = next(float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("lorafleet_store_host_adapters "))
+    assert resident == 1
 
 
 def test_default_bucket(env):

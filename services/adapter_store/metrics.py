@@ -1,11 +1,12 @@
 """The store's Prometheus metrics (on --metrics-port) and the cold-load window behind Stats.
 
     lorafleet_cache_hits_total{tier="store_host"}      lorafleet_cache_misses_total{tier=...}
+    lorafleet_cache_hit_rate{tier="store_host"}         (gauge: hits / lookups since start)
     lorafleet_cache_evictions_total{tier="store_host"}
     lorafleet_store_source_loads_total{scheme="file|s3", outcome="ok|data_loss|error"}
     lorafleet_cold_load_seconds{tier="source"}          (histogram: read + digest check)
     lorafleet_store_adapters{state="READY|FAILED|REGISTERED"}   (gauge)
-    lorafleet_store_host_bytes                          (gauge)
+    lorafleet_store_host_bytes, lorafleet_store_host_adapters   (gauges: the host tier)
     lorafleet_store_refusals_total{reason="r|use_dora|shape|nonfinite|pickle|..."}
 """
 from __future__ import annotations
@@ -26,9 +27,29 @@ SOURCE_LOADS = Counter("lorafleet_store_source_loads_total",
 COLD_LOAD = Histogram("lorafleet_cold_load_seconds", "Adapter cold-load latency per source tier",
                       ["tier"], buckets=_BUCKETS)
 ADAPTERS = Gauge("lorafleet_store_adapters", "Registered adapters by state", ["state"])
+HIT_RATE = Gauge("lorafleet_cache_hit_rate", "Adapter cache hits / lookups since start",
+                 ["tier"])
 HOST_BYTES = Gauge("lorafleet_store_host_bytes", "Bytes held by the store host tier")
+HOST_ADAPTERS = Gauge("lorafleet_store_host_adapters", "Adapters held by the store host tier")
 REFUSALS = Counter("lorafleet_store_refusals_total", "Adapters refused at validation",
                    ["reason"])
+
+
+for _family in (CACHE_HITS, CACHE_MISSES, CACHE_EVICTIONS, HIT_RATE):
+    _family.labels(TIER)            # the series exist (at 0) before the first lookup
+_lookups = [0, 0]                   # hits, misses
+
+
+def count_lookup(hit: bool) -> None:
+    """One host-tier lookup at Fetch time: its counter and the hit rate."""
+    (CACHE_HITS if hit else CACHE_MISSES).labels(TIER).inc()
+    _lookups[0 if hit else 1] += 1
+    HIT_RATE.labels(TIER).set(_lookups[0] / sum(_lookups))
+
+
+def set_host_tier(resident: int, nbytes: int) -> None:
+    HOST_ADAPTERS.set(resident)
+    HOST_BYTES.set(nbytes)
 
 
 class LatencyWindow:

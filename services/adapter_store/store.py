@@ -149,7 +149,7 @@ class AdapterStore:
     def _forget(self, version: str) -> None:
         if version and not self._registry.version_in_use(version):
             self._cache.remove(version)
-            metrics.HOST_BYTES.set(self._cache.stats().bytes)
+            self._publish_host_tier()
 
     # ---- staging ---------------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class AdapterStore:
                            f"version {record.version} (now {version}); re-register it")
         evicted = self._cache.put(record.version, record.owner, raw.blob)
         metrics.CACHE_EVICTIONS.labels(metrics.TIER).inc(len(evicted))
-        metrics.HOST_BYTES.set(self._cache.stats().bytes)
+        self._publish_host_tier()
         seconds = time.perf_counter() - start
         metrics.observe_source_load(self._window, ref.kind, "ok", seconds)
         return raw.blob, seconds
@@ -213,7 +213,11 @@ class AdapterStore:
 
     @staticmethod
     def _count_host(hit: bool) -> None:
-        (metrics.CACHE_HITS if hit else metrics.CACHE_MISSES).labels(metrics.TIER).inc()
+        metrics.count_lookup(hit)
+
+    def _publish_host_tier(self) -> None:
+        st = self._cache.stats()
+        metrics.set_host_tier(st.resident, st.bytes)
 
     def stats(self) -> StoreStats:
         counts = self._registry.counts()
