@@ -107,5 +107,9 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
                  'lorafleet_tokens_served_total{tenant="t2"} 16.0',
                  'lorafleet_fleet_cache_misses{tier="gpu"} 6.0',
                  'lorafleet_router_cold_load_seconds_count{tier="source"} 4.0',
-                 'lorafleet_fleet_adapters{tier="gpu"} 4.0', "lorafleet_jain_index "):
+                 'lorafleet_fleet_adapters{tier="gpu"} 4.0', "lorafleet_jain_index ",
+                 # the store's tier and count, from its last Stats reply
+                 'lorafleet_fleet_cache_misses{tier="store_host"} 4.0',
+                 'lorafleet_fleet_adapters{tier="store_host"} 4.0',
+                 "lorafleet_adapters_registered 51.0"):
         assert line in metrics, line

@@ -18,6 +18,7 @@ from services.router.quotas import Quotas
 from services.router.resolve import Resolver
 from services.router.servicer import GenerationServicer, RouterApp
 from services.router.stats import FleetCollector, RouterStats
+from services.router.stats_view import poll_store_stats
 from services.router.workers import WorkerSet
 
 log = logging.getLogger("lorafleet.router")
@@ -58,8 +59,12 @@ async def main_async(cfg: RouterConfig) -> None:
         http_port = await gateway.start(cfg.http_listen)
         log.info("OpenAI-compatible HTTP gateway on port %d (/v1/completions, "
                  "/v1/chat/completions, /v1/models)", http_port)
-    await serve(server, health, cfg.grace, name="router",
-                on_drain=gateway.stop if gateway else None)
+    poller = asyncio.get_running_loop().create_task(poll_store_stats(app.store, stats))
+    try:
+        await serve(server, health, cfg.grace, name="router",
+                    on_drain=gateway.stop if gateway else None)
+    finally:
+        poller.cancel()
     await workers.close()
 
 

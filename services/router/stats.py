@@ -58,6 +58,9 @@ class TenantRecord:
 
 class RouterStats:
     def __init__(self, working_set_window: float = 600.0):
+        # the store's last Stats reply (GetStats and poll_store_stats refresh it): the store
+        # tier's cache figures and adapter counts on the router's /metrics
+        self.store_snapshot = None
         self.tenants: dict[str, TenantRecord] = {}
         self.window = working_set_window
         self._adapters_seen: dict[str, float] = {}
@@ -105,7 +108,9 @@ class RouterStats:
 
 class FleetCollector:
     """Prometheus collector over the live residency view (services.router.workers.WorkerSet):
-    per worker tier, cache hits, misses and hit rate, and resident adapters; live workers."""
+    per worker tier, cache hits, misses and hit rate, and resident adapters; live workers. The
+    store's tier (`store_host`) and the registered count come from the store's last Stats
+    reply (RouterStats.store_snapshot), so /metrics carries all four signals as GetStats does."""
 
     def __init__(self, workers, stats: RouterStats):
         self.workers, self.stats = workers, stats
@@ -118,6 +123,9 @@ class FleetCollector:
                 acc = counts.setdefault(tier, [0, 0])
                 acc[0] += c.hits
                 acc[1] += c.misses
+        store = self.stats.store_snapshot
+        if store is not None:
+            counts["store_host"] = [store.host_hits, store.host_misses]
         names = ("hits", "misses", "hit_rate")
         families = {n: GaugeMetricFamily(f"lorafleet_fleet_cache_{n}",
                                          f"Adapter cache {n.replace('_', ' ')} per worker tier, "
@@ -133,7 +141,12 @@ class FleetCollector:
         resident.add_metric(["gpu"], sum(len(w.view().resident) for w in live))
         resident.add_metric(["worker_host"], sum(
             1 for w in live for a in w.adapters.values() if a.tier))
+        if store is not None:
+            resident.add_metric(["store_host"], store.host_resident)
         yield resident
+        if store is not None:
+            yield GaugeMetricFamily("lorafleet_adapters_registered", "Adapters registered in "
+                                    "the store", value=store.registered)
         yield GaugeMetricFamily("lorafleet_working_set_adapters", "Distinct adapters requested "
                                 "in the recent window", value=self.stats.working_set())
         yield GaugeMetricFamily("lorafleet_workers_live", "Workers with a live residency stream",

@@ -26,7 +26,19 @@ async def _gather(app):
             return None
     workers = list(app.workers.live().values())
     results = await asyncio.gather(store(), *(info(w) for w in workers))
+    if results[0] is not None:
+        app.stats.store_snapshot = results[0]
     return results[0], [r for r in results[1:] if r is not None]
+
+
+async def poll_store_stats(store, stats, period: float = 10.0) -> None:
+    """Keep RouterStats.store_snapshot fresh for /metrics (the collector cannot await)."""
+    while True:
+        try:
+            stats.store_snapshot = await store.Stats(spb.StoreStatsRequest(), timeout=5)
+        except grpc.RpcError:
+            pass                       # the store is down: keep the last figures
+        await asyncio.sleep(period)
 
 
 def _tier(name: str, hits: int, misses: int) -> rpb.TierStats:
