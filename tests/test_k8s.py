@@ -261,6 +261,17 @@ def test_every_service_selects_pods_that_expose_its_ports(docs):
             assert port.get("targetPort", port["port"]) in exposed, (svc["metadata"]["name"], port)
 
 
+def test_every_container_port_is_one_the_service_listens_on(docs):
+    """A declared container port has a flag that makes the process listen there (the dev
+    overlay's router once declared the HTTP port 8080 without --http-listen)."""
+    listen_flags = ("--listen", "--http-listen", "--metrics-port")
+    for _, c, component, args in service_containers(docs):
+        bound = {host_port(flag(args, f))[1] if ":" in (flag(args, f) or "") else
+                 int(flag(args, f)) for f in listen_flags if flag(args, f)}
+        for port in c.get("ports", []):
+            assert port["containerPort"] in bound, (component, port, sorted(bound))
+
+
 def test_in_cluster_addresses_are_services(docs):
     for _, _, component, args in service_containers(docs):
         for name in ("--store", "--worker", "--otlp-endpoint", "--s3-endpoint"):
