@@ -1,8 +1,9 @@
 """OpenTelemetry across router -> worker -> store, read back from each service's --trace-file: one
 cold request (an adapter on S3, loaded nowhere yet) is one trace over the three services, with a
-`lora.cold_load` span whose children are the store fetch (and under it the S3 get) and the
-host-to-device copy, carrying adapter id, bytes, tier and tenant. Validation happens once, at
-register: that trace (router -> store) holds `store.validate` over its S3 get."""
+`lora.cold_load` span whose children are the store fetch (and under it the S3 get), the worker's
+validation of the fetched adapter against its model, and the host-to-device copy, carrying
+adapter id, bytes, tier and tenant. The store validates the adapter in full once, at register:
+that trace (router -> store) holds `store.validate` over its S3 get."""
 from __future__ import annotations
 
 import collections
@@ -134,6 +135,8 @@ def test_cold_request_is_one_trace_across_the_services(lora_fleet, moto, tmp_pat
     assert trace.parent(trace.one("store.verify")) is fetch      # the digest check
     assert sum(g["attributes"]["lora.bytes"] for g in gets) > info.bytes
     assert trace.parent(trace.one("lora.host_to_device")) is cold
+    checked = trace.one("lora.validate")         # the worker, against its served model
+    assert trace.parent(checked) is cold and checked["attributes"]["lora.bytes"] == info.bytes
 
     # Validation runs once, when the adapter is registered: router -> store -> validate -> S3.
     reg = next(s for s in spans if s["name"] == "router.register")

@@ -161,8 +161,12 @@ class AdapterManager:
         return layout, fetched.tier
 
     def _layout(self, blob: bytes, config: dict) -> AdapterLayout:
-        """Parse the (already validated, digest-checked) safetensors bytes into a pool blob."""
-        with _tracer.start_as_current_span("lora.unpack"):
+        """Check the fetched safetensors bytes (validated by the store at registration,
+        digest-checked in transit) against this worker's model: every tensor a LoRA A/B of a
+        supported projection, pairs complete, shapes matching; and lay them out as a pool blob.
+        Traced as the cold load's `lora.validate` span."""
+        with _tracer.start_as_current_span("lora.validate") as span:
+            span.set_attribute("lora.bytes", len(blob))
             return build_layout(load_safetensors(blob), config, self.spec, self.pool.dtype,
                                 pin=self.pin)
 
