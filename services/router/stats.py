@@ -128,16 +128,18 @@ class FleetCollector:
             counts["store_host"] = [store.host_hits, store.host_misses]
         names = ("hits", "misses", "hit_rate")
         families = {n: GaugeMetricFamily(f"lorafleet_fleet_cache_{n}",
-                                         f"Adapter cache {n.replace('_', ' ')} per worker tier, "
-                                         "summed over live workers", labels=["tier"])
+                                         f"Adapter cache {n.replace('_', ' ')} per tier (worker "
+                                         "tiers summed over live workers; store_host from the "
+                                         "store)", labels=["tier"])
                     for n in names}
         for tier, (hits, misses) in counts.items():
             families["hits"].add_metric([tier], hits)
             families["misses"].add_metric([tier], misses)
             families["hit_rate"].add_metric([tier], hits / (hits + misses) if hits + misses else 0)
         yield from families.values()
-        resident = GaugeMetricFamily("lorafleet_fleet_adapters", "Adapters resident per worker "
-                                     "tier, summed over live workers", labels=["tier"])
+        resident = GaugeMetricFamily("lorafleet_fleet_adapters", "Adapters resident per tier "
+                                     "(worker tiers summed over live workers; store_host from "
+                                     "the store)", labels=["tier"])
         resident.add_metric(["gpu"], sum(len(w.view().resident) for w in live))
         resident.add_metric(["worker_host"], sum(
             1 for w in live for a in w.adapters.values() if a.tier))
