@@ -40,9 +40,10 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         s3.put_object(Bucket=BUCKET, Key=f"shared/cold/{name}",
                       Body=(adapters / "a20" / name).read_bytes())
-    metrics_port = free_port()
+    metrics_port, worker_metrics_port = free_port(), free_port()
     stack = Stack(base, adapters, tmp_path, env=S3_ENV, store_args=["--s3-endpoint", moto.endpoint],
-                  router_args=["--metrics-port", str(metrics_port)])
+                  router_args=["--metrics-port", str(metrics_port)],
+                  worker_args=["--metrics-port", str(worker_metrics_port)])
     try:
         router = stack.router.addr
         cli("--router", router, "--token", "ops", "register", "--id", "cold2",
@@ -67,6 +68,8 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
         text = cli("--router", router, "stats")
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                          timeout=10).read().decode()
+        worker_metrics = urllib.request.urlopen(f"http://127.0.0.1:{worker_metrics_port}/metrics",
+                                                timeout=10).read().decode()
     finally:
         codes = stack.terminate()
         moto.stop()
@@ -95,6 +98,10 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
     for tier in cache.values():
         total = tier["hits"] + tier["misses"]
         assert tier["hit_rate"] == pytest.approx(tier["hits"] / total)
+    for name in ("gpu", "worker_host"):             # the one worker's own page, same rates
+        line = next(x for x in worker_metrics.splitlines()
+                    if x.startswith(f'lorafleet_cache_hit_rate{{tier="{name}"}}'))
+        assert float(line.split()[-1]) == pytest.approx(cache[name]["hit_rate"])
     cold = stats["cold_load_seconds"]
     assert {k: v["count"] for k, v in cold.items()} == {"source": 4, "store_host": 1,
                                                         "worker_host": 1}

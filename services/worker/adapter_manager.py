@@ -81,9 +81,9 @@ class AdapterManager:
         if slot is not None and self.gpu.touch(key):
             self.gpu.pin(key)
             self._use(key, +1)
-            metrics.CACHE.labels("gpu", "hit").inc()
+            metrics.count_lookup("gpu", True)
             return Acquired(key, slot, common_pb2.GPU, 0.0)
-        metrics.CACHE.labels("gpu", "miss").inc()
+        metrics.count_lookup("gpu", False)
         start = time.monotonic()
         with _tracer.start_as_current_span("lora.cold_load") as span:
             span.set_attributes({"lora.adapter_id": adapter_id, "lora.version": version,
@@ -142,9 +142,9 @@ class AdapterManager:
 
     async def _host_layout(self, key, adapter_id, version, tenant, deadline):
         if key in self.host_blobs and self.host.touch(key):
-            metrics.CACHE.labels("worker_host", "hit").inc()
+            metrics.count_lookup("worker_host", True)
             return self.host_blobs[key], common_pb2.WORKER_HOST
-        metrics.CACHE.labels("worker_host", "miss").inc()
+        metrics.count_lookup("worker_host", False)
         timeout = None if deadline is None else max(0.01, deadline - time.monotonic())
         with _tracer.start_as_current_span("lora.store_fetch") as span:
             fetched = await self.store.fetch(adapter_id, version, timeout)
