@@ -16,6 +16,8 @@ from collections import deque
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.common import hit_rate
+
 TIER = "store_host"
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -27,24 +29,21 @@ SOURCE_LOADS = Counter("lorafleet_store_source_loads_total",
 COLD_LOAD = Histogram("lorafleet_cold_load_seconds", "Adapter cold-load latency per source tier",
                       ["tier"], buckets=_BUCKETS)
 ADAPTERS = Gauge("lorafleet_store_adapters", "Registered adapters by state", ["state"])
-HIT_RATE = Gauge("lorafleet_cache_hit_rate", "Adapter cache hits / lookups since start",
-                 ["tier"])
 HOST_BYTES = Gauge("lorafleet_store_host_bytes", "Bytes held by the store host tier")
 HOST_ADAPTERS = Gauge("lorafleet_store_host_adapters", "Adapters held by the store host tier")
 REFUSALS = Counter("lorafleet_store_refusals_total", "Adapters refused at validation",
                    ["reason"])
 
 
-for _family in (CACHE_HITS, CACHE_MISSES, CACHE_EVICTIONS, HIT_RATE):
+for _family in (CACHE_HITS, CACHE_MISSES, CACHE_EVICTIONS):
     _family.labels(TIER)            # the series exist (at 0) before the first lookup
-_lookups = [0, 0]                   # hits, misses
+hit_rate.declare(TIER)
 
 
 def count_lookup(hit: bool) -> None:
     """One host-tier lookup at Fetch time: its counter and the hit rate."""
     (CACHE_HITS if hit else CACHE_MISSES).labels(TIER).inc()
-    _lookups[0 if hit else 1] += 1
-    HIT_RATE.labels(TIER).set(_lookups[0] / sum(_lookups))
+    hit_rate.count(TIER, hit)
 
 
 def set_host_tier(resident: int, nbytes: int) -> None:
