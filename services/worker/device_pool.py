@@ -65,15 +65,29 @@ class DevicePool:
             layout.blob.numel())
 
     def place(self, key: str, layout: AdapterLayout) -> int:
-        """Copy the blob in and fill its slot's table entries; returns the slot."""
+        """Copy the blob in and fill its slot's table entries; returns the slot.
+
+        The range and slot are reserved first; the key becomes visible (`slot_of`) only once
+        its blob and tables are written, so a concurrent lookup never gets a half-placed slot
+        (one did: a second request for an adapter whose first load was still copying ran with
+        the slot's old contents)."""
+        n = layout.blob.numel()
         with self._lock:
-            n = layout.blob.numel()
             start = self.alloc.alloc(n) if self._free_slots else None
             if start is None:
                 raise PoolFull(key)
             slot = self._free_slots.pop()
+        try:
+            self._copy(start, layout, slot)
+        except BaseException:
+            with self._lock:
+                self._clear_slot(slot)
+                self.alloc.release(start, n)
+                self._free_slots.append(slot)
+            raise
+        with self._lock:
             self._placed[key] = (slot, start, n, layout.rank)
-        self._copy(start, layout, slot)
+            self.tables.max_rank = max(r for _, _, _, r in self._placed.values())
         return slot
 
     def _copy(self, start: int, layout: AdapterLayout, slot: int) -> None:
@@ -102,19 +116,21 @@ class DevicePool:
         t.scales_host[slot] = layout.scale
         t.slot_groups[slot] = sum(GROUP_BIT[g] for g, offs in layout.offsets.items()
                                   if (offs >= 0).any())
-        t.max_rank = max(r for _, _, _, r in self._placed.values())
 
     def remove(self, key: str) -> None:
         """Free the adapter's range and slot (the caller guarantees no row uses it)."""
         with self._lock:
             slot, start, n, _ = self._placed.pop(key)
-            t = self.tables
-            for g in GROUPS:
-                t.a_off[g][:, :, slot] = -1
-                t.b_off[g][:, :, slot] = -1
-                t.a_off_host[g][:, :, slot] = -1
-                t.b_off_host[g][:, :, slot] = -1
-            t.slot_groups[slot] = 0
+            self._clear_slot(slot)
             self.alloc.release(start, n)
             self._free_slots.append(slot)
-            t.max_rank = max((r for _, _, _, r in self._placed.values()), default=1)
+            self.tables.max_rank = max((r for _, _, _, r in self._placed.values()), default=1)
+
+    def _clear_slot(self, slot: int) -> None:
+        t = self.tables
+        for g in GROUPS:
+            t.a_off[g][:, :, slot] = -1
+            t.b_off[g][:, :, slot] = -1
+            t.a_off_host[g][:, :, slot] = -1
+            t.b_off_host[g][:, :, slot] = -1
+        t.slot_groups[slot] = 0
