@@ -55,6 +55,11 @@ class SplitConfig:
     one_launch: bool = False  # both phases in one launch with a grid barrier (GPU only)
     progs_per_sm: int = 4     # two-launch grids: programs per SM
     block_k: int = 0          # the shrink's K step (0: 128 at rank <= 32, else 64)
+    # the rank rows of A one shrink item takes (0: the whole rank tile). Narrower items give
+    # more, shorter chains: rank 64 in four 16-row items, with its own grid of
+    # shrink_progs_per_sm programs an SM (0: progs_per_sm), as many as rank 16's
+    shrink_rank: int = 0
+    shrink_progs_per_sm: int = 0
 
 
 def _overrides() -> dict:
@@ -110,18 +115,24 @@ def _pick(t_rows: int, max_rank: int, pdl_on: bool) -> SplitConfig:
     adapters 12.9 us against 10.3). Grids take as many programs an SM as the registers leave
     resident (tests/test_sgmv.py checks it with ptxas): four at rank 16, three at 32 (not
     measured on the GPU), two at 64+ (256 rows x 32 adapters 29.3 us against 24.1), and, above
-    16 rows, the
-    one-launch form only where the two launches would go without programmatic dependent launch
-    (there it is 10-12% faster at 32 adapters, 9% slower with one); with PDL two launches win at
-    every decode shape (64 rows x 8 adapters 13.6 us against 17.5). Above 256 rows: 64-row
-    tiles, 512-wide K chunks, two launches (at 1024 rows and one adapter 19.4 us against the
-    fused kernel's 24.0 at rank 16, 27.7 against 33.8 at rank 64)."""
+    16 rows, the one-launch form only where the two launches would go without programmatic
+    dependent launch (there it is 10-12% faster at 32 adapters, 9% slower with one); with PDL
+    two launches win at every decode shape (64 rows x 8 adapters 13.6 us against 17.5).
+    At rank 64+ the shrink cuts the rank tile in items of 32 rows of A, on a grid of four
+    programs an SM (its registers allow it; the expand's do not): more, shorter chains (seventh
+    session, chained, 8 adapters: 16 rows 12.8 -> 11.0 us, 64 rows 13.0 -> 11.3, 256 rows
+    16.4 -> 14.9; 256 rows x 32 adapters 24.0 -> 22.0). Items of 16 rows were slower at 32+
+    adapters; rank 32 gained from neither (bench/results/ab/timeline-sgmv-rank-split*-h200.txt).
+    Above 256 rows: 64-row tiles, 512-wide K chunks, two launches (at 1024 rows and one adapter
+    19.4 us against the fused kernel's 24.0 at rank 16, 27.7 against 33.8 at rank 64)."""
     big_rank = max_rank > 32
     if t_rows > 256:                 # prefill-sized: 64-row tiles, K in 512-wide chunks
         return SplitConfig(block_m=64, block_n=128 if big_rank else 256, k_chunk=512)
     if not big_rank:     # the rank-32 expand holds 166 registers a thread: three an SM
         return SplitConfig(block_n=128, progs_per_sm=4 if max_rank <= 16 else 3)
-    return SplitConfig(block_n=128, progs_per_sm=2, one_launch=t_rows > 16 and not pdl_on)
+    # rank 64+: the shrink takes 32 rows of A an item, four programs an SM
+    return SplitConfig(block_n=128, progs_per_sm=2, one_launch=t_rows > 16 and not pdl_on,
+                       shrink_rank=32, shrink_progs_per_sm=4)
 
 
 @triton.jit
@@ -218,22 +229,28 @@ def _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_p
                   N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                  USE_PDL: tl.constexpr):
-    """Work items (row tile, slice, K chunk): v[chunk, slice, rows] = x[rows, Kc] @ A[:, Kc].T
+                  USE_PDL: tl.constexpr, RANK_SPLIT: tl.constexpr):
+    """Work items (row tile, slice, K chunk, rank part):
+    v[chunk, slice, rows, part] = x[rows, Kc] @ A[part, Kc].T
 
+    The rank tile is cut in RANK_SPLIT parts of RANK_BLOCK // RANK_SPLIT rows of A, each its
+    own item (x is read once a part, from L2). `budget` is the expand's: the number of K chunks
+    depends on the live tiles and slices only, so both phases compute it alike.
     Under PDL the segment and offset tables (written before the step, never by the kernel
     before this one) are read before the wait; x and the scratch after it."""
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
                                                      SEG_BLOCK, BLOCK_M)
     n_ks = _k_split(tiles, n_ks, budget, N_SLICES)
     chunk = ((K + n_ks - 1) // n_ks + BLOCK_K - 1) // BLOCK_K * BLOCK_K
-    total = tl.sum(tiles) * N_SLICES * n_ks
+    total = tl.sum(tiles) * N_SLICES * n_ks * RANK_SPLIT
+    PART: tl.constexpr = RANK_BLOCK // RANK_SPLIT
     rm = tl.arange(0, BLOCK_M)
-    rr = tl.arange(0, RANK_BLOCK)
+    rr = tl.arange(0, PART)
     for w in range(pid, total, nprog):
-        ks = w % n_ks
-        j = (w // n_ks) % N_SLICES
-        tile = w // (n_ks * N_SLICES)
+        part = w % RANK_SPLIT
+        ks = (w // RANK_SPLIT) % n_ks
+        j = (w // (RANK_SPLIT * n_ks)) % N_SLICES
+        tile = w // (RANK_SPLIT * n_ks * N_SLICES)
         s, row0, m_len = _locate(tile, si, lo, hi, slot, tiles, tiles_end, BLOCK_M)
         a_o = tl.load(a_off_ptr + j * n_slots + s)
         rank = tl.load(ranks_ptr + s)
@@ -241,10 +258,10 @@ def _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_p
         if a_o >= 0:
             rows = (row0 + rm).to(tl.int64)
             row_ok = rm < m_len
-            acc = _shrink_chunk(x_ptr, pool_ptr, a_o, rank, rows, row_ok,
-                                ks * chunk, tl.minimum(ks * chunk + chunk, K), K, stride_x,
-                                BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST, STAGES)
-            v_rows = ((ks * N_SLICES + j) * T + rows) * RANK_BLOCK
+            acc = _shrink_chunk(x_ptr, pool_ptr, a_o + part * PART * K, rank - part * PART,
+                                rows, row_ok, ks * chunk, tl.minimum(ks * chunk + chunk, K), K,
+                                stride_x, BLOCK_M, BLOCK_K, PART, DOT_PREC, UPCAST, STAGES)
+            v_rows = ((ks * N_SLICES + j) * T + rows) * RANK_BLOCK + part * PART
             tl.store(v_ptr + v_rows[:, None] + rr[None, :], acc, mask=row_ok[:, None])
     wait_then_release(USE_PDL)               # a program without items waits too
 
@@ -329,11 +346,11 @@ def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slo
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr, RANK_SPLIT: tl.constexpr):
     _shrink_items(tl.program_id(0), tl.num_programs(0), x_ptr, pool_ptr, a_off_ptr, ranks_ptr,
                   seg_start_ptr, seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x,
                   budget, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST,
-                  STAGES, USE_PDL)
+                  STAGES, USE_PDL, RANK_SPLIT)
 
 
 @triton.jit
@@ -362,7 +379,7 @@ def _one_launch_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, 
     _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr,
                   seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x, nprog,
                   N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST, STAGES,
-                  USE_PDL)
+                  USE_PDL, 1)
     _grid_sync(bar_ptr, nprog, SPIN_LIMIT)
     _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
                   seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
@@ -432,24 +449,34 @@ def _progs(device: torch.device, per_sm: int = 4) -> int:
                          torch.cuda.current_device())
 
 
+def _rank_split(cfg: SplitConfig, rank_block: int) -> int:
+    """How many items a shrink cuts the rank tile into (parts of at least 16 rows of A)."""
+    part = min(rank_block, max(16, cfg.shrink_rank or rank_block))
+    return rank_block // part
+
+
 def _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, tiles_bound, block_k,
                    cfg: SplitConfig, common) -> int:
-    """The shrink phase alone: v[ks, slice, rows] partials. Returns its grid size, which the
-    reader of v passes as `budget` so that it sums the same number of K chunks."""
+    """The shrink phase alone: v[ks, slice, rows] partials. Returns the `budget` that the
+    reader of v passes so that it sums the same number of K chunks: the grid size, over the
+    rank parts (each K chunk of a tile and slice is that many items)."""
     n_ks, n_slices = v.shape[0], v.shape[1]
-    grid = max(1, min(_progs(x.device, cfg.progs_per_sm), tiles_bound * n_slices * n_ks))
+    split = _rank_split(cfg, v.shape[3])
+    per_sm = cfg.shrink_progs_per_sm or cfg.progs_per_sm
+    grid = max(1, min(_progs(x.device, per_sm), tiles_bound * n_slices * n_ks * split))
+    budget = max(1, grid // split)
     _shrink_kernel[(grid,)](
         x, pool, a_off, ranks, seg_start, seg_slot, v, x.shape[1], x.shape[0], ranks.shape[0],
-        seg_slot.shape[0], n_ks, x.stride(0), grid, BLOCK_K=block_k, STAGES=cfg.stages, **common,
-        **launch_args(x.device, x.shape[0] <= pdl.SGMV_MAX_ROWS))
-    return grid
+        seg_slot.shape[0], n_ks, x.stride(0), budget, BLOCK_K=block_k, STAGES=cfg.stages,
+        RANK_SPLIT=split, **common, **launch_args(x.device, x.shape[0] <= pdl.SGMV_MAX_ROWS))
+    return budget
 
 
 @dataclass
 class Shrunk:
     """The output of `shrink`: what an expand (or a GEMM epilogue) needs to read v."""
     v: torch.Tensor        # fp32 [KS, n_slices, T, RANK_BLOCK] partial sums over K chunks
-    budget: int            # the shrink's grid size (fixes how many chunks are live)
+    budget: int            # from the shrink's grid size: fixes how many chunks are live
     block_m: int           # the shrink's row tile
     seg_block: int
 
@@ -471,7 +498,7 @@ def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: 
                   num_warps=cfg.num_warps, num_stages=1)
     grid = _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v,
                           triton.cdiv(t_rows, cfg.block_m) + n_segs,
-                          _block_k(cfg, rb), cfg, common)
+                          _block_k(cfg, rb // _rank_split(cfg, rb)), cfg, common)
     return Shrunk(v, grid, cfg.block_m, seg_block)
 
 

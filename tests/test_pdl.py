@@ -28,7 +28,7 @@ KERNELS = {
     "sgmv_split._shrink_kernel": (
         [BF16] * 2 + [I64, "*i32", "*i32", "*i32", F32] + [I32] * 7,
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, RANK_BLOCK=16,
-             DOT_PREC="tf32", UPCAST=False, STAGES=3)),
+             DOT_PREC="tf32", UPCAST=False, STAGES=3, RANK_SPLIT=1)),
     "sgmv_split._expand_kernel": (
         [BF16] * 2 + [I64, "*i32", F32, "*i32", "*i32", F32] + [I32] * 12,
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_N=256, RANK_BLOCK=16,

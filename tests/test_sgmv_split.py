@@ -48,8 +48,10 @@ def case(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
     return (out.float() - ref).abs().max().item()
 
 
-# the launch forms, and a K step other than the one derived from the rank
-VARIANTS = [{}, {"one_launch": True}, {"block_k": 32}, {"one_launch": True, "block_k": 32}]
+# the launch forms, a K step other than the one derived from the rank, and shrink items of
+# part of the rank tile (rank 33's tile of 64 in parts of 16: the last part has no live row)
+VARIANTS = [{}, {"one_launch": True}, {"block_k": 32}, {"one_launch": True, "block_k": 32},
+            {"shrink_rank": 16}, {"shrink_rank": 32, "block_k": 32}]
 CASES = [
     (10, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (4, -1), (2, 3)], 1e-3),
     (37, 128, (0, 64), [4, 64], [(20, 1), (17, 0)], 1e-3),
@@ -74,7 +76,7 @@ if __name__ == "__main__":
             assert err < tol, (T, K, knobs, err)
             print("ok", T, K, knobs, err)
     err = case(12, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (6, 3), (2, 1)],
-               torch.bfloat16, block_k=32)
+               torch.bfloat16, block_k=32, shrink_rank=16)
     assert err < 0.05, err
     print("ok bf16", err)
 
@@ -91,6 +93,11 @@ def test_pick_takes_one_launch_only_for_big_ranks_without_pdl(monkeypatch):
     assert not pick_split_config(16, 64, pdl_on=False).one_launch
     assert not pick_split_config(64, 16, pdl_on=False).one_launch
     assert not pick_split_config(1024, 64, pdl_on=False).one_launch
+    # decode rank 64+: shrink items of 32 rows of A; rank 32 and below, and prefill: whole tile
+    from kernels.sgmv_split import _rank_split
+    for t, r, split in ((64, 64, 2), (256, 128, 4), (64, 32, 1), (64, 16, 1), (1024, 64, 1)):
+        cfg = pick_split_config(t, r)
+        assert _rank_split(cfg, max(16, r)) == split, (t, r, cfg)
     monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", "one_launch=0,k_chunk=512,progs_per_sm=2")
     cfg = pick_split_config(64, 64, pdl_on=False)
     assert (cfg.one_launch, cfg.k_chunk, cfg.progs_per_sm, cfg.block_n) == (False, 512, 2, 128)
