@@ -1,0 +1,112 @@
+"""Would the LoRA shrink cost less as extra columns of the base GEMM? (A premise check.)
+
+Decode at batch T with n rank-r adapters on q/k/v (or o): today a layer runs the cuBLAS GEMM,
+then the SGMV shrink and expand (two Triton launches). The alternative: the batch's adapters'
+A matrices sit as extra columns beside the base weight ([K, N + n*slices*r], the [K, N] layout
+the engine already uses), so one cuBLAS GEMM yields both x @ W and every x @ A_i, and only the
+expand remains. Measured here as CUDA-graph chains over `--layers` layers (each its own weights,
+so every call reads cold memory), per layer:
+
+  base        y = x @ W                                   (no LoRA)
+  base+sgmv   y = x @ W; sgmv_split(y, x, ...)            (today)
+  ext         out = x @ [W | A_1 .. A_n]                  (the wider GEMM alone)
+  ext+expand  out = x @ [W | A...]; the SGMV expand of one K partial (what remains)
+
+    python bench/shrink_in_gemm.py [--rows 64] [--adapters 32] [--rank 16] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.kernel_bench import time_us  # noqa: E402
+from kernels.sgmv_split import Shrunk, expand, pick_split_config, sgmv_split  # noqa: E402
+
+GROUPS = {"qkv": (4096, [0, 4096, 8192, 12288]), "o": (4096, [0, 4096])}
+
+
+def layer(k, slices, t, n, r, dev, gen):
+    n_out, n_sl = slices[-1], len(slices) - 1
+    dt = torch.bfloat16
+    w = (torch.randn(k, n_out + n * n_sl * r, generator=gen, device=dev) / k ** 0.5).to(dt)
+    per = r * k + r * (n_out // n_sl)
+    pool = (torch.randn(n * n_sl * per, generator=gen, device=dev) * 0.05).to(dt)
+    idx = torch.arange(n, device=dev)
+    a_off = torch.stack([(idx * n_sl + j) * per for j in range(n_sl)])        # [slices, n]
+    lens = [t // n + (i < t % n) for i in range(n)]
+    starts = [0]
+    for ln in lens:
+        starts.append(starts[-1] + ln)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    return dict(w=w, n_out=n_out, pool=pool, a_off=a_off, b_off=a_off + r * k,
+                ranks=torch.full((n,), r, dtype=torch.int32, device=dev),
+                scales=torch.full((n,), 2.0, dtype=torch.float32, device=dev),
+                seg_start=i32(starts), seg_slot=i32(list(range(n))),
+                x=torch.randn(t, k, generator=gen, device=dev).to(dt),
+                v=torch.zeros(1, n_sl, t, max(16, r), dtype=torch.float32, device=dev))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--adapters", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--out", type=pathlib.Path)
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    t, n, r = a.rows, a.adapters, a.rank
+    rows = []
+    for g, (k, slices) in GROUPS.items():
+        ls = [layer(k, slices, t, n, r, dev, gen) for _ in range(a.layers)]
+        cfg = pick_split_config(t, r)
+        n_sl = len(slices) - 1
+
+        def base(p):
+            return lambda: torch.mm(p["x"], p["w"][:, :p["n_out"]])
+
+        def base_sgmv(p):
+            def run():
+                y = torch.mm(p["x"], p["w"][:, :p["n_out"]])
+                sgmv_split(y, p["x"], p["pool"], p["a_off"], p["b_off"], p["ranks"],
+                           p["scales"], slices, p["seg_start"], p["seg_slot"], r)
+            return run
+
+        def ext(p):
+            return lambda: torch.mm(p["x"], p["w"])
+
+        def ext_expand(p):
+            sh = Shrunk(p["v"], 4 * 132, cfg.block_m, max(16, 1 << (n - 1).bit_length()))
+
+            def run():
+                out = torch.mm(p["x"], p["w"])
+                expand(out[:, :p["n_out"]], sh, p["pool"], p["b_off"], p["ranks"],
+                       p["scales"], slices, p["seg_start"], p["seg_slot"], r, cfg)
+            return run
+
+        for name, mk in (("base", base), ("base+sgmv", base_sgmv), ("ext", ext),
+                         ("ext+expand", ext_expand)):
+            us = time_us([mk(p) for p in ls], dev, 50, 300)
+            rows.append({"group": g, "variant": name, "T": t, "n": n, "rank": r,
+                         "extra_cols": n * n_sl * r, "us_per_layer": round(us, 2)})
+            print(f"{g:4s} {name:11s} {us:7.2f} us a layer", flush=True)
+        del ls
+        torch.cuda.empty_cache()
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "shrink-in-gemm-h200.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
