@@ -23,7 +23,11 @@ programs run one after another, it runs as one program.
 
 Shapes: as sgmv_ref. Scratch: v [KS, n_slices, T, RANK_BLOCK] fp32, KS = cdiv(K, k_chunk); the
 kernels use only as many K chunks (<= KS) as fill the grid once: few live tiles (one adapter,
-decode) take many short chunks, many segments take fewer, longer ones.
+decode) take many short chunks, many segments take fewer, longer ones. At rank 64+ a shrink item
+takes part of the rank tile (SplitConfig.shrink_rank), and with few segments the last K chunk
+of each (tile, slice, part) to finish sums the partials into vsum [n_slices, T, RANK_BLOCK]
+(SplitConfig.reduce; per-device arrival counters that each call leaves zero), so the expand
+reads one partial.
 """
 from __future__ import annotations
 
@@ -60,6 +64,9 @@ class SplitConfig:
     # shrink_progs_per_sm programs an SM (0: progs_per_sm), as many as rank 16's
     shrink_rank: int = 0
     shrink_progs_per_sm: int = 0
+    # the shrink's last K chunk of a (tile, slice, rank part) to finish sums the partials
+    # (an arrival counter), so that the expand reads one partial, not one a K chunk
+    reduce: bool = False
 
 
 def _overrides() -> dict:
@@ -99,15 +106,21 @@ def _parse_overrides(text: str) -> dict:
     return out
 
 
-def pick_split_config(t_rows: int, max_rank: int, pdl_on: bool = True) -> SplitConfig:
+REDUCE_MAX_SEGS = 16     # rank 64+ decode calls with at most this many segments: `reduce`
+
+
+def pick_split_config(t_rows: int, max_rank: int, pdl_on: bool = True,
+                      n_segs: int | None = None) -> SplitConfig:
     """The config for T rows and this rank tile (_pick), with LORAFLEET_SGMV_SPLIT over it.
-    pdl_on: whether the two-launch form would launch with programmatic dependent launch."""
-    cfg = _pick(t_rows, max_rank, pdl_on)
+    pdl_on: whether the two-launch form would launch with programmatic dependent launch.
+    n_segs: the length of the call's segment table (live, base-only and padded segments: a
+    bound on the adapters present), when the caller knows it."""
+    cfg = _pick(t_rows, max_rank, pdl_on, n_segs)
     over = _overrides()
     return dataclasses.replace(cfg, **over) if over else cfg
 
 
-def _pick(t_rows: int, max_rank: int, pdl_on: bool) -> SplitConfig:
+def _pick(t_rows: int, max_rank: int, pdl_on: bool, n_segs: int | None = None) -> SplitConfig:
     """From the H200 runs (bench/results/sgmv-sweep-h200.json, and the fifth session's
     bench/results/ab/timeline-*.txt; chained calls). Up to 256 rows: 16-row tiles, 256-wide K
     chunks and 128-column expand steps (256 made the rank-16 expand hold 144-165 registers a
@@ -123,6 +136,11 @@ def _pick(t_rows: int, max_rank: int, pdl_on: bool) -> SplitConfig:
     session, chained, 8 adapters: 16 rows 12.8 -> 11.0 us, 64 rows 13.0 -> 11.3, 256 rows
     16.4 -> 14.9; 256 rows x 32 adapters 24.0 -> 22.0). Items of 16 rows were slower at 32+
     adapters; rank 32 gained from neither (bench/results/ab/timeline-sgmv-rank-split*-h200.txt).
+    With few segments (at most REDUCE_MAX_SEGS) the shrink also sums the partials (`reduce`):
+    8 adapters, 16 / 64 / 256 rows 11.1 -> 10.5 / 11.3 -> 10.6 / 15.0 -> 14.4 us, with 16-row
+    items up to 64 rows and 32-row ones (164 registers: three programs an SM) above; with 32
+    adapters it lost 3 us (bench/results/ab/timeline-sgmv-reduce-split-h200.txt). A captured
+    decode graph's segment table is as long as its batch: graphs of up to 16 rows take it.
     Above 256 rows: 64-row tiles, 512-wide K chunks, two launches (at 1024 rows and one adapter
     19.4 us against the fused kernel's 24.0 at rank 16, 27.7 against 33.8 at rank 64)."""
     big_rank = max_rank > 32
@@ -130,7 +148,13 @@ def _pick(t_rows: int, max_rank: int, pdl_on: bool) -> SplitConfig:
         return SplitConfig(block_m=64, block_n=128 if big_rank else 256, k_chunk=512)
     if not big_rank:     # the rank-32 expand holds 166 registers a thread: three an SM
         return SplitConfig(block_n=128, progs_per_sm=4 if max_rank <= 16 else 3)
-    # rank 64+: the shrink takes 32 rows of A an item, four programs an SM
+    # rank 64+: the shrink takes 32 rows of A an item, four programs an SM; with few segments
+    # it sums the partials too
+    if n_segs is not None and n_segs <= REDUCE_MAX_SEGS:
+        narrow = t_rows <= 64
+        return SplitConfig(block_n=128, progs_per_sm=2, one_launch=t_rows > 16 and not pdl_on,
+                           shrink_rank=16 if narrow else 32,
+                           shrink_progs_per_sm=4 if narrow else 3, reduce=True)
     return SplitConfig(block_n=128, progs_per_sm=2, one_launch=t_rows > 16 and not pdl_on,
                        shrink_rank=32, shrink_progs_per_sm=4)
 
@@ -167,15 +191,17 @@ def _shrink_chunk(x_ptr, pool_ptr, a_o, rank, rows, row_ok, k_lo, k_hi, K, strid
 
 
 @triton.jit
-def _sum_partials(v_ptr, rows, row_ok, j, T, n_ks, N_SLICES: tl.constexpr,
-                  BLOCK_M: tl.constexpr, RANK_BLOCK: tl.constexpr, KS_MAX: tl.constexpr):
-    """The sum over K chunks of v[chunk, j, rows] (fp32 [BLOCK_M, RANK_BLOCK]), in an unrolled
-    loop (KS_MAX = the scratch's depth) so that the loads are all in flight together."""
+def _sum_partials(v_ptr, rows, row_ok, j, T, n_ks, col0, N_SLICES: tl.constexpr,
+                  BLOCK_M: tl.constexpr, RANK_BLOCK: tl.constexpr, KS_MAX: tl.constexpr,
+                  WIDTH: tl.constexpr):
+    """The sum over K chunks of v[chunk, j, rows, col0:col0 + WIDTH] (fp32 [BLOCK_M, WIDTH]),
+    in an unrolled loop (KS_MAX = the scratch's depth) so that the loads are all in flight
+    together."""
     rm = tl.arange(0, BLOCK_M)
-    rr = tl.arange(0, RANK_BLOCK)
-    v = tl.zeros((BLOCK_M, RANK_BLOCK), dtype=tl.float32)
+    rr = tl.arange(0, WIDTH)
+    v = tl.zeros((BLOCK_M, WIDTH), dtype=tl.float32)
     for ks in tl.static_range(KS_MAX):
-        v_rows = ((ks * N_SLICES + j) * T + rows) * RANK_BLOCK
+        v_rows = ((ks * N_SLICES + j) * T + rows) * RANK_BLOCK + col0
         # .cg: read at L2, where the other programs' partials are (never a stale L1 line)
         ks_ok = row_ok & (rm * 0 + ks < n_ks)    # (a tensor compare: the interpreter
         v += tl.load(v_ptr + v_rows[:, None] + rr[None, :],    # wants tensor masks)
@@ -225,17 +251,21 @@ def _expand_cols(y_ptr, pool_ptr, b_o, rank, v, rows, row_ok, width, col0, nb0, 
 
 @triton.jit
 def _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr,
-                  seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x, budget,
-                  N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                  seg_slot_ptr, v_ptr, vsum_ptr, cnt_ptr, K, T, n_slots, n_segs, n_ks, stride_x,
+                  budget, N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                  USE_PDL: tl.constexpr, RANK_SPLIT: tl.constexpr):
+                  USE_PDL: tl.constexpr, RANK_SPLIT: tl.constexpr, REDUCE: tl.constexpr,
+                  KS_MAX: tl.constexpr):
     """Work items (row tile, slice, K chunk, rank part):
     v[chunk, slice, rows, part] = x[rows, Kc] @ A[part, Kc].T
 
     The rank tile is cut in RANK_SPLIT parts of RANK_BLOCK // RANK_SPLIT rows of A, each its
     own item (x is read once a part, from L2). `budget` is the expand's: the number of K chunks
     depends on the live tiles and slices only, so both phases compute it alike.
+    With REDUCE, the item that finishes a (tile, slice, part) last (an arrival counter, which
+    it resets) sums that part's partials in chunk order into vsum[slice, rows, part]: the same
+    sum, in the same order, as the expand's, which then reads one partial.
     Under PDL the segment and offset tables (written before the step, never by the kernel
     before this one) are read before the wait; x and the scratch after it."""
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
@@ -263,16 +293,29 @@ def _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_p
                                 stride_x, BLOCK_M, BLOCK_K, PART, DOT_PREC, UPCAST, STAGES)
             v_rows = ((ks * N_SLICES + j) * T + rows) * RANK_BLOCK + part * PART
             tl.store(v_ptr + v_rows[:, None] + rr[None, :], acc, mask=row_ok[:, None])
+            if REDUCE:
+                tl.debug_barrier()           # every thread's partial stored before the arrival
+                cnt = cnt_ptr + (tile * N_SLICES + j) * RANK_SPLIT + part
+                arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
+                if arrived == n_ks - 1:      # the last K chunk of this (tile, slice, part)
+                    tl.debug_barrier()
+                    v_sum = _sum_partials(v_ptr, rows, row_ok, j, T, n_ks, part * PART,
+                                          N_SLICES, BLOCK_M, RANK_BLOCK, KS_MAX, PART)
+                    s_rows = (j * T + rows) * RANK_BLOCK + part * PART
+                    tl.store(vsum_ptr + s_rows[:, None] + rr[None, :], v_sum,
+                             mask=row_ok[:, None])
+                    tl.atomic_xchg(cnt, 0, sem="relaxed")
     wait_then_release(USE_PDL)               # a program without items waits too
 
 
 @triton.jit
 def _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
-                  seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
-                  budget, s0, s1, s2, s3, s4,
+                  seg_slot_ptr, v_ptr, vsum_ptr, T, n_slots, n_segs, n_ks, max_col_blocks,
+                  stride_y, budget, s0, s1, s2, s3, s4,
                   N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
-                  UPCAST: tl.constexpr, KS_MAX: tl.constexpr, USE_PDL: tl.constexpr):
+                  UPCAST: tl.constexpr, KS_MAX: tl.constexpr, USE_PDL: tl.constexpr,
+                  REDUCE: tl.constexpr):
     """Work items (row tile, slice, column split): y[rows, cols] += (scale * sum v) @ Bt.
     The K partials are summed in an unrolled loop (KS_MAX = the scratch's depth), so their loads
     are all in flight together. Under PDL the tables and the item's first block of Bt are read
@@ -305,8 +348,13 @@ def _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr,
         if live:
             rows = (row0 + rm).to(tl.int64)
             row_ok = rm < m_len
-            v = _sum_partials(v_ptr, rows, row_ok, j, T, n_ks, N_SLICES, BLOCK_M, RANK_BLOCK,
-                              KS_MAX)
+            if REDUCE:                       # the shrink summed them (vsum)
+                s_rows = (j * T + rows) * RANK_BLOCK
+                v = tl.load(vsum_ptr + s_rows[:, None] + tl.arange(0, RANK_BLOCK)[None, :],
+                            mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+            else:
+                v = _sum_partials(v_ptr, rows, row_ok, j, T, n_ks, 0, N_SLICES, BLOCK_M,
+                                  RANK_BLOCK, KS_MAX, RANK_BLOCK)
             v = (v * scale).to(pool_ptr.dtype.element_ty)
             if UPCAST:
                 v = v.to(tl.float32)
@@ -342,28 +390,31 @@ def _grid_sync(bar_ptr, nprog, SPIN_LIMIT: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, v_ptr,
-                   K, T, n_slots, n_segs, n_ks, stride_x, budget,
+                   vsum_ptr, cnt_ptr, K, T, n_slots, n_segs, n_ks, stride_x, budget,
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
-                   USE_PDL: tl.constexpr, RANK_SPLIT: tl.constexpr):
+                   USE_PDL: tl.constexpr, RANK_SPLIT: tl.constexpr, REDUCE: tl.constexpr,
+                   KS_MAX: tl.constexpr):
     _shrink_items(tl.program_id(0), tl.num_programs(0), x_ptr, pool_ptr, a_off_ptr, ranks_ptr,
-                  seg_start_ptr, seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x,
-                  budget, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST,
-                  STAGES, USE_PDL, RANK_SPLIT)
+                  seg_start_ptr, seg_slot_ptr, v_ptr, vsum_ptr, cnt_ptr, K, T, n_slots, n_segs,
+                  n_ks, stride_x, budget, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK,
+                  DOT_PREC, UPCAST, STAGES, USE_PDL, RANK_SPLIT, REDUCE, KS_MAX)
 
 
 @triton.jit
 def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
-                   seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
-                   budget, s0, s1, s2, s3, s4,
+                   seg_slot_ptr, v_ptr, vsum_ptr, T, n_slots, n_segs, n_ks, max_col_blocks,
+                   stride_y, budget, s0, s1, s2, s3, s4,
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
-                   UPCAST: tl.constexpr, KS_MAX: tl.constexpr, USE_PDL: tl.constexpr):
+                   UPCAST: tl.constexpr, KS_MAX: tl.constexpr, USE_PDL: tl.constexpr,
+                   REDUCE: tl.constexpr):
     _expand_items(tl.program_id(0), tl.num_programs(0), y_ptr, pool_ptr, b_off_ptr, ranks_ptr,
-                  scales_ptr, seg_start_ptr, seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks,
-                  max_col_blocks, stride_y, budget, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK,
-                  BLOCK_M, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX, USE_PDL)
+                  scales_ptr, seg_start_ptr, seg_slot_ptr, v_ptr, vsum_ptr, T, n_slots, n_segs,
+                  n_ks, max_col_blocks, stride_y, budget, s0, s1, s2, s3, s4, N_SLICES,
+                  SEG_BLOCK, BLOCK_M, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX, USE_PDL,
+                  REDUCE)
 
 
 @triton.jit
@@ -377,14 +428,14 @@ def _one_launch_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, 
                        SPIN_LIMIT: tl.constexpr, USE_PDL: tl.constexpr):
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr,
-                  seg_slot_ptr, v_ptr, K, T, n_slots, n_segs, n_ks, stride_x, nprog,
-                  N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST, STAGES,
-                  USE_PDL, 1)
+                  seg_slot_ptr, v_ptr, v_ptr, bar_ptr, K, T, n_slots, n_segs, n_ks, stride_x,
+                  nprog, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_K, RANK_BLOCK, DOT_PREC, UPCAST,
+                  STAGES, USE_PDL, 1, False, KS_MAX)
     _grid_sync(bar_ptr, nprog, SPIN_LIMIT)
     _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
-                  seg_slot_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks, stride_y,
-                  nprog, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_N,
-                  RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX, USE_PDL)
+                  seg_slot_ptr, v_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks,
+                  stride_y, nprog, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_N,
+                  RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX, USE_PDL, False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -408,6 +459,25 @@ def barrier_state(device: torch.device) -> torch.Tensor:
                                "(the barrier state is allocated on first use)")
         state = _BARRIERS[key] = torch.zeros(4, dtype=torch.int32, device=device)
     return state
+
+
+N_COUNTERS = 8192       # (tile, slice, rank part) arrival counters a device keeps for `reduce`
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's N_COUNTERS arrival counters of the reducing shrink (int32, zeroed once; each
+    call leaves them zero). Allocated on first use, which must not be inside a CUDA-graph
+    capture. Like the barrier, one set a device: two reducing shrinks must not run at once
+    (a stream runs one kernel at a time; a second stream would need its own set)."""
+    key = _device_key(device)
+    cnt = _COUNTERS.get(key)
+    if cnt is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("sgmv_split: call it once before capturing a CUDA graph "
+                               "(the arrival counters are allocated on first use)")
+        cnt = _COUNTERS[key] = torch.zeros(N_COUNTERS, dtype=torch.int32, device=device)
+    return cnt
 
 
 def barrier_timeouts(device: torch.device) -> bool:
@@ -455,20 +525,24 @@ def _rank_split(cfg: SplitConfig, rank_block: int) -> int:
     return rank_block // part
 
 
-def _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, tiles_bound, block_k,
+def _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, vsum, tiles_bound, block_k,
                    cfg: SplitConfig, common) -> int:
-    """The shrink phase alone: v[ks, slice, rows] partials. Returns the `budget` that the
-    reader of v passes so that it sums the same number of K chunks: the grid size, over the
-    rank parts (each K chunk of a tile and slice is that many items)."""
+    """The shrink phase alone: v[ks, slice, rows] partials (and, given vsum, their sum there).
+    Returns the `budget` that the reader of v passes so that it sums the same number of K
+    chunks: the grid size, over the rank parts (each K chunk of a tile and slice is that many
+    items)."""
     n_ks, n_slices = v.shape[0], v.shape[1]
     split = _rank_split(cfg, v.shape[3])
     per_sm = cfg.shrink_progs_per_sm or cfg.progs_per_sm
     grid = max(1, min(_progs(x.device, per_sm), tiles_bound * n_slices * n_ks * split))
     budget = max(1, grid // split)
+    reduce = vsum is not None
     _shrink_kernel[(grid,)](
-        x, pool, a_off, ranks, seg_start, seg_slot, v, x.shape[1], x.shape[0], ranks.shape[0],
+        x, pool, a_off, ranks, seg_start, seg_slot, v, vsum if reduce else v,
+        arrival_counters(x.device) if reduce else v, x.shape[1], x.shape[0], ranks.shape[0],
         seg_slot.shape[0], n_ks, x.stride(0), budget, BLOCK_K=block_k, STAGES=cfg.stages,
-        RANK_SPLIT=split, **common, **launch_args(x.device, x.shape[0] <= pdl.SGMV_MAX_ROWS))
+        RANK_SPLIT=split, REDUCE=reduce, KS_MAX=n_ks, **common,
+        **launch_args(x.device, x.shape[0] <= pdl.SGMV_MAX_ROWS))
     return budget
 
 
@@ -479,6 +553,7 @@ class Shrunk:
     budget: int            # from the shrink's grid size: fixes how many chunks are live
     block_m: int           # the shrink's row tile
     seg_block: int
+    vsum: torch.Tensor | None = None   # fp32 [n_slices, T, RANK_BLOCK]: their sum (reduce)
 
 
 def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: int,
@@ -487,7 +562,7 @@ def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: 
     (a GEMM epilogue). Arguments as sgmv_split's; no device reads."""
     t_rows, k = x.shape
     n_segs = seg_slot.shape[0]
-    cfg = config or pick_split_config(t_rows, max_rank)
+    cfg = config or pick_split_config(t_rows, max_rank, n_segs=n_segs)
     rb = rank_tile(max_rank)
     n_ks = triton.cdiv(k, cfg.k_chunk)
     v = torch.empty((n_ks, n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
@@ -496,10 +571,13 @@ def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: 
                   DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   UPCAST=x.dtype == torch.bfloat16 and not x.is_cuda,
                   num_warps=cfg.num_warps, num_stages=1)
-    grid = _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v,
-                          triton.cdiv(t_rows, cfg.block_m) + n_segs,
-                          _block_k(cfg, rb // _rank_split(cfg, rb)), cfg, common)
-    return Shrunk(v, grid, cfg.block_m, seg_block)
+    tiles_bound = triton.cdiv(t_rows, cfg.block_m) + n_segs
+    vsum = None
+    if cfg.reduce and tiles_bound * n_slices * _rank_split(cfg, rb) <= N_COUNTERS:
+        vsum = torch.empty((n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
+    budget = _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, vsum, tiles_bound,
+                            _block_k(cfg, rb // _rank_split(cfg, rb)), cfg, common)
+    return Shrunk(v, budget, cfg.block_m, seg_block, vsum)
 
 
 def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
@@ -510,7 +588,7 @@ def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_star
     n_segs = seg_slot.shape[0]
     if t_rows == 0 or n_segs == 0:
         return y
-    cfg = config or pick_split_config(t_rows, max_rank)
+    cfg = config or pick_split_config(t_rows, max_rank, n_segs=n_segs)
     v = shrunk.v
     n_ks, n_slices, rb = v.shape[0], v.shape[1], v.shape[3]
     widths = [slice_starts[i + 1] - slice_starts[i] for i in range(n_slices)]
@@ -519,10 +597,11 @@ def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_star
     s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
     grid = max(1, min(_progs(y.device, cfg.progs_per_sm),
                       tiles_bound * n_slices * max_col_blocks))
+    reduce = shrunk.vsum is not None
     _expand_kernel[(grid,)](
-        y, pool, b_off, ranks, scales, seg_start, seg_slot, v, t_rows, ranks.shape[0], n_segs,
-        n_ks, max_col_blocks, y.stride(0), shrunk.budget, *s, BLOCK_N=cfg.block_n,
-        KS_MAX=n_ks, N_SLICES=n_slices, SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
+        y, pool, b_off, ranks, scales, seg_start, seg_slot, v, shrunk.vsum if reduce else v,
+        t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks, y.stride(0), shrunk.budget, *s,
+        BLOCK_N=cfg.block_n, KS_MAX=n_ks, REDUCE=reduce, N_SLICES=n_slices, SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
         RANK_BLOCK=rb, DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
         UPCAST=y.dtype == torch.bfloat16 and not y.is_cuda, num_warps=cfg.num_warps,
         num_stages=1, **launch_args(y.device, t_rows <= pdl.SGMV_MAX_ROWS))
@@ -534,14 +613,15 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
                block_n: int | None = None) -> torch.Tensor:
     """Same contract as kernels.sgmv_ref.sgmv_ref (checked by the caller); returns y.
 
-    config defaults to pick_split_config(T, max_rank); k_chunk and block_n override its fields.
+    config defaults to pick_split_config(T, max_rank, n_segs=len(seg_slot)); k_chunk and
+    block_n override its fields.
     """
     t_rows, k = x.shape
     n_segs = seg_slot.shape[0]
     if t_rows == 0 or n_segs == 0:
         return y
     cfg = config or pick_split_config(
-        t_rows, max_rank, pdl.enabled(x.device) and t_rows <= pdl.SGMV_MAX_ROWS)
+        t_rows, max_rank, pdl.enabled(x.device) and t_rows <= pdl.SGMV_MAX_ROWS, n_segs)
     cfg = dataclasses.replace(cfg, k_chunk=k_chunk or cfg.k_chunk, block_n=block_n or cfg.block_n)
     n_slices = len(slice_starts) - 1
     if not cfg.one_launch:

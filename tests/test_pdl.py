@@ -26,13 +26,13 @@ KERNELS = {
              UPCAST=False)),
     "attention_triton._write_kv_kernel": ([BF16] * 4 + [I64] + [I32] * 3, dict(BLOCK=1024)),
     "sgmv_split._shrink_kernel": (
-        [BF16] * 2 + [I64, "*i32", "*i32", "*i32", F32] + [I32] * 7,
+        [BF16] * 2 + [I64, "*i32", "*i32", "*i32", F32, F32, "*i32"] + [I32] * 7,
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, RANK_BLOCK=16,
-             DOT_PREC="tf32", UPCAST=False, STAGES=3, RANK_SPLIT=1)),
+             DOT_PREC="tf32", UPCAST=False, STAGES=3, RANK_SPLIT=1, REDUCE=False, KS_MAX=16)),
     "sgmv_split._expand_kernel": (
-        [BF16] * 2 + [I64, "*i32", F32, "*i32", "*i32", F32] + [I32] * 12,
+        [BF16] * 2 + [I64, "*i32", F32, "*i32", "*i32", F32, F32] + [I32] * 12,
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_N=256, RANK_BLOCK=16,
-             DOT_PREC="tf32", UPCAST=False, KS_MAX=16)),
+             DOT_PREC="tf32", UPCAST=False, KS_MAX=16, REDUCE=False)),
     "sgmv_split._one_launch_kernel": (
         [BF16] * 3 + [I64] * 2 + ["*i32", F32, "*i32", "*i32", F32, "*i32"] + [I32] * 13,
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=64, RANK_BLOCK=16,

@@ -353,26 +353,32 @@ def test_decode_grids_fit_on_the_sms_at_once(rank, monkeypatch):
     SM's registers and shared memory at once, as ptxas compiles them for sm_90: a grid that
     does not runs in two waves (on the H200 the rank-16 expand with 256-wide steps held 159
     registers a thread, three programs an SM, and took 12.9 us against 10.3)."""
-    from kernels.sgmv_split import (_block_k, _expand_kernel, _rank_split, _shrink_kernel,
-                                    pick_split_config)
-    from test_pdl import KERNELS
+    from kernels.sgmv_split import pick_split_config
     monkeypatch.delenv("LORAFLEET_SGMV_SPLIT", raising=False)
-    cfg = pick_split_config(64, rank, pdl_on=True)
+    for t_rows, n_segs in ((64, None), (64, 9), (256, 9)):   # (with few segments: `reduce`)
+        _check_fits(pick_split_config(t_rows, rank, pdl_on=True, n_segs=n_segs), rank)
+
+
+def _check_fits(cfg, rank):
+    from kernels.sgmv_split import _block_k, _expand_kernel, _rank_split, _shrink_kernel
+    from test_pdl import KERNELS
     assert not cfg.one_launch
     split = _rank_split(cfg, rank)
     common = dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=cfg.block_m, RANK_BLOCK=rank,
                   DOT_PREC="tf32", UPCAST=False, USE_PDL=True)
     for name, fn, extra, per_sm in (
             ("sgmv_split._shrink_kernel", _shrink_kernel,
-             dict(BLOCK_K=_block_k(cfg, rank // split), STAGES=cfg.stages, RANK_SPLIT=split),
+             dict(BLOCK_K=_block_k(cfg, rank // split), STAGES=cfg.stages, RANK_SPLIT=split,
+                  REDUCE=cfg.reduce, KS_MAX=4096 // cfg.k_chunk),
              cfg.shrink_progs_per_sm or cfg.progs_per_sm),
             ("sgmv_split._expand_kernel", _expand_kernel,
-             dict(BLOCK_N=cfg.block_n, KS_MAX=4096 // cfg.k_chunk), cfg.progs_per_sm)):
+             dict(BLOCK_N=cfg.block_n, KS_MAX=4096 // cfg.k_chunk, REDUCE=cfg.reduce),
+             cfg.progs_per_sm)):
         kernel = compile_for_sm90(fn, KERNELS[name][0], dict(common, **extra), num_stages=1)
         regs, shared = _ptxas_usage(kernel)
         threads = 32 * cfg.num_warps
-        assert per_sm * ((regs + 7) // 8 * 8) * threads <= 65536, (name, regs)
-        assert per_sm * shared <= 227 * 1024, (name, shared)
+        assert per_sm * ((regs + 7) // 8 * 8) * threads <= 65536, (name, regs, cfg)
+        assert per_sm * shared <= 227 * 1024, (name, shared, cfg)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

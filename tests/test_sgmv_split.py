@@ -16,6 +16,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def case(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
+    out, ref = outputs(T, K, slices, ranks_list, seg_sizes, dtype, **knobs)
+    return (out.float() - ref).abs().max().item()
+
+
+def outputs(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
+    """(sgmv_split's output, the fp32 reference) for one case."""
     from kernels.sgmv_ref import sgmv_ref
     from kernels.sgmv_split import SplitConfig, sgmv_split
     torch.manual_seed(T * 1000 + K)
@@ -44,14 +50,14 @@ def case(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
     args = (a_off, b_off, ranks, scales, slices, seg_start, seg_slot, max(ranks_list))
     ref = sgmv_ref(y.clone().float(), x.float(), pool.float(), *args)
     cfg = SplitConfig(block_m=16, block_n=32, k_chunk=64, **knobs)
-    out = sgmv_split(y.clone(), x, pool, *args, config=cfg)
-    return (out.float() - ref).abs().max().item()
+    return sgmv_split(y.clone(), x, pool, *args, config=cfg), ref
 
 
 # the launch forms, a K step other than the one derived from the rank, and shrink items of
 # part of the rank tile (rank 33's tile of 64 in parts of 16: the last part has no live row)
 VARIANTS = [{}, {"one_launch": True}, {"block_k": 32}, {"one_launch": True, "block_k": 32},
-            {"shrink_rank": 16}, {"shrink_rank": 32, "block_k": 32}]
+            {"shrink_rank": 16}, {"shrink_rank": 32, "block_k": 32},
+            {"reduce": True}, {"reduce": True, "shrink_rank": 16}]
 CASES = [
     (10, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (4, -1), (2, 3)], 1e-3),
     (37, 128, (0, 64), [4, 64], [(20, 1), (17, 0)], 1e-3),
@@ -66,7 +72,7 @@ def test_split_kernel_matches_reference_interpreted():
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == len(VARIANTS) * len(CASES) + 1
+    assert proc.stdout.count("ok") == len(VARIANTS) * len(CASES) + 2
 
 
 if __name__ == "__main__":
@@ -76,9 +82,15 @@ if __name__ == "__main__":
             assert err < tol, (T, K, knobs, err)
             print("ok", T, K, knobs, err)
     err = case(12, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (6, 3), (2, 1)],
-               torch.bfloat16, block_k=32, shrink_rank=16)
+               torch.bfloat16, block_k=32, shrink_rank=16, reduce=True)
     assert err < 0.05, err
     print("ok bf16", err)
+    # the reducing shrink sums the partials in the expand's order: the very same bits
+    args = (20, 200, (0, 48), [64, 4], [(3, 0), (17, 1)], torch.float32)
+    plain, _ = outputs(*args, shrink_rank=16)
+    reduced, _ = outputs(*args, shrink_rank=16, reduce=True)
+    assert torch.equal(plain, reduced), (plain - reduced).abs().max()
+    print("ok reduce bits")
 
 
 def test_pick_takes_one_launch_only_for_big_ranks_without_pdl(monkeypatch):
@@ -98,6 +110,12 @@ def test_pick_takes_one_launch_only_for_big_ranks_without_pdl(monkeypatch):
     for t, r, split in ((64, 64, 2), (256, 128, 4), (64, 32, 1), (64, 16, 1), (1024, 64, 1)):
         cfg = pick_split_config(t, r)
         assert _rank_split(cfg, max(16, r)) == split, (t, r, cfg)
+    # few segments at rank 64+ decode: the shrink sums the partials; many, or unknown: not
+    assert pick_split_config(64, 64, n_segs=9).reduce
+    assert not pick_split_config(64, 64, n_segs=33).reduce
+    assert not pick_split_config(64, 64).reduce
+    assert not pick_split_config(64, 16, n_segs=9).reduce
+    assert not pick_split_config(1024, 64, n_segs=9).reduce
     monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", "one_launch=0,k_chunk=512,progs_per_sm=2")
     cfg = pick_split_config(64, 64, pdl_on=False)
     assert (cfg.one_launch, cfg.k_chunk, cfg.progs_per_sm, cfg.block_n) == (False, 512, 2, 128)
