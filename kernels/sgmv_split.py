@@ -141,6 +141,9 @@ def _pick(t_rows: int, max_rank: int, pdl_on: bool, n_segs: int | None = None) -
     items up to 64 rows and 32-row ones (164 registers: three programs an SM) above; with 32
     adapters it lost 3 us (bench/results/ab/timeline-sgmv-reduce-split-h200.txt). A captured
     decode graph's segment table is as long as its batch: graphs of up to 16 rows take it.
+    There, segments of 24+ rows on average take 32-row tiles (each adapter's Bt read once, not
+    twice: 256 rows x 8 adapters 14.5 -> 13.3 us; with 8-row segments 21.9 -> 30.0,
+    bench/results/ab/timeline-sgmv-tiles32-h200.txt).
     Above 256 rows: 64-row tiles, 512-wide K chunks, two launches (at 1024 rows and one adapter
     19.4 us against the fused kernel's 24.0 at rank 16, 27.7 against 33.8 at rank 64)."""
     big_rank = max_rank > 32
@@ -152,7 +155,8 @@ def _pick(t_rows: int, max_rank: int, pdl_on: bool, n_segs: int | None = None) -
     # it sums the partials too
     if n_segs is not None and n_segs <= REDUCE_MAX_SEGS:
         narrow = t_rows <= 64
-        return SplitConfig(block_n=128, progs_per_sm=2, one_launch=t_rows > 16 and not pdl_on,
+        return SplitConfig(block_m=32 if t_rows // n_segs >= 24 else 16, block_n=128,
+                           progs_per_sm=2, one_launch=t_rows > 16 and not pdl_on,
                            shrink_rank=16 if narrow else 32,
                            shrink_progs_per_sm=4 if narrow else 3, reduce=True)
     return SplitConfig(block_n=128, progs_per_sm=2, one_launch=t_rows > 16 and not pdl_on,

@@ -355,7 +355,8 @@ def test_decode_grids_fit_on_the_sms_at_once(rank, monkeypatch):
     registers a thread, three programs an SM, and took 12.9 us against 10.3)."""
     from kernels.sgmv_split import pick_split_config
     monkeypatch.delenv("LORAFLEET_SGMV_SPLIT", raising=False)
-    for t_rows, n_segs in ((64, None), (64, 9), (256, 9)):   # (with few segments: `reduce`)
+    # with few segments: `reduce` (and at 256 rows, 32-row tiles)
+    for t_rows, n_segs in ((64, None), (64, 9), (256, 9), (256, 16)):
         _check_fits(pick_split_config(t_rows, rank, pdl_on=True, n_segs=n_segs), rank)
 
 

@@ -49,7 +49,7 @@ def outputs(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
     scales = torch.rand(n_slots) + 0.5
     args = (a_off, b_off, ranks, scales, slices, seg_start, seg_slot, max(ranks_list))
     ref = sgmv_ref(y.clone().float(), x.float(), pool.float(), *args)
-    cfg = SplitConfig(block_m=16, block_n=32, k_chunk=64, **knobs)
+    cfg = SplitConfig(**dict(dict(block_m=16, block_n=32, k_chunk=64), **knobs))
     return sgmv_split(y.clone(), x, pool, *args, config=cfg), ref
 
 
@@ -57,7 +57,8 @@ def outputs(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
 # part of the rank tile (rank 33's tile of 64 in parts of 16: the last part has no live row)
 VARIANTS = [{}, {"one_launch": True}, {"block_k": 32}, {"one_launch": True, "block_k": 32},
             {"shrink_rank": 16}, {"shrink_rank": 32, "block_k": 32},
-            {"reduce": True}, {"reduce": True, "shrink_rank": 16}]
+            {"reduce": True}, {"reduce": True, "shrink_rank": 16},
+            {"reduce": True, "block_m": 32}]
 CASES = [
     (10, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (4, -1), (2, 3)], 1e-3),
     (37, 128, (0, 64), [4, 64], [(20, 1), (17, 0)], 1e-3),
@@ -112,6 +113,8 @@ def test_pick_takes_one_launch_only_for_big_ranks_without_pdl(monkeypatch):
         assert _rank_split(cfg, max(16, r)) == split, (t, r, cfg)
     # few segments at rank 64+ decode: the shrink sums the partials; many, or unknown: not
     assert pick_split_config(64, 64, n_segs=9).reduce
+    assert pick_split_config(256, 64, n_segs=9).block_m == 32      # ~28 rows a segment
+    assert pick_split_config(256, 64, n_segs=16).block_m == 16
     assert not pick_split_config(64, 64, n_segs=33).reduce
     assert not pick_split_config(64, 64).reduce
     assert not pick_split_config(64, 16, n_segs=9).reduce
