@@ -449,39 +449,35 @@ def _sms(device_index: int) -> int:
 
 _BARRIERS: dict[tuple[str, int | None], torch.Tensor] = {}
 _PER_SM: dict[tuple, int] = {}     # (device, constexprs) -> one-launch programs resident per SM
-
-
-def barrier_state(device: torch.device) -> torch.Tensor:
-    """The device's barrier words [count, generation, timeout flag, unused] (int32, zeroed once).
-
-    Allocated on first use, which must not be inside a CUDA-graph capture: warm up first."""
-    key = _device_key(device)
-    state = _BARRIERS.get(key)
-    if state is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("sgmv_split: call it once before capturing a CUDA graph "
-                               "(the barrier state is allocated on first use)")
-        state = _BARRIERS[key] = torch.zeros(4, dtype=torch.int32, device=device)
-    return state
-
-
 N_COUNTERS = 8192       # (tile, slice, rank part) arrival counters a device keeps for `reduce`
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
+def _device_words(table: dict, device: torch.device, n: int, what: str) -> torch.Tensor:
+    """The device's n int32 words in `table`, zeroed once, allocated on first use, which must
+    not be inside a CUDA-graph capture (warm up first)."""
+    key = _device_key(device)
+    words = table.get(key)
+    if words is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"sgmv_split: call it once before capturing a CUDA graph "
+                               f"(the {what} is allocated on first use)")
+        words = table[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return words
+
+
+def barrier_state(device: torch.device) -> torch.Tensor:
+    """The device's barrier words [count, generation, timeout flag, unused] (int32, zeroed once;
+    allocated on first use, not inside a capture)."""
+    return _device_words(_BARRIERS, device, 4, "barrier state")
+
+
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """The device's N_COUNTERS arrival counters of the reducing shrink (int32, zeroed once; each
-    call leaves them zero). Allocated on first use, which must not be inside a CUDA-graph
-    capture. Like the barrier, one set a device: two reducing shrinks must not run at once
-    (a stream runs one kernel at a time; a second stream would need its own set)."""
-    key = _device_key(device)
-    cnt = _COUNTERS.get(key)
-    if cnt is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("sgmv_split: call it once before capturing a CUDA graph "
-                               "(the arrival counters are allocated on first use)")
-        cnt = _COUNTERS[key] = torch.zeros(N_COUNTERS, dtype=torch.int32, device=device)
-    return cnt
+    call leaves them zero; allocated on first use, not inside a capture). Like the barrier, one
+    set a device: two reducing shrinks must not run at once (a stream runs one kernel at a
+    time; a second stream would need its own set)."""
+    return _device_words(_COUNTERS, device, N_COUNTERS, "arrival counter set")
 
 
 def barrier_timeouts(device: torch.device) -> bool:
