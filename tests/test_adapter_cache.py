@@ -61,12 +61,12 @@ def pool_bytes_for(root: pathlib.Path, k: int) -> int:
     return k * RangeAllocator.rounded(lay.blob.numel()) * 4
 
 
-def start(root, tmp, tenant_share: float):
+def start(root, tmp, tenant_share: float, pool_bytes: int | None = None):
     store = Service("adapter_store", ["--adapters-dir", str(root / "adapters"), "--model",
                                       str(root / "base"), "--db", ":memory:"], tmp).wait()
     worker = Service("worker", ["--model", str(root / "base"), "--store", store.addr,
                                 "--device", "cpu", "--kv-cache-bytes", "4MiB",
-                                "--gpu-pool-bytes", str(pool_bytes_for(root, 4)),
+                                "--gpu-pool-bytes", str(pool_bytes or pool_bytes_for(root, 4)),
                                 "--host-pool-bytes", "64KiB",
                                 "--tenant-share", str(tenant_share)], tmp).wait()
     return store, worker
@@ -165,3 +165,25 @@ def test_per_tenant_caps_protect_a_light_tenant(world, tmp_path):
     without = light_hit_rate(world, tmp_path, tenant_share=0.0)
     print(f"light tenant GPU hit rate: caps {with_caps:.2f}, plain LRU {without:.2f}")
     assert with_caps > without
+
+
+def test_an_adapter_larger_than_the_pool_is_refused_at_once(world, tmp_path):
+    """An adapter that can never fit the device pool answers RESOURCE_EXHAUSTED (naming the
+    pool flag) at once, not after the request's deadline; the worker goes on serving."""
+    import time
+    store, worker = start(world, tmp_path, 0.5, pool_bytes=pool_bytes_for(world, 1) // 2)
+    try:
+        ver = versions(store.addr)
+        with grpc.insecure_channel(worker.addr) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                gen(stub, "a001", ver["a001"], "t", [5, 6, 7])      # (a 120 s deadline)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--gpu-pool-bytes" in err.value.details()
+            assert time.monotonic() - t0 < 30
+            tokens, tier = gen(stub, "", "", "t", [5, 6, 7])         # base model: still served
+            assert len(tokens) == 6
+    finally:
+        worker.terminate()
+        store.terminate()

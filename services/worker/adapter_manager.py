@@ -52,6 +52,9 @@ class Residency:
     extra: dict = field(default_factory=dict)
 
 
+ROOM_MARGIN_S = 0.5      # a wait for adapter room ends this long before the request's deadline
+
+
 class AdapterManager:
     def __init__(self, pool: DevicePool, spec: ModelSpec, host_bytes: int, store: StoreClient,
                  tenant_share: float | None = 0.5,
@@ -172,6 +175,10 @@ class AdapterManager:
 
     async def _place(self, key, tenant, layout: AdapterLayout, deadline) -> None:
         nbytes = self.pool.alloc.rounded(layout.blob.numel()) * self.pool.elem
+        if nbytes > self.pool.capacity_bytes:          # would wait for room that never comes
+            raise ResourceExhausted(
+                f"adapter {key} needs {nbytes} bytes of adapter pool; this worker's pool holds "
+                f"{self.pool.capacity_bytes} (--gpu-pool-bytes)", retry_after=1.0)
         while True:
             try:
                 for victim in self.gpu.admit(key, tenant, nbytes, pin=True):
@@ -192,7 +199,9 @@ class AdapterManager:
             raise
 
     async def _wait_for_room(self, deadline, key) -> None:
-        remaining = None if deadline is None else deadline - time.monotonic()
+        """Wait (at most a second) for an adapter to be freed. Gives up ROOM_MARGIN_S before the
+        request's deadline, so that the caller hears RESOURCE_EXHAUSTED, not DEADLINE_EXCEEDED."""
+        remaining = None if deadline is None else deadline - time.monotonic() - ROOM_MARGIN_S
         if remaining is not None and remaining <= 0:
             raise ResourceExhausted(f"no adapter room on this worker for {key}", retry_after=1.0)
         self.info[key].waiters += 1
