@@ -87,10 +87,98 @@ def test_chat_completion_and_chat_stream(gateway):
     ({"model": "pirate", "prompt": "x", "temperature": -1}, 400),
     ({"model": "pirate", "prompt": "x", "n": 2}, 400),
     ({"model": "pirate", "prompt": {"not": "a prompt"}}, 400),
+    # wrong types and out-of-range numbers: 400 with the field's name, never a 500
+    ({"model": "pirate", "prompt": "x", "max_tokens": -1}, 400),
+    ({"model": "pirate", "prompt": "x", "max_tokens": 1 << 32}, 400),
+    ({"model": "pirate", "prompt": "x", "max_tokens": 2.7}, 400),
+    ({"model": "pirate", "prompt": "x", "max_tokens": "3"}, 400),
+    ({"model": "pirate", "prompt": "x", "top_k": -1}, 400),
+    ({"model": "pirate", "prompt": "x", "temperature": True}, 400),
+    ({"model": "pirate", "prompt": [1, -2, 3]}, 400),
+    ({"model": "pirate", "prompt": [1, 1 << 33]}, 400),
+    ({"model": "pirate", "prompt": [True, False]}, 400),
+    ({"model": "pirate", "prompt": "x", "stop": 5}, 400),
+    ({"model": "pirate", "prompt": "x", "stop": {"a": 1}}, 400),
+    ({"model": "pirate", "prompt": "x", "stream": "false"}, 400),
 ])
 def test_errors_are_http_statuses(gateway, body, status):
     _, base = gateway
     with pytest.raises(urllib.error.HTTPError) as err:
         post(f"{base}/v1/completions", body)
     assert err.value.code == status
+    assert err.value.headers["Content-Type"].startswith("application/json")
     assert json.load(err.value)["error"]["message"]
+
+
+def test_malformed_bodies_and_routes_get_json_errors(gateway):
+    _, base = gateway
+    deep = b"[" * 100000 + b"]" * 100000
+    cases = [(urllib.request.Request(f"{base}/v1/completions", data=deep, method="POST"), 400),
+             (urllib.request.Request(f"{base}/v1/chat/completions", method="POST", data=json.dumps(
+                 {"model": "pirate", "messages": [{"role": "user", "content": 5}]}).encode()),
+              400),
+             (urllib.request.Request(f"{base}/v1/embeddings", data=b"{}", method="POST"), 404),
+             (urllib.request.Request(f"{base}/v1/completions"), 405),
+             (urllib.request.Request(f"{base}/v1/models/no-such-model"), 404)]
+    for req, status in cases:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == status, req.full_url
+        assert json.load(err.value)["error"]["message"]
+
+
+def test_one_model_by_id(gateway):
+    _, base = gateway
+    m = json.load(urllib.request.urlopen(f"{base}/v1/models/pirate", timeout=30))
+    assert m["id"] == "pirate" and m["parent"] == "tiny-llama"
+    assert json.load(urllib.request.urlopen(f"{base}/v1/models/base", timeout=30))["id"] == \
+        "tiny-llama"
+
+
+def chat(base, messages, **extra):
+    return json.load(post(f"{base}/v1/chat/completions",
+                          {"model": "acme-support", "messages": messages, "temperature": 0,
+                           **extra}))
+
+
+def test_chat_caps_with_max_completion_tokens(gateway):
+    _, base = gateway
+    msgs = [{"role": "user", "content": "Hello!"}]
+    for key in ("max_completion_tokens", "max_tokens"):
+        body = chat(base, msgs, **{key: 3})
+        n, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
+        assert n == 3 and finish == "length" or n < 3 and finish == "stop", (key, body)
+
+
+def test_chat_content_as_text_parts_is_the_same_prompt(gateway):
+    _, base = gateway
+    plain = chat(base, [{"role": "user", "content": "Hello!"}], max_tokens=6)
+    parts = chat(base, [{"role": "user", "content": [{"type": "text", "text": "Hel"},
+                                                      {"type": "text", "text": "lo!"}]}],
+                 max_tokens=6)
+    assert parts["usage"] == plain["usage"]
+    assert parts["choices"][0]["message"] == plain["choices"][0]["message"]
+    with pytest.raises(urllib.error.HTTPError) as err:
+        chat(base, [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    assert err.value.code == 400
+
+
+def test_base_model_name_is_known_with_a_tenants_file(tmp_path):
+    """With --tenants the gateway still learns the served model's name (its lookup needs no
+    caller), so `model: <base name>` runs the base model."""
+    port = free_port()
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": {"acme": {"tokens": ["tok-acme"]}}}))
+    stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path,
+                  router_args=["--http-listen", f"127.0.0.1:{port}", "--tenants", str(tenants)])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        body = json.load(post(f"{url}/v1/completions", {"model": "tiny-llama", "prompt": "x",
+                                                         "max_tokens": 2}, token="tok-acme"))
+        assert body["model"] == "tiny-llama"
+        req = urllib.request.Request(f"{url}/v1/models",
+                                     headers={"Authorization": "Bearer tok-acme"})
+        assert json.load(urllib.request.urlopen(req, timeout=30))["data"][0]["id"] == \
+            "tiny-llama"
+    finally:
+        stack.terminate()

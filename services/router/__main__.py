@@ -55,7 +55,7 @@ async def main_async(cfg: RouterConfig) -> None:
              ", ".join(cfg.workers), cfg.store, "on" if cfg.fair else "off")
     gateway = None
     if cfg.http_listen:
-        gateway = OpenAIGateway(servicer, await _base_model_name(servicer))
+        gateway = OpenAIGateway(servicer, servicer.base_model_name)
         http_port = await gateway.start(cfg.http_listen)
         log.info("OpenAI-compatible HTTP gateway on port %d (/v1/completions, "
                  "/v1/chat/completions, /v1/models)", http_port)
@@ -66,17 +66,6 @@ async def main_async(cfg: RouterConfig) -> None:
     finally:
         poller.cancel()
     await workers.close()
-
-
-async def _base_model_name(servicer) -> str:
-    """The served base model's name (the gateway's model for base requests), if a worker is up."""
-    class _Ctx:
-        def invocation_metadata(self):
-            return []
-    try:
-        return (await servicer.ModelInfo(None, _Ctx())).model_name
-    except Exception:  # noqa: BLE001 - no worker yet: base requests use model ""
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import uuid
 
 from aiohttp import web
 
-from services.common.errors import InvalidArgument, LorafleetError
+from services.common.errors import InvalidArgument, LorafleetError, NotFound
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
 
 log = logging.getLogger(__name__)
@@ -48,36 +48,95 @@ def _error(err: LorafleetError) -> web.Response:
     return web.json_response(body, status=HTTP_STATUS.get(name, 500), headers=headers)
 
 
-def _num(body: dict, key: str, kind, default):
-    value = body.get(key, default)
+U32 = (1 << 32) - 1
+
+
+def _float(body: dict, key: str, default: float) -> float:
+    """A JSON number (the range checks are the servicer's, which name the field too)."""
+    value = body.get(key)
     if value is None:
         return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{key}: expected a number, got {value!r}")
     try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"{key}: expected a number, got {value!r}") from None
+        return float(value)
+    except OverflowError:
+        raise InvalidArgument(f"{key}: {value} is out of range") from None
 
 
-def build_request(body: dict, prompt_text: str = "", prompt_ids=()) -> rpb.GenerateRequest:
-    """The GenerateRequest an OpenAI body asks for (unsupported options are refused)."""
-    if _num(body, "n", int, 1) != 1 or body.get("best_of", 1) not in (1, None):
+def _int(body: dict, key: str, default: int, lo: int = 0, hi: int = U32) -> int:
+    """A JSON integer in [lo, hi] (2.0 is 2; 2.7, "2" and true are refused)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{key}: expected an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidArgument(f"{key}: {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        return stop
+    raise InvalidArgument(f"stop: a string or a list of strings, got {stop!r}")
+
+
+def token_ids(prompt: list) -> list[int]:
+    """A prompt given as token ids: integers in [0, 2^32) (the vocabulary check is the
+    servicer's)."""
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= U32:
+            raise InvalidArgument(f"prompt: token ids are non-negative integers, got {t!r}")
+    return prompt
+
+
+def build_request(body: dict, prompt_text: str = "", prompt_ids=(),
+                  chat: bool = False) -> rpb.GenerateRequest:
+    """The GenerateRequest an OpenAI body asks for (unsupported options are refused, and so
+    are values of the wrong type). The reply's cap: `max_tokens` (chat: `max_completion_tokens`
+    first); without one, 16 tokens for a completion (OpenAI's default) and the worker's
+    default for a chat."""
+    if _int(body, "n", 1) != 1 or body.get("best_of", 1) not in (1, None):
         raise InvalidArgument("n / best_of: only 1 is supported")
     if body.get("logprobs") or body.get("echo"):
         raise InvalidArgument("logprobs / echo: not supported")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else list(stop)
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise InvalidArgument(f"stream: true or false, got {body['stream']!r}")
     req = rpb.GenerateRequest(adapter_id=str(body.get("model") or ""), text=prompt_text,
                               prompt_token_ids=list(prompt_ids),
                               request_id=str(body.get("user_request_id", "")))
     s = req.sampling
-    s.temperature = _num(body, "temperature", float, 1.0)
-    s.top_p = _num(body, "top_p", float, 1.0)
-    s.top_k = _num(body, "top_k", int, 0)
-    s.seed = _num(body, "seed", int, 0) & ((1 << 64) - 1)
-    s.repetition_penalty = _num(body, "repetition_penalty", float, 0.0)
-    req.stopping.max_new_tokens = _num(body, "max_tokens", int, 16)
-    req.stopping.stop_sequences.extend(str(x) for x in stop)
+    s.temperature = _float(body, "temperature", 1.0)
+    s.top_p = _float(body, "top_p", 1.0)
+    s.top_k = _int(body, "top_k", 0)
+    s.seed = _int(body, "seed", 0, -(1 << 63), (1 << 64) - 1) & ((1 << 64) - 1)
+    s.repetition_penalty = _float(body, "repetition_penalty", 0.0)
+    cap_key = "max_completion_tokens" if chat and body.get(
+        "max_completion_tokens") is not None else "max_tokens"
+    req.stopping.max_new_tokens = _int(body, cap_key, 0 if chat else 16)
+    req.stopping.stop_sequences.extend(_stop(body))
     return req
+
+
+def _content(i: int, content) -> str:
+    """A message's text: a string, null (""), or a list of text parts (joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise InvalidArgument(f"messages[{i}].content: only text parts are supported")
+        return "".join(p["text"] for p in content)
+    raise InvalidArgument(f"messages[{i}].content: a string or a list of text parts")
 
 
 def chat_prompt(messages) -> str:
@@ -86,18 +145,45 @@ def chat_prompt(messages) -> str:
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages: a non-empty list is required")
     lines = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or "content" not in m:
             raise InvalidArgument("messages: each needs a role and content")
-        lines.append(f"{m.get('role', 'user')}: {m['content']}")
+        lines.append(f"{m.get('role', 'user')}: {_content(i, m['content'])}")
     return "\n".join(lines) + "\nassistant:"
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """Every error as an OpenAI-style JSON body: unknown routes and methods too, and anything
+    unforeseen (logged) as a 500 rather than aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}",
+                          "type": "invalid_request_error", "code": exc.status}}
+        return web.json_response(body, status=exc.status)
+    except LorafleetError as err:
+        return _error(err)
+    except Exception:  # noqa: BLE001 - a bug must not reach the client as a bare 500 page
+        log.exception("HTTP gateway: %s %s failed", request.method, request.path)
+        return web.json_response({"error": {"message": "internal error", "type": "internal",
+                                            "code": "INTERNAL"}}, status=500)
+
+
 class OpenAIGateway:
-    def __init__(self, servicer, base_model: str = "", timeout: float = 600.0):
-        self.servicer, self.base_model, self.timeout = servicer, base_model, timeout
-        self.app = web.Application()
+    """base_model: the served model's name, or an async callable that asks a worker for it
+    (retried on each request until it answers, so a router started before its workers, or
+    with a tenants file, still learns it)."""
+
+    def __init__(self, servicer, base_model="", timeout: float = 600.0):
+        self.servicer, self.timeout = servicer, timeout
+        self._lookup = base_model if callable(base_model) else None
+        self.base_model = "" if callable(base_model) else base_model
+        self.app = web.Application(middlewares=[_json_errors])
         self.app.add_routes([web.get("/v1/models", self.models),
+                             web.get("/v1/models/{model}", self.model),
                              web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat)])
         self._runner: web.AppRunner | None = None
@@ -114,31 +200,49 @@ class OpenAIGateway:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def _adapter(self, model: str) -> str:
-        return "" if model in ("", "base", self.base_model) else model
+    async def _base(self) -> str:
+        if not self.base_model and self._lookup is not None:
+            try:
+                self.base_model = await self._lookup()
+            except Exception:  # noqa: BLE001 - no worker yet: base requests use model ""
+                pass
+        return self.base_model
 
-    async def models(self, request: web.Request) -> web.Response:
-        ctx = _Context(request, 30)
-        try:
-            listed = await self.servicer.ListAdapters(rpb.ListAdaptersRequest(), ctx)
-        except LorafleetError as err:
-            return _error(err)
-        now = int(time.time())
-        data = [{"id": self.base_model or "base", "object": "model", "created": now,
+    async def _adapter(self, model: str) -> str:
+        return "" if model in ("", "base", await self._base()) else model
+
+    async def _listing(self, request: web.Request) -> list[dict]:
+        listed = await self.servicer.ListAdapters(rpb.ListAdaptersRequest(),
+                                                  _Context(request, 30))
+        now, base = int(time.time()), await self._base()
+        data = [{"id": base or "base", "object": "model", "created": now,
                  "owned_by": "lorafleet"}]
-        data += [{"id": a.id, "object": "model", "created": now, "parent": self.base_model,
+        data += [{"id": a.id, "object": "model", "created": now, "parent": base,
                   "owned_by": a.owner or "shared"} for a in listed.adapters
                  if a.state == "READY"]
-        return web.json_response({"object": "list", "data": data})
+        return data
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": await self._listing(request)})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        data = await self._listing(request)           # the base model first
+        for m in data:
+            if m["id"] == name or (name == "base" and m is data[0]):
+                return web.json_response(m)
+        raise NotFound(f"model {name!r} not found")
 
     async def _body(self, request: web.Request) -> dict:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise InvalidArgument("body: not JSON") from None
+        except RecursionError:
+            raise InvalidArgument("body: nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidArgument("body: a JSON object is required")
-        body["model"] = self._adapter(str(body.get("model") or ""))
+        body["model"] = await self._adapter(str(body.get("model") or ""))
         return body
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -147,8 +251,8 @@ class OpenAIGateway:
             prompt = body.get("prompt", "")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                req = build_request(body, prompt_ids=prompt)
+            if isinstance(prompt, list) and all(isinstance(t, (int, float)) for t in prompt):
+                req = build_request(body, prompt_ids=token_ids(prompt))
             elif isinstance(prompt, str):
                 req = build_request(body, prompt_text=prompt)
             else:
@@ -160,7 +264,7 @@ class OpenAIGateway:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            req = build_request(body, prompt_text=chat_prompt(body.get("messages")))
+            req = build_request(body, prompt_text=chat_prompt(body.get("messages")), chat=True)
         except LorafleetError as err:
             return _error(err)
         return await self._run(request, req, body, chat=True)
@@ -168,7 +272,7 @@ class OpenAIGateway:
     async def _run(self, request, req, body, chat: bool) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         req.request_id = req.request_id or rid
-        model = str(body.get("model") or self.base_model)
+        model = str(body.get("model") or await self._base())
         ctx = _Context(request, self.timeout)
         if body.get("stream"):
             return await self._stream(request, req, ctx, rid, model, chat)

@@ -108,6 +108,11 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                                                  timeout=10))
         return rpb.TokenizeResponse(token_ids=resp.token_ids, tokens=resp.tokens)
 
+    async def base_model_name(self) -> str:
+        """The served model's name, from any worker (no caller: the HTTP gateway's own use)."""
+        info = await _store_call(self._any_worker().stub.Info(wpb.WorkerInfoRequest(), timeout=10))
+        return info.model_name
+
     async def ModelInfo(self, request, context):
         self._caller(context)
         info = await _store_call(self._any_worker().stub.Info(wpb.WorkerInfoRequest(), timeout=10))
