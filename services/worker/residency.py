@@ -52,7 +52,10 @@ class ResidencyFeed:
         return out
 
     def snapshot(self) -> wpb.ResidencyUpdate:
-        entries = [self._entry(k) for k in self.manager.info]
+        """Every adapter resident, loading or waited for (removed ones appear in deltas only)."""
+        entries = [e for e in map(self._entry, self.manager.info)
+                   if e.tier != common_pb2.TIER_UNSPECIFIED or e.loading or e.waiting
+                   or e.running]
         return wpb.ResidencyUpdate(seq=self.seq, snapshot=True, worker_id=self.worker_id,
                                    adapters=entries, load=self._load(), cache=self._cache())
 

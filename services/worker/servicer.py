@@ -12,6 +12,7 @@ import time
 import grpc
 
 from services.common.errors import InvalidArgument, LorafleetError, Unavailable
+from services.common.names import name_error
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
 from services.common.telemetry import incoming_context, tracer
 from services.worker import metrics
@@ -177,16 +178,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         a = request.adapter
+        _check_ref(a, "adapter")
         acq = await self.manager.acquire(a.id, a.version, a.tenant, deadline)
         self.manager.release(acq.key)
         return wpb.LoadAdapterResponse(from_tier=acq.tier, seconds=acq.seconds)
 
     async def OffloadAdapter(self, request, context):
+        """Idempotent: an adapter that is not resident is left as it is."""
+        message = name_error("id", request.id)
+        if message is not None:
+            raise InvalidArgument(message)
         self.manager.offload(request.id, request.to_host)
         return wpb.OffloadAdapterResponse()
 
     async def Prefetch(self, request, context):
         parent = incoming_context(context.invocation_metadata())
+        for i, a in enumerate(request.adapters):
+            _check_ref(a, f"adapters[{i}]")
         for a in request.adapters:                 # the staging joins the caller's trace
             with _tracer.start_as_current_span("worker.prefetch", context=parent) as span:
                 span.set_attribute("lora.adapter_id", a.id)
@@ -225,3 +233,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             gpu_resident=sum(1 for i in m.info.values() if i.gpu),
             host_resident=len(m.host_blobs), device=str(self.built.device),
             eos_token_id=s.eos_token_ids[0] if s.eos_token_ids else 0)
+
+
+def _check_ref(ref, field: str) -> None:
+    """An AdapterRef an operator RPC names: a valid id and the version to stage (residency is
+    kept per version, and a request names the version the router resolved; a ref without one
+    would stage a copy that no request uses)."""
+    message = name_error(f"{field}.id", ref.id)
+    if message is not None:
+        raise InvalidArgument(message)
+    if not ref.version:
+        raise InvalidArgument(f"{field}.version: required (the store's List or "
+                              "`lorafleet adapters --json` gives it)")
