@@ -165,13 +165,17 @@ def test_chat_content_as_text_parts_is_the_same_prompt(gateway):
 
 def test_base_model_name_is_known_with_a_tenants_file(tmp_path):
     """With --tenants the gateway still learns the served model's name (its lookup needs no
-    caller), so `model: <base name>` runs the base model."""
+    caller), so `model: <base name>` runs the base model. (And ModelInfo's largest rank is the
+    store's --max-rank.)"""
     port = free_port()
     tenants = tmp_path / "tenants.json"
     tenants.write_text(json.dumps({"tenants": {"acme": {"tokens": ["tok-acme"]}}}))
-    stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path,
+    stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path, store_args=["--max-rank", "256"],
                   router_args=["--http-listen", f"127.0.0.1:{port}", "--tenants", str(tenants)])
     try:
+        with LorafleetClient(stack.router.addr, "tok-acme") as c:
+            info = c.model_info()
+        assert (info.model_name, info.max_lora_rank) == ("tiny-llama", 256)
         url = f"http://127.0.0.1:{port}"
         body = json.load(post(f"{url}/v1/completions", {"model": "tiny-llama", "prompt": "x",
                                                          "max_tokens": 2}, token="tok-acme"))

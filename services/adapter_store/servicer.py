@@ -96,5 +96,6 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         return pb.StoreStatsResponse(
             registered=s.registered, failed=s.failed, host_resident=s.host.resident,
             host_hits=s.host.hits, host_misses=s.host.misses, host_bytes=s.host.bytes,
+            max_rank=self._store.max_rank,
             source_loads=router_pb2.ColdLoadStats(tier="source", count=s.source_loads,
                                                   p50=s.p50, p95=s.p95, p99=s.p99))

@@ -1,6 +1,7 @@
 """The public GenerationService: thin methods over the router's parts (RouterApp)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -114,13 +115,18 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         return info.model_name
 
     async def ModelInfo(self, request, context):
+        """The served model, from any worker; the largest LoRA rank is the store's (it refuses
+        larger adapters at Register: --max-rank)."""
         self._caller(context)
-        info = await _store_call(self._any_worker().stub.Info(wpb.WorkerInfoRequest(), timeout=10))
+        info, store = await asyncio.gather(
+            _store_call(self._any_worker().stub.Info(wpb.WorkerInfoRequest(), timeout=10)),
+            _store_call(self.app.store.Stats(spb.StoreStatsRequest(), timeout=10)))
         return rpb.ModelInfoResponse(
             model_name=info.model_name, architecture=info.architecture,
             vocab_size=info.vocab_size, max_sequence_length=info.max_sequence_length,
             hidden_size=info.hidden_size, num_layers=info.num_layers, dtype=info.dtype,
-            max_lora_rank=info.max_lora_rank, num_workers=len(self.app.workers.live()))
+            max_lora_rank=store.max_rank or info.max_lora_rank,
+            num_workers=len(self.app.workers.live()))
 
     async def ListAdapters(self, request, context):
         caller = self._caller(context)
