@@ -141,6 +141,18 @@ def chat(base, messages, **extra):
                            **extra}))
 
 
+def test_stream_ends_with_usage_when_asked(gateway):
+    _, base = gateway
+    body = {"model": "poet", "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+    whole = json.load(post(f"{base}/v1/completions", body))
+    raw = post(f"{base}/v1/completions", {**body, "stream": True,
+                                          "stream_options": {"include_usage": True}})
+    events = [json.loads(e[6:]) for e in raw.read().decode().split("\n\n")
+              if e.startswith("data: {")]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    assert all("usage" not in e for e in events[:-1])
+
+
 def test_chat_caps_with_max_completion_tokens(gateway):
     _, base = gateway
     msgs = [{"role": "user", "content": "Hello!"}]

@@ -275,7 +275,11 @@ class OpenAIGateway:
         model = str(body.get("model") or await self._base())
         ctx = _Context(request, self.timeout)
         if body.get("stream"):
-            return await self._stream(request, req, ctx, rid, model, chat)
+            opts = body.get("stream_options") or {}
+            if not isinstance(opts, dict):
+                return _error(InvalidArgument("stream_options: an object"))
+            return await self._stream(request, req, ctx, rid, model, chat,
+                                      bool(opts.get("include_usage")))
         try:
             resp = await self.servicer.Generate(req, ctx)
         except LorafleetError as err:
@@ -291,7 +295,10 @@ class OpenAIGateway:
             "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
                       "total_tokens": u.prompt_tokens + u.generated_tokens}})
 
-    async def _stream(self, request, req, ctx, rid, model, chat) -> web.StreamResponse:
+    async def _stream(self, request, req, ctx, rid, model, chat,
+                      include_usage: bool = False) -> web.StreamResponse:
+        """SSE chunks; with stream_options.include_usage, a last chunk with no choices and the
+        usage, as OpenAI's."""
         stream = self.servicer.GenerateStream(req, ctx)
         try:
             first = await stream.__anext__()          # errors before any byte: a plain status
@@ -305,9 +312,12 @@ class OpenAIGateway:
         chunk = _chunker(rid, model, chat)
         if chat:
             await out.write(chunk(None, None, role=True))
+        usage = None
         try:
             resp = first
             while resp is not None:
+                if resp.HasField("usage"):
+                    usage = resp.usage
                 finish = FINISH.get(resp.stop_reason, "stop") if resp.stop_reason else None
                 await out.write(chunk(resp.text, finish))
                 resp = await stream.__anext__() if finish is None else None
@@ -316,6 +326,8 @@ class OpenAIGateway:
         except LorafleetError as err:                   # mid-stream: an error event, then end
             await out.write(b"data: " + json.dumps({"error": {
                 "message": err.message, "code": err.code.name}}).encode() + b"\n\n")
+        if include_usage and usage is not None:
+            await out.write(chunk(None, None, usage=usage))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -324,7 +336,14 @@ class OpenAIGateway:
 def _chunker(rid: str, model: str, chat: bool):
     created = int(time.time())
 
-    def chunk(text, finish, role: bool = False) -> bytes:
+    def chunk(text, finish, role: bool = False, usage=None) -> bytes:
+        if usage is not None:                      # the usage chunk: no choices
+            data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created, "model": model, "choices": [],
+                    "usage": {"prompt_tokens": usage.prompt_tokens,
+                              "completion_tokens": usage.generated_tokens,
+                              "total_tokens": usage.prompt_tokens + usage.generated_tokens}}
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
         if chat:
             delta = {"role": "assistant"} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
