@@ -162,7 +162,8 @@ async def _json_errors(request: web.Request, handler):
         if exc.status < 400:
             raise
         body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}",
-                          "type": "invalid_request_error", "code": exc.status}}
+                          "type": "invalid_request_error",
+                          "code": exc.reason.upper().replace(" ", "_")}}
         return web.json_response(body, status=exc.status)
     except LorafleetError as err:
         return _error(err)
