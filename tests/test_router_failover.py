@@ -110,3 +110,32 @@ def test_worker_killed_under_load(lora_fleet, tmp_path):
     finally:
         codes = stack.terminate()
         assert codes[0] == 0 and codes[-1] == 0                      # router, store
+
+
+def test_a_silent_worker_is_taken_as_gone(lora_fleet, tmp_path):
+    """A worker that stops answering without closing its connections (SIGSTOP: hung, or its
+    host gone) is dropped once its residency stream is silent for STALL_S, and found again
+    when it resumes."""
+    import os
+    import signal
+    from services.router.workers import STALL_S
+    base, adapters = lora_fleet
+    stack = Stack(base, adapters, tmp_path, workers=2)
+    hung = stack.workers[1]
+    try:
+        with LorafleetClient(stack.router.addr, timeout=30) as c:
+            assert c.model_info().num_workers == 2
+            os.kill(hung.proc.pid, signal.SIGSTOP)
+            try:
+                end = time.monotonic() + STALL_S + 10
+                while c.model_info().num_workers != 1:
+                    assert time.monotonic() < end, "the silent worker was not dropped"
+                    time.sleep(0.5)
+            finally:
+                os.kill(hung.proc.pid, signal.SIGCONT)
+            end = time.monotonic() + 15
+            while c.model_info().num_workers != 2:
+                assert time.monotonic() < end, "the resumed worker was not found again"
+                time.sleep(0.5)
+    finally:
+        stack.terminate()

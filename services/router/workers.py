@@ -26,6 +26,7 @@ from services.common.server import channel
 from services.router.placement import WorkerView
 
 log = logging.getLogger(__name__)
+STALL_S = 10.0      # a residency stream silent this long: the worker is taken as gone
 
 
 @dataclass
@@ -131,15 +132,25 @@ class WorkerSet:
             await state.chan.close()
 
     async def _watch(self, state: WorkerState) -> None:
+        """Follow a worker's residency stream. A worker sends at least a load update every
+        half second: one silent for STALL_S (hung, or its host gone without a reset) is taken
+        as gone until a new stream brings a snapshot."""
         backoff = 0.1
         while True:
+            call = state.stub.WatchResidency(wpb.WatchResidencyRequest(watcher="router"))
             try:
-                call = state.stub.WatchResidency(wpb.WatchResidencyRequest(watcher="router"))
-                async for update in call:
+                updates = call.__aiter__()
+                while True:
+                    update = await asyncio.wait_for(updates.__anext__(), STALL_S)
                     state.apply(update)
                     if update.snapshot:
                         state.connected, backoff = True, 0.1
                         log.info("worker %s (%s) connected", state.addr, state.worker_id)
+            except StopAsyncIteration:
+                pass
+            except asyncio.TimeoutError:
+                log.warning("worker %s sent nothing for %.0f s", state.addr, STALL_S)
+                call.cancel()
             except grpc.RpcError as err:
                 log.debug("residency stream of %s: %s", state.addr, err.code())
             if state.connected:
@@ -147,7 +158,7 @@ class WorkerSet:
             state.connected = False
             state.seq = 0
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, 2.0)
 
     async def _dns(self, target: str) -> None:
         host, _, port = target.rpartition(":")
