@@ -191,3 +191,28 @@ def test_generate_validation_names_the_public_field(fields, named) -> None:
     with pytest.raises(InvalidArgument, match=named):
         validate(req)
     validate(router_pb2.GenerateRequest(text="hi", adapter_id="pirate-v2.1"))   # fine
+
+
+def test_resolver_keeps_its_last_answer_while_the_store_is_down(tmp_path) -> None:
+    """With the store unreachable, a name resolved before resolves to the same adapter (it may
+    be resident on a worker, which needs no store); a name never resolved is UNAVAILABLE."""
+    from services.common.errors import LorafleetError
+    from tests.support import DEMO_ADAPTERS, MODEL_DIR, Service
+    store = Service("adapter_store", ["--adapters-dir", str(DEMO_ADAPTERS), "--model",
+                                      str(MODEL_DIR), "--db", ":memory:"], tmp_path).wait()
+
+    async def run():
+        resolver = Resolver(grpc.aio.insecure_channel(store.addr), ttl=0.05)
+        before = await resolver.resolve("pirate", "acme")
+        store.terminate()
+        await asyncio.sleep(0.1)                     # past the ttl
+        assert await resolver.resolve("pirate", "acme") == before
+        try:
+            await resolver.resolve("poet", "acme", timeout=5)
+            raise AssertionError("resolved with no store")
+        except LorafleetError as err:
+            assert err.code == grpc.StatusCode.UNAVAILABLE
+    try:
+        asyncio.run(run())
+    finally:
+        store.terminate()

@@ -5,11 +5,13 @@ version through another router (or straight at the store) is seen within ttl. Th
 entries at once when it registers or deletes an adapter itself (an alias may have moved), and
 when a worker reports that the version it was sent is no longer the store's (`invalidate`): the
 request path then resolves again and retries. An epoch counter keeps a resolution that was in
-flight during an invalidation from putting the stale answer back.
+flight during an invalidation from putting the stale answer back. While the store is
+unreachable, the last answer for a name stands: adapters resident on workers keep serving.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -20,6 +22,9 @@ from services.common.gen.lorafleet.v1 import router_pb2
 from services.common.telemetry import outgoing_metadata
 
 MAX_ENTRIES = 100_000
+# the store is unreachable: a cached answer, however old, beats refusing a resident adapter
+STORE_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+log = logging.getLogger(__name__)
 
 
 class Resolver:
@@ -63,6 +68,13 @@ class Resolver:
             resp = await self.stub.Resolve(spb.ResolveRequest(name=name, tenant=tenant),
                                            timeout=timeout or 10.0, metadata=outgoing_metadata())
         except grpc.RpcError as err:
+            stale = self._cache.get(key)
+            if stale is not None and err.code() in STORE_DOWN:
+                # the store is unreachable: the last answer stands (the adapter may be
+                # resident on a worker, which needs no store), until the store answers again
+                log.warning("store unreachable (%s): %r for %s resolved from a %.0f s old "
+                            "answer", err.code().name, name, tenant, now - stale[0])
+                return stale[1]
             raise from_rpc_error(err) from None
         if epoch == self._epoch:
             if len(self._cache) >= MAX_ENTRIES:
