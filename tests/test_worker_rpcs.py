@@ -70,3 +70,21 @@ def test_snapshot_lists_no_removed_adapters(worker):
     assert snapshot.snapshot
     assert all(a.tier != common_pb2.TIER_UNSPECIFIED for a in snapshot.adapters), snapshot
     assert "poet" not in {a.id for a in snapshot.adapters}
+
+
+def test_a_text_that_cannot_fit_is_refused_unencoded(worker):
+    """A prompt text longer than the model could hold whatever its tokens is refused without
+    encoding it (encoding 16 MiB on the event loop stalled every stream of the worker for
+    18 s); a long text that may fit is encoded (off the loop) to the tokenizer's very ids."""
+    stub, _ = worker
+    huge = "word " * 2_000_000
+    code, details = code_of(lambda: stub.Tokenize(wpb.WorkerTokenizeRequest(text=huge),
+                                                  timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit" in details
+    req = wpb.WorkerGenerateRequest(request_id="huge", text=huge)
+    code, details = code_of(lambda: list(stub.Generate(req, timeout=30)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit" in details
+    from tokenizers import Tokenizer
+    long = "The weather is fine today. " * 400                  # 10,800 characters
+    ids = stub.Tokenize(wpb.WorkerTokenizeRequest(text=long), timeout=30).token_ids
+    assert list(ids) == Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")).encode(long).ids

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import math
 import random
@@ -89,7 +90,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._background: set[asyncio.Task] = set()   # prefetch tasks, referenced until done
         self._handoff: EventHandoff | None = None        # engine thread -> this loop
 
-    def _prompt(self, request: wpb.WorkerGenerateRequest) -> list[int]:
+    async def _prompt(self, request: wpb.WorkerGenerateRequest) -> list[int]:
         if request.prompt_token_ids:
             ids = list(request.prompt_token_ids)
             if max(ids) >= self.built.spec.vocab_size:
@@ -98,7 +99,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return ids
         if not request.text:
             raise InvalidArgument("text: empty prompt (give text or prompt_token_ids)")
-        return self.built.tokenizer.encode(request.text).ids
+        return (await self._encode(request.text)).ids
+
+    async def _encode(self, text: str):
+        """A text's encoding, off the event loop when it is long (a long text took seconds, and
+        every other stream of this worker waited); a text too long to fit the model whatever
+        its tokens is refused without encoding it."""
+        limit = self.engine.max_model_len * self._chars_per_token
+        if len(text) > limit:
+            raise InvalidArgument(f"text: {len(text)} characters cannot fit the model's "
+                                  f"{self.engine.max_model_len} tokens")
+        if len(text) <= 4096:
+            return self.built.tokenizer.encode(text)
+        return await asyncio.to_thread(self.built.tokenizer.encode, text)
+
+    @functools.cached_property
+    def _chars_per_token(self) -> int:
+        """A bound on the characters one token covers: four times the longest vocabulary entry
+        (normalizers may drop characters)."""
+        vocab = self.built.tokenizer.get_vocab()
+        return 4 * max((len(piece) for piece in vocab), default=1)
 
     async def Generate(self, request, context):
         if self.draining:
@@ -115,7 +135,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         arrival = time.monotonic()
         remaining = context.time_remaining()
         deadline = arrival + remaining if remaining is not None else None
-        prompt = self._prompt(request)
+        prompt = await self._prompt(request)
         sampling, stopping = sampling_from(request.sampling), stopping_from(request.stopping,
                                                                            self.cfg)
         acq = None
@@ -215,7 +235,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield update
 
     async def Tokenize(self, request, context):
-        enc = self.built.tokenizer.encode(request.text)
+        enc = await self._encode(request.text)
         return wpb.WorkerTokenizeResponse(token_ids=enc.ids, tokens=enc.tokens)
 
     async def Info(self, request, context):
