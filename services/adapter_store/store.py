@@ -110,11 +110,11 @@ class AdapterStore:
             self._forget(old.version)
         return stored
 
-
     @property
     def max_rank(self) -> int:
         """The largest rank Register accepts (--max-rank)."""
         return self._max_rank
+
     def _load_validated(self, ref: SourceRef, remaining: float | None) -> AdapterSummary:
         """Read and validate (blocking: runs in a thread); missing files become refusals."""
         with _tracer.start_as_current_span("store.validate") as span:

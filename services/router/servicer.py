@@ -1,7 +1,6 @@
 """The public GenerationService: thin methods over the router's parts (RouterApp)."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -116,16 +115,16 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def ModelInfo(self, request, context):
         """The served model, from any worker; the largest LoRA rank is the store's (it refuses
-        larger adapters at Register: --max-rank)."""
+        larger adapters at Register: --max-rank), from its last Stats reply (poll_store_stats),
+        so a store outage does not fail this call."""
         self._caller(context)
-        info, store = await asyncio.gather(
-            _store_call(self._any_worker().stub.Info(wpb.WorkerInfoRequest(), timeout=10)),
-            _store_call(self.app.store.Stats(spb.StoreStatsRequest(), timeout=10)))
+        info = await _store_call(self._any_worker().stub.Info(wpb.WorkerInfoRequest(), timeout=10))
+        store = self.app.stats.store_snapshot
         return rpb.ModelInfoResponse(
             model_name=info.model_name, architecture=info.architecture,
             vocab_size=info.vocab_size, max_sequence_length=info.max_sequence_length,
             hidden_size=info.hidden_size, num_layers=info.num_layers, dtype=info.dtype,
-            max_lora_rank=store.max_rank or info.max_lora_rank,
+            max_lora_rank=(store.max_rank if store is not None else 0) or info.max_lora_rank,
             num_workers=len(self.app.workers.live()))
 
     async def ListAdapters(self, request, context):
