@@ -110,13 +110,16 @@ def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, s
             "steps": len(steps)}
 
 
-ENV0 = {k: os.environ.get(k) for k in ("LORAFLEET_WEIGHT_LAYOUT", "LORAFLEET_SGMV_SPLIT")}
+ENV0 = {k: os.environ.get(k) for k in ("LORAFLEET_WEIGHT_LAYOUT", "LORAFLEET_SGMV_SPLIT",
+                                        "LORAFLEET_BLAS")}
 
 
 def apply_variant(variant: str) -> int:
     """A build variant, "pdl=0,layout=nk" style: PDL on or off (kernels.pdl), the decode GEMMs'
     weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built), the largest rank the
-    graphs serve (grank; default: the worker's EngineOptions.graph_max_rank), and fields of the
+    graphs serve (grank; default: the worker's EngineOptions.graph_max_rank), torch's BLAS
+    backend for the base GEMMs (blas=cublas|cublaslt: LORAFLEET_BLAS, read when the model is
+    built; default cublaslt), and fields of the
     split SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
     LORAFLEET_SGMV_SPLIT). Empty: the defaults. Returns the graphs' largest rank."""
     import dataclasses
@@ -124,10 +127,11 @@ def apply_variant(variant: str) -> int:
     from kernels.sgmv_split import SplitConfig
     opts = dict(kv.split("=") for kv in variant.split(",") if kv)
     split_fields = {f.name for f in dataclasses.fields(SplitConfig)}
-    unknown = set(opts) - {"pdl", "layout", "grank"} - split_fields
+    unknown = set(opts) - {"pdl", "layout", "grank", "blas"} - split_fields
     if unknown:
-        raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, "
+        raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, blas, "
                          f"{', '.join(sorted(split_fields))})")
+    os.environ["LORAFLEET_BLAS"] = opts.get("blas", ENV0["LORAFLEET_BLAS"] or "cublaslt")
     pdl.set_enabled(opts.get("pdl", os.environ.get("LORAFLEET_PDL", "1")) != "0")
     os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get(
         "layout", ENV0["LORAFLEET_WEIGHT_LAYOUT"] or "kn")

@@ -3,7 +3,10 @@ y = x @ W.T with W stored [N, K] (F.linear, as checkpoints store it) against W.T
 (torch.mm), at decode batch sizes. Median of CUDA-graph replays, each call on its own weights
 (cold), achieved bandwidth next to an eager copy.
 
-    python bench/gemm_layouts.py --out DIR
+    python bench/gemm_layouts.py --out DIR [--blas cublas,cublaslt] [--names qkv,o]
+
+--blas runs the sweep once per torch BLAS backend (torch.backends.cuda.preferred_blas_library);
+rows carry the backend's name.
 """
 from __future__ import annotations
 
@@ -28,11 +31,20 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=pathlib.Path, required=True)
     ap.add_argument("--batches", default="32,64,128")
+    ap.add_argument("--blas", default="", help="backends to compare, e.g. cublas,cublaslt")
+    ap.add_argument("--names", default="", help="only these GEMMs, e.g. qkv,o")
+    ap.add_argument("--variants", default="", help="only these variants, e.g. mm_KN")
     a = ap.parse_args()
+    backends = a.blas.split(",") if a.blas else [None]
+    names = set(a.names.split(",")) if a.names else set(SHAPES)
+    only = set(a.variants.split(",")) if a.variants else None
     dev = torch.device("cuda")
     bw = copy_tbps(dev, 2.0, 25, 100)
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for blas, (name, (n, k)) in ((b, item) for b in backends for item in SHAPES.items()
+                                 if item[0] in names):
+        if blas:
+            torch.backends.cuda.preferred_blas_library(blas)
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
         wts = [w.t().contiguous() for w in ws]
         for m in (int(b) for b in a.batches.split(",")):
@@ -47,6 +59,8 @@ def main() -> int:
             }
             ref = (xs[0].float() @ ws[0].float().t())
             for v, fns in variants.items():
+                if only and v not in only:
+                    continue
                 out = fns[0]()
                 out = outs[0] if out is None else out
                 if v == "mm_NK_xT":
@@ -54,10 +68,10 @@ def main() -> int:
                 err = float((out.float() - ref).abs().max() / ref.abs().max())
                 us = time_us(fns, dev, 25, 100)
                 nbytes = 2 * (n * k + m * k + m * n)
-                rows.append({"gemm": name, "M": m, "N": n, "K": k, "variant": v,
+                rows.append({"blas": blas or "default", "gemm": name, "M": m, "N": n, "K": k, "variant": v,
                              "us": round(us, 2), "tbps": round(nbytes / us / 1e6, 2),
                              "rel_err": err})
-                print(f"{name:8s} M={m:4d} {v:10s} {us:7.2f} us {nbytes / us / 1e6:5.2f} TB/s "
+                print(f"{blas or '':9s}{name:8s} M={m:4d} {v:10s} {us:7.2f} us {nbytes / us / 1e6:5.2f} TB/s "
                       f"err {err:.1e}", flush=True)
         del ws, wts
         torch.cuda.empty_cache()

@@ -190,3 +190,14 @@ def test_stray_tensors_are_refused(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UnsupportedModel, match="down_proj.bias"):
         engine_for(tmp_path)
+
+
+def test_blas_backend_switch_is_checked(monkeypatch):
+    """LORAFLEET_BLAS names torch's BLAS backend for a CUDA model; a typo is an error even on
+    CPU, where nothing is set."""
+    from services.worker.model import choose_blas
+    monkeypatch.setenv("LORAFLEET_BLAS", "cublas")
+    choose_blas(torch.device("cpu"))
+    monkeypatch.setenv("LORAFLEET_BLAS", "cuBLAS-lt")
+    with pytest.raises(ValueError, match="LORAFLEET_BLAS"):
+        choose_blas(torch.device("cpu"))

@@ -88,6 +88,25 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 KN_GEMMS = ("qkv", "o", "gate_up")
 
 
+# torch's BLAS backend for a CUDA model's GEMMs. cuBLASLt picks other kernels for some decode
+# shapes (down at 64 rows, [K, N]: 32.6 -> 27.7 us; the others within 1%), and end to end at
+# batch 64 the step went 7.12 -> 7.02 ms with 32 adapters, 6.04 -> 5.95 base-only, in two
+# interleaved runs each (bench/results/ab/gemm-blas-h200.json, e2e-blas-h200.*).
+# LORAFLEET_BLAS=cublas keeps torch's default. The choice is the process's: a worker runs one
+# engine.
+BLAS_BACKENDS = ("cublas", "cublaslt")
+
+
+def choose_blas(device: torch.device) -> None:
+    """Set torch's preferred BLAS backend for CUDA GEMMs (LORAFLEET_BLAS, default cublaslt).
+    A bad value is an error on any device, so a typo shows on a CPU run too."""
+    name = os.environ.get("LORAFLEET_BLAS", "cublaslt")
+    if name not in BLAS_BACKENDS:
+        raise ValueError(f"LORAFLEET_BLAS must be one of {BLAS_BACKENDS}, got {name!r}")
+    if device.type == "cuda":
+        torch.backends.cuda.preferred_blas_library(name)
+
+
 def to_kn_layout(weights: dict) -> None:
     """In place: the KN_GEMMS of each layer (and an untied lm_head) stored column-major, one
     tensor at a time (the old storage is freed as each is replaced). F.linear then hands cuBLAS
@@ -107,6 +126,7 @@ class LlamaModel:
     def __init__(self, spec: ModelSpec, weights: dict, device: torch.device, dtype: torch.dtype):
         if device.type == "cuda" and os.environ.get("LORAFLEET_WEIGHT_LAYOUT", "kn") != "nk":
             to_kn_layout(weights)
+        choose_blas(device)
         self.spec, self.w, self.device, self.dtype = spec, weights, device, dtype
         inv = rope_inv_freq(spec).to(device)
         t = torch.arange(spec.max_position, device=device, dtype=torch.float32)
