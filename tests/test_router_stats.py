@@ -1,7 +1,8 @@
 """`lorafleet stats --json` (the real CLI, as a subprocess) after a known run shows every field of
 DESIGN.md's operator contract, with values that agree with what was sent: requests and tokens per
 tenant, one cold load per source tier as staged, hits and misses per tier, adapter counts; the
-router's /metrics carries the same signals."""
+router's /metrics carries the same signals. Requests refused at admission (quota, bad argument,
+unknown adapter) count among their tenant's requests, under their status."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,8 @@ import urllib.request
 
 import grpc
 import pytest
+
+from services.router.stats import jain_index
 
 from services.client.client import LorafleetClient
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
@@ -120,3 +123,54 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
                  'lorafleet_fleet_adapters{tier="store_host"} 4.0',
                  "lorafleet_adapters_registered 51.0"):
         assert line in metrics, line
+
+
+def test_requests_refused_at_admission_are_counted(lora_fleet, tmp_path):
+    """A tenant's requests refused before reaching a worker (its quota, a bad argument, an
+    unknown adapter) are among its requests in GetStats and in
+    lorafleet_router_requests_total under their status. Jain's index leaves out a tenant whose
+    every request was refused for its own fault (an unknown adapter): it was not served
+    unfairly."""
+    base, adapters = lora_fleet
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": {
+        "ops": {"tokens": ["tok-ops"], "role": "admin"},
+        "slow": {"tokens": ["tok-slow"], "quota": {"requests_per_s": 0.1, "request_burst": 1}},
+        "lost": {"tokens": ["tok-lost"]}}}))
+    metrics_port = free_port()
+    stack = Stack(base, adapters, tmp_path, router_args=["--tenants", str(tenants),
+                                                         "--metrics-port", str(metrics_port)])
+    kw = dict(prompt_ids=[7, 8, 9], max_new_tokens=NEW, ignore_eos=True)
+    try:
+        codes = []
+        with LorafleetClient(stack.router.addr, "tok-slow", timeout=30) as c:
+            c.generate(adapter="a00", **kw)
+            for call in (dict(adapter="a00"), dict(adapter="no-such"),
+                         dict(adapter="a00", temperature=-1.0)):
+                with pytest.raises(grpc.RpcError) as err:
+                    c.generate(**call, **kw)
+                codes.append(err.value.code())
+        with LorafleetClient(stack.router.addr, "tok-lost", timeout=30) as c:
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate(adapter="no-such", **kw)
+            codes.append(err.value.code())
+        with LorafleetClient(stack.router.addr, "tok-ops", timeout=30) as c:
+            stats = c.stats()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                         timeout=10).read().decode()
+    finally:
+        stack.terminate()
+    S = grpc.StatusCode
+    assert codes == [S.RESOURCE_EXHAUSTED, S.NOT_FOUND, S.INVALID_ARGUMENT, S.NOT_FOUND]
+    t = {x.tenant: x for x in stats.tenants}
+    assert (t["slow"].requests, t["slow"].throttled, t["slow"].tokens_served) == (4, 1, NEW)
+    assert (t["lost"].requests, t["lost"].throttled, t["lost"].tokens_served) == (1, 0, 0)
+    # one latency sample, the served request's: a refusal's microseconds are not service
+    assert 0 < t["slow"].p50_latency_s == t["slow"].p99_latency_s
+    assert stats.jain_index == pytest.approx(jain_index([NEW]))         # "lost" left out
+    for status, tenant in (("OK", "slow"), ("RESOURCE_EXHAUSTED", "slow"),
+                           ("NOT_FOUND", "slow"), ("INVALID_ARGUMENT", "slow"),
+                           ("NOT_FOUND", "lost")):
+        line = f'lorafleet_router_requests_total{{status="{status}",tenant="{tenant}"}} 1.0'
+        assert line in metrics, line
+    assert 'lorafleet_throttled_total{tenant="slow"} 1.0' in metrics

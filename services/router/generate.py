@@ -69,7 +69,19 @@ class RequestPath:
 
     async def admit(self, req, caller: Caller, timeout: float | None) -> Admitted:
         """Validate, resolve the adapter and take the tenant's quota (RESOURCE_EXHAUSTED with a
-        retry delay when over it); the caller must then run `stream`, which gives it back."""
+        retry delay when over it); the caller must then run `stream`, which gives it back.
+        A refusal is counted in the tenant's requests under its status (`stream` counts the
+        rest), so the request counts and the fairness index see refused tenants too."""
+        try:
+            return await self._admit(req, caller, timeout)
+        except LorafleetError as err:
+            self.app.stats.refuse(caller.tenant, err.code.name)
+            raise
+        except asyncio.CancelledError:
+            self.app.stats.refuse(caller.tenant, "CANCELLED")
+            raise
+
+    async def _admit(self, req, caller: Caller, timeout: float | None) -> Admitted:
         validate(req)
         app = self.app
         adapter = None

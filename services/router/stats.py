@@ -46,6 +46,11 @@ def jain_index(xs) -> float:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
 
 
+# refusals for the request's own fault: they do not make a tenant one the fleet served unfairly
+CLIENT_FAULT = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED",
+                          "UNAUTHENTICATED", "OUT_OF_RANGE", "FAILED_PRECONDITION"})
+
+
 @dataclass
 class TenantRecord:
     requests: int = 0
@@ -53,6 +58,7 @@ class TenantRecord:
     prompt_tokens: int = 0
     throttled: int = 0
     errors: int = 0
+    rejected: int = 0       # refused for the request's own fault (a bad argument, no adapter)
     latencies: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
 
@@ -82,6 +88,19 @@ class RouterStats:
         LATENCY.labels(tenant).observe(latency_s)
         JAIN.set(self.jain())
 
+    def refuse(self, tenant: str, status: str) -> None:
+        """A request refused at admission (quota, bad argument, unknown adapter, ...): one of
+        the tenant's requests, under its status, with no tokens. No latency sample: a refusal is
+        not service, and its microseconds would make a throttled tenant's latency look best. A
+        tenant refused everything is thus active with nothing served, as Jain's index should
+        see it, unless every refusal was for the request's own fault (CLIENT_FAULT)."""
+        rec = self._t(tenant)
+        rec.requests += 1
+        rec.errors += 1
+        rec.rejected += status in CLIENT_FAULT
+        REQUESTS.labels(tenant, status).inc()
+        JAIN.set(self.jain())
+
     def throttle(self, tenant: str) -> None:
         self._t(tenant).throttled += 1
         THROTTLED.labels(tenant).inc()
@@ -103,7 +122,9 @@ class RouterStats:
         return len(self._adapters_seen)
 
     def jain(self) -> float:
-        return jain_index(r.tokens for r in self.tenants.values() if r.requests)
+        """Over the tenants that asked for service the fleet could give: a tenant whose every
+        request was refused for its own fault (CLIENT_FAULT) is not one served unfairly."""
+        return jain_index(r.tokens for r in self.tenants.values() if r.requests > r.rejected)
 
 
 class FleetCollector:
