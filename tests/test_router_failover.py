@@ -1,7 +1,9 @@
 """Cancels and lost workers, through the running services: a client cancel (or its deadline)
 reaches the worker and frees the row and its KV at once; a worker SIGKILLed under load loses no
 request that had not streamed a token (one retry on the other worker), and requests cut
-mid-stream end UNAVAILABLE with what they got a clean prefix (nothing duplicated)."""
+mid-stream end UNAVAILABLE with what they got a clean prefix (nothing duplicated); a unary
+Generate, which sends nothing before its end, is retried on the other worker even after its
+worker died mid-generation; a cold load that fails because the store is down says so."""
 from __future__ import annotations
 
 import threading
@@ -12,6 +14,7 @@ import grpc
 import pytest
 
 from services.client.client import LorafleetClient
+from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from tests.conftest import ResidencyWatch, Stack
 from tests.support import Service
 
@@ -137,5 +140,61 @@ def test_a_silent_worker_is_taken_as_gone(lora_fleet, tmp_path):
             while c.model_info().num_workers != 2:
                 assert time.monotonic() < end, "the resumed worker was not found again"
                 time.sleep(0.5)
+    finally:
+        stack.terminate()
+
+
+def test_unary_generate_is_retried_after_its_worker_dies_mid_generation(long_context, tmp_path):
+    """Nothing of a unary Generate has reached the client before it ends, so a worker SIGKILLed
+    mid-generation costs one retry on the other worker, not an UNAVAILABLE; the answer is the
+    whole greedy generation, once."""
+    base, adapters = long_context
+    stack = Stack(base, adapters, tmp_path, workers=2)
+    watches = [ResidencyWatch(w.addr) for w in stack.workers]
+    kw = dict(adapter="long", prompt_ids=[3, 4, 5, 6], max_new_tokens=1500, ignore_eos=True)
+    try:
+        with LorafleetClient(stack.router.addr, timeout=120) as c, ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(c.generate, **kw)
+            end = time.monotonic() + 30
+            while not any(w.load.running for w in watches):
+                assert time.monotonic() < end and not answer.done(), "the request never ran"
+                time.sleep(0.02)
+            victim = next(i for i, w in enumerate(watches) if w.load.running)
+            time.sleep(1.0)                     # decoding: tokens have reached the router
+            assert not answer.done()
+            stack.workers[victim].kill()                                 # SIGKILL
+            resp = answer.result()
+            reference = c.generate(**kw)                                 # on the survivor
+        assert len(resp.token_ids) == 1500 and resp.stop_reason
+        assert list(resp.token_ids) == list(reference.token_ids)
+        assert "failed mid-generation" in stack.router.log()
+    finally:
+        for w in watches:
+            w.close()
+        stack.terminate()
+
+
+def test_cold_load_with_the_store_down_names_the_store(lora_fleet, tmp_path):
+    """The store dies; a name the router resolved before still resolves (its last answer), so
+    the request reaches the worker, whose cold load cannot fetch the adapter. The client is told
+    UNAVAILABLE naming the adapter and the unreachable store, not "no live worker" (the
+    workers are fine)."""
+    base, adapters = lora_fleet
+    stack = Stack(base, adapters, tmp_path)
+    kw = dict(adapter="a03", prompt_ids=[5, 6, 7], max_new_tokens=2)
+    try:
+        with LorafleetClient(stack.router.addr, timeout=30) as c:
+            c.generate(**kw)                                             # resolved, resident
+            with grpc.insecure_channel(stack.workers[0].addr) as ch:     # now cold again
+                worker_pb2_grpc.WorkerStub(ch).OffloadAdapter(
+                    wpb.OffloadAdapterRequest(id="a03", to_host=False), timeout=10)
+            stack.store.kill()
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate(**kw)
+            assert c.generate(prompt_ids=[5, 6, 7], max_new_tokens=2).stop_reason  # worker ok
+        details = err.value.details()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, details
+        assert "'a03' could not be loaded" in details and "adapter-store is unreachable" in details
+        assert "no live worker" not in details
     finally:
         stack.terminate()

@@ -216,3 +216,37 @@ def test_resolver_keeps_its_last_answer_while_the_store_is_down(tmp_path) -> Non
         asyncio.run(run())
     finally:
         store.terminate()
+
+
+class _Deadline:
+    """The one part of a ServicerContext that attempts.retryable reads."""
+
+    def __init__(self, remaining):
+        self.remaining = remaining
+
+    def time_remaining(self):
+        return self.remaining
+
+
+def test_a_failed_attempt_is_retried_only_when_the_client_got_nothing() -> None:
+    """Before the first message a lost or failing worker is retried; after it only a unary
+    call whose worker connection was lost (UNAVAILABLE), never a stream that has sent tokens,
+    a client error or a deadline; and nothing once the request's deadline has passed."""
+    from services.router.attempts import AttemptFailed, retryable
+    S = grpc.StatusCode
+
+    def failed(code, started):
+        err = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x")
+        return AttemptFailed(err, "w1", started, cold=False)
+    live = _Deadline(None)
+    assert retryable(failed(S.UNAVAILABLE, False), False, live)
+    assert retryable(failed(S.INTERNAL, False), False, live)
+    assert retryable(failed(S.UNAVAILABLE, True), True, live)             # unary, lost
+    assert retryable(failed(S.UNAVAILABLE, True), True, _Deadline(5.0))
+    assert not retryable(failed(S.UNAVAILABLE, True), False, live)        # stream sent tokens
+    assert not retryable(failed(S.INTERNAL, True), True, live)
+    for code in (S.INVALID_ARGUMENT, S.NOT_FOUND, S.RESOURCE_EXHAUSTED, S.DEADLINE_EXCEEDED):
+        assert not retryable(failed(code, False), True, live), code
+        assert not retryable(failed(code, True), True, live), code
+    assert not retryable(failed(S.UNAVAILABLE, True), True, _Deadline(0.0))
+    assert not retryable(failed(S.UNAVAILABLE, False), False, _Deadline(-1.0))

@@ -2,13 +2,17 @@
 
 A worker lost before the first token means one retry on another worker; after it, the stream
 ends with UNAVAILABLE and nothing is duplicated (tokens already sent are never sent again). A
-client cancel cancels the worker call, which frees the row and its KV blocks there. A worker
-that reports the adapter version it was sent is no longer the store's (FAILED_PRECONDITION: an
-alias or id moved under us) makes the router resolve the name again and retry once.
+unary Generate sends nothing before its end, so a worker lost mid-generation (UNAVAILABLE, the
+connection gone) is retried once on another worker too. A client cancel cancels the worker
+call, which frees the row and its KV blocks there. A worker that reports the adapter version it
+was sent is no longer the store's (FAILED_PRECONDITION: an alias or id moved under us) makes the
+router resolve the name again and retry once. When no attempt is left, the client gets the
+failure's own cause (services/router/attempts.py), not "no worker".
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -23,12 +27,11 @@ from services.common.errors import (InvalidArgument, LorafleetError, ResourceExh
 from services.common.gen.lorafleet.v1 import router_pb2, worker_pb2 as wpb
 from services.common.names import name_error
 from services.common.telemetry import outgoing_metadata
+from services.router.attempts import RETRYABLE, AttemptFailed, cause, retryable
 from services.router.auth import Caller
 from services.router.placement import NoWorker, choose_worker
 
 log = logging.getLogger(__name__)
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
-             grpc.StatusCode.UNKNOWN)
 DEFAULT_NEW_TOKENS = 64     # the worker's default when max_new_tokens is 0 (for estimates)
 
 
@@ -98,8 +101,10 @@ class RequestPath:
         return Admitted(caller, adapter, prompt, est, req.request_id or uuid.uuid4().hex[:16],
                         req.adapter_id)
 
-    async def stream(self, req, adm: Admitted, context):
-        """Yield GenerateResponse messages; the caller has already admitted the request."""
+    async def stream(self, req, adm: Admitted, context, unary: bool = False):
+        """Yield GenerateResponse messages; the caller has already admitted the request.
+        unary: the caller sends nothing before the end (Generate), so a worker lost
+        mid-generation may be retried (see _forward)."""
         app = self.app
         start = time.monotonic()
         tokens = prompt_tokens = 0
@@ -109,9 +114,9 @@ class RequestPath:
             if app.gate.would_wait(adm.caller.tenant):
                 self._prefetch(adm)     # it will queue: let the worker stage meanwhile
             ticket = await app.gate.acquire(adm.caller.tenant, adm.prompt_estimate)
-            async for resp in self._forward(req, adm, context):
+            charge = functools.partial(app.gate.progress, ticket)   # settled at release
+            async for resp in self._forward(req, adm, context, unary, charge):
                 tokens += len(resp.token_ids)
-                app.gate.progress(ticket, len(resp.token_ids))
                 if resp.HasField("usage"):
                     prompt_tokens = resp.usage.prompt_tokens
                     resp.timings.queue_s += ticket.queue_seconds
@@ -166,37 +171,63 @@ class RequestPath:
             wreq.adapter.CopyFrom(self._ref(adm))
         return wreq
 
-    async def _forward(self, req, adm: Admitted, context):
-        """Stream from one worker; before the first token, one more attempt (elsewhere after a
-        lost worker, anywhere after a moved version)."""
+    async def _forward(self, req, adm: Admitted, context, unary: bool, charge):
+        """Stream from one worker; one more attempt after a failure that sent the client
+        nothing (attempts.retryable): elsewhere after a lost worker, anywhere after a moved
+        version. Out of attempts, or with no other worker, the client gets the failure's own
+        cause."""
         if not self.app.workers.live():
             await self.app.workers.wait_ready(timeout=min(2.0, context.time_remaining() or 2.0))
         tried: set[str] = set()
+        failed: AttemptFailed | None = None
         span = trace.get_current_span()
         for attempt in range(2):
-            addr = self._place(adm, tried)
+            try:
+                addr = self._place(adm, tried)
+            except Unavailable:
+                if failed is None:
+                    raise
+                raise await self._cause(failed, adm, context) from None   # nowhere to retry
             tried.add(addr)
             span.set_attribute("lora.worker", addr)
             try:
-                async for resp in self._call(addr, self._worker_request(req, adm), adm, context):
+                async for resp in self._attempt(addr, req, adm, context, unary, charge):
                     yield resp
                 return
-            except _NotStarted as failed:
-                err = failed.error
-                if attempt == 0 and await self._version_moved(err, adm, context):
-                    tried.discard(addr)
-                    continue
-                if attempt == 1 or err.code() not in RETRYABLE:
-                    raise from_rpc_error(err) from None
-                span.add_event("retry", {"lora.worker": addr, "grpc.code": err.code().name})
-                log.warning("worker %s failed before the first token (%s); retrying elsewhere",
-                            addr, err.code().name)
+            except AttemptFailed as lost:
+                failed = lost
+            if (not failed.started and attempt == 0
+                    and await self._version_moved(failed.error, adm, context)):
+                tried.discard(addr)
+                continue
+            if attempt == 1 or not retryable(failed, unary, context):
+                raise await self._cause(failed, adm, context) from None
+            code = failed.error.code().name
+            span.add_event("retry", {"lora.worker": addr, "grpc.code": code})
+            log.warning("worker %s failed %s (%s: %s); retrying elsewhere", addr,
+                        "mid-generation" if failed.started else "before the first token", code,
+                        failed.error.details())
+
+    async def _attempt(self, addr: str, req, adm: Admitted, context, unary: bool, charge):
+        """One worker's answer, its tokens charged to the fair queue as they come (charge(n)).
+        Unary: gathered whole before any of it is yielded, so a worker lost mid-generation has
+        sent the client nothing and may be retried."""
+        answer = []
+        async for resp in self._call(addr, self._worker_request(req, adm), adm, context):
+            charge(len(resp.token_ids))
+            if unary:
+                answer.append(resp)
+            else:
+                yield resp
+        for resp in answer:
+            yield resp
 
     async def _call(self, addr: str, wreq, adm: Admitted, context):
-        """One worker call. A failure before any message raises _NotStarted; after it, a lost
-        worker is UNAVAILABLE and anything else is relayed."""
+        """One worker call. A failure before any message, or a lost worker (RETRYABLE) after
+        one, raises AttemptFailed; anything else after the first message is relayed."""
         worker = self.app.workers.workers[addr]
         adapter_id = adm.adapter.id if adm.adapter else None
+        cold = adapter_id is not None and adapter_id not in worker.view().resident
         started = False
         worker.begin(adapter_id)
         call = worker.stub.Generate(wreq, timeout=context.time_remaining(),
@@ -206,14 +237,18 @@ class RequestPath:
                 started = True
                 yield self._response(wresp, adm)
         except grpc.RpcError as err:
-            if not started:
-                raise _NotStarted(err) from None
-            if err.code() in RETRYABLE:
-                raise Unavailable(f"worker {addr} lost mid-stream: {err.details()}") from None
+            if not started or err.code() in RETRYABLE:
+                raise AttemptFailed(err, addr, started, cold) from None
             raise from_rpc_error(err) from None
         finally:
             call.cancel()           # a no-op when done; on a client cancel it reaches the worker
             worker.end(adapter_id)
+
+    async def _cause(self, failed: AttemptFailed, adm: Admitted, context) -> LorafleetError:
+        """The client's error for the last failed attempt (the store is probed after a failed
+        cold load, to name it when it is down)."""
+        adapter_id = adm.adapter.id if adm.adapter else None
+        return await cause(failed, adapter_id, self.app.store, context)
 
     async def _version_moved(self, err: grpc.RpcError, adm: Admitted, context) -> bool:
         """After FAILED_PRECONDITION: resolve the name again; True (adm updated) if it moved."""
@@ -249,11 +284,3 @@ class RequestPath:
             if adm.adapter is not None:
                 out.adapter_id, out.adapter_version = adm.adapter.id, adm.adapter.version
         return out
-
-
-class _NotStarted(Exception):
-    """A worker call failed before its first message (safe to try again)."""
-
-    def __init__(self, error: grpc.RpcError):
-        super().__init__(str(error))
-        self.error = error

@@ -55,6 +55,12 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         return self.app.tenants.authenticate(context.invocation_metadata())
 
     async def GenerateStream(self, request, context):
+        async for resp in self._generate(request, context, unary=False):
+            yield resp
+
+    async def _generate(self, request, context, unary: bool):
+        """Admit, then stream from a worker; unary (Generate) sends the client nothing before
+        the end, which lets the request path retry a worker lost mid-generation."""
         caller = self._caller(context)
         parent = incoming_context(context.invocation_metadata())
         with _tracer.start_as_current_span("router.generate", context=parent) as span:
@@ -67,7 +73,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             adm = await self.path.admit(request, caller, context.time_remaining())
             span.set_attribute("gen_ai.request.id", adm.request_id)
             usage = None
-            async for resp in self.path.stream(request, adm, context):
+            async for resp in self.path.stream(request, adm, context, unary):
                 usage = resp.usage if resp.HasField("usage") else usage
                 yield resp
             if usage is not None:
@@ -77,7 +83,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def Generate(self, request, context):
         out = rpb.GenerateResponse()
         text = []
-        async for resp in self.GenerateStream(request, context):
+        async for resp in self._generate(request, context, unary=True):
             out.token_ids.extend(resp.token_ids)
             text.append(resp.text)
             if resp.stop_reason:
