@@ -75,13 +75,14 @@ class RequestPath:
         retry delay when over it); the caller must then run `stream`, which gives it back.
         A refusal is counted in the tenant's requests under its status (`stream` counts the
         rest), so the request counts and the fairness index see refused tenants too."""
+        started = time.monotonic()
         try:
             return await self._admit(req, caller, timeout)
         except LorafleetError as err:
             self.app.stats.refuse(caller.tenant, err.code.name)
             raise
         except asyncio.CancelledError:
-            self.app.stats.refuse(caller.tenant, "CANCELLED")
+            self.app.stats.refuse(caller.tenant, _ended(None, timeout, started))
             raise
 
     async def _admit(self, req, caller: Caller, timeout: float | None) -> Admitted:
@@ -126,7 +127,7 @@ class RequestPath:
             status = err.code.name
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            status = "CANCELLED"
+            status = _ended(context)
             raise
         finally:
             if ticket is not None:
@@ -284,3 +285,13 @@ class RequestPath:
             if adm.adapter is not None:
                 out.adapter_id, out.adapter_version = adm.adapter.id, adm.adapter.version
         return out
+
+
+def _ended(context, timeout: float | None = None, started: float = 0.0) -> str:
+    """The status of a request the server cancelled: DEADLINE_EXCEEDED when its deadline had
+    passed (gRPC cancels the handler then too), else CANCELLED (the client went away)."""
+    if context is not None:
+        left = context.time_remaining()
+    else:
+        left = None if timeout is None else timeout - (time.monotonic() - started)
+    return "DEADLINE_EXCEEDED" if left is not None and left <= 0 else "CANCELLED"
