@@ -68,11 +68,11 @@ def main() -> int:
                 err = float((out.float() - ref).abs().max() / ref.abs().max())
                 us = time_us(fns, dev, 25, 100)
                 nbytes = 2 * (n * k + m * k + m * n)
-                rows.append({"blas": blas or "default", "gemm": name, "M": m, "N": n, "K": k, "variant": v,
-                             "us": round(us, 2), "tbps": round(nbytes / us / 1e6, 2),
+                rows.append({"blas": blas or "default", "gemm": name, "M": m, "N": n, "K": k,
+                             "variant": v, "us": round(us, 2), "tbps": round(nbytes / us / 1e6, 2),
                              "rel_err": err})
-                print(f"{blas or '':9s}{name:8s} M={m:4d} {v:10s} {us:7.2f} us {nbytes / us / 1e6:5.2f} TB/s "
-                      f"err {err:.1e}", flush=True)
+                print(f"{blas or '':9s}{name:8s} M={m:4d} {v:10s} {us:7.2f} us "
+                      f"{nbytes / us / 1e6:5.2f} TB/s err {err:.1e}", flush=True)
         del ws, wts
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
