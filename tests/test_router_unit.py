@@ -4,6 +4,7 @@ own requests in flight, the placement load floor, the config checks."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -219,7 +220,7 @@ def test_resolver_keeps_its_last_answer_while_the_store_is_down(tmp_path) -> Non
 
 
 class _Deadline:
-    """The one part of a ServicerContext that attempts.retryable reads."""
+    """The one part of a ServicerContext that attempts.retryable and generate._ended read."""
 
     def __init__(self, remaining):
         self.remaining = remaining
@@ -255,20 +256,11 @@ def test_a_failed_attempt_is_retried_only_when_the_client_got_nothing() -> None:
 def test_a_cancelled_request_past_its_deadline_counts_as_deadline_exceeded():
     """gRPC cancels the handler both when the client goes away and when the deadline passes;
     the router's request counts tell the two apart by the time left."""
-    import time as _time
     from services.router.generate import _ended
-
-    class Ctx:
-        def __init__(self, left):
-            self.left = left
-
-        def time_remaining(self):
-            return self.left
-
-    assert _ended(Ctx(-0.01)) == "DEADLINE_EXCEEDED"
-    assert _ended(Ctx(0.0)) == "DEADLINE_EXCEEDED"
-    assert _ended(Ctx(3.0)) == "CANCELLED"
-    assert _ended(Ctx(None)) == "CANCELLED"                       # no deadline
-    assert _ended(None, 0.5, _time.monotonic() - 1.0) == "DEADLINE_EXCEEDED"   # at admission
-    assert _ended(None, 5.0, _time.monotonic()) == "CANCELLED"
+    assert _ended(_Deadline(-0.01)) == "DEADLINE_EXCEEDED"
+    assert _ended(_Deadline(0.0)) == "DEADLINE_EXCEEDED"
+    assert _ended(_Deadline(3.0)) == "CANCELLED"
+    assert _ended(_Deadline(None)) == "CANCELLED"                 # no deadline
+    assert _ended(None, 0.5, time.monotonic() - 1.0) == "DEADLINE_EXCEEDED"    # at admission
+    assert _ended(None, 5.0, time.monotonic()) == "CANCELLED"
     assert _ended(None, None, 0.0) == "CANCELLED"
