@@ -170,6 +170,8 @@ def make_weights(hidden, rank, dtype, device, gen):
         a_off=(idx * rank * hidden).view(1, -1),
         b_off=(POOL_SLOTS * rank * hidden + idx * rank * hidden).view(1, -1),
         ranks=torch.full((POOL_SLOTS,), rank, dtype=torch.int32, device=device),
+        # every offset is a multiple of rank x hidden: the alignment the engine's pool promises
+        align=8 if rank * hidden % 8 == 0 else 1,
         scales=torch.full((POOL_SLOTS,), SCALE, dtype=torch.float32, device=device),
         a_stacked=a_all.view(POOL_SLOTS, 1, rank, hidden),          # [loras, 1, r, K]
         b_stacked=bt_all.transpose(1, 2).contiguous().view(POOL_SLOTS, 1, hidden, rank))
@@ -223,7 +225,7 @@ def impl_fn(name, p, y, vllm):
         host = HostSegments(only_live_segment(p["starts"] + [p["t"]], p["slots"] + [-1]),
                             p["a_off"].cpu().numpy(), p["b_off"].cpu().numpy(),
                             p["ranks"].cpu().numpy(), p["scales"].cpu().numpy())
-        return lambda: sgmv(*args, host=host)
+        return lambda: sgmv(*args, host=host, align=p["align"])
     if name == "ours_nopdl":
         from kernels import pdl
         ours = impl_fn("ours", p, y, vllm)
@@ -245,8 +247,9 @@ def impl_fn(name, p, y, vllm):
     if name in ("ours_fused", "ours_split"):
         from kernels.sgmv_split import sgmv_split
         from kernels.sgmv_triton import sgmv_triton
-        fn = sgmv_triton if name == "ours_fused" else sgmv_split
-        return lambda: fn(*args)
+        if name == "ours_fused":
+            return lambda: sgmv_triton(*args)
+        return lambda: sgmv_split(*args, align=p["align"])
     if name == "vllm":
         shrink, expand, _ = vllm
         meta = {k: p[k] for k in ("token_lora_mapping", "token_indices_sorted_by_lora_ids",

@@ -59,11 +59,12 @@ def call(kind, cfg, q, y):
     args = (y, q["x"], q["pool"], q["a_off"], q["b_off"], q["ranks"], q["scales"],
             [0, q["hidden"]], q["seg_start"], q["seg_slot"], q["rank"])
     if kind == "auto":
-        return lambda: sgmv(*args)
+        return lambda: sgmv(*args, align=q["align"])
     if kind == "loop":                          # the kernel bench's cuBLAS loop, as is
         return impl_fn("loop", q, y, None)
-    fn = sgmv_split if kind == "split" else sgmv_triton
-    return lambda: fn(*args, config=cfg)
+    if kind == "split":
+        return lambda: sgmv_split(*args, config=cfg, align=q["align"])
+    return lambda: sgmv_triton(*args, config=cfg)
 
 
 def time_config(kind, cfg, probs, a):

@@ -94,9 +94,13 @@ def _cublas(y, x, pool, slice_starts, host: HostSegments, lo: int, hi: int, s: i
 
 
 def sgmv(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot, max_rank,
-         impl: str = "auto", host: HostSegments | None = None):
+         impl: str = "auto", host: HostSegments | None = None, align: int = 1):
     """y[rows of segment i, slice j] += scale_i * (x @ A_ij.T) @ Bt_ij; see sgmv_ref.
-    host: the same tables on the host (see the module docstring); optional."""
+    host: the same tables on the host (see the module docstring); optional.
+    align: the caller's promise that every offset (>= 0) in a_off and b_off is a multiple of
+    this many elements (the worker's pool keeps 8); the split kernel then loads adapter weights
+    in 16-byte vectors (see kernels.sgmv_split.sgmv_split). The fused kernel checks each
+    offset itself."""
     if impl not in ("auto", "triton", "split", "torch", "cublas"):
         raise ValueError(f"impl must be auto, triton, split, torch or cublas, got {impl!r}")
     if impl == "cublas" or (impl == "auto" and y.is_cuda):
@@ -113,7 +117,7 @@ def sgmv(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_s
         from kernels.sgmv_triton import _check
         _check(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot)
         return sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
-                          seg_slot, max_rank)
+                          seg_slot, max_rank, align=align)
     if impl == "triton" or (impl == "auto" and y.is_cuda):
         from kernels.sgmv_triton import sgmv_triton
         return sgmv_triton(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,

@@ -322,7 +322,7 @@ def test_one_launch_split_compiles_for_hopper():
              + ["i32"] * 13)
     consts = dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=64, RANK_BLOCK=16,
                   DOT_PREC="tf32", UPCAST=False, STAGES=3, KS_MAX=16, SPIN_LIMIT=1 << 22,
-                  USE_PDL=False)
+                  USE_PDL=False, ALIGN=8)
     kernel = compile_for_sm90(_one_launch_kernel, types, consts, num_stages=1)
     assert "atom" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
@@ -366,7 +366,7 @@ def _check_fits(cfg, rank):
     assert not cfg.one_launch
     split = _rank_split(cfg, rank)
     common = dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=cfg.block_m, RANK_BLOCK=rank,
-                  DOT_PREC="tf32", UPCAST=False, USE_PDL=True)
+                  DOT_PREC="tf32", UPCAST=False, USE_PDL=True, ALIGN=cfg.align)
     for name, fn, extra, per_sm in (
             ("sgmv_split._shrink_kernel", _shrink_kernel,
              dict(BLOCK_K=_block_k(cfg, rank // split), STAGES=cfg.stages, RANK_SPLIT=split,

@@ -20,8 +20,9 @@ def case(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
     return (out.float() - ref).abs().max().item()
 
 
-def outputs(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
-    """(sgmv_split's output, the fp32 reference) for one case."""
+def outputs(T, K, slices, ranks_list, seg_sizes, dtype, align=1, **knobs):
+    """(sgmv_split's output, the fp32 reference) for one case. The pool here keeps every
+    offset a multiple of 8 elements, as the worker's does, so align may be 8."""
     from kernels.sgmv_ref import sgmv_ref
     from kernels.sgmv_split import SplitConfig, sgmv_split
     torch.manual_seed(T * 1000 + K)
@@ -50,15 +51,19 @@ def outputs(T, K, slices, ranks_list, seg_sizes, dtype, **knobs):
     args = (a_off, b_off, ranks, scales, slices, seg_start, seg_slot, max(ranks_list))
     ref = sgmv_ref(y.clone().float(), x.float(), pool.float(), *args)
     cfg = SplitConfig(**dict(dict(block_m=16, block_n=32, k_chunk=64), **knobs))
-    return sgmv_split(y.clone(), x, pool, *args, config=cfg), ref
+    return sgmv_split(y.clone(), x, pool, *args, config=cfg, align=align), ref
 
 
 # the launch forms, a K step other than the one derived from the rank, and shrink items of
-# part of the rank tile (rank 33's tile of 64 in parts of 16: the last part has no live row)
+# part of the rank tile (rank 33's tile of 64 in parts of 16: the last part has no live row),
+# and the offsets' alignment promised
 VARIANTS = [{}, {"one_launch": True}, {"block_k": 32}, {"one_launch": True, "block_k": 32},
             {"shrink_rank": 16}, {"shrink_rank": 32, "block_k": 32},
             {"reduce": True}, {"reduce": True, "shrink_rank": 16},
-            {"reduce": True, "block_m": 32}]
+            {"reduce": True, "block_m": 32},
+            # offsets promised multiples of 8 (vector loads of A and Bt), in each form
+            {"align": 8}, {"align": 8, "one_launch": True},
+            {"align": 8, "reduce": True, "shrink_rank": 16}]
 CASES = [
     (10, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (4, -1), (2, 3)], 1e-3),
     (37, 128, (0, 64), [4, 64], [(20, 1), (17, 0)], 1e-3),
@@ -73,7 +78,7 @@ def test_split_kernel_matches_reference_interpreted():
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == len(VARIANTS) * len(CASES) + 2
+    assert proc.stdout.count("ok") == len(VARIANTS) * len(CASES) + 3
 
 
 if __name__ == "__main__":
@@ -82,10 +87,11 @@ if __name__ == "__main__":
             err = case(T, K, slices, ranks, segs, torch.float32, **knobs)
             assert err < tol, (T, K, knobs, err)
             print("ok", T, K, knobs, err)
-    err = case(12, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (6, 3), (2, 1)],
-               torch.bfloat16, block_k=32, shrink_rank=16, reduce=True)
-    assert err < 0.05, err
-    print("ok bf16", err)
+    for align in (1, 8):
+        err = case(12, 96, (0, 40, 72, 104), [1, 8, 16, 33], [(3, 0), (1, 2), (6, 3), (2, 1)],
+                   torch.bfloat16, align=align, block_k=32, shrink_rank=16, reduce=True)
+        assert err < 0.05, (align, err)
+        print("ok bf16", align, err)
     # the reducing shrink sums the partials in the expand's order: the very same bits
     args = (20, 200, (0, 48), [64, 4], [(3, 0), (17, 1)], torch.float32)
     plain, _ = outputs(*args, shrink_rank=16)
