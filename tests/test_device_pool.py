@@ -68,3 +68,57 @@ def test_a_failed_copy_gives_back_its_range_and_slot(pool_and_layout):
     pool.fail = False
     assert pool.place("a", layout) in range(4)        # the slot and range are usable again
     assert np.count_nonzero(pool.tables.slot_groups) == 1
+
+
+def test_every_matrix_starts_at_an_aligned_offset_whatever_the_shapes():
+    """The SGMV kernels take every pool offset as a multiple of tables.align (so that they may
+    load adapter weights in 16-byte vectors): the layout pads each A and Bt to OFFSET_ALIGN
+    elements even where r x K is odd, and the matrices read back at their offsets unchanged."""
+    import dataclasses
+
+    from services.worker.adapter_layout import OFFSET_ALIGN, build_layout
+    spec = dataclasses.replace(load_spec(MODEL_DIR), hidden_size=36, num_heads=3, head_dim=12,
+                               num_kv_heads=1, intermediate_size=20)
+    r, gen = 3, torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for mod in ("q_proj", "k_proj", "o_proj", "down_proj"):
+            k, n = spec.in_out(mod)
+            part = "mlp" if mod == "down_proj" else "self_attn"
+            pre = f"base_model.model.model.layers.{layer}.{part}.{mod}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(r, k, generator=gen)
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(n, r, generator=gen)
+    layout = build_layout(tensors, {"r": r, "lora_alpha": 6}, spec, torch.float32)
+    pool = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 20, 2)
+    assert pool.tables.align == OFFSET_ALIGN
+    slot = pool.place("odd", layout)
+    t = pool.tables
+    from services.worker.model_spec import MODULE_GROUP
+    for name, w in tensors.items():
+        layer, mod, ab = int(name.split(".")[4]), name.split(".")[6], name.split(".")[7]
+        group, j = MODULE_GROUP[mod]
+        table = t.a_off_host if ab == "lora_A" else t.b_off_host
+        off = int(table[group][layer, j, slot])
+        assert off % OFFSET_ALIGN == 0, (name, off)
+        want = w if ab == "lora_A" else w.t()
+        got = t.pool[off:off + want.numel()].view(want.shape)
+        assert torch.equal(got, want), name
+
+
+def test_a_layout_with_unaligned_offsets_is_refused(pool_and_layout):
+    """A blob whose offsets break the alignment the kernels assume never reaches the tables."""
+    pool, layout = pool_and_layout
+    pool.release.set()
+    group = next(g for g, offs in layout.offsets.items() if (offs >= 0).any())
+    offs = layout.offsets[group].copy()
+    offs[offs >= 0] += 1
+    bad = dataclasses_replace(layout, offsets=dict(layout.offsets, **{group: offs}))
+    with pytest.raises(ValueError, match="multiples of"):
+        pool.place("bad", bad)
+    assert pool.slot_of("bad") is None
+    assert all((tab == -1).all() for tab in pool.tables.a_off_host.values())
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+    return dataclasses.replace(obj, **changes)

@@ -2,7 +2,9 @@
 
 Per (layer, group, slice) the adapter targets, the blob holds A [r, K] then Bt [r, N]
 (kernels.sgmv_ref documents the layout). Offsets are relative to the blob start; the pool adds
-the blob's position when it places it.
+the blob's position when it places it. Each matrix starts at a multiple of OFFSET_ALIGN
+elements (zeros pad the gaps), so that with the blob's own start aligned the SGMV kernels may
+load A and Bt in 16-byte vectors whatever r, K and N are.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.worker.model_spec import GROUPS, MODULE_GROUP, ModelSpec
+
+OFFSET_ALIGN = 8     # elements: 16 bytes in bf16 / fp16
 
 KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
@@ -60,6 +64,15 @@ def build_layout(tensors: dict[str, torch.Tensor], config: dict, spec: ModelSpec
                for g, m in GROUPS.items()}
     parts: list[torch.Tensor] = []
     cursor = 0
+
+    def take(t: torch.Tensor) -> int:
+        """Append t (flat) at the next aligned offset; return that offset."""
+        nonlocal cursor
+        start = cursor
+        pad = -(start + t.numel()) % OFFSET_ALIGN
+        parts.extend([t, torch.zeros(pad, dtype=t.dtype)] if pad else [t])
+        cursor += t.numel() + pad
+        return start
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"} or layer >= spec.num_layers:
             raise InvalidArgument(f"layer {layer} {module}: needs both lora_A and lora_B")
@@ -69,9 +82,7 @@ def build_layout(tensors: dict[str, torch.Tensor], config: dict, spec: ModelSpec
             raise InvalidArgument(f"layer {layer} {module}: shapes {tuple(a.shape)}, "
                                   f"{tuple(b.shape)} do not match r={r} and the base model")
         group, j = MODULE_GROUP[module]
-        offsets[group][layer, j] = (cursor, cursor + r * k)
-        parts += [a.reshape(-1), b.t().contiguous().reshape(-1)]
-        cursor += r * k + r * n
+        offsets[group][layer, j] = (take(a.reshape(-1)), take(b.t().contiguous().reshape(-1)))
     blob = torch.cat([p.to(dtype) for p in parts]) if parts else torch.zeros(0, dtype=dtype)
     if pin:
         blob = blob.pin_memory()

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import torch
 
-from services.worker.adapter_layout import AdapterLayout
+from services.worker.adapter_layout import OFFSET_ALIGN, AdapterLayout
 from services.worker.model import LoraTables
 from services.worker.model_spec import GROUP_BIT, GROUPS, ModelSpec
 from services.worker.range_alloc import RangeAllocator
@@ -36,6 +36,7 @@ class DevicePool:
             a_off=table(), b_off=table(),
             ranks=torch.zeros(max_slots, dtype=torch.int32, device=device),
             scales=torch.zeros(max_slots, dtype=torch.float32, device=device), max_rank=1,
+            align=OFFSET_ALIGN,
             slot_groups=np.zeros(max_slots, dtype=np.int64),
             a_off_host={g: np.full((L, len(m), max_slots), -1, dtype=np.int64)
                         for g, m in GROUPS.items()},
@@ -103,6 +104,12 @@ class DevicePool:
         self._stream.synchronize()   # the copy thread waits; the compute stream never does
 
     def _write_tables(self, t: LoraTables, start: int, layout: AdapterLayout, slot: int) -> None:
+        if start % OFFSET_ALIGN or any((offs[offs >= 0] % OFFSET_ALIGN).any()
+                                       for offs in layout.offsets.values()):
+            # the kernels take every offset as a multiple of t.align: a wrong one would read
+            # the wrong weights, silently
+            raise ValueError(f"adapter layout at {start}: offsets not multiples of "
+                             f"{OFFSET_ALIGN} elements")
         for g, offs in layout.offsets.items():
             o = torch.from_numpy(offs)
             o = torch.where(o >= 0, o + start, o)

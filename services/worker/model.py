@@ -49,6 +49,9 @@ class LoraTables:
     ranks: torch.Tensor                # int32 [n_slots]
     scales: torch.Tensor               # float32 [n_slots]
     max_rank: int
+    # every offset (>= 0) in a_off and b_off is a multiple of this many elements (the device
+    # pool's layout keeps 8): the SGMV kernels then load adapter weights in 16-byte vectors
+    align: int = 1
     # host: GROUP_BIT mask of the groups each slot's adapter targets (0 = empty slot)
     slot_groups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # host mirrors of a_off, b_off, ranks and scales (what the pool wrote to the device copies)
@@ -155,7 +158,7 @@ class LlamaModel:
                                     t.b_off_host[group][layer], t.ranks_host, t.scales_host)
             sgmv(y, x, t.pool, t.a_off[group][layer], t.b_off[group][layer], t.ranks, t.scales,
                  self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank,
-                 host=host)
+                 host=host, align=t.align)
 
     def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
                    kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
