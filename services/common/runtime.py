@@ -21,6 +21,8 @@ def start_metrics(port: int, host: str = "0.0.0.0") -> int:
     return server.server_port
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 COMMON_FIELDS = ("metrics_port", "grace", "log_level", "otlp_endpoint", "trace_file",
                  "tls_cert", "tls_key", "tls_ca")
 
@@ -40,6 +42,9 @@ def check_common(cfg) -> None:
         raise ValueError(f"--metrics-port must be a port (0 = off), got {cfg.metrics_port}")
     if ":" not in cfg.listen:
         raise ValueError(f"--listen must be HOST:PORT, got {cfg.listen!r}")
+    if str(cfg.log_level).upper() not in LOG_LEVELS:
+        raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, "
+                         f"got {cfg.log_level!r}")
 
 
 def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> None:
@@ -49,7 +54,7 @@ def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> No
                         help=f"Prometheus /metrics port, 0 = off ({metrics_port})")
     parser.add_argument("--grace", type=float, default=grace,
                         help=f"seconds to drain in-flight calls on SIGTERM ({grace:g})")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (INFO)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (INFO)")
     parser.add_argument("--otlp-endpoint", default=None,
                         help="OTLP gRPC endpoint for traces (env OTEL_EXPORTER_OTLP_ENDPOINT)")
     parser.add_argument("--trace-file", default=None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from services.common.runtime import add_common_flags, check_common, common_values
@@ -42,13 +43,20 @@ class RouterConfig:
         if self.resolve_ttl < 0:
             raise ValueError("--resolve-ttl must be >= 0")
         check_common(self)
+        if self.tenants:                 # read and checked now: a bad file exits 2, naming it
+            from services.router.auth import Tenants
+            try:
+                Tenants.load(self.tenants)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--tenants {self.tenants}: {exc}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p = argparse.ArgumentParser(prog="python -m services.router",
                                 description="lorafleet router: the public GenerationService")
     add_common_flags(p, listen="127.0.0.1:7001", metrics_port=9101, grace=10.0)
-    p.add_argument("--store", default="127.0.0.1:7003", help="adapter-store address")
+    p.add_argument("--store", default=os.environ.get("LORAFLEET_STORE", "127.0.0.1:7003"),
+                   help="adapter-store address (env LORAFLEET_STORE)")
     p.add_argument("--http-listen", default="",
                    help="host:port for the OpenAI-compatible HTTP gateway (/v1/completions, "
                         "/v1/chat/completions, /v1/models); empty = off")

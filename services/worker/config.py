@@ -47,6 +47,11 @@ class WorkerConfig:
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
         check_common(self)
+        from services.worker.model_spec import load_spec   # torch-free; reads config.json
+        try:
+            load_spec(self.model)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--model {self.model}: {exc}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
