@@ -2,7 +2,8 @@
 DESIGN.md's operator contract, with values that agree with what was sent: requests and tokens per
 tenant, one cold load per source tier as staged, hits and misses per tier, adapter counts; the
 router's /metrics carries the same signals. Requests refused at admission (quota, bad argument,
-unknown adapter) count among their tenant's requests, under their status."""
+unknown adapter) count among their tenant's requests, under their status. With the store down,
+the reply keeps its shape and the store's last figures."""
 from __future__ import annotations
 
 import json
@@ -73,6 +74,9 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
                                          timeout=10).read().decode()
         worker_metrics = urllib.request.urlopen(f"http://127.0.0.1:{worker_metrics_port}/metrics",
                                                 timeout=10).read().decode()
+        # the store gone: the reply keeps its shape, with the store's last figures
+        assert stack.store.terminate() == 0
+        stale = json.loads(cli("--router", router, "stats", "--json"))
     finally:
         codes = stack.terminate()
         moto.stop()
@@ -112,6 +116,8 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
         assert 0 < v["p50"] <= v["p95"] <= v["p99"]
     assert stats["adapters"] == {"registered": 51, "store_host": 4, "worker_host": 4,
                                  "gpu_resident": 4, "working_set": len(distinct)}
+    assert stale["cache"]["store_host"] == cache["store_host"]
+    assert stale["adapters"] == stats["adapters"]
 
     for line in ('lorafleet_router_requests_total{status="OK",tenant="t1"} 6.0',
                  'lorafleet_tokens_served_total{tenant="t2"} 16.0',

@@ -28,7 +28,9 @@ async def _gather(app):
     results = await asyncio.gather(store(), *(info(w) for w in workers))
     if results[0] is not None:
         app.stats.store_snapshot = results[0]
-    return results[0], [r for r in results[1:] if r is not None]
+    # the store unreachable: its last figures, as /metrics keeps them (the reply's shape does
+    # not change, and `registered` does not read 0 while the adapters still serve)
+    return app.stats.store_snapshot, [r for r in results[1:] if r is not None]
 
 
 async def poll_store_stats(store, stats, period: float = 10.0) -> None:
