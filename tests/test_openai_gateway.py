@@ -82,32 +82,40 @@ def test_chat_completion_and_chat_stream(gateway):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
 
 
-@pytest.mark.parametrize("body,status", [
-    ({"model": "no-such-adapter", "prompt": "x"}, 404),
-    ({"model": "pirate", "prompt": "x", "temperature": -1}, 400),
-    ({"model": "pirate", "prompt": "x", "n": 2}, 400),
-    ({"model": "pirate", "prompt": {"not": "a prompt"}}, 400),
+@pytest.mark.parametrize("body,status,field", [
+    ({"model": "no-such-adapter", "prompt": "x"}, 404, None),
+    ({"model": "pirate", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "pirate", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "pirate", "prompt": {"not": "a prompt"}}, 400, "prompt"),
     # wrong types and out-of-range numbers: 400 with the field's name, never a 500
-    ({"model": "pirate", "prompt": "x", "max_tokens": -1}, 400),
-    ({"model": "pirate", "prompt": "x", "max_tokens": 1 << 32}, 400),
-    ({"model": "pirate", "prompt": "x", "max_tokens": 2.7}, 400),
-    ({"model": "pirate", "prompt": "x", "max_tokens": "3"}, 400),
-    ({"model": "pirate", "prompt": "x", "top_k": -1}, 400),
-    ({"model": "pirate", "prompt": "x", "temperature": True}, 400),
-    ({"model": "pirate", "prompt": [1, -2, 3]}, 400),
-    ({"model": "pirate", "prompt": [1, 1 << 33]}, 400),
-    ({"model": "pirate", "prompt": [True, False]}, 400),
-    ({"model": "pirate", "prompt": "x", "stop": 5}, 400),
-    ({"model": "pirate", "prompt": "x", "stop": {"a": 1}}, 400),
-    ({"model": "pirate", "prompt": "x", "stream": "false"}, 400),
+    ({"model": "pirate", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": "pirate", "prompt": "x", "max_tokens": 1 << 32}, 400, "max_tokens"),
+    ({"model": "pirate", "prompt": "x", "max_tokens": 2.7}, 400, "max_tokens"),
+    ({"model": "pirate", "prompt": "x", "max_tokens": "3"}, 400, "max_tokens"),
+    ({"model": "pirate", "prompt": "x", "top_k": -1}, 400, "top_k"),
+    ({"model": "pirate", "prompt": "x", "temperature": True}, 400, "temperature"),
+    ({"model": "pirate", "prompt": [1, -2, 3]}, 400, "prompt"),
+    ({"model": "pirate", "prompt": [1, 1 << 33]}, 400, "prompt"),
+    ({"model": "pirate", "prompt": [True, False]}, 400, "prompt"),
+    ({"model": "pirate", "prompt": "x", "stop": 5}, 400, "stop"),
+    ({"model": "pirate", "prompt": "x", "stop": {"a": 1}}, 400, "stop"),
+    ({"model": "pirate", "prompt": "x", "stream": "false"}, 400, "stream"),
+    # refused past the gateway (the servicers' checks): named by the body's key, not the
+    # GenerateRequest field (sampling.temperature, stopping.stop_sequences, ...)
+    ({"model": "pirate", "prompt": "x", "temperature": 5000}, 400, "temperature:"),
+    ({"model": "pirate", "prompt": "x", "top_p": 2}, 400, "top_p:"),
+    ({"model": "pirate", "prompt": "x", "stop": ["s"] * 17}, 400, "stop:"),
+    ({"model": "pirate", "prompt": ""}, 400, "prompt:"),
+    ({"model": "pirate", "prompt": "x", "max_tokens": 1 << 20}, 400, "max_tokens:"),
 ])
-def test_errors_are_http_statuses(gateway, body, status):
+def test_errors_are_http_statuses(gateway, body, status, field):
     _, base = gateway
     with pytest.raises(urllib.error.HTTPError) as err:
         post(f"{base}/v1/completions", body)
     assert err.value.code == status
     assert err.value.headers["Content-Type"].startswith("application/json")
-    assert json.load(err.value)["error"]["message"]
+    message = json.load(err.value)["error"]["message"]
+    assert message and (field is None or message.startswith(field)), message
 
 
 def test_malformed_bodies_and_routes_get_json_errors(gateway):

@@ -41,10 +41,30 @@ class _Context:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
 
-def _error(err: LorafleetError) -> web.Response:
+# GenerateRequest fields the servicers name in their refusals -> the OpenAI body's keys
+HTTP_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
+               "sampling.top_k": "top_k", "sampling.repetition_penalty": "repetition_penalty",
+               "stopping.stop_sequences": "stop", "stopping.max_new_tokens": "max_tokens",
+               "prompt_token_ids": "prompt", "request_id": "user_request_id"}
+
+
+def _http_message(message: str, chat: bool) -> str:
+    """A refusal that names a GenerateRequest field, reworded with the body's key."""
+    field, sep, rest = message.partition(":")
+    if not sep:
+        return message
+    if field == "text":
+        return ("messages" if chat else "prompt") + sep + rest
+    if chat and field == "stopping.max_new_tokens":
+        return "max_completion_tokens / max_tokens" + sep + rest
+    return HTTP_FIELDS.get(field, field) + sep + rest
+
+
+def _error(err: LorafleetError, chat: bool = False) -> web.Response:
     name = err.code.name
     headers = {"Retry-After": f"{max(1, round(err.retry_after))}"} if err.retry_after else None
-    body = {"error": {"message": err.message, "type": name.lower(), "code": name}}
+    message = _http_message(err.message, chat) if name == "INVALID_ARGUMENT" else err.message
+    body = {"error": {"message": message, "type": name.lower(), "code": name}}
     return web.json_response(body, status=HTTP_STATUS.get(name, 500), headers=headers)
 
 
@@ -267,7 +287,7 @@ class OpenAIGateway:
             body = await self._body(request)
             req = build_request(body, prompt_text=chat_prompt(body.get("messages")), chat=True)
         except LorafleetError as err:
-            return _error(err)
+            return _error(err, chat=True)
         return await self._run(request, req, body, chat=True)
 
     async def _run(self, request, req, body, chat: bool) -> web.StreamResponse:
@@ -284,7 +304,7 @@ class OpenAIGateway:
         try:
             resp = await self.servicer.Generate(req, ctx)
         except LorafleetError as err:
-            return _error(err)
+            return _error(err, chat)
         finish = FINISH.get(resp.stop_reason, "stop")
         choice = ({"index": 0, "message": {"role": "assistant", "content": resp.text},
                    "finish_reason": finish} if chat else
@@ -304,7 +324,7 @@ class OpenAIGateway:
         try:
             first = await stream.__anext__()          # errors before any byte: a plain status
         except LorafleetError as err:
-            return _error(err)
+            return _error(err, chat)
         except StopAsyncIteration:
             first = None
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
