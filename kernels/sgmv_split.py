@@ -616,8 +616,7 @@ def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_star
         y, pool, b_off, ranks, scales, seg_start, seg_slot, v, shrunk.vsum if reduce else v,
         t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks, y.stride(0), shrunk.budget, *s,
         BLOCK_N=cfg.block_n, KS_MAX=n_ks, REDUCE=reduce, ALIGN=_align(cfg, align),
-        N_SLICES=n_slices,
-        SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
+        N_SLICES=n_slices, SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
         RANK_BLOCK=rb, DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
         UPCAST=y.dtype == torch.bfloat16 and not y.is_cuda, num_warps=cfg.num_warps,
         num_stages=1, **launch_args(y.device, t_rows <= pdl.SGMV_MAX_ROWS))
