@@ -4,15 +4,16 @@ gives its range and slot back. The copy here is the pool's own, held at an event
 window between reserving a slot and finishing the copy can be looked into."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from services.worker.adapter_layout import layout_from_peft_dir
+from services.worker.adapter_layout import OFFSET_ALIGN, build_layout, layout_from_peft_dir
 from services.worker.device_pool import DevicePool
-from services.worker.model_spec import load_spec
+from services.worker.model_spec import MODULE_GROUP, load_spec
 from tests.support import DEMO_ADAPTERS, MODEL_DIR
 
 
@@ -74,9 +75,6 @@ def test_every_matrix_starts_at_an_aligned_offset_whatever_the_shapes():
     """The SGMV kernels take every pool offset as a multiple of tables.align (so that they may
     load adapter weights in 16-byte vectors): the layout pads each A and Bt to OFFSET_ALIGN
     elements even where r x K is odd, and the matrices read back at their offsets unchanged."""
-    import dataclasses
-
-    from services.worker.adapter_layout import OFFSET_ALIGN, build_layout
     spec = dataclasses.replace(load_spec(MODEL_DIR), hidden_size=36, num_heads=3, head_dim=12,
                                num_kv_heads=1, intermediate_size=20)
     r, gen = 3, torch.Generator().manual_seed(0)
@@ -93,7 +91,6 @@ def test_every_matrix_starts_at_an_aligned_offset_whatever_the_shapes():
     assert pool.tables.align == OFFSET_ALIGN
     slot = pool.place("odd", layout)
     t = pool.tables
-    from services.worker.model_spec import MODULE_GROUP
     for name, w in tensors.items():
         layer, mod, ab = int(name.split(".")[4]), name.split(".")[6], name.split(".")[7]
         group, j = MODULE_GROUP[mod]
@@ -108,17 +105,13 @@ def test_every_matrix_starts_at_an_aligned_offset_whatever_the_shapes():
 def test_a_layout_with_unaligned_offsets_is_refused(pool_and_layout):
     """A blob whose offsets break the alignment the kernels assume never reaches the tables."""
     pool, layout = pool_and_layout
-    pool.release.set()
     group = next(g for g, offs in layout.offsets.items() if (offs >= 0).any())
     offs = layout.offsets[group].copy()
     offs[offs >= 0] += 1
-    bad = dataclasses_replace(layout, offsets=dict(layout.offsets, **{group: offs}))
+    bad = dataclasses.replace(layout, offsets=dict(layout.offsets, **{group: offs}))
+    free = pool.free_bytes
     with pytest.raises(ValueError, match="multiples of"):
         pool.place("bad", bad)
-    assert pool.slot_of("bad") is None
+    assert not pool.started.is_set()                  # refused before any copy
+    assert pool.slot_of("bad") is None and pool.free_bytes == free
     assert all((tab == -1).all() for tab in pool.tables.a_off_host.values())
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-    return dataclasses.replace(obj, **changes)

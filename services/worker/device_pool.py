@@ -13,7 +13,9 @@ import torch
 from services.worker.adapter_layout import OFFSET_ALIGN, AdapterLayout
 from services.worker.model import LoraTables
 from services.worker.model_spec import GROUP_BIT, GROUPS, ModelSpec
-from services.worker.range_alloc import RangeAllocator
+from services.worker.range_alloc import ALIGN as BLOB_ALIGN, RangeAllocator
+
+assert BLOB_ALIGN % OFFSET_ALIGN == 0   # blob starts keep the layout's offsets aligned
 
 
 class PoolFull(Exception):
@@ -72,6 +74,11 @@ class DevicePool:
         its blob and tables are written, so a concurrent lookup never gets a half-placed slot
         (one did: a second request for an adapter whose first load was still copying ran with
         the slot's old contents)."""
+        if any((offs[offs >= 0] % OFFSET_ALIGN).any() for offs in layout.offsets.values()):
+            # the kernels take every offset as a multiple of tables.align: a wrong one would
+            # read the wrong weights, silently
+            raise ValueError(f"adapter {key}: layout offsets are not multiples of "
+                             f"{OFFSET_ALIGN} elements")
         n = layout.blob.numel()
         with self._lock:
             start = self.alloc.alloc(n) if self._free_slots else None
@@ -104,12 +111,6 @@ class DevicePool:
         self._stream.synchronize()   # the copy thread waits; the compute stream never does
 
     def _write_tables(self, t: LoraTables, start: int, layout: AdapterLayout, slot: int) -> None:
-        if start % OFFSET_ALIGN or any((offs[offs >= 0] % OFFSET_ALIGN).any()
-                                       for offs in layout.offsets.values()):
-            # the kernels take every offset as a multiple of t.align: a wrong one would read
-            # the wrong weights, silently
-            raise ValueError(f"adapter layout at {start}: offsets not multiples of "
-                             f"{OFFSET_ALIGN} elements")
         for g, offs in layout.offsets.items():
             o = torch.from_numpy(offs)
             o = torch.where(o >= 0, o + start, o)
