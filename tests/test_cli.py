@@ -1,6 +1,7 @@
 """The `lorafleet` CLI's argument checks (no services needed): numbers that the unsigned proto
 fields cannot hold, and malformed token ids, are usage errors (exit 2 with the flag named), not
-tracebacks; and the worker refuses NaN and infinite sampling values as the router does."""
+tracebacks; a prompt and --prompt-ids together are one too; and the worker refuses NaN and
+infinite sampling values as the router does."""
 from __future__ import annotations
 
 import math
@@ -31,6 +32,16 @@ def test_prompt_ids_and_counts_parse():
     a = _parser().parse_args(["generate", "--prompt-ids", "1, 2,3", "--seed", str((1 << 64) - 1),
                               "--max-new-tokens", "7"])
     assert a.prompt_ids == [1, 2, 3] and a.seed == (1 << 64) - 1 and a.max_new_tokens == 7
+
+
+def test_a_prompt_and_prompt_ids_together_are_a_usage_error(capsys):
+    """The operator contract reads `[--prompt-ids 1,2,3 | PROMPT]`: one or the other (the ids
+    used to win silently). Checked before any connection is made."""
+    from services.client.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--router", "127.0.0.1:1", "generate", "--prompt-ids", "1,2", "hello"])
+    assert exit_info.value.code == 2
+    assert "not both" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])

@@ -177,7 +177,10 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.cmd == "generate" and args.prompt and args.prompt_ids:
+        parser.error("generate: give --prompt-ids or PROMPT, not both")
     try:
         return run(args)
     except grpc.RpcError as err:
