@@ -30,6 +30,7 @@ from bench.kernel_bench import time_us  # noqa: E402
 from kernels.sgmv_split import Shrunk, expand, pick_split_config, sgmv_split  # noqa: E402
 
 GROUPS = {"qkv": (4096, [0, 4096, 8192, 12288]), "o": (4096, [0, 4096])}
+ALIGN = 8    # every pool offset below is a multiple of r x 4096: the engine pool's promise
 
 
 def layer(k, slices, t, n, r, dev, gen):
@@ -77,7 +78,7 @@ def main() -> int:
             def run():
                 y = torch.mm(p["x"], p["w"][:, :p["n_out"]])
                 sgmv_split(y, p["x"], p["pool"], p["a_off"], p["b_off"], p["ranks"],
-                           p["scales"], slices, p["seg_start"], p["seg_slot"], r)
+                           p["scales"], slices, p["seg_start"], p["seg_slot"], r, align=ALIGN)
             return run
 
         def ext(p):
@@ -89,7 +90,7 @@ def main() -> int:
             def run():
                 out = torch.mm(p["x"], p["w"])
                 expand(out[:, :p["n_out"]], sh, p["pool"], p["b_off"], p["ranks"],
-                       p["scales"], slices, p["seg_start"], p["seg_slot"], r, cfg)
+                       p["scales"], slices, p["seg_start"], p["seg_slot"], r, cfg, align=ALIGN)
             return run
 
         for name, mk in (("base", base), ("base+sgmv", base_sgmv), ("ext", ext),
