@@ -1,7 +1,8 @@
 """Through the running services with a --tenants file: tokens name tenants, only admins manage
 adapters, a tenant sees its own and shared adapters and gets the unknown-id NOT_FOUND for another
-tenant's, quotas answer RESOURCE_EXHAUSTED with a RetryInfo delay, and a moved alias or version
-is picked up at once (the resolution cache is invalidated, not waited out)."""
+tenant's, quotas answer RESOURCE_EXHAUSTED with a RetryInfo delay, a user's stats show its own
+tenant only, and a moved alias or version is picked up at once (the resolution cache is
+invalidated, not waited out)."""
 from __future__ import annotations
 
 import json
@@ -103,6 +104,20 @@ def test_quota_answers_resource_exhausted_with_retry_delay(stack):
     with client(stack, "tok-ops") as ops:
         slow = {t.tenant: t for t in ops.stats().tenants}["slow"]
         assert (slow.requests, slow.throttled) == (3, 1)      # the refused one counts too
+
+
+def test_a_tenant_sees_only_its_own_row_of_the_stats(stack):
+    """Per-tenant usage is the operators' (admins') to see: a user's GetStats carries its own
+    tenant row beside the fleet-wide figures, an admin's every tenant's."""
+    for token in ("tok-acme", "tok-beta"):
+        with client(stack, token) as c:
+            c.generate(adapter="a00", **PROMPT)
+    with client(stack, "tok-beta") as beta:
+        seen = beta.stats()
+        assert [t.tenant for t in seen.tenants] == ["beta"]
+        assert seen.adapters.registered > 0 and seen.cache
+    with client(stack, "tok-ops") as ops:
+        assert {"acme", "beta"} <= {t.tenant for t in ops.stats().tenants}
 
 
 def test_alias_move_is_seen_at_once(stack):
