@@ -43,7 +43,7 @@ class _Context:
 
 # GenerateRequest fields the servicers name in their refusals -> the OpenAI body's keys
 HTTP_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
-               "sampling.top_k": "top_k", "sampling.repetition_penalty": "repetition_penalty",
+               "sampling.repetition_penalty": "repetition_penalty",
                "stopping.stop_sequences": "stop", "stopping.max_new_tokens": "max_tokens",
                "prompt_token_ids": "prompt", "request_id": "user_request_id"}
 
