@@ -9,6 +9,14 @@ replay's span.
     python bench/timeline.py decode --layers 4 --batch 64 --distinct 32
 
 Prints, per kernel name: calls per replay, mean duration and mean increment (µs), and their sum.
+
+`step` runs decode steps of the same engine inside an NVTX range named "step", for Nsight
+Compute to profile each kernel of the replayed graph (boost clocks kept):
+
+    ncu --nvtx --nvtx-include "step/" --graph-profiling node --clock-control none \
+        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active --csv \
+        python bench/timeline.py step --layers 2
 """
 from __future__ import annotations
 
@@ -181,6 +189,16 @@ def decode_main(a) -> None:
                rows, span)
 
 
+def step_main(a) -> None:
+    eng = decode_engine(a.layers, a.batch, a.distinct, True, a.grank)
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("step")
+    for _ in range(a.steps):
+        eng.step()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -199,9 +217,15 @@ def main() -> int:
     d.add_argument("--reps", type=int, default=10)
     d.add_argument("--grank", type=int, default=None,
                    help="the largest rank the graphs serve (default: the worker's)")
+    st = sub.add_parser("step", help="decode steps in an NVTX range 'step' (for ncu)")
+    st.add_argument("--layers", type=int, default=2)
+    st.add_argument("--batch", type=int, default=64)
+    st.add_argument("--distinct", type=int, default=32)
+    st.add_argument("--steps", type=int, default=1)
+    st.add_argument("--grank", type=int, default=None)
     a = p.parse_args()
     with torch.inference_mode():
-        (sgmv_main if a.cmd == "sgmv" else decode_main)(a)
+        {"sgmv": sgmv_main, "decode": decode_main, "step": step_main}[a.cmd](a)
     return 0
 
 
