@@ -15,8 +15,13 @@ Compute to profile each kernel of the replayed graph (boost clocks kept):
 
     ncu --nvtx --nvtx-include "step/" --graph-profiling node --clock-control none \
         --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
-launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active --csv \
-        python bench/timeline.py step --layers 2
+dram__bytes_read.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
+launch__registers_per_thread,launch__grid_size,launch__occupancy_limit_registers,\
+launch__occupancy_limit_shared_mem,sm__warps_active.avg.pct_of_peak_sustained_active,\
+smsp__issue_active.avg.pct_of_peak_sustained_active --csv \
+        python bench/timeline.py step --layers 2 > ncu-step.csv
+
+(bench/results/ab/ncu-decode-step-h200.csv was made so.)
 """
 from __future__ import annotations
 
