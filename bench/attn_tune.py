@@ -47,7 +47,7 @@ def main() -> int:
     scale, ctx = 128 ** -0.5, tables.shape[1] * 16
     ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, seq, pos, scale, ctx)
     best = None
-    for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
+    for bn, warps, stages in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3)):
         fn = lambda: paged_attention_triton(q, k, v, tables, seq, pos, scale, ctx,  # noqa: E731
                                             block_n=bn, num_warps=warps, num_stages=stages)
         try:

@@ -168,8 +168,13 @@ def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
 
 
 # Launch shape of decode steps (one row per sequence): key tile, warps, pipeline stages.
-# bench/attn_tune.py measures the alternatives on a GPU.
-DECODE_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}      # H200: attn-tune-h200.txt
+# bench/attn_tune.py measures the alternatives on a GPU. One warp a program: Nsight Compute
+# showed the kernel issue-bound (8.2 cycles a warp between issues, 2.9 of them waiting on
+# memory), and with one warp the softmax's reductions over the key tile need no barrier. On the
+# H200 at 181 MB of KV: 59.4 -> 55.5 us; e2e batch 64, 64 new tokens: 6.81 -> 6.60 ms with 32
+# adapters, 6.01 -> 5.80 base-only (bench/results/ab/attn-one-warp-h200.txt). Measured on MHA
+# heads (Llama-2-7B); GQA groups fill more of the query tile and were not measured.
+DECODE_CONFIG = {"block_n": 16, "num_warps": 1, "num_stages": 2}
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

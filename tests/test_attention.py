@@ -183,6 +183,22 @@ def test_kernels_compile_for_hopper():
     assert compile_for_sm90(_write_kv_kernel, types, dict(BLOCK=1024, USE_PDL=False)).asm["cubin"]
 
 
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_config_compiles_for_hopper(group):
+    """The decode launch shape (DECODE_CONFIG: one warp, 16-key tiles) compiles for sm_90 with
+    PDL, for MHA and GQA heads, as the decode path launches it."""
+    from test_sgmv import compile_for_sm90
+    from kernels.attention_triton import DECODE_CONFIG, _paged_attn_kernel
+    import triton
+    types = ["*bf16"] * 4 + ["*i32"] * 3 + ["i32"] * 4 + ["fp32"] + ["i32"] * 10
+    consts = dict(GROUP=group, GROUP_PAD=group, ROWS=triton.cdiv(16, group), D=128, D_PAD=128,
+                  BLOCK_N=DECODE_CONFIG["block_n"], DOT_PREC="tf32", UPCAST=False, USE_PDL=True)
+    assert compile_for_sm90(_paged_attn_kernel, types, consts,
+                            num_stages=DECODE_CONFIG["num_stages"],
+                            num_warps=DECODE_CONFIG["num_warps"]).asm["cubin"]
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

@@ -283,7 +283,8 @@ def test_wrapper_rejects_bad_inputs():
             sgmv_triton(*_args(case))
 
 
-def compile_for_sm90(fn, types: list[str], constexprs: dict, num_stages: int = 2):
+def compile_for_sm90(fn, types: list[str], constexprs: dict, num_stages: int = 2,
+                     num_warps: int = 4):
     """Compile a kernel for Hopper without a GPU (ptxas ships with triton): the interpreter does
     not catch what only the compiler rejects. Pointer and int arguments are taken as 16-aligned."""
     triton = pytest.importorskip("triton")
@@ -299,7 +300,7 @@ def compile_for_sm90(fn, types: list[str], constexprs: dict, num_stages: int = 2
              if t.startswith("*") or t == "i32"}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
