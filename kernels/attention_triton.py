@@ -12,7 +12,9 @@ row that starts a run ("leader") does the work, other programs return at once. I
 stacks the run's rows times the g query heads that share the kv head, so each K/V block is loaded
 once for all of them. Keys are gathered through the block table BLOCK_N positions at a time; the
 softmax is online (running max and sum in fp32, exp2 with log2(e) folded into the scale); each
-row is masked causally at its own position.
+row is masked causally at its own position. When BLOCK_N equals the cache's block size (decode
+steps) a tile is one KV block: one block-table load a tile and a scalar base address, not a
+block-table gather and an address per key.
 A row leads when it is the first row, follows a different sequence or a non-consecutive
 position, or has q_pos % ROWS == 0; so runs never exceed ROWS rows and need no host metadata.
 """
@@ -34,13 +36,32 @@ def _starts_run(seq, prev_seq, pos, prev_pos, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, kt, vt, p_n, pos, ctx, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """One key tile of the online softmax: kt [D, BLOCK_N], vt [BLOCK_N, D] at positions p_n."""
+    if UPCAST:
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+    s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale           # log2 domain
+    keep = (p_n[None, :] <= pos[:, None]) & (p_n < ctx)[None, :]
+    s = tl.where(keep, s, -1.0e30)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_ptr,
                        T, ctx_cap, block_size, bt_stride, qk_scale,
                        stride_qt, stride_qh, stride_ot, stride_oh,
                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
                        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ALIGNED: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     t0 = tl.program_id(0)
     kvh = tl.program_id(1)
     seq0 = tl.load(q_seq_ptr + t0)                 # step inputs: read before the PDL wait
@@ -55,7 +76,10 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
     ri = m // GROUP_PAD
     g = m % GROUP_PAD
     d = tl.arange(0, D_PAD)
-    d_ok = d < D
+    if D == D_PAD:
+        d_ok = tl.full((D_PAD,), 1, tl.int1)       # no head-dim mask to compute
+    else:
+        d_ok = d < D
     t = t0 + ri
     t_ok = t < T
     if seq0 < 0:                                   # padding row: zeros
@@ -80,29 +104,29 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
         if UPCAST:
             q = q.to(tl.float32)
         n = tl.arange(0, BLOCK_N)
+        k_off = (n * stride_ks)[None, :] + d[:, None]      # ALIGNED: offsets within a block
+        v_off = (n * stride_vs)[:, None] + d[None, :]
         for start in range(0, ctx, BLOCK_N):
             p_n = start + n
             n_ok = p_n < ctx
-            blk = tl.load(bt_ptr + seq0 * bt_stride + p_n // block_size, mask=n_ok, other=0)
-            off = p_n % block_size
-            k_rows = blk.to(tl.int64) * stride_kb + off * stride_ks + kvh * stride_kh
-            v_rows = blk.to(tl.int64) * stride_vb + off * stride_vs + kvh * stride_vh
-            kt = tl.load(k_ptr + k_rows[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
-                         other=0.0)                                          # [D_PAD, BLOCK_N]
-            vt = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                         other=0.0)                                          # [BLOCK_N, D_PAD]
-            if UPCAST:
-                kt = kt.to(tl.float32)
-                vt = vt.to(tl.float32)
-            s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale           # log2 domain
-            keep = (p_n[None, :] <= pos[:, None]) & n_ok[None, :]
-            s = tl.where(keep, s, -1.0e30)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
-            m_i = m_new
+            if ALIGNED:
+                blk = tl.load(bt_ptr + seq0 * bt_stride + start // BLOCK_N).to(tl.int64)
+                kt = tl.load(k_ptr + (blk * stride_kb + kvh * stride_kh) + k_off,
+                             mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+                vt = tl.load(v_ptr + (blk * stride_vb + kvh * stride_vh) + v_off,
+                             mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            else:
+                blk = tl.load(bt_ptr + seq0 * bt_stride + p_n // block_size, mask=n_ok,
+                              other=0)
+                off = p_n % block_size
+                k_rows = blk.to(tl.int64) * stride_kb + off * stride_ks + kvh * stride_kh
+                v_rows = blk.to(tl.int64) * stride_vb + off * stride_vs + kvh * stride_vh
+                kt = tl.load(k_ptr + k_rows[None, :] + d[:, None],
+                             mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+                vt = tl.load(v_ptr + v_rows[:, None] + d[None, :],
+                             mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+            m_i, l_i, acc = _attend_tile(q, kt, vt, p_n, pos, ctx, m_i, l_i, acc, qk_scale,
+                                         DOT_PREC, UPCAST)
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -174,6 +198,8 @@ def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
 # H200 at 181 MB of KV: 59.4 -> 55.5 us; e2e batch 64, 64 new tokens: 6.81 -> 6.60 ms with 32
 # adapters, 6.01 -> 5.80 base-only (bench/results/ab/attn-one-warp-h200.txt). Measured on MHA
 # heads (Llama-2-7B); GQA groups fill more of the query tile and were not measured.
+# block_n equal to the engine's block size (16) makes a tile one KV block (ALIGNED): 55.7 ->
+# 49.9 us, 181 MB of KV at 3.63 TB/s (bench/results/ab/attn-aligned-h200.txt).
 DECODE_CONFIG = {"block_n": 16, "num_warps": 1, "num_stages": 2}
 
 
@@ -214,5 +240,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=(q.dtype == torch.bfloat16 and not q.is_cuda),
+        ALIGNED=(block_n == bs),
         num_warps=num_warps, num_stages=num_stages, **launch_args(q.device))
     return out

@@ -30,6 +30,7 @@ CASES = {
     "mixed_mha_fp16_runs4": ("fp16", 2, 2, 16, 16, 4, 16, "mixed"),
     "mixed_gqa3_fp32_d24": ("fp32", 6, 2, 24, 4, 1, 16, "mixed"),
     "decode_gqa8_fp16": ("fp16", 8, 1, 32, 16, None, 16, "decode"),
+    "decode_mha_bf16_d24": ("bf16", 4, 4, 24, 16, None, 16, "decode"),   # tiles = KV blocks
     "prefill_runs_bf16": ("bf16", 4, 2, 16, 4, 8, 16, "prefill"),
     "odd_positions_fp32": ("fp32", 4, 1, 16, 4, 4, 16, "odd"),
 }
@@ -177,7 +178,7 @@ def test_kernels_compile_for_hopper():
     from kernels.attention_triton import _paged_attn_kernel, _write_kv_kernel
     types = ["*bf16"] * 4 + ["*i32"] * 3 + ["i32"] * 4 + ["fp32"] + ["i32"] * 10
     consts = dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64,
-                  DOT_PREC="tf32", UPCAST=False, USE_PDL=False)
+                  DOT_PREC="tf32", UPCAST=False, ALIGNED=False, USE_PDL=False)
     assert compile_for_sm90(_paged_attn_kernel, types, consts).asm["cubin"]
     types = ["*bf16"] * 4 + ["*i64"] + ["i32"] * 3
     assert compile_for_sm90(_write_kv_kernel, types, dict(BLOCK=1024, USE_PDL=False)).asm["cubin"]
@@ -193,7 +194,8 @@ def test_decode_config_compiles_for_hopper(group):
     import triton
     types = ["*bf16"] * 4 + ["*i32"] * 3 + ["i32"] * 4 + ["fp32"] + ["i32"] * 10
     consts = dict(GROUP=group, GROUP_PAD=group, ROWS=triton.cdiv(16, group), D=128, D_PAD=128,
-                  BLOCK_N=DECODE_CONFIG["block_n"], DOT_PREC="tf32", UPCAST=False, USE_PDL=True)
+                  BLOCK_N=DECODE_CONFIG["block_n"], DOT_PREC="tf32", UPCAST=False, ALIGNED=True,
+                  USE_PDL=True)
     assert compile_for_sm90(_paged_attn_kernel, types, consts,
                             num_stages=DECODE_CONFIG["num_stages"],
                             num_warps=DECODE_CONFIG["num_warps"]).asm["cubin"]
