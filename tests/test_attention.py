@@ -31,6 +31,10 @@ CASES = {
     "mixed_gqa3_fp32_d24": ("fp32", 6, 2, 24, 4, 1, 16, "mixed"),
     "decode_gqa8_fp16": ("fp16", 8, 1, 32, 16, None, 16, "decode"),
     "decode_mha_bf16_d24": ("bf16", 4, 4, 24, 16, None, 16, "decode"),   # tiles = KV blocks
+    # T == S: the wrapper's decode path (DECODE_CONFIG, one row a program); the "decode" cases
+    # above carry a padding row (T > S), which the wrapper treats as prefill
+    "step_mha_bf16": ("bf16", 4, 4, 32, 16, None, None, "decode_step"),
+    "step_gqa4_fp16_bs4": ("fp16", 8, 2, 16, 4, None, None, "decode_step"),
     "prefill_runs_bf16": ("bf16", 4, 2, 16, 4, 8, 16, "prefill"),
     "odd_positions_fp32": ("fp32", 4, 1, 16, 4, 4, 16, "odd"),
 }
@@ -40,6 +44,8 @@ def _rows(layout: str, lens: list[int]):
     """(q_seq, q_pos) rows: decode rows at len-1, prefill runs ending at len-1, padding rows."""
     if layout == "decode":
         rows = [(s, n - 1) for s, n in enumerate(lens)] + [(-1, 0)]
+    elif layout == "decode_step":               # a row a sequence, as graphs replay: T == S
+        rows = [(s, n - 1) for s, n in enumerate(lens)]
     elif layout == "prefill":
         rows = [(0, p) for p in range(lens[0])] + [(1, p) for p in range(lens[1] - 7, lens[1])]
     elif layout == "odd":                       # same sequence twice, gaps, repeated positions
