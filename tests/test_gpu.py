@@ -80,6 +80,17 @@ def test_gpu_pdl_gives_the_tokens_of_plain_launches():
 
 
 @needs_cuda
+def test_gpu_fused_lora_expands_give_the_tokens_of_the_expand_launches(monkeypatch):
+    """The q/k/v expand inside rope + KV write and the o / down expand inside the residual norm
+    (the default on CUDA; the demo adapters are rank 4-16) give the tokens of the separate
+    expand launches."""
+    fused = greedy_tokens("cuda", "bfloat16")
+    monkeypatch.setenv("LORAFLEET_LORA_NORM", "0")
+    monkeypatch.setenv("LORAFLEET_LORA_ROPE", "0")
+    assert greedy_tokens("cuda", "bfloat16") == fused
+
+
+@needs_cuda
 def test_gpu_prefill_logits_match_cpu_fp32():
     """Prefill logits for every demo adapter (and the base), GPU kernels against the CPU path."""
     from services.worker.scheduler import Scheduled
