@@ -71,8 +71,11 @@ class DeferredLora:
 
 # Launch shapes. The norm holds a row's whole Bt tile ([16, 4096] at hidden 4096) in
 # registers: with 8 warps ptxas gives it 254 registers a thread (a whole SM's file), with 16
-# warps 128. The rope kernel takes chunks of up to 8 heads; with 4 warps 165 registers, with 8
-# warps 80. LORAFLEET_LORA_FUSED="norm_warps=8,rope_warps=4,rope_heads=4" sets them (A/B runs).
+# warps 128 (Triton 3.6 spills 50-58 bytes in both). The rope kernel takes chunks of up to
+# rope_heads heads. On the H200 (batch 64, 32 adapters, 32 + 32 + 32 heads of 128, chained
+# shrink + rope) 2 warps and 4 heads were fastest: 21.6 us, against 23.0-51.1 for 2-8 warps
+# and 1-8 heads (8 and 8: 46.8; the shrink + expand + rope it replaces: 23.1).
+# LORAFLEET_LORA_FUSED="norm_warps=8,rope_warps=4,rope_heads=4" sets them (A/B runs).
 LAUNCH_FIELDS = ("norm_warps", "rope_warps", "rope_heads")
 
 
@@ -94,7 +97,7 @@ def launch_shape(hidden: int, rank_block: int) -> dict:
     with LORAFLEET_LORA_FUSED over them."""
     tile = hidden * rank_block                  # the norm's Bt elements a program holds
     shape = dict(norm_warps=16 if tile >= 1 << 16 else 8 if tile >= 1 << 14 else 4,
-                 rope_warps=8, rope_heads=8)
+                 rope_warps=2, rope_heads=4)
     shape.update(_parse_launch(os.environ.get("LORAFLEET_LORA_FUSED", "")))
     return shape
 
