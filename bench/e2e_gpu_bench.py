@@ -111,12 +111,7 @@ def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, s
 
 
 ENV0 = {k: os.environ.get(k) for k in ("LORAFLEET_WEIGHT_LAYOUT", "LORAFLEET_SGMV_SPLIT",
-                                        "LORAFLEET_BLAS", "LORAFLEET_LORA_NORM",
-                                        "LORAFLEET_LORA_ROPE", "LORAFLEET_LORA_FUSED",
-                                        "LORAFLEET_LORA_OVERLAP")}
-# variant key -> the switch it sets (read when the model is built)
-FUSION_KEYS = {"lora_norm": "LORAFLEET_LORA_NORM", "lora_rope": "LORAFLEET_LORA_ROPE",
-               "lora_overlap": "LORAFLEET_LORA_OVERLAP"}
+                                        "LORAFLEET_BLAS")}
 
 
 def apply_variant(variant: str) -> int:
@@ -124,30 +119,18 @@ def apply_variant(variant: str) -> int:
     weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built), the largest rank the
     graphs serve (grank; default: the worker's EngineOptions.graph_max_rank), torch's BLAS
     backend for the base GEMMs (blas=cublas|cublaslt: LORAFLEET_BLAS, read when the model is
-    built; default cublaslt), the LoRA expands fused into the norm and rope (lora_norm=0|1,
-    lora_rope=0|1), the LoRA shrinks beside the base GEMMs (lora_overlap=0|1) and those launches' shapes (norm_warps, rope_warps, rope_heads:
-    LORAFLEET_LORA_FUSED), and fields of the split SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
+    built; default cublaslt), and fields of the
+    split SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
     LORAFLEET_SGMV_SPLIT). Empty: the defaults. Returns the graphs' largest rank."""
     import dataclasses
     from kernels import pdl
-    from kernels.lora_fused import LAUNCH_FIELDS
     from kernels.sgmv_split import SplitConfig
     opts = dict(kv.split("=") for kv in variant.split(",") if kv)
     split_fields = {f.name for f in dataclasses.fields(SplitConfig)}
-    known = {"pdl", "layout", "grank", "blas", *FUSION_KEYS, *LAUNCH_FIELDS}
-    unknown = set(opts) - known - split_fields
+    unknown = set(opts) - {"pdl", "layout", "grank", "blas"} - split_fields
     if unknown:
-        raise SystemExit(f"unknown variant keys {sorted(unknown)} ({', '.join(sorted(known))}, "
+        raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, blas, "
                          f"{', '.join(sorted(split_fields))})")
-    for key, name in FUSION_KEYS.items():     # unset: the model's default
-        val = opts.get(key, ENV0[name])
-        if val is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = val
-    os.environ["LORAFLEET_LORA_FUSED"] = ",".join(
-        filter(None, [ENV0["LORAFLEET_LORA_FUSED"] or "",
-                      *(f"{k}={v}" for k, v in opts.items() if k in LAUNCH_FIELDS)]))
     os.environ["LORAFLEET_BLAS"] = opts.get("blas", ENV0["LORAFLEET_BLAS"] or "cublaslt")
     pdl.set_enabled(opts.get("pdl", os.environ.get("LORAFLEET_PDL", "1")) != "0")
     os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get(

@@ -571,13 +571,9 @@ class Shrunk:
 
 
 def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: int,
-           config: SplitConfig | None = None, align: int = 1,
-           stream: torch.cuda.Stream | None = None) -> Shrunk:
+           config: SplitConfig | None = None, align: int = 1) -> Shrunk:
     """Only the shrink phase of sgmv_split, for a consumer that applies Bt itself
-    (a GEMM epilogue). Arguments as sgmv_split's; no device reads.
-    stream: launch on this CUDA stream, after it has waited for the current one (so that the
-    shrink can run beside the base GEMM). The scratch is allocated on the current stream: a
-    consumer there may read it once the current stream has waited for `stream`."""
+    (a GEMM epilogue). Arguments as sgmv_split's; no device reads."""
     t_rows, k = x.shape
     n_segs = seg_slot.shape[0]
     cfg = config or pick_split_config(t_rows, max_rank, n_segs=n_segs)
@@ -593,14 +589,8 @@ def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: 
     vsum = None
     if cfg.reduce and tiles_bound * n_slices * _rank_split(cfg, rb) <= N_COUNTERS:
         vsum = torch.empty((n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
-    args = (x, pool, a_off, ranks, seg_start, seg_slot, v, vsum, tiles_bound,
-            _block_k(cfg, rb // _rank_split(cfg, rb)), cfg, common)
-    if stream is None:
-        budget = _launch_shrink(*args)
-    else:
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(stream):
-            budget = _launch_shrink(*args)
+    budget = _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, vsum, tiles_bound,
+                            _block_k(cfg, rb // _rank_split(cfg, rb)), cfg, common)
     return Shrunk(v, budget, cfg.block_m, seg_block, vsum)
 
 

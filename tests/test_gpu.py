@@ -80,29 +80,6 @@ def test_gpu_pdl_gives_the_tokens_of_plain_launches():
 
 
 @needs_cuda
-def test_gpu_fused_lora_expands_give_the_tokens_of_the_expand_launches(monkeypatch):
-    """The q/k/v expand inside rope + KV write and the o / down expand inside the residual norm
-    (switched on here; the demo adapters are rank 4-16) give the tokens of the separate expand
-    launches."""
-    monkeypatch.setenv("LORAFLEET_LORA_NORM", "1")
-    monkeypatch.setenv("LORAFLEET_LORA_ROPE", "1")
-    fused = greedy_tokens("cuda", "bfloat16")
-    monkeypatch.setenv("LORAFLEET_LORA_NORM", "0")
-    monkeypatch.setenv("LORAFLEET_LORA_ROPE", "0")
-    assert greedy_tokens("cuda", "bfloat16") == fused
-
-
-@needs_cuda
-def test_gpu_shrinks_beside_the_gemms_give_the_tokens_of_one_stream(monkeypatch):
-    """Every LoRA shrink on a second stream beside its base GEMM (forked and joined inside the
-    captured decode graphs) gives the tokens of one stream."""
-    monkeypatch.setenv("LORAFLEET_LORA_OVERLAP", "all")
-    beside = greedy_tokens("cuda", "bfloat16")
-    monkeypatch.setenv("LORAFLEET_LORA_OVERLAP", "0")
-    assert greedy_tokens("cuda", "bfloat16") == beside
-
-
-@needs_cuda
 def test_gpu_prefill_logits_match_cpu_fp32():
     """Prefill logits for every demo adapter (and the base), GPU kernels against the CPU path."""
     from services.worker.scheduler import Scheduled

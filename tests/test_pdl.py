@@ -39,14 +39,6 @@ KERNELS = {
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=64, RANK_BLOCK=16,
              DOT_PREC="tf32", UPCAST=False, STAGES=3, KS_MAX=16, SPIN_LIMIT=1 << 22,
              ALIGN=8)),
-    "lora_fused._lora_norm_kernel": (
-        [BF16] * 4 + [F32] * 2 + [BF16, I64, "*i32", F32, "*i32", "*i32"] + [I32] * 9
-        + ["fp32"], dict(RANK_BLOCK=16, SEG_BLOCK=64, BLOCK_M=16, KS_MAX=16, REDUCE=False,
-                         ALIGN=8, BLOCK=4096)),
-    "lora_fused._lora_rope_kv_kernel": (
-        [BF16] * 5 + [I64] * 2 + [F32] * 2 + [BF16, I64, "*i32", F32, "*i32", "*i32"]
-        + [I32] * 8, dict(RANK_BLOCK=16, SEG_BLOCK=64, BLOCK_M=16, KS_MAX=16, REDUCE=False,
-                          ALIGN=8, HALF=64, CH=8)),
     "sgmv_triton._sgmv_kernel": (
         [BF16] * 3 + [I64] * 2 + ["*i32", F32, "*i32", "*i32"] + [I32] * 11,
         dict(N_SLICES=3, SEG_BLOCK=256, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, RANK_BLOCK=16,
@@ -65,8 +57,7 @@ def _kernel(name: str):
 EARLY_READS = {"sgmv_split._shrink_kernel", "sgmv_split._expand_kernel",
                "sgmv_split._one_launch_kernel", "fused._rms_kernel", "fused._rope_kernel",
                "fused._rope_kv_kernel", "attention_triton._paged_attn_kernel",
-               "sgmv_triton._sgmv_kernel", "lora_fused._lora_norm_kernel",
-               "lora_fused._lora_rope_kv_kernel"}
+               "sgmv_triton._sgmv_kernel"}
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")

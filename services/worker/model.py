@@ -15,10 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import paged_attention
-from kernels import pdl
-from kernels.fused import rms_norm, silu_mul
-from kernels.lora_fused import DeferredLora, add_rms_norm_lora, qkv_rope_write_kv_
-from kernels.sgmv import CUBLAS_MIN_RANK, HostSegments, rank_tile, sgmv, use_split
+from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
+from kernels.sgmv import HostSegments, sgmv
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, ModelSpec
 
 
@@ -125,53 +123,6 @@ def to_kn_layout(weights: dict) -> None:
         weights["lm_head"] = kn(weights["lm_head"])
 
 
-# LoRA expands fused into the launch after them (kernels.lora_fused): q/k/v's into rope + KV
-# write, o's and down's into the residual add + norm. Per group, from an environment switch:
-# "1" on CUDA, "0" never, "force" on any device (the CPU tests, under the Triton
-# interpreter); the default is FUSE_DEFAULTS'. Only decode-sized steps (FUSED_MAX_ROWS) whose
-# SGMV runs the split kernel's two launches at rank tile 16 defer; the rest run the plain SGMV.
-# Both are off by default: on the H200 (batch 64, 32 adapters) the fused rope took the chained
-# q/k/v shrink + expand + rope from 23.1 to 21.6 us with the adapters in L2, but in the decode
-# step, with each layer's Bt read from DRAM, it took 17.6 us where the expand and rope took
-# 10.5 (e2e 6.34 -> 6.51 ms); the fused norm was slower even chained (11.0 -> 15.4 us; its
-# row's Bt spills with Triton 3.6).
-FUSE_SWITCHES = {"qkv": "LORAFLEET_LORA_ROPE", "o": "LORAFLEET_LORA_NORM",
-                 "down": "LORAFLEET_LORA_NORM"}
-FUSE_DEFAULTS = {"LORAFLEET_LORA_ROPE": "0", "LORAFLEET_LORA_NORM": "0"}
-FUSED_MAX_ROWS = 256
-FUSED_RANK_TILE = 16
-
-
-def lora_fusion(group: str, device: torch.device) -> str | None:
-    """The impl the fused kernels run with for this group's LoRA ("auto" on CUDA, "triton"
-    when forced), or None when its expand stays a launch of its own."""
-    name = FUSE_SWITCHES.get(group)
-    if name is None:
-        return None
-    val = os.environ.get(name, FUSE_DEFAULTS[name])
-    if val not in ("0", "1", "force"):
-        raise ValueError(f"{name} must be 0, 1 or force, got {val!r}")
-    if val == "force":
-        return "triton"
-    return "auto" if val == "1" and device.type == "cuda" else None
-
-
-OVERLAP_GROUPS = ("qkv", "o", "gate_up", "down")
-
-
-def lora_overlap(device: torch.device) -> frozenset[str]:
-    """LORAFLEET_LORA_OVERLAP: the projection groups (comma-separated, "all", or "0" for none)
-    whose decode-sized LoRA shrink runs on a second stream, beside the base GEMM that reads
-    the same input (CUDA only). Default: none."""
-    val = os.environ.get("LORAFLEET_LORA_OVERLAP", "0").strip()
-    groups = (set(OVERLAP_GROUPS) if val in ("1", "all") else set() if val in ("", "0")
-              else {g.strip() for g in val.split(",")})
-    if groups - set(OVERLAP_GROUPS):
-        raise ValueError(f"LORAFLEET_LORA_OVERLAP: unknown groups "
-                         f"{sorted(groups - set(OVERLAP_GROUPS))} (of {OVERLAP_GROUPS})")
-    return frozenset(groups) if device.type == "cuda" else frozenset()
-
-
 class LlamaModel:
     """Forward pass over fused weights (services.worker.loader.fuse_layers)."""
 
@@ -187,10 +138,6 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
         self.lora: LoraTables | None = None
-        self.fusion = {g: lora_fusion(g, device) for g in ("qkv", "o", "gate_up", "down")}
-        # a second stream for the LoRA shrinks of these groups, beside their base GEMMs
-        self.overlap = lora_overlap(device)
-        self.side = torch.cuda.Stream(device) if self.overlap else None
 
     def lora_mask(self, slots) -> int:
         """GROUP_BIT mask of the groups that the adapters in these slots target (-1 = none)."""
@@ -213,78 +160,33 @@ class LlamaModel:
                  self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank,
                  host=host, align=t.align)
 
-    def _split_lora(self, group: str, layer: int, x: torch.Tensor,
-                    ctx: StepContext) -> DeferredLora | None:
-        """When the group's LoRA runs as the split SGMV's two launches at a decode size
-        (FUSED_MAX_ROWS) and is fused or overlapped: its shrink launched (beside the base GEMM
-        for the groups in self.overlap; the caller joins the side stream), its expand left to
-        the caller. None otherwise (then call _lora after the GEMM)."""
-        t = self.lora
-        if (not ctx.has_lora or t is None or not ctx.lora_mask & GROUP_BIT[group]
-                or x.shape[0] > FUSED_MAX_ROWS or (group not in self.overlap
-                                                   and self.fusion[group] is None)):
-            return None
-        rank, n_segs = ctx.lora_rank or t.max_rank, ctx.seg_slot.shape[0]
-        if rank >= CUBLAS_MIN_RANK and ctx.host_single is not None:
-            return None                        # one live segment: cuBLAS pairs (kernels.sgmv)
-        if not use_split(x.shape[0], n_segs, rank):
-            return None
-        from kernels.sgmv_split import pick_split_config, shrink
-        cfg = pick_split_config(x.shape[0], rank, pdl.enabled(x.device), n_segs)
-        if cfg.one_launch:
-            return None
-        starts = self.slices[group]
-        shrunk = shrink(x, t.pool, t.a_off[group][layer], t.ranks, ctx.seg_start, ctx.seg_slot,
-                        len(starts) - 1, rank, cfg, align=t.align,
-                        stream=self.side if group in self.overlap else None)
-        return DeferredLora(shrunk, t.pool, t.b_off[group][layer], t.ranks, t.scales, starts,
-                            ctx.seg_start, ctx.seg_slot, rank, t.align, cfg)
-
-    def _project(self, group: str, i: int, w: torch.Tensor, x: torch.Tensor, ctx: StepContext,
-                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, DeferredLora | None]:
-        """x @ w.T (+ bias) with the group's LoRA added, or with its expand deferred to the
-        next launch (see FUSE_SWITCHES)."""
-        lora = self._split_lora(group, i, x, ctx)
-        y = F.linear(x, w, bias)
-        if lora is None:
-            self._lora(group, i, y, x, ctx)
-            return y, None
-        if group in self.overlap:
-            torch.cuda.current_stream(y.device).wait_stream(self.side)
-        if self.fusion[group] is None or rank_tile(lora.max_rank) > FUSED_RANK_TILE:
-            lora.expand_into(y)
-            return y, None
-        return y, lora
-
-    def _add_norm(self, h: torch.Tensor, out: tuple[torch.Tensor, DeferredLora | None],
-                  w: torch.Tensor) -> torch.Tensor:
-        """h += the projection's output (with its deferred LoRA); the normed h."""
-        y, lora = out
-        impl = self.fusion["o"] if lora is not None else "auto"
-        return add_rms_norm_lora(h, y, w, self.spec.rms_norm_eps, lora, impl=impl)
-
     def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
-                   kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor,
-                                                                   DeferredLora | None]:
+                   kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         s = self.spec
-        qkv, lora = self._project("qkv", i, w["qkv"], x, ctx, w.get("qkv_bias"))  # [T, q+2kv]
-        # (the LoRA delta added, when deferred,) q and k rotated in place, k and v written to
-        # their KV slots: one launch on GPU
-        q = qkv_rope_write_kv_(qkv, s.num_heads, s.num_kv_heads, self.cos, self.sin,
-                               ctx.positions, kv[0], kv[1], ctx.slot_mapping, lora,
-                               impl=self.fusion["qkv"] if lora is not None else "auto")
+        qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))                 # [T, q + 2kv]
+        self._lora("qkv", i, qkv, x, ctx)
+        t = qkv.shape[0]
+        q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)          # views, strided rows
+        k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
+        v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
+        # rotate q and k in place, write k and v to their KV slots (one launch on GPU)
+        rope_write_kv_(q, k, v, self.cos, self.sin, ctx.positions, kv[0], kv[1],
+                       ctx.slot_mapping)
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
         attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
                                self.scale, ctx.max_context).reshape(-1, s.q_size)
-        return self._project("o", i, w["o"], attn, ctx, w.get("o_bias"))
+        out = F.linear(attn, w["o"], w.get("o_bias"))
+        self._lora("o", i, out, attn, ctx)
+        return out
 
-    def _mlp(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext) -> tuple[
-            torch.Tensor, DeferredLora | None]:
+    def _mlp(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
         self._lora("gate_up", i, gu, x, ctx)
         act = silu_mul(gu)                                               # [T, I]
-        return self._project("down", i, w["down"], act, ctx)
+        out = F.linear(act, w["down"])
+        self._lora("down", i, out, act, ctx)
+        return out
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
@@ -292,13 +194,14 @@ class LlamaModel:
         """input_ids [T] -> fp32 logits [R, vocab] for ctx.sample_rows.
 
         The residual h is updated in place; each residual add is fused with the next norm
-        (the last one with the final norm), and with the o / down LoRA expand when deferred.
+        (the last one with the final norm).
         """
+        eps = self.spec.rms_norm_eps
         layers = self.w["layers"]
         h = self.w["embed"][input_ids]                                   # [T, H], a new tensor
-        x = rms_norm(h, layers[0]["in_norm"], self.spec.rms_norm_eps)
+        x = rms_norm(h, layers[0]["in_norm"], eps)
         for i, w in enumerate(layers):
-            x = self._add_norm(h, self._attention(i, w, x, ctx, kv_cache[i]), w["post_norm"])
+            x = add_rms_norm(h, self._attention(i, w, x, ctx, kv_cache[i]), w["post_norm"], eps)
             after = layers[i + 1]["in_norm"] if i + 1 < len(layers) else self.w["norm"]
-            x = self._add_norm(h, self._mlp(i, w, x, ctx), after)
+            x = add_rms_norm(h, self._mlp(i, w, x, ctx), after, eps)
         return F.linear(x[ctx.sample_rows], self.w["lm_head"]).float()
