@@ -196,11 +196,39 @@ def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
 # showed the kernel issue-bound (8.2 cycles a warp between issues, 2.9 of them waiting on
 # memory), and with one warp the softmax's reductions over the key tile need no barrier. On the
 # H200 at 181 MB of KV: 59.4 -> 55.5 us; e2e batch 64, 64 new tokens: 6.81 -> 6.60 ms with 32
-# adapters, 6.01 -> 5.80 base-only (bench/results/ab/attn-one-warp-h200.txt). Measured on MHA
-# heads (Llama-2-7B); GQA groups fill more of the query tile and were not measured.
+# adapters, 6.01 -> 5.80 base-only (bench/results/ab/attn-one-warp-h200.txt).
 # block_n equal to the engine's block size (16) makes a tile one KV block (ALIGNED): 55.7 ->
 # 49.9 us, 181 MB of KV at 3.63 TB/s (bench/results/ab/attn-aligned-h200.txt).
 DECODE_CONFIG = {"block_n": 16, "num_warps": 1, "num_stages": 2}
+# That launch needs many programs (a step's rows x KV heads) to fill the card. With fewer, each
+# program's loop over the context is the critical path, and wider tiles on four warps win:
+# bench/results/ab/attn-launch-scan-h200.md (32 query heads of 128, contexts 192 and 1024, batch
+# 8-128; us a call). At 1024+ programs the one-warp launch is fastest everywhere (MHA batch
+# 32: 26.8 against 32.1 at 192 tokens). At 512 programs 32-key tiles on four warps are (MHA
+# batch 16: 16.5 against 17.7 and 74.3 against 87.0 at 1024 tokens; 8 KV heads, batch 64:
+# 16.8 against 17.3 and 74.7 against 83.1), except with groups of 8+ query heads a KV head,
+# whose query tile is fuller: there, and at 256 programs or fewer, 64-key tiles (4 KV heads,
+# batch 64: 10.1 against 13.4 and 47.7 against 78.7; 8 KV heads, batch 32: 50.2 against 73.1
+# at 1024 tokens).
+FEW_PROGRAMS_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}
+FEWEST_PROGRAMS_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+MANY_PROGRAMS = 1024
+# A launch for every decode step, whatever the shape (bench/e2e_gpu_bench.py --attn-config):
+# empty = the choice above
+DECODE_OVERRIDE: dict = {}
+
+
+def decode_config(t_rows: int, h_kv: int, group: int) -> dict:
+    """The launch of a decode step of t_rows rows (one a sequence) over h_kv KV heads with
+    `group` query heads each (see DECODE_CONFIG's notes)."""
+    if DECODE_OVERRIDE:
+        return DECODE_OVERRIDE
+    programs = t_rows * h_kv
+    if programs >= MANY_PROGRAMS:
+        return DECODE_CONFIG
+    if programs <= MANY_PROGRAMS // 4 or group >= 8:
+        return FEWEST_PROGRAMS_CONFIG
+    return FEW_PROGRAMS_CONFIG
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -219,7 +247,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = h_q // h_kv
     group_pad = triton.next_power_of_2(group)
     decode = t_rows <= block_tables.shape[0]
-    cfg = DECODE_CONFIG if decode else {"block_n": 64, "num_warps": 4, "num_stages": 2}
+    cfg = (decode_config(t_rows, h_kv, group) if decode
+           else {"block_n": 64, "num_warps": 4, "num_stages": 2})
     block_n = block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]

@@ -31,10 +31,11 @@ CASES = {
     "mixed_gqa3_fp32_d24": ("fp32", 6, 2, 24, 4, 1, 16, "mixed"),
     "decode_gqa8_fp16": ("fp16", 8, 1, 32, 16, None, 16, "decode"),
     "decode_mha_bf16_d24": ("bf16", 4, 4, 24, 16, None, 16, "decode"),   # tiles = KV blocks
-    # T == S: the wrapper's decode path (DECODE_CONFIG, one row a program); the "decode" cases
-    # above carry a padding row (T > S), which the wrapper treats as prefill
+    # T == S: the wrapper's decode path (decode_config's launch, one row a program); the
+    # "decode" cases above carry a padding row (T > S), which the wrapper treats as prefill
     "step_mha_bf16": ("bf16", 4, 4, 32, 16, None, None, "decode_step"),
     "step_gqa4_fp16_bs4": ("fp16", 8, 2, 16, 4, None, None, "decode_step"),
+    "step_mha_bf16_one_block_tiles": ("bf16", 4, 4, 32, 16, None, 16, "decode_step"),
     "prefill_runs_bf16": ("bf16", 4, 2, 16, 4, 8, 16, "prefill"),
     "odd_positions_fp32": ("fp32", 4, 1, 16, 4, 4, 16, "odd"),
 }
@@ -191,20 +192,36 @@ def test_kernels_compile_for_hopper():
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("group", [1, 4])
-def test_decode_config_compiles_for_hopper(group):
-    """The decode launch shape (DECODE_CONFIG: one warp, 16-key tiles) compiles for sm_90 with
-    PDL, for MHA and GQA heads, as the decode path launches it."""
+@pytest.mark.parametrize("t_rows,h_kv", [(64, 32), (16, 32), (8, 32), (64, 8), (128, 4)])
+def test_decode_configs_compile_for_hopper(t_rows, h_kv):
+    """Each decode launch that decode_config picks compiles for sm_90 with PDL, for MHA and
+    GQA heads, as the decode path launches it (16-token blocks: 16-key tiles are ALIGNED)."""
     from test_sgmv import compile_for_sm90
-    from kernels.attention_triton import DECODE_CONFIG, _paged_attn_kernel
+    from kernels.attention_triton import _paged_attn_kernel, decode_config
     import triton
+    group = 32 // h_kv
+    cfg = decode_config(t_rows, h_kv, group)
     types = ["*bf16"] * 4 + ["*i32"] * 3 + ["i32"] * 4 + ["fp32"] + ["i32"] * 10
     consts = dict(GROUP=group, GROUP_PAD=group, ROWS=triton.cdiv(16, group), D=128, D_PAD=128,
-                  BLOCK_N=DECODE_CONFIG["block_n"], DOT_PREC="tf32", UPCAST=False, ALIGNED=True,
-                  USE_PDL=True)
-    assert compile_for_sm90(_paged_attn_kernel, types, consts,
-                            num_stages=DECODE_CONFIG["num_stages"],
-                            num_warps=DECODE_CONFIG["num_warps"]).asm["cubin"]
+                  BLOCK_N=cfg["block_n"], DOT_PREC="tf32", UPCAST=False,
+                  ALIGNED=cfg["block_n"] == 16, USE_PDL=True)
+    assert compile_for_sm90(_paged_attn_kernel, types, consts, num_stages=cfg["num_stages"],
+                            num_warps=cfg["num_warps"]).asm["cubin"]
+
+
+def test_decode_config_by_programs_and_group(monkeypatch):
+    """The decode launch follows the H200 scan (bench/results/ab/attn-launch-scan-h200.md): one warp
+    on one-block tiles from 1024 programs (rows x KV heads), 32-key tiles on four warps at
+    fewer, 64-key tiles at 256 or fewer or with 8+ query heads a KV head; an override wins."""
+    from kernels import attention_triton as at
+    one, few, fewest = at.DECODE_CONFIG, at.FEW_PROGRAMS_CONFIG, at.FEWEST_PROGRAMS_CONFIG
+    assert at.decode_config(64, 32, 1) is one and at.decode_config(32, 32, 1) is one
+    assert at.decode_config(128, 8, 4) is one
+    assert at.decode_config(16, 32, 1) is few and at.decode_config(64, 8, 4) is few
+    assert at.decode_config(8, 32, 1) is fewest and at.decode_config(32, 8, 4) is fewest
+    assert at.decode_config(128, 4, 8) is fewest and at.decode_config(1, 1, 1) is fewest
+    monkeypatch.setattr(at, "DECODE_OVERRIDE", {"block_n": 32, "num_warps": 2, "num_stages": 3})
+    assert at.decode_config(64, 32, 1) == {"block_n": 32, "num_warps": 2, "num_stages": 3}
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
