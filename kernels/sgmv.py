@@ -124,3 +124,20 @@ def sgmv(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_s
                            seg_slot, max_rank)
     return sgmv_ref(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
                     max_rank)
+
+
+def sgmv_expand_columns(y, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts,
+                        seg_start, seg_slot, max_rank, impl: str = "auto", align: int = 1):
+    """The LoRA expand with v read from columns of the base GEMM's output (column LoRA, see
+    services.worker.lora_columns and kernels.sgmv_ref.expand_columns_ref for the semantics):
+    the split expand kernel on CUDA (impl="split" forces it, for the interpreter), else the
+    torch reference."""
+    if impl not in ("auto", "split", "torch"):
+        raise ValueError(f"impl must be auto, split or torch, got {impl!r}")
+    if impl == "split" or (impl == "auto" and y.is_cuda):
+        from kernels.sgmv_split import expand_columns
+        return expand_columns(y, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts,
+                              seg_start, seg_slot, max_rank, align=align)
+    from kernels.sgmv_ref import expand_columns_ref
+    return expand_columns_ref(y, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts,
+                              seg_start, seg_slot, max_rank)

@@ -57,3 +57,35 @@ def sgmv_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.
             delta = (xs @ a.t()) @ bt
             y[lo:hi, c0:c1] += (delta * scale_of[s]).to(y.dtype)
     return y
+
+
+def expand_columns_ref(y: torch.Tensor, v_cols: torch.Tensor, col_slot: torch.Tensor,
+                       pool: torch.Tensor, b_off: torch.Tensor, ranks: torch.Tensor,
+                       scales: torch.Tensor, slice_starts: Sequence[int], seg_start: torch.Tensor,
+                       seg_slot: torch.Tensor, max_rank: int) -> torch.Tensor:
+    """The LoRA expand with v = x @ A.T read from columns of the base GEMM's output (see
+    kernels.sgmv_split.expand_columns), in place; returns y. For every live segment i with slot
+    s = seg_slot[i] >= 0, c = col_slot[s] >= 0 and slice j with b_off[j, s] >= 0:
+        v = v_cols[R, (c * n_slices + j) * RB : + rank_s]   (RB = the rank tile of max_rank)
+        y[R, C_j] += (scales[s] * v) @ Bt_{j,s}
+    The scaled v is rounded to the pool's dtype, as the kernel rounds it."""
+    rb = max(16, 1 << max(0, int(max_rank) - 1).bit_length())
+    starts, slots = seg_start.tolist(), seg_slot.tolist()
+    b_tab, cols = b_off.tolist(), col_slot.tolist()
+    rank_of, scale_of = ranks.tolist(), scales.tolist()
+    n_slices = len(slice_starts) - 1
+    for i, s in enumerate(slots):
+        lo, hi = starts[i], starts[i + 1]
+        if s < 0 or hi <= lo or cols[s] < 0:
+            continue
+        r = rank_of[s]
+        for j in range(n_slices):
+            bo = b_tab[j][s]
+            if bo < 0:
+                continue
+            c0, c1 = slice_starts[j], slice_starts[j + 1]
+            v0 = (cols[s] * n_slices + j) * rb
+            v = (v_cols[lo:hi, v0:v0 + r].float() * scale_of[s]).to(pool.dtype).float()
+            bt = pool[bo:bo + r * (c1 - c0)].view(r, c1 - c0).float()
+            y[lo:hi, c0:c1] += (v @ bt).to(y.dtype)
+    return y

@@ -321,16 +321,18 @@ def _shrink_items(pid, nprog, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_p
 
 @triton.jit
 def _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
-                  seg_slot_ptr, v_ptr, vsum_ptr, T, n_slots, n_segs, n_ks, max_col_blocks,
-                  stride_y, budget, s0, s1, s2, s3, s4,
+                  seg_slot_ptr, v_ptr, vsum_ptr, col_ptr, T, n_slots, n_segs, n_ks,
+                  max_col_blocks, stride_y, stride_v, budget, s0, s1, s2, s3, s4,
                   N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
                   UPCAST: tl.constexpr, KS_MAX: tl.constexpr, USE_PDL: tl.constexpr,
-                  REDUCE: tl.constexpr, ALIGN: tl.constexpr):
+                  REDUCE: tl.constexpr, ALIGN: tl.constexpr, COLS: tl.constexpr):
     """Work items (row tile, slice, column split): y[rows, cols] += (scale * sum v) @ Bt.
     The K partials are summed in an unrolled loop (KS_MAX = the scratch's depth), so their loads
-    are all in flight together. Under PDL the tables and the item's first block of Bt are read
-    before the wait; the partials and y after it."""
+    are all in flight together. With COLS, v is not summed: it is read from columns of the
+    base GEMM's output (v_ptr, rows stride_v apart), the slot's column block col_ptr[slot]
+    (expand_columns). Under PDL the tables and the item's first block of Bt are read before the
+    wait; the partials and y after it."""
     si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
                                                      SEG_BLOCK, BLOCK_M)
     n_ks = _k_split(tiles, n_ks, budget, N_SLICES)
@@ -354,12 +356,20 @@ def _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr,
         rank = tl.load(ranks_ptr + s)
         scale = tl.load(scales_ptr + s)
         live = (b_o >= 0) & (nb0 < nb1)
+        if COLS:
+            c_o = tl.load(col_ptr + s)
+            live = live & (c_o >= 0)
         bt = _b_block(pool_ptr, b_o, rank, width, nb0, live, BLOCK_N, RANK_BLOCK, ALIGN)
         wait_then_release(USE_PDL)
         if live:
             rows = (row0 + rm).to(tl.int64)
             row_ok = rm < m_len
-            if REDUCE:                       # the shrink summed them (vsum)
+            if COLS:                         # x @ A.T: columns of the base GEMM's output
+                rr = tl.arange(0, RANK_BLOCK)
+                v = tl.load(v_ptr + rows[:, None] * stride_v
+                            + ((c_o * N_SLICES + j) * RANK_BLOCK + rr)[None, :],
+                            mask=row_ok[:, None], other=0.0).to(tl.float32)
+            elif REDUCE:                     # the shrink summed them (vsum)
                 s_rows = (j * T + rows) * RANK_BLOCK
                 v = tl.load(vsum_ptr + s_rows[:, None] + tl.arange(0, RANK_BLOCK)[None, :],
                             mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
@@ -415,17 +425,17 @@ def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slo
 
 @triton.jit
 def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
-                   seg_slot_ptr, v_ptr, vsum_ptr, T, n_slots, n_segs, n_ks, max_col_blocks,
-                   stride_y, budget, s0, s1, s2, s3, s4,
+                   seg_slot_ptr, v_ptr, vsum_ptr, col_ptr, T, n_slots, n_segs, n_ks,
+                   max_col_blocks, stride_y, stride_v, budget, s0, s1, s2, s3, s4,
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, RANK_BLOCK: tl.constexpr, DOT_PREC: tl.constexpr,
                    UPCAST: tl.constexpr, KS_MAX: tl.constexpr, USE_PDL: tl.constexpr,
-                   REDUCE: tl.constexpr, ALIGN: tl.constexpr):
+                   REDUCE: tl.constexpr, ALIGN: tl.constexpr, COLS: tl.constexpr):
     _expand_items(tl.program_id(0), tl.num_programs(0), y_ptr, pool_ptr, b_off_ptr, ranks_ptr,
-                  scales_ptr, seg_start_ptr, seg_slot_ptr, v_ptr, vsum_ptr, T, n_slots, n_segs,
-                  n_ks, max_col_blocks, stride_y, budget, s0, s1, s2, s3, s4, N_SLICES,
-                  SEG_BLOCK, BLOCK_M, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX, USE_PDL,
-                  REDUCE, ALIGN)
+                  scales_ptr, seg_start_ptr, seg_slot_ptr, v_ptr, vsum_ptr, col_ptr, T, n_slots,
+                  n_segs, n_ks, max_col_blocks, stride_y, stride_v, budget, s0, s1, s2, s3, s4,
+                  N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX,
+                  USE_PDL, REDUCE, ALIGN, COLS)
 
 
 @triton.jit
@@ -444,9 +454,10 @@ def _one_launch_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, 
                   STAGES, USE_PDL, 1, False, KS_MAX, ALIGN)
     _grid_sync(bar_ptr, nprog, SPIN_LIMIT)
     _expand_items(pid, nprog, y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
-                  seg_slot_ptr, v_ptr, v_ptr, T, n_slots, n_segs, n_ks, max_col_blocks,
-                  stride_y, nprog, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK, BLOCK_M, BLOCK_N,
-                  RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX, USE_PDL, False, ALIGN)
+                  seg_slot_ptr, v_ptr, v_ptr, ranks_ptr, T, n_slots, n_segs, n_ks,
+                  max_col_blocks, stride_y, 0, nprog, s0, s1, s2, s3, s4, N_SLICES, SEG_BLOCK,
+                  BLOCK_M, BLOCK_N, RANK_BLOCK, DOT_PREC, UPCAST, KS_MAX, USE_PDL, False, ALIGN,
+                  False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -614,10 +625,48 @@ def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_star
     reduce = shrunk.vsum is not None
     _expand_kernel[(grid,)](
         y, pool, b_off, ranks, scales, seg_start, seg_slot, v, shrunk.vsum if reduce else v,
-        t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks, y.stride(0), shrunk.budget, *s,
-        BLOCK_N=cfg.block_n, KS_MAX=n_ks, REDUCE=reduce, ALIGN=_align(cfg, align),
+        ranks, t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks, y.stride(0), 0,
+        shrunk.budget, *s, BLOCK_N=cfg.block_n, KS_MAX=n_ks, REDUCE=reduce, COLS=False,
+        ALIGN=_align(cfg, align),
         N_SLICES=n_slices, SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
         RANK_BLOCK=rb, DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
+        UPCAST=y.dtype == torch.bfloat16 and not y.is_cuda, num_warps=cfg.num_warps,
+        num_stages=1, **launch_args(y.device, t_rows <= pdl.SGMV_MAX_ROWS))
+    return y
+
+
+def expand_columns(y, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts, seg_start,
+                   seg_slot, max_rank: int, config: SplitConfig | None = None,
+                   align: int = 1) -> torch.Tensor:
+    """The split expand with v read from columns of the base GEMM's output instead of the
+    shrink's partials (the engine's column LoRA: each adapter's A sits as extra rows of the
+    base weight, so x @ [W; A...].T gives y and every x @ A.T at once). For a segment with slot
+    s and c = col_slot[s] >= 0, slice j's v is v_cols[rows, (c * n_slices + j) * RANK_BLOCK:
+    + RANK_BLOCK] (RANK_BLOCK = rank_tile(max_rank); columns past the adapter's rank hold
+    zeros); segments whose slot has no column block get nothing. Then y[rows, slice j] +=
+    (scale * v) @ Bt as expand does. v_cols [T, >= n_col_slots * n_slices * RANK_BLOCK] (a
+    strided view is fine: unit column stride); col_slot int32 [n_slots]. No device reads."""
+    t_rows = y.shape[0]
+    n_segs = seg_slot.shape[0]
+    if t_rows == 0 or n_segs == 0:
+        return y
+    if v_cols.stride(1) != 1 or v_cols.shape[0] != t_rows:
+        raise ValueError("v_cols must be [T, columns] with unit column stride")
+    cfg = config or pick_split_config(t_rows, max_rank, n_segs=n_segs)
+    n_slices, rb = len(slice_starts) - 1, rank_tile(max_rank)
+    widths = [slice_starts[i + 1] - slice_starts[i] for i in range(n_slices)]
+    max_col_blocks = triton.cdiv(max(widths), cfg.block_n)
+    tiles_bound = triton.cdiv(t_rows, cfg.block_m) + n_segs
+    s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
+    grid = max(1, min(_progs(y.device, cfg.progs_per_sm),
+                      tiles_bound * n_slices * max_col_blocks))
+    _expand_kernel[(grid,)](
+        y, pool, b_off, ranks, scales, seg_start, seg_slot, v_cols, v_cols, col_slot, t_rows,
+        ranks.shape[0], n_segs, 1, max_col_blocks, y.stride(0), v_cols.stride(0), grid, *s,
+        BLOCK_N=cfg.block_n, KS_MAX=1, REDUCE=False, COLS=True, ALIGN=_align(cfg, align),
+        N_SLICES=n_slices, SEG_BLOCK=max(16, triton.next_power_of_2(n_segs)),
+        BLOCK_M=cfg.block_m, RANK_BLOCK=rb,
+        DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
         UPCAST=y.dtype == torch.bfloat16 and not y.is_cuda, num_warps=cfg.num_warps,
         num_stages=1, **launch_args(y.device, t_rows <= pdl.SGMV_MAX_ROWS))
     return y

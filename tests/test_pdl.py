@@ -31,9 +31,9 @@ KERNELS = {
              DOT_PREC="tf32", UPCAST=False, STAGES=3, RANK_SPLIT=1, REDUCE=False, KS_MAX=16,
              ALIGN=8)),
     "sgmv_split._expand_kernel": (
-        [BF16] * 2 + [I64, "*i32", F32, "*i32", "*i32", F32, F32] + [I32] * 12,
+        [BF16] * 2 + [I64, "*i32", F32, "*i32", "*i32", F32, F32, "*i32"] + [I32] * 13,
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_N=256, RANK_BLOCK=16,
-             DOT_PREC="tf32", UPCAST=False, KS_MAX=16, REDUCE=False, ALIGN=8)),
+             DOT_PREC="tf32", UPCAST=False, KS_MAX=16, REDUCE=False, ALIGN=8, COLS=False)),
     "sgmv_split._one_launch_kernel": (
         [BF16] * 3 + [I64] * 2 + ["*i32", F32, "*i32", "*i32", F32, "*i32"] + [I32] * 13,
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=64, RANK_BLOCK=16,

@@ -377,10 +377,28 @@ def test_aligned_offsets_give_vector_loads_of_adapter_weights(rank):
                                 dict(common, BLOCK_K=64, STAGES=3, RANK_SPLIT=rank // 16,
                                      REDUCE=False, KS_MAX=16), num_stages=1).asm["ptx"],
                compile_for_sm90(_expand_kernel, KERNELS["sgmv_split._expand_kernel"][0],
-                                dict(common, BLOCK_N=128, KS_MAX=16, REDUCE=False),
+                                dict(common, BLOCK_N=128, KS_MAX=16, REDUCE=False,
+                                     COLS=False),
                                 num_stages=1).asm["ptx"]]
         scalar = sum(text.count("ld.global.b16") for text in ptx)
         assert (scalar == 0) if align == 8 else (scalar > 0), (align, scalar)
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_column_expand_compiles_with_vector_loads_and_fits():
+    """The expand reading v from the base GEMM's output columns (column LoRA) compiles for
+    sm_90 with PDL, loads adapter weights in vectors, and keeps four programs an SM at rank
+    16 (the decode pick's grid)."""
+    from kernels.sgmv_split import _expand_kernel, pick_split_config
+    from test_pdl import KERNELS
+    cfg = pick_split_config(64, 16, pdl_on=True, n_segs=None)
+    consts = dict(KERNELS["sgmv_split._expand_kernel"][1], COLS=True, KS_MAX=1,
+                  BLOCK_N=cfg.block_n, USE_PDL=True)
+    kernel = compile_for_sm90(_expand_kernel, KERNELS["sgmv_split._expand_kernel"][0], consts,
+                              num_stages=1)
+    assert "ld.global.b16" not in kernel.asm["ptx"]
+    regs, shared = _ptxas_usage(kernel)
+    assert cfg.progs_per_sm * ((regs + 7) // 8 * 8) * 32 * cfg.num_warps <= 65536, regs
 
 
 def _check_fits(cfg, rank):
@@ -396,7 +414,8 @@ def _check_fits(cfg, rank):
                   REDUCE=cfg.reduce, KS_MAX=4096 // cfg.k_chunk),
              cfg.shrink_progs_per_sm or cfg.progs_per_sm),
             ("sgmv_split._expand_kernel", _expand_kernel,
-             dict(BLOCK_N=cfg.block_n, KS_MAX=4096 // cfg.k_chunk, REDUCE=cfg.reduce),
+             dict(BLOCK_N=cfg.block_n, KS_MAX=4096 // cfg.k_chunk, REDUCE=cfg.reduce,
+                  COLS=False),
              cfg.progs_per_sm)):
         kernel = compile_for_sm90(fn, KERNELS[name][0], dict(common, **extra), num_stages=1)
         regs, shared = _ptxas_usage(kernel)

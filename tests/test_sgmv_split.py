@@ -25,6 +25,45 @@ def outputs(T, K, slices, ranks_list, seg_sizes, dtype, align=1, **knobs):
     offset a multiple of 8 elements, as the worker's does, so align may be 8."""
     from kernels.sgmv_ref import sgmv_ref
     from kernels.sgmv_split import SplitConfig, sgmv_split
+    c = tables(T, K, slices, ranks_list, seg_sizes, dtype)
+    pool, x, y = c["pool"], c["x"], c["y"]
+    args = c["args"]
+    ref = sgmv_ref(y.clone().float(), x.float(), pool.float(), *args)
+    cfg = SplitConfig(**dict(dict(block_m=16, block_n=32, k_chunk=64), **knobs))
+    return sgmv_split(y.clone(), x, pool, *args, config=cfg, align=align), ref
+
+
+def columns_outputs(T, K, slices, ranks_list, seg_sizes, dtype, col_slots):
+    """expand_columns (interpreted), its torch reference, and the fp32 LoRA of the segments
+    whose slot has a column block: v = x @ A.T laid out as the column LoRA's GEMM gives it
+    (slot s's slice j at columns (col_slots[s] * n_slices + j) * 16, rounded to dtype)."""
+    from kernels.sgmv_ref import expand_columns_ref, sgmv_ref
+    from kernels.sgmv_split import SplitConfig, expand_columns
+    c = tables(T, K, slices, ranks_list, seg_sizes, dtype)
+    pool, x, y = c["pool"], c["x"], c["y"]
+    a_off, b_off, ranks, scales, _, seg_start, seg_slot, max_rank = c["args"]
+    ns, rb = len(slices) - 1, 16
+    v_cols = torch.zeros(T, max(col_slots) * ns * rb + ns * rb + 8)[:, 3:].to(dtype)  # a view
+    for s, col in enumerate(col_slots):
+        for j in range(ns):
+            if col >= 0 and a_off[j, s] >= 0:
+                r, ao = int(ranks[s]), int(a_off[j, s])
+                a = pool[ao:ao + r * K].view(r, K).float()
+                v_cols[:, (col * ns + j) * rb:(col * ns + j) * rb + r] = (x.float() @ a.T).to(
+                    dtype)
+    col = torch.tensor(col_slots, dtype=torch.int32)
+    args = (pool, b_off, ranks, scales, slices, seg_start, seg_slot, max_rank)
+    got = expand_columns(y.clone(), v_cols, col, *args,
+                         config=SplitConfig(block_m=16, block_n=32))
+    ref = expand_columns_ref(y.clone(), v_cols, col, *args)
+    only = torch.where(col[seg_slot.clamp(min=0).long()] >= 0, seg_slot, -1).to(torch.int32)
+    fp32 = sgmv_ref(y.clone().float(), x.float(), pool.float(), a_off, b_off, ranks, scales,
+                    slices, seg_start, only, max_rank)
+    return got, ref, fp32
+
+
+def tables(T, K, slices, ranks_list, seg_sizes, dtype) -> dict:
+    """A random pool (offsets multiples of 8), x, y and the SGMV tables for one case."""
     torch.manual_seed(T * 1000 + K)
     parts, off, n_slots, ns = [], 0, len(ranks_list), len(slices) - 1
     a_off = torch.full((ns, n_slots), -1, dtype=torch.int64)
@@ -48,10 +87,8 @@ def outputs(T, K, slices, ranks_list, seg_sizes, dtype, align=1, **knobs):
     seg_slot = torch.tensor(slots + [-1] * 3, dtype=torch.int32)
     ranks = torch.tensor(ranks_list, dtype=torch.int32)
     scales = torch.rand(n_slots) + 0.5
-    args = (a_off, b_off, ranks, scales, slices, seg_start, seg_slot, max(ranks_list))
-    ref = sgmv_ref(y.clone().float(), x.float(), pool.float(), *args)
-    cfg = SplitConfig(**dict(dict(block_m=16, block_n=32, k_chunk=64), **knobs))
-    return sgmv_split(y.clone(), x, pool, *args, config=cfg, align=align), ref
+    return dict(pool=pool, x=x, y=y, args=(a_off, b_off, ranks, scales, slices, seg_start,
+                                           seg_slot, max(ranks_list)))
 
 
 # the launch forms, a K step other than the one derived from the rank, and shrink items of
@@ -78,7 +115,18 @@ def test_split_kernel_matches_reference_interpreted():
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == len(VARIANTS) * len(CASES) + 3
+    assert proc.stdout.count("ok") == len(VARIANTS) * len(CASES) + 3 + len(COLUMN_CASES)
+
+
+# expand_columns: (T, K, slices, ranks, segments, dtype, column block of each slot (-1: none),
+# tolerance). Slots without a block get nothing; untargeted slices none either.
+COLUMN_CASES = [
+    (10, 96, (0, 40, 72, 104), [1, 8, 16, 3], [(3, 0), (1, 2), (4, -1), (2, 3)],
+     torch.float32, [2, -1, 0, 5], 1e-4),
+    (20, 64, (0, 48), [8, 16], [(3, 0), (17, 1)], torch.bfloat16, [0, 1], 0.05),
+    (7, 64, (0, 128, 256), [16, 2, 4], [(2, 0), (2, 1), (3, 2)], torch.float32, [-1, 3, 1],
+     1e-4),
+]
 
 
 if __name__ == "__main__":
@@ -98,6 +146,11 @@ if __name__ == "__main__":
     reduced, _ = outputs(*args, shrink_rank=16, reduce=True)
     assert torch.equal(plain, reduced), (plain - reduced).abs().max()
     print("ok reduce bits")
+    for T, K, slices, ranks, segs, dtype, cols, tol in COLUMN_CASES:
+        got, ref, fp32 = columns_outputs(T, K, slices, ranks, segs, dtype, cols)
+        err, err_ref = (got.float() - fp32).abs().max().item(), (got - ref).abs().max().item()
+        assert err < tol and err_ref < tol, (T, K, err, err_ref)
+        print("ok columns", T, K, err, err_ref)
 
 
 def test_pick_takes_one_launch_only_for_big_ranks_without_pdl(monkeypatch):
