@@ -111,7 +111,7 @@ def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, s
 
 
 ENV0 = {k: os.environ.get(k) for k in ("LORAFLEET_WEIGHT_LAYOUT", "LORAFLEET_SGMV_SPLIT",
-                                        "LORAFLEET_BLAS")}
+                                        "LORAFLEET_BLAS", "LORAFLEET_LORA_COLUMNS")}
 
 
 def apply_variant(variant: str) -> int:
@@ -119,7 +119,8 @@ def apply_variant(variant: str) -> int:
     weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built), the largest rank the
     graphs serve (grank; default: the worker's EngineOptions.graph_max_rank), torch's BLAS
     backend for the base GEMMs (blas=cublas|cublaslt: LORAFLEET_BLAS, read when the model is
-    built; default cublaslt), and fields of the
+    built; default cublaslt), the column LoRA's blocks (cols=N: LORAFLEET_LORA_COLUMNS, read
+    when the model is built; default 0), and fields of the
     split SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
     LORAFLEET_SGMV_SPLIT). Empty: the defaults. Returns the graphs' largest rank."""
     import dataclasses
@@ -127,10 +128,12 @@ def apply_variant(variant: str) -> int:
     from kernels.sgmv_split import SplitConfig
     opts = dict(kv.split("=") for kv in variant.split(",") if kv)
     split_fields = {f.name for f in dataclasses.fields(SplitConfig)}
-    unknown = set(opts) - {"pdl", "layout", "grank", "blas"} - split_fields
+    unknown = set(opts) - {"pdl", "layout", "grank", "blas", "cols"} - split_fields
     if unknown:
         raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, blas, "
-                         f"{', '.join(sorted(split_fields))})")
+                         f"cols, {', '.join(sorted(split_fields))})")
+    os.environ["LORAFLEET_LORA_COLUMNS"] = opts.get("cols", ENV0["LORAFLEET_LORA_COLUMNS"]
+                                                    or "0")
     os.environ["LORAFLEET_BLAS"] = opts.get("blas", ENV0["LORAFLEET_BLAS"] or "cublaslt")
     pdl.set_enabled(opts.get("pdl", os.environ.get("LORAFLEET_PDL", "1")) != "0")
     os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get(

@@ -115,3 +115,48 @@ def test_a_layout_with_unaligned_offsets_is_refused(pool_and_layout):
     assert not pool.started.is_set()                  # refused before any copy
     assert pool.slot_of("bad") is None and pool.free_bytes == free
     assert all((tab == -1).all() for tab in pool.tables.a_off_host.values())
+
+
+@pytest.mark.parametrize("kn", [False, True])
+def test_column_blocks_hold_each_adapters_a_rows_in_either_weight_layout(kn):
+    """Column LoRA (services.worker.lora_columns): the extended q/k/v weight keeps the base
+    weight's values and memory layout (a CUDA model stores it column-major), the model's
+    weight becomes a view of its first rows, and placing an adapter writes its q/k/v A rows
+    into a free block (zeros past its rank and for untargeted slices); one block for two
+    adapters: the second gets none, and takes the first's once that is removed."""
+    from services.worker.lora_columns import RANK_TILE, LoraColumns
+    spec = load_spec(MODEL_DIR)
+    starts = spec.slice_starts("qkv")
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(starts[-1], spec.hidden_size, generator=g) for _ in range(spec.num_layers)]
+    layers = [{"qkv": (w.t().contiguous().t() if kn else w.clone())} for w in base]
+    cols = LoraColumns({"layers": layers}, len(starts) - 1, 1, torch.device("cpu"))
+    x = torch.randn(3, spec.hidden_size, generator=g)
+    for w, layer in zip(base, layers):
+        assert torch.equal(layer["qkv"], w) and layer["qkv_ext"].stride(0) == (1 if kn else
+                                                                             spec.hidden_size)
+        assert torch.allclose(torch.nn.functional.linear(x, layer["qkv_ext"])[:, :starts[-1]],
+                              x @ w.t(), atol=1e-5)
+    pool = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 22, 4, columns=cols)
+    names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
+    first = pool.place(names[0], layout_from_peft_dir(DEMO_ADAPTERS / names[0], spec,
+                                                      torch.float32))
+    second = pool.place(names[1], layout_from_peft_dir(DEMO_ADAPTERS / names[1], spec,
+                                                       torch.float32))
+    assert cols.col_host[first] == 0 and cols.col_host[second] == -1
+    t = pool.tables
+    n, k, r = starts[-1], spec.hidden_size, int(t.ranks_host[first])
+    for layer, ext in enumerate(cols.ext):
+        for j in range(len(starts) - 1):
+            block = ext[n + j * RANK_TILE:n + (j + 1) * RANK_TILE]
+            a_o = int(t.a_off_host["qkv"][layer, j, first])
+            want = torch.zeros(RANK_TILE, k)
+            if a_o >= 0:
+                want[:r] = t.pool[a_o:a_o + r * k].view(r, k)
+            assert torch.equal(block, want), (layer, j)
+    assert (t.a_off_host["qkv"][:, :, first] < 0).any()      # some slice untargeted: zeros
+    pool.remove(names[0])
+    assert cols.col_host[first] == -1 and int(cols.col_slot[first]) == -1
+    third = pool.place("again", layout_from_peft_dir(DEMO_ADAPTERS / names[1], spec,
+                                                     torch.float32))
+    assert cols.col_host[third] == 0 and int(cols.col_slot[third]) == 0

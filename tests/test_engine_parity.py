@@ -146,3 +146,47 @@ def test_kn_layout_keeps_the_values_and_the_linear():
     untied = {"layers": [], "embed": embed, "lm_head": embed.clone()}
     to_kn_layout(untied)
     assert untied["lm_head"].stride() == (1, 100) and torch.equal(untied["lm_head"], embed)
+
+
+def test_column_lora_matches_peft_greedy(ckpt, monkeypatch):
+    """Column LoRA (q/k/v A rows beside the base weight, services.worker.lora_columns) with
+    two blocks: the first two q/k/v adapters of rank <= 16 get one, r64-all never does. A batch
+    of those two and base rows takes the column path; with r64-all in it the split SGMV runs.
+    Both give every request PEFT's greedy tokens."""
+    from services.worker import model as model_mod
+    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "2")
+    calls = {"columns": 0}
+    plain = model_mod.LlamaModel._qkv_columns
+
+    def counting(self, *args):
+        calls["columns"] += 1
+        return plain(self, *args)
+
+    monkeypatch.setattr(model_mod.LlamaModel, "_qkv_columns", counting)
+    root, base, peft_models = ckpt
+    built, slots = _engine(root)
+    cols = built.engine.runner.model.columns
+    blocks = {n: int(cols.col_host[s]) for n, s in slots.items()}
+    assert sorted(b for b in blocks.values() if b >= 0) == [0, 1] and blocks["r64-all"] == -1
+    with_block = [n for n, b in blocks.items() if b >= 0]
+    g = torch.Generator().manual_seed(11)
+    for names, column_path in ((with_block + [None], True), (["r64-all", *with_block], False)):
+        calls["columns"] = 0
+        seqs, expected = [], {}
+        for i, name in enumerate(names):
+            prompt = torch.randint(2, 256, (4 + 3 * i,), generator=g).tolist()
+            rid = f"c{i}-{name}"
+            seqs.append(Sequence(rid, prompt, slot=slots[name] if name else -1,
+                                 stopping=Stopping(max_new_tokens=6, ignore_eos=True)))
+            expected[rid] = hf_greedy(peft_models[name] if name else base, prompt, 6)
+        got, _ = run_all(built.engine, seqs)
+        assert got == expected, names
+        assert (calls["columns"] > 0) == column_path, (names, calls)
+    # a removed adapter gives its block back; the next placed one takes it
+    freed = blocks[with_block[0]]
+    built.pool.remove(with_block[0])
+    gone = slots[with_block[0]]
+    assert cols.col_host[gone] == -1 and int(cols.col_slot[gone]) == -1
+    again = built.pool.place("again", layout_from_peft_dir(root / "adapters" / with_block[0],
+                                                           built.spec, built.dtype))
+    assert cols.col_host[again] == freed

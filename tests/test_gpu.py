@@ -80,6 +80,15 @@ def test_gpu_pdl_gives_the_tokens_of_plain_launches():
 
 
 @needs_cuda
+def test_gpu_column_lora_matches_cpu_fp32(monkeypatch):
+    """Column LoRA on (a block for each demo adapter: q/k/v A rows beside the base weight,
+    decode graphs captured for it on first use) gives the CPU path's tokens."""
+    cpu = greedy_tokens("cpu", "float32")
+    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "4")
+    assert greedy_tokens("cuda", "float32") == cpu
+
+
+@needs_cuda
 def test_gpu_prefill_logits_match_cpu_fp32():
     """Prefill logits for every demo adapter (and the base), GPU kernels against the CPU path."""
     from services.worker.scheduler import Scheduled

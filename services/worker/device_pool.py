@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from services.worker.adapter_layout import OFFSET_ALIGN, AdapterLayout
+from services.worker.lora_columns import GROUP as COLUMN_GROUP, LoraColumns
 from services.worker.model import LoraTables
 from services.worker.model_spec import GROUP_BIT, GROUPS, ModelSpec
 from services.worker.range_alloc import ALIGN as BLOB_ALIGN, RangeAllocator
@@ -24,7 +25,9 @@ class PoolFull(Exception):
 
 class DevicePool:
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                 capacity_bytes: int, max_slots: int):
+                 capacity_bytes: int, max_slots: int, columns: LoraColumns | None = None):
+        """columns: the model's column LoRA (services.worker.lora_columns), whose blocks the
+        pool assigns and frees with its slots; None: no column LoRA."""
         elem = torch.tensor([], dtype=dtype).element_size()
         self.device, self.dtype, self.elem = device, dtype, elem
         self.alloc = RangeAllocator(capacity_bytes // elem)
@@ -50,6 +53,9 @@ class DevicePool:
         self._placed: dict[str, tuple[int, int, int, int]] = {}   # key -> slot, start, n, rank
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.columns = columns
+        if columns is not None:
+            columns.bind(max_slots)
 
     @property
     def capacity_bytes(self) -> int:
@@ -124,6 +130,8 @@ class DevicePool:
         t.scales_host[slot] = layout.scale
         t.slot_groups[slot] = sum(GROUP_BIT[g] for g, offs in layout.offsets.items()
                                   if (offs >= 0).any())
+        if self.columns is not None and COLUMN_GROUP in layout.offsets:
+            self.columns.assign(slot, t.pool, t.a_off_host[COLUMN_GROUP], layout.rank)
 
     def remove(self, key: str) -> None:
         """Free the adapter's range and slot (the caller guarantees no row uses it)."""
@@ -136,6 +144,8 @@ class DevicePool:
 
     def _clear_slot(self, slot: int) -> None:
         t = self.tables
+        if self.columns is not None:
+            self.columns.release(slot)
         for g in GROUPS:
             t.a_off[g][:, :, slot] = -1
             t.b_off[g][:, :, slot] = -1

@@ -83,7 +83,8 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
                          opts.max_running, max_len)
     scheduler = Scheduler(BlockManager(blocks, opts.block_size), opts.max_batch_tokens,
                           opts.max_running)
-    pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots)
+    pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots,
+                      columns=model.columns)
     model.lora = pool.tables
     if device.type == "cuda" and opts.cuda_graphs:
         from services.worker.graph_runner import GraphRunner

@@ -16,8 +16,13 @@ import torch.nn.functional as F
 
 from kernels.attention import paged_attention
 from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
-from kernels.sgmv import HostSegments, sgmv
-from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, ModelSpec
+from kernels.sgmv import HostSegments, sgmv, sgmv_expand_columns
+from services.worker.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns, column_slots
+from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, GROUPS, ModelSpec
+
+# A LoRA mask bit beside the groups': the step's q/k/v adapters all have column blocks
+# (services.worker.lora_columns), so the q/k/v LoRA runs as the extended GEMM + expand
+COLUMNS_BIT = 1 << len(GROUPS)
 
 
 @dataclass
@@ -138,15 +143,26 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
         self.lora: LoraTables | None = None
+        n_cols = column_slots()
+        self.column_impl = "auto"          # the tests force "split" under the interpreter
+        self.columns = LoraColumns(weights, len(self.slices["qkv"]) - 1, n_cols, device) \
+            if n_cols else None
 
     def lora_mask(self, slots) -> int:
-        """GROUP_BIT mask of the groups that the adapters in these slots target (-1 = none)."""
+        """GROUP_BIT mask of the groups that the adapters in these slots target (-1 = none),
+        with COLUMNS_BIT when every q/k/v adapter among them has a column block."""
         t = self.lora
         if t is None:
             return 0
         s = np.fromiter(slots, dtype=np.int64)
         s = s[s >= 0]
-        return int(np.bitwise_or.reduce(t.slot_groups[s])) if len(s) else 0
+        if not len(s):
+            return 0
+        mask = int(np.bitwise_or.reduce(t.slot_groups[s]))
+        qkv = s[(t.slot_groups[s] & GROUP_BIT["qkv"]) != 0]
+        if self.columns is not None and self.columns.covers(qkv):
+            mask |= COLUMNS_BIT
+        return mask
 
     def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,
               ctx: StepContext) -> None:
@@ -160,11 +176,27 @@ class LlamaModel:
                  self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank,
                  host=host, align=t.align)
 
+    def _qkv_columns(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """q/k/v with the LoRA as column LoRA: one GEMM over the extended weight gives the base
+        output and every resident adapter's x @ A.T; the expand reads v from those columns.
+        Returns the [T, q + 2kv] view of the extended output (rows strided)."""
+        t, cols = self.lora, self.columns
+        ext = F.linear(x, w["qkv_ext"], w.get("qkv_ext_bias"))
+        n = cols.n_base
+        out = ext[:, :n]
+        sgmv_expand_columns(out, ext[:, n:], cols.col_slot, t.pool, t.b_off["qkv"][i], t.ranks,
+                            t.scales, self.slices["qkv"], ctx.seg_start, ctx.seg_slot,
+                            COLUMN_RANK_TILE, impl=self.column_impl, align=t.align)
+        return out
+
     def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
                    kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         s = self.spec
-        qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))                 # [T, q + 2kv]
-        self._lora("qkv", i, qkv, x, ctx)
+        if ctx.has_lora and ctx.lora_mask & COLUMNS_BIT and self.columns is not None:
+            qkv = self._qkv_columns(i, w, x, ctx)
+        else:
+            qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))             # [T, q + 2kv]
+            self._lora("qkv", i, qkv, x, ctx)
         t = qkv.shape[0]
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)          # views, strided rows
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
