@@ -11,6 +11,8 @@ so every call reads cold memory), per layer:
   base+sgmv   y = x @ W; sgmv_split(y, x, ...)            (today)
   ext         out = x @ [W | A_1 .. A_n]                  (the wider GEMM alone)
   ext+expand  out = x @ [W | A...]; the SGMV expand of one K partial (what remains)
+  ext+expand_columns  out = x @ [W | A...]; expand_columns reading v from out's extra
+              columns (the engine's column LoRA, services/worker/lora_columns.py)
 
     python bench/shrink_in_gemm.py [--rows 64] [--adapters 32] [--rank 16] [--out DIR]
 """
@@ -27,7 +29,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.kernel_bench import time_us  # noqa: E402
-from kernels.sgmv_split import Shrunk, expand, pick_split_config, sgmv_split  # noqa: E402
+from kernels.sgmv import rank_tile  # noqa: E402
+from kernels.sgmv_split import (Shrunk, expand, expand_columns, pick_split_config,  # noqa: E402
+                                sgmv_split)
 
 GROUPS = {"qkv": (4096, [0, 4096, 8192, 12288]), "o": (4096, [0, 4096])}
 ALIGN = 8    # every pool offset below is a multiple of r x 4096: the engine pool's promise
@@ -93,12 +97,25 @@ def main() -> int:
                        p["scales"], slices, p["seg_start"], p["seg_slot"], r, cfg, align=ALIGN)
             return run
 
-        for name, mk in (("base", base), ("base+sgmv", base_sgmv), ("ext", ext),
-                         ("ext+expand", ext_expand)):
+        def ext_expand_cols(p):
+            col = torch.arange(n, dtype=torch.int32, device=dev)    # slot s: column block s
+
+            def run():
+                out = torch.mm(p["x"], p["w"])
+                expand_columns(out[:, :p["n_out"]], out[:, p["n_out"]:], col, p["pool"],
+                               p["b_off"], p["ranks"], p["scales"], slices, p["seg_start"],
+                               p["seg_slot"], r, cfg, align=ALIGN)
+            return run
+
+        variants = [("base", base), ("base+sgmv", base_sgmv), ("ext", ext),
+                    ("ext+expand", ext_expand)]
+        if r == rank_tile(r):        # the column layout: blocks of the rank tile
+            variants.append(("ext+expand_columns", ext_expand_cols))
+        for name, mk in variants:
             us = time_us([mk(p) for p in ls], dev, 50, 300)
             rows.append({"group": g, "variant": name, "T": t, "n": n, "rank": r,
                          "extra_cols": n * n_sl * r, "us_per_layer": round(us, 2)})
-            print(f"{g:4s} {name:11s} {us:7.2f} us a layer", flush=True)
+            print(f"{g:4s} {name:18s} {us:7.2f} us a layer", flush=True)
         del ls
         torch.cuda.empty_cache()
     if a.out:
