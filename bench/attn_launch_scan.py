@@ -23,6 +23,7 @@ import triton
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.attn_tune import timed  # noqa: E402  (CUDA-graph replay of 10 calls, median)
 from kernels.attention_ref import paged_attention_ref  # noqa: E402
 from kernels.attention_triton import paged_attention_triton  # noqa: E402
 
@@ -40,16 +41,6 @@ def case(batch: int, kv_heads: int, ctx: int, dev: str = "cuda"):
     pos = torch.randint(ctx - 40, ctx, (batch,), generator=g, device=dev).to(torch.int32)
     seq = torch.arange(batch, device=dev, dtype=torch.int32)
     return q, k, v, tables.to(torch.int32).contiguous(), seq, pos
-
-
-def timed(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / 10
 
 
 def ints(text: str) -> list[int]:

@@ -615,21 +615,35 @@ def expand(y, shrunk: Shrunk, pool, b_off, ranks, scales, slice_starts, seg_star
         return y
     cfg = config or pick_split_config(t_rows, max_rank, n_segs=n_segs)
     v = shrunk.v
-    n_ks, n_slices, rb = v.shape[0], v.shape[1], v.shape[3]
+    reduce = shrunk.vsum is not None
+    return _launch_expand(y, pool, b_off, ranks, scales, slice_starts, seg_start, seg_slot, cfg,
+                          align, v=v, vsum=shrunk.vsum if reduce else v, col_slot=ranks,
+                          stride_v=0, n_ks=v.shape[0], budget=shrunk.budget,
+                          block_m=shrunk.block_m, seg_block=shrunk.seg_block,
+                          rank_block=v.shape[3], reduce=reduce, cols=False)
+
+
+def _launch_expand(y, pool, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
+                   cfg: SplitConfig, align: int, *, v, vsum, col_slot, stride_v: int, n_ks: int,
+                   budget: int | None, block_m: int, seg_block: int, rank_block: int,
+                   reduce: bool, cols: bool) -> torch.Tensor:
+    """The expand kernel's launch for expand (partials) and expand_columns (GEMM columns);
+    budget None: the grid size."""
+    t_rows, n_segs = y.shape[0], seg_slot.shape[0]
+    n_slices = len(slice_starts) - 1
     widths = [slice_starts[i + 1] - slice_starts[i] for i in range(n_slices)]
     max_col_blocks = triton.cdiv(max(widths), cfg.block_n)
-    tiles_bound = triton.cdiv(t_rows, shrunk.block_m) + n_segs
+    tiles_bound = triton.cdiv(t_rows, block_m) + n_segs
     s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
     grid = max(1, min(_progs(y.device, cfg.progs_per_sm),
                       tiles_bound * n_slices * max_col_blocks))
-    reduce = shrunk.vsum is not None
     _expand_kernel[(grid,)](
-        y, pool, b_off, ranks, scales, seg_start, seg_slot, v, shrunk.vsum if reduce else v,
-        ranks, t_rows, ranks.shape[0], n_segs, n_ks, max_col_blocks, y.stride(0), 0,
-        shrunk.budget, *s, BLOCK_N=cfg.block_n, KS_MAX=n_ks, REDUCE=reduce, COLS=False,
-        ALIGN=_align(cfg, align),
-        N_SLICES=n_slices, SEG_BLOCK=shrunk.seg_block, BLOCK_M=shrunk.block_m,
-        RANK_BLOCK=rb, DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
+        y, pool, b_off, ranks, scales, seg_start, seg_slot, v, vsum, col_slot, t_rows,
+        ranks.shape[0], n_segs, n_ks, max_col_blocks, y.stride(0), stride_v,
+        grid if budget is None else budget, *s, BLOCK_N=cfg.block_n, KS_MAX=n_ks,
+        REDUCE=reduce, COLS=cols, ALIGN=_align(cfg, align), N_SLICES=n_slices,
+        SEG_BLOCK=seg_block, BLOCK_M=block_m, RANK_BLOCK=rank_block,
+        DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
         UPCAST=y.dtype == torch.bfloat16 and not y.is_cuda, num_warps=cfg.num_warps,
         num_stages=1, **launch_args(y.device, t_rows <= pdl.SGMV_MAX_ROWS))
     return y
@@ -653,23 +667,11 @@ def expand_columns(y, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts
     if v_cols.stride(1) != 1 or v_cols.shape[0] != t_rows:
         raise ValueError("v_cols must be [T, columns] with unit column stride")
     cfg = config or pick_split_config(t_rows, max_rank, n_segs=n_segs)
-    n_slices, rb = len(slice_starts) - 1, rank_tile(max_rank)
-    widths = [slice_starts[i + 1] - slice_starts[i] for i in range(n_slices)]
-    max_col_blocks = triton.cdiv(max(widths), cfg.block_n)
-    tiles_bound = triton.cdiv(t_rows, cfg.block_m) + n_segs
-    s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))
-    grid = max(1, min(_progs(y.device, cfg.progs_per_sm),
-                      tiles_bound * n_slices * max_col_blocks))
-    _expand_kernel[(grid,)](
-        y, pool, b_off, ranks, scales, seg_start, seg_slot, v_cols, v_cols, col_slot, t_rows,
-        ranks.shape[0], n_segs, 1, max_col_blocks, y.stride(0), v_cols.stride(0), grid, *s,
-        BLOCK_N=cfg.block_n, KS_MAX=1, REDUCE=False, COLS=True, ALIGN=_align(cfg, align),
-        N_SLICES=n_slices, SEG_BLOCK=max(16, triton.next_power_of_2(n_segs)),
-        BLOCK_M=cfg.block_m, RANK_BLOCK=rb,
-        DOT_PREC="ieee" if y.dtype == torch.float32 else "tf32",
-        UPCAST=y.dtype == torch.bfloat16 and not y.is_cuda, num_warps=cfg.num_warps,
-        num_stages=1, **launch_args(y.device, t_rows <= pdl.SGMV_MAX_ROWS))
-    return y
+    return _launch_expand(y, pool, b_off, ranks, scales, slice_starts, seg_start, seg_slot, cfg,
+                          align, v=v_cols, vsum=v_cols, col_slot=col_slot,
+                          stride_v=v_cols.stride(0), n_ks=1, budget=None,
+                          block_m=cfg.block_m, seg_block=max(16, triton.next_power_of_2(n_segs)),
+                          rank_block=rank_tile(max_rank), reduce=False, cols=True)
 
 
 def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot,

@@ -56,19 +56,27 @@ def hf_greedy(model, prompt, n):
 
 
 def test_mixed_batch_matches_peft_greedy(ckpt):
-    root, base, peft_models = ckpt
+    root = ckpt[0]
     built, slots = _engine(root)
     g = torch.Generator().manual_seed(7)
-    seqs, expected = [], {}
     names = [*ADAPTER_SPECS, None, *ADAPTER_SPECS, None]
-    for i, name in enumerate(names):
-        prompt = torch.randint(2, 256, (3 + 5 * i,), generator=g).tolist()
-        rid = f"req{i}-{name}"
-        seqs.append(Sequence(rid, prompt, slot=slots[name] if name else -1,
-                             stopping=Stopping(max_new_tokens=8, ignore_eos=True)))
-        expected[rid] = hf_greedy(peft_models[name] if name else base, prompt, 8)
+    seqs, expected = mixed_requests(names, slots, ckpt, g, prompt=(3, 5), new=8)
     got, _ = run_all(built.engine, seqs)
     assert got == expected
+
+
+def mixed_requests(names, slots, ckpt, g, prompt: tuple[int, int], new: int):
+    """(sequences, PEFT's greedy tokens by request id): request i uses adapter names[i] (None:
+    base) and a random prompt of prompt[0] + prompt[1] * i tokens."""
+    _, base, peft_models = ckpt
+    seqs, expected = [], {}
+    for i, name in enumerate(names):
+        ids = torch.randint(2, 256, (prompt[0] + prompt[1] * i,), generator=g).tolist()
+        rid = f"req{i}-{name}"
+        seqs.append(Sequence(rid, ids, slot=slots[name] if name else -1,
+                             stopping=Stopping(max_new_tokens=new, ignore_eos=True)))
+        expected[rid] = hf_greedy(peft_models[name] if name else base, ids, new)
+    return seqs, expected
 
 
 def test_prefill_logits_match_peft(ckpt):
@@ -163,7 +171,7 @@ def test_column_lora_matches_peft_greedy(ckpt, monkeypatch):
         return plain(self, *args)
 
     monkeypatch.setattr(model_mod.LlamaModel, "_qkv_columns", counting)
-    root, base, peft_models = ckpt
+    root = ckpt[0]
     built, slots = _engine(root)
     cols = built.engine.runner.model.columns
     blocks = {n: int(cols.col_host[s]) for n, s in slots.items()}
@@ -172,13 +180,7 @@ def test_column_lora_matches_peft_greedy(ckpt, monkeypatch):
     g = torch.Generator().manual_seed(11)
     for names, column_path in ((with_block + [None], True), (["r64-all", *with_block], False)):
         calls["columns"] = 0
-        seqs, expected = [], {}
-        for i, name in enumerate(names):
-            prompt = torch.randint(2, 256, (4 + 3 * i,), generator=g).tolist()
-            rid = f"c{i}-{name}"
-            seqs.append(Sequence(rid, prompt, slot=slots[name] if name else -1,
-                                 stopping=Stopping(max_new_tokens=6, ignore_eos=True)))
-            expected[rid] = hf_greedy(peft_models[name] if name else base, prompt, 6)
+        seqs, expected = mixed_requests(names, slots, ckpt, g, prompt=(4, 3), new=6)
         got, _ = run_all(built.engine, seqs)
         assert got == expected, names
         assert (calls["columns"] > 0) == column_path, (names, calls)
