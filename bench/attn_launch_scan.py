@@ -54,7 +54,8 @@ def main() -> int:
     p.add_argument("--batches", default="8,16,32,64,96,128")
     p.add_argument("--ctxs", default="192,1024")
     p.add_argument("--configs", default="16,1,2;32,4,2;32,2,2;64,4,2",
-                   help="';'-separated BLOCK_N,WARPS,STAGES")
+                   help="';'-separated BLOCK_N,WARPS,STAGES[,SPLITS] (SPLITS: the context in "
+                   "that many parts, flash-decoding)")
     a = p.parse_args()
     configs = [tuple(ints(c)) for c in a.configs.split(";") if c]
     rows = []
@@ -66,18 +67,20 @@ def main() -> int:
                 ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, seq, pos,
                                           scale, cap)
                 kv_bytes = 2 * int((pos.long() + 1).sum()) * (HQ // group) * D * 2
-                for bn, warps, stages in configs:
-                    def fn(bn=bn, warps=warps, stages=stages):
+                for config in configs:
+                    bn, warps, stages, splits = (*config, 1)[:4]
+
+                    def fn(bn=bn, warps=warps, stages=stages, splits=splits):
                         return paged_attention_triton(q, k, v, tables, seq, pos, scale, cap,
                                                       block_n=bn, num_warps=warps,
-                                                      num_stages=stages)
+                                                      num_stages=stages, splits=splits)
                     err = (fn().float() - ref).abs().max().item()
                     if err > 5e-2:
                         raise SystemExit(f"wrong: group {group} batch {batch} ctx {ctx} "
-                                         f"config {bn},{warps},{stages}: err {err}")
+                                         f"config {config}: err {err}")
                     us = timed(fn)
                     row = dict(q_heads=HQ, kv_heads=HQ // group, batch=batch, ctx=ctx,
-                               config=f"{bn},{warps},{stages}", us=us,
+                               config=",".join(map(str, config)), us=us,
                                tb_s=kv_bytes / us / 1e6)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -90,11 +93,12 @@ def main() -> int:
                 triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     (out / f"attn-launch-scan-{card}.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
-    names = [f"{bn},{w},{s}" for bn, w, s in configs]
+    names = [",".join(map(str, c)) for c in configs]
     lines = [f"# Decode attention launches, {meta['card']}, {meta['date']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}; {HQ} query heads of {D}, bf16, "
-             f"{BS}-token blocks; us a call (TB/s of KV read). Launch = BLOCK_N,WARPS,STAGES "
-             f"(BLOCK_N {BS}: a tile is one KV block).", "",
+             f"{BS}-token blocks; us a call (TB/s of KV read). Launch = BLOCK_N,WARPS,STAGES"
+             f"[,SPLITS] (BLOCK_N {BS}: a tile is one KV block; SPLITS: the context in parts, "
+             f"then a combine launch).", "",
              "| kv heads | batch | ctx | " + " | ".join(names) + " |",
              "|---|---|---|" + "---|" * len(names)]
     cases = sorted({(r["kv_heads"], r["ctx"], r["batch"]) for r in rows},

@@ -310,7 +310,8 @@ def main() -> int:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-peft", action="store_true")
-    p.add_argument("--attn-config", default="", help="decode attention BLOCK_N,WARPS,STAGES")
+    p.add_argument("--attn-config", default="",
+                   help="decode attention BLOCK_N,WARPS,STAGES[,SPLITS]")
     p.add_argument("--batches", default="", help="override: batch sizes, e.g. 64")
     p.add_argument("--distincts", default="", help="override: distinct adapter counts, e.g. 1,32")
     p.add_argument("--new", type=int, default=0, help="override: new tokens per request")
@@ -324,8 +325,8 @@ def main() -> int:
         return 0 if write_plot(a.plot_from.with_suffix(".png"), doc["rows"], doc["header"]) else 1
     if a.attn_config:
         from kernels.attention_triton import DECODE_OVERRIDE
-        bn, warps, stages = (int(x) for x in a.attn_config.split(","))
-        DECODE_OVERRIDE.update(block_n=bn, num_warps=warps, num_stages=stages)
+        bn, warps, stages, splits = (*(int(x) for x in a.attn_config.split(",")), 1)[:4]
+        DECODE_OVERRIDE.update(block_n=bn, num_warps=warps, num_stages=stages, splits=splits)
     a.layers, a.prompt, a.new_default = (4, 32, 16) if a.quick else (32, 128, 128)
     a.batch = [8] if a.quick else [32, 64]
     a.distinct = [1, 4] if a.quick else [1, 8, 32, 128]

@@ -54,16 +54,17 @@ def _attend_tile(q, kt, vt, p_n, pos, ctx, m_i, l_i, acc, qk_scale, DOT_PREC: tl
 
 
 @triton.jit
-def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_ptr,
-                       T, ctx_cap, block_size, bt_stride, qk_scale,
+def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_ptr, part_ptr,
+                       ml_ptr, T, ctx_cap, block_size, bt_stride, qk_scale,
                        stride_qt, stride_qh, stride_ot, stride_oh,
-                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, H_q,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
                        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ALIGNED: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
     t0 = tl.program_id(0)
     kvh = tl.program_id(1)
+    sp = tl.program_id(2)                          # the part of the context (SPLITS > 1)
     seq0 = tl.load(q_seq_ptr + t0)                 # step inputs: read before the PDL wait
     pos0 = tl.load(q_pos_ptr + t0)
     prev_seq = tl.load(q_seq_ptr + t0 - 1, mask=t0 > 0, other=-1)
@@ -82,10 +83,13 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
         d_ok = d < D
     t = t0 + ri
     t_ok = t < T
-    if seq0 < 0:                                   # padding row: zeros
-        o_ptrs = out_ptr + t0.to(tl.int64) * stride_ot + (kvh * GROUP + g)[:, None] * stride_oh
-        zero = tl.zeros((M, D_PAD), dtype=out_ptr.dtype.element_ty)
-        tl.store(o_ptrs + d[None, :], zero, mask=((ri == 0) & (g < GROUP))[:, None] & d_ok[None, :])
+    if seq0 < 0:                                   # padding row: zeros (the combine's)
+        if SPLITS == 1:
+            o_ptrs = (out_ptr + t0.to(tl.int64) * stride_ot
+                      + (kvh * GROUP + g)[:, None] * stride_oh)
+            zero = tl.zeros((M, D_PAD), dtype=out_ptr.dtype.element_ty)
+            tl.store(o_ptrs + d[None, :], zero,
+                     mask=((ri == 0) & (g < GROUP))[:, None] & d_ok[None, :])
     elif leads:
         seq = tl.load(q_seq_ptr + t, mask=t_ok, other=-1)
         pos = tl.load(q_pos_ptr + t, mask=t_ok, other=0)
@@ -106,7 +110,9 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
         n = tl.arange(0, BLOCK_N)
         k_off = (n * stride_ks)[None, :] + d[:, None]      # ALIGNED: offsets within a block
         v_off = (n * stride_vs)[:, None] + d[None, :]
-        for start in range(0, ctx, BLOCK_N):
+        # this program's part of the key tiles (all of them unless SPLITS > 1)
+        per = ((ctx + BLOCK_N - 1) // BLOCK_N + SPLITS - 1) // SPLITS * BLOCK_N
+        for start in range(sp * per, tl.minimum(sp * per + per, ctx), BLOCK_N):
             p_n = start + n
             n_ok = p_n < ctx
             if ALIGNED:
@@ -127,9 +133,41 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
                              mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
             m_i, l_i, acc = _attend_tile(q, kt, vt, p_n, pos, ctx, m_i, l_i, acc, qk_scale,
                                          DOT_PREC, UPCAST)
-        out = acc / l_i[:, None]
-        o_ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            o_ptrs = (out_ptr + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
+                      + d[None, :])
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+        else:                                      # this part's running max, sum and acc
+            part = (t.to(tl.int64) * H_q + h) * SPLITS + sp
+            tl.store(part_ptr + part[:, None] * D_PAD + d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _split_combine_kernel(out_ptr, part_ptr, ml_ptr, q_seq_ptr, H_q, stride_ot, stride_oh,
+                          SPLITS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """out[t, h] from the SPLITS parts of its context: each part's acc weighted by
+    exp2(m_part - max m), over the weighted sum of the parts' l (zeros for padding rows)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    seq = tl.load(q_seq_ptr + t)                   # a step input: before the PDL wait
+    wait_then_release(USE_PDL)
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, D_PAD)
+    part = (t * H_q + h) * SPLITS + sp
+    live = sp < tl.where(seq >= 0, SPLITS, 0)      # a padding row's parts were never written
+    m = tl.load(ml_ptr + part * 2, mask=live, other=-1.0e30)
+    w = tl.math.exp2(m - tl.max(m, axis=0))
+    l_sum = tl.sum(w * tl.load(ml_ptr + part * 2 + 1, mask=live, other=0.0), axis=0)
+    acc = tl.load(part_ptr + part[:, None] * D_PAD + d[None, :], mask=live[:, None], other=0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)  # padding: 0
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < D)
 
 
 @triton.jit
@@ -214,7 +252,10 @@ FEW_PROGRAMS_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}
 FEWEST_PROGRAMS_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 MANY_PROGRAMS = 1024
 # A launch for every decode step, whatever the shape (bench/e2e_gpu_bench.py --attn-config):
-# empty = the choice above
+# empty = the choice above. A launch may also cut each row's context into "splits" parts
+# (flash-decoding: a program a part, then a combine launch); none of the choices above does
+# yet: it is for the few-program shapes, where every launch above reads KV at 0.2-2.8 TB/s,
+# and is not measured on the card.
 DECODE_OVERRIDE: dict = {}
 
 
@@ -235,11 +276,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
                            scale: float, max_context: int, rows_per_program: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None) -> torch.Tensor:
+                           num_stages: int | None = None,
+                           splits: int | None = None) -> torch.Tensor:
     """Causal paged attention of each row over its sequence's cache; see kernels.attention_ref.
 
     rows_per_program bounds a prefill run (default: 1 when T <= S, as in decode, else enough
-    rows for a 64-row query tile). Returns a new [T, H_q, D] tensor. No host syncs.
+    rows for a 64-row query tile). splits > 1 (a power of two; default: the launch's, 1) cuts
+    each row's context into that many parts, each its own program, and a second launch
+    combines them (flash-decoding). Returns a new [T, H_q, D] tensor. No host syncs.
     """
     _check(q, k_cache, v_cache, block_tables, q_seq, q_pos)
     t_rows, h_q, d = q.shape
@@ -252,6 +296,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
+    splits = splits or cfg.get("splits", 1)
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
     if rows_per_program is None:
         rows_per_program = 1 if decode else max(1, 64 // group_pad)
     rows = max(triton.next_power_of_2(rows_per_program), triton.cdiv(16, group_pad))
@@ -259,16 +306,25 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     if t_rows == 0:
         return out
-    _paged_attn_kernel[(t_rows, h_kv)](
-        out, q, k_cache, v_cache, block_tables, q_seq, q_pos,
+    d_pad = max(16, triton.next_power_of_2(d))
+    part = ml = out                                 # (unused unless splits > 1)
+    if splits > 1:
+        part = torch.empty(t_rows * h_q * splits * d_pad, dtype=torch.float32, device=q.device)
+        ml = torch.empty(t_rows * h_q * splits * 2, dtype=torch.float32, device=q.device)
+    _paged_attn_kernel[(t_rows, h_kv, splits)](
+        out, q, k_cache, v_cache, block_tables, q_seq, q_pos, part, ml,
         t_rows, ctx_cap, bs, block_tables.stride(0), scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, GROUP_PAD=group_pad, ROWS=rows, D=d,
-        D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), h_q,
+        GROUP=group, GROUP_PAD=group_pad, ROWS=rows, D=d, D_PAD=d_pad, BLOCK_N=block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=(q.dtype == torch.bfloat16 and not q.is_cuda),
-        ALIGNED=(block_n == bs),
+        ALIGNED=(block_n == bs), SPLITS=splits,
         num_warps=num_warps, num_stages=num_stages, **launch_args(q.device))
+    if splits > 1:
+        _split_combine_kernel[(t_rows, h_q)](
+            out, part, ml, q_seq, h_q, out.stride(0), out.stride(1), SPLITS=splits, D=d,
+            D_PAD=d_pad, num_warps=1 if d_pad * splits <= 1024 else 4,
+            **launch_args(q.device))
     return out

@@ -112,11 +112,23 @@ def max_err(out, ref):
     return float((out.float().cpu() - ref).abs().max())
 
 
+# the context cut into parts (flash-decoding): name -> (case, parts). 16-key tiles over
+# contexts of up to 47 tokens, so that several parts hold keys: decode steps (MHA, GQA, a head
+# dim of 24), a padding row, and prefill runs of 4 rows (rows masked out of a whole part)
+SPLIT_CASES = {"step_mha_bf16_split2": ("step_mha_bf16_one_block_tiles", 2),
+               "step_mha_bf16_split4": ("step_mha_bf16_one_block_tiles", 4),
+               "decode_gqa8_fp16_split8": ("decode_gqa8_fp16", 8),
+               "decode_mha_bf16_d24_split4": ("decode_mha_bf16_d24", 4),
+               "mixed_mha_fp16_runs4_split2": ("mixed_mha_fp16_runs4", 2)}
+
+
 def run_triton_case(name: str, device: str = "cpu") -> dict:
     from kernels.attention_triton import paged_attention_triton
-    spec = CASES[name]
-    c = build_case(spec, seed=len(name), device=device)
-    out = paged_attention_triton(*_args(c), rows_per_program=spec[5], block_n=spec[6])
+    base, splits = SPLIT_CASES.get(name, (name, None))
+    spec = CASES[base]
+    c = build_case(spec, seed=len(base), device=device)
+    out = paged_attention_triton(*_args(c), rows_per_program=spec[5], block_n=spec[6],
+                                 splits=splits)
     err, tol = max_err(out, sdpa_reference(c)), TOL[c["dtype"]]
     return {"case": name, "err": err, "tol": tol, "ok": err <= tol}
 
@@ -146,7 +158,8 @@ def run_write_kv_case(device: str = "cpu") -> dict:
 @pytest.fixture(scope="module")
 def interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__, *CASES, "write_kv"], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, __file__, *CASES, *SPLIT_CASES, "write_kv"], env=env,
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -155,7 +168,7 @@ def interpreted():
     return {r["case"]: r for r in rows}
 
 
-@pytest.mark.parametrize("name", [*CASES, "write_kv"])
+@pytest.mark.parametrize("name", [*CASES, *SPLIT_CASES, "write_kv"])
 def test_triton_matches_sdpa(interpreted, name):
     assert interpreted[name]["ok"], interpreted[name]
 
@@ -179,14 +192,25 @@ def test_dispatch_and_checks():
             paged_attention_triton(*_args(bad))
 
 
+# _paged_attn_kernel's and _split_combine_kernel's argument types (compile_for_sm90)
+ATTN_TYPES = ["*bf16"] * 4 + ["*i32"] * 3 + ["*fp32"] * 2 + ["i32"] * 4 + ["fp32"] + ["i32"] * 11
+COMBINE_TYPES = ["*bf16", "*fp32", "*fp32", "*i32"] + ["i32"] * 3
+
+
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_kernels_compile_for_hopper():
     from test_sgmv import compile_for_sm90
-    from kernels.attention_triton import _paged_attn_kernel, _write_kv_kernel
-    types = ["*bf16"] * 4 + ["*i32"] * 3 + ["i32"] * 4 + ["fp32"] + ["i32"] * 10
+    from kernels.attention_triton import (_paged_attn_kernel, _split_combine_kernel,
+                                          _write_kv_kernel)
+    types = ATTN_TYPES
     consts = dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64,
-                  DOT_PREC="tf32", UPCAST=False, ALIGNED=False, USE_PDL=False)
+                  DOT_PREC="tf32", UPCAST=False, ALIGNED=False, SPLITS=1, USE_PDL=False)
     assert compile_for_sm90(_paged_attn_kernel, types, consts).asm["cubin"]
+    # the context in 4 parts, and their combine
+    assert compile_for_sm90(_paged_attn_kernel, types, dict(consts, SPLITS=4)).asm["cubin"]
+    assert compile_for_sm90(_split_combine_kernel, COMBINE_TYPES,
+                            dict(SPLITS=4, D=128, D_PAD=128, USE_PDL=True),
+                            num_warps=1).asm["cubin"]
     types = ["*bf16"] * 4 + ["*i64"] + ["i32"] * 3
     assert compile_for_sm90(_write_kv_kernel, types, dict(BLOCK=1024, USE_PDL=False)).asm["cubin"]
 
@@ -201,10 +225,10 @@ def test_decode_configs_compile_for_hopper(t_rows, h_kv):
     import triton
     group = 32 // h_kv
     cfg = decode_config(t_rows, h_kv, group)
-    types = ["*bf16"] * 4 + ["*i32"] * 3 + ["i32"] * 4 + ["fp32"] + ["i32"] * 10
+    types = ATTN_TYPES
     consts = dict(GROUP=group, GROUP_PAD=group, ROWS=triton.cdiv(16, group), D=128, D_PAD=128,
                   BLOCK_N=cfg["block_n"], DOT_PREC="tf32", UPCAST=False,
-                  ALIGNED=cfg["block_n"] == 16, USE_PDL=True)
+                  ALIGNED=cfg["block_n"] == 16, SPLITS=cfg.get("splits", 1), USE_PDL=True)
     assert compile_for_sm90(_paged_attn_kernel, types, consts, num_stages=cfg["num_stages"],
                             num_warps=cfg["num_warps"]).asm["cubin"]
 

@@ -21,9 +21,11 @@ KERNELS = {
                               dict(HALF=64, BLOCK_H=128, BLOCK_V=4096)),
     "fused._silu_mul_kernel": ([BF16] * 2 + [I32] * 3, dict(BLOCK=1024)),
     "attention_triton._paged_attn_kernel": (
-        [BF16] * 4 + ["*i32"] * 3 + [I32] * 4 + ["fp32"] + [I32] * 10,
+        [BF16] * 4 + ["*i32"] * 3 + [F32] * 2 + [I32] * 4 + ["fp32"] + [I32] * 11,
         dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64, DOT_PREC="tf32",
-             UPCAST=False, ALIGNED=False)),
+             UPCAST=False, ALIGNED=False, SPLITS=4)),
+    "attention_triton._split_combine_kernel": (
+        [BF16, F32, F32, "*i32"] + [I32] * 3, dict(SPLITS=4, D=128, D_PAD=128)),
     "attention_triton._write_kv_kernel": ([BF16] * 4 + [I64] + [I32] * 3, dict(BLOCK=1024)),
     "sgmv_split._shrink_kernel": (
         [BF16] * 2 + [I64, "*i32", "*i32", "*i32", F32, F32, "*i32"] + [I32] * 7,
@@ -57,6 +59,7 @@ def _kernel(name: str):
 EARLY_READS = {"sgmv_split._shrink_kernel", "sgmv_split._expand_kernel",
                "sgmv_split._one_launch_kernel", "fused._rms_kernel", "fused._rope_kernel",
                "fused._rope_kv_kernel", "attention_triton._paged_attn_kernel",
+               "attention_triton._split_combine_kernel",
                "sgmv_triton._sgmv_kernel"}
 
 
