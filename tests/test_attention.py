@@ -253,7 +253,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *SPLIT_CASES])
 def test_triton_on_gpu(name):
     r = run_triton_case(name, device="cuda")
     # On the GPU fp32 dots may use tf32 for P @ V; allow that.
