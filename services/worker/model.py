@@ -144,7 +144,7 @@ class LlamaModel:
         self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
         self.lora: LoraTables | None = None
         n_cols = column_slots()
-        self.column_impl = "auto"          # the tests force "split" under the interpreter
+        self.column_impl = "auto"      # sgmv_expand_columns: the kernel on CUDA, else torch
         self.columns = LoraColumns(weights, len(self.slices["qkv"]) - 1, n_cols, device) \
             if n_cols else None
 
