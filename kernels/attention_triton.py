@@ -245,17 +245,26 @@ DECODE_CONFIG = {"block_n": 16, "num_warps": 1, "num_stages": 2}
 # 32: 26.8 against 32.1 at 192 tokens). At 512 programs 32-key tiles on four warps are (MHA
 # batch 16: 16.5 against 17.7 and 74.3 against 87.0 at 1024 tokens; 8 KV heads, batch 64:
 # 16.8 against 17.3 and 74.7 against 83.1), except with groups of 8+ query heads a KV head,
-# whose query tile is fuller: there, and at 256 programs or fewer, 64-key tiles (4 KV heads,
-# batch 64: 10.1 against 13.4 and 47.7 against 78.7; 8 KV heads, batch 32: 50.2 against 73.1
-# at 1024 tokens).
+# whose query tile is fuller: there 64-key tiles (at 256 programs, before the parts below:
+# 4 KV heads, batch 64: 10.1 against 13.4 and 47.7 against 78.7).
 FEW_PROGRAMS_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}
 FEWEST_PROGRAMS_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 MANY_PROGRAMS = 1024
+# Below 512 programs a program's loop over the context is the critical path of every launch
+# above (0.2-2.8 TB/s of KV), so the context is cut into parts, a program each, and a second
+# launch combines their softmaxes (flash-decoding). From the thirteenth session's scan
+# (bench/results/ab/attn-launch-scan-splits-h200.md; us at 192 / 1024 tokens, against the
+# unsplit pick): 129-511 programs, one-block tiles in 4 parts (MHA batch 8: 11.0 -> 8.7 and
+# 50.4 -> 36.5; 8 KV heads, batch 32: 11.0 -> 9.4, 50.5 -> 38.2); 65-128, 64-key tiles in 4
+# parts (MHA batch 4: 8.2 -> 8.4, 39.2 -> 24.5); 64 or fewer, 64-key tiles in 8 parts (MHA
+# batch 1: 7.9 -> 6.0, 30.8 -> 9.6; 8 KV heads, batch 8: 7.7 -> 7.9, 32.3 -> 13.3). At 512
+# programs parts gain nothing (MHA batch 16: 16.9 / 75.5 unsplit, 17.5 / 76.2 in 4 parts), at
+# 1024 they lose (MHA batch 32: 26.4 -> 32.5 at 192 tokens).
+SPLIT_ONE_BLOCK_CONFIG = {**DECODE_CONFIG, "splits": 4}
+SPLIT4_CONFIG = {**FEWEST_PROGRAMS_CONFIG, "splits": 4}
+SPLIT8_CONFIG = {**FEWEST_PROGRAMS_CONFIG, "splits": 8}
 # A launch for every decode step, whatever the shape (bench/e2e_gpu_bench.py --attn-config):
-# empty = the choice above. A launch may also cut each row's context into "splits" parts
-# (flash-decoding: a program a part, then a combine launch); none of the choices above does
-# yet: it is for the few-program shapes, where every launch above reads KV at 0.2-2.8 TB/s,
-# and is not measured on the card.
+# empty = the choice above.
 DECODE_OVERRIDE: dict = {}
 
 
@@ -267,9 +276,13 @@ def decode_config(t_rows: int, h_kv: int, group: int) -> dict:
     programs = t_rows * h_kv
     if programs >= MANY_PROGRAMS:
         return DECODE_CONFIG
-    if programs <= MANY_PROGRAMS // 4 or group >= 8:
-        return FEWEST_PROGRAMS_CONFIG
-    return FEW_PROGRAMS_CONFIG
+    if programs >= MANY_PROGRAMS // 2:
+        return FEWEST_PROGRAMS_CONFIG if group >= 8 else FEW_PROGRAMS_CONFIG
+    if programs > MANY_PROGRAMS // 8:
+        return SPLIT_ONE_BLOCK_CONFIG
+    if programs > MANY_PROGRAMS // 16:
+        return SPLIT4_CONFIG
+    return SPLIT8_CONFIG
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

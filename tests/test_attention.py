@@ -31,8 +31,9 @@ CASES = {
     "mixed_gqa3_fp32_d24": ("fp32", 6, 2, 24, 4, 1, 16, "mixed"),
     "decode_gqa8_fp16": ("fp16", 8, 1, 32, 16, None, 16, "decode"),
     "decode_mha_bf16_d24": ("bf16", 4, 4, 24, 16, None, 16, "decode"),   # tiles = KV blocks
-    # T == S: the wrapper's decode path (decode_config's launch, one row a program); the
-    # "decode" cases above carry a padding row (T > S), which the wrapper treats as prefill
+    # T == S: the wrapper's decode path (decode_config's launch: with this few programs, the
+    # context in parts); the "decode" cases above carry a padding row (T > S), which the
+    # wrapper treats as prefill
     "step_mha_bf16": ("bf16", 4, 4, 32, 16, None, None, "decode_step"),
     "step_gqa4_fp16_bs4": ("fp16", 8, 2, 16, 4, None, None, "decode_step"),
     "step_mha_bf16_one_block_tiles": ("bf16", 4, 4, 32, 16, None, 16, "decode_step"),
@@ -126,6 +127,8 @@ def run_triton_case(name: str, device: str = "cpu") -> dict:
     from kernels.attention_triton import paged_attention_triton
     base, splits = SPLIT_CASES.get(name, (name, None))
     spec = CASES[base]
+    if splits is None and spec[6] is not None:
+        splits = 1      # a case that names its tile runs unsplit; the others take decode_config's
     c = build_case(spec, seed=len(base), device=device)
     out = paged_attention_triton(*_args(c), rows_per_program=spec[5], block_n=spec[6],
                                  splits=splits)
@@ -216,7 +219,8 @@ def test_kernels_compile_for_hopper():
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("t_rows,h_kv", [(64, 32), (16, 32), (8, 32), (64, 8), (128, 4)])
+@pytest.mark.parametrize("t_rows,h_kv", [(64, 32), (16, 32), (8, 32), (4, 32), (1, 32), (64, 8),
+                                         (128, 4)])
 def test_decode_configs_compile_for_hopper(t_rows, h_kv):
     """Each decode launch that decode_config picks compiles for sm_90 with PDL, for MHA and
     GQA heads, as the decode path launches it (16-token blocks: 16-key tiles are ALIGNED)."""
@@ -234,16 +238,25 @@ def test_decode_configs_compile_for_hopper(t_rows, h_kv):
 
 
 def test_decode_config_by_programs_and_group(monkeypatch):
-    """The decode launch follows the H200 scan (bench/results/ab/attn-launch-scan-h200.md): one warp
-    on one-block tiles from 1024 programs (rows x KV heads), 32-key tiles on four warps at
-    fewer, 64-key tiles at 256 or fewer or with 8+ query heads a KV head; an override wins."""
+    """The decode launch follows the H200 scans (bench/results/ab/attn-launch-scan*-h200.md), by
+    programs (rows x KV heads): one warp on one-block tiles from 1024, 32-key tiles on four
+    warps from 512 (64-key with 8+ query heads a KV head), then the context in parts: one-block
+    tiles in 4 above 128, 64-key tiles in 4 above 64, in 8 below; an override wins."""
     from kernels import attention_triton as at
     one, few, fewest = at.DECODE_CONFIG, at.FEW_PROGRAMS_CONFIG, at.FEWEST_PROGRAMS_CONFIG
     assert at.decode_config(64, 32, 1) is one and at.decode_config(32, 32, 1) is one
     assert at.decode_config(128, 8, 4) is one
     assert at.decode_config(16, 32, 1) is few and at.decode_config(64, 8, 4) is few
-    assert at.decode_config(8, 32, 1) is fewest and at.decode_config(32, 8, 4) is fewest
-    assert at.decode_config(128, 4, 8) is fewest and at.decode_config(1, 1, 1) is fewest
+    assert at.decode_config(128, 4, 8) is fewest
+    assert at.decode_config(8, 32, 1) is at.SPLIT_ONE_BLOCK_CONFIG
+    assert at.decode_config(32, 8, 4) is at.SPLIT_ONE_BLOCK_CONFIG
+    assert at.decode_config(64, 4, 8) is at.SPLIT_ONE_BLOCK_CONFIG
+    assert at.decode_config(4, 32, 1) is at.SPLIT4_CONFIG
+    assert at.decode_config(1, 32, 1) is at.SPLIT8_CONFIG
+    assert at.decode_config(1, 1, 1) is at.SPLIT8_CONFIG
+    assert at.SPLIT_ONE_BLOCK_CONFIG["block_n"] == 16 and at.SPLIT_ONE_BLOCK_CONFIG["splits"] == 4
+    assert at.SPLIT4_CONFIG["splits"] == 4 and at.SPLIT8_CONFIG["splits"] == 8
+    assert "splits" not in one and "splits" not in few and "splits" not in fewest
     monkeypatch.setattr(at, "DECODE_OVERRIDE", {"block_n": 32, "num_warps": 2, "num_stages": 3})
     assert at.decode_config(64, 32, 1) == {"block_n": 32, "num_warps": 2, "num_stages": 3}
 
