@@ -73,18 +73,11 @@ def adapter_tensors(spec: ModelSpec, rank: int, seed: int, device) -> dict:
 
 
 def copy_bandwidth(device) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 20)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(23):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * a.numel() / statistics.median(times[3:])
+    """Device-to-device copy, bytes read + written per second: 2 GiB each way, as ANCHORS.md
+    measures the card (4.27 TB/s on the H200). Until the thirteenth session this copied 1 GiB,
+    which read 1-3% lower (4.12-4.19 TB/s) and so gave a 1-3% lower floor ratio."""
+    from bench.kernel_bench import copy_tbps
+    return copy_tbps(device, 2.0, 25, 100) * 1e12
 
 
 def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, seed: int):
@@ -120,7 +113,7 @@ def apply_variant(variant: str) -> int:
     graphs serve (grank; default: the worker's EngineOptions.graph_max_rank), torch's BLAS
     backend for the base GEMMs (blas=cublas|cublaslt: LORAFLEET_BLAS, read when the model is
     built; default cublaslt), the column LoRA's blocks (cols=N: LORAFLEET_LORA_COLUMNS, read
-    when the model is built; default 0), and fields of the
+    when the model is built; default: the worker's, lora_columns.CUDA_DEFAULT), and fields of the
     split SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
     LORAFLEET_SGMV_SPLIT). Empty: the defaults. Returns the graphs' largest rank."""
     import dataclasses
@@ -132,8 +125,11 @@ def apply_variant(variant: str) -> int:
     if unknown:
         raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, blas, "
                          f"cols, {', '.join(sorted(split_fields))})")
-    os.environ["LORAFLEET_LORA_COLUMNS"] = opts.get("cols", ENV0["LORAFLEET_LORA_COLUMNS"]
-                                                    or "0")
+    cols = opts.get("cols", ENV0["LORAFLEET_LORA_COLUMNS"])
+    if cols is None:
+        os.environ.pop("LORAFLEET_LORA_COLUMNS", None)      # the worker's default
+    else:
+        os.environ["LORAFLEET_LORA_COLUMNS"] = cols
     os.environ["LORAFLEET_BLAS"] = opts.get("blas", ENV0["LORAFLEET_BLAS"] or "cublaslt")
     pdl.set_enabled(opts.get("pdl", os.environ.get("LORAFLEET_PDL", "1")) != "0")
     os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get(

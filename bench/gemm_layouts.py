@@ -1,6 +1,7 @@
 """Which weight layout cuBLAS serves fastest for the decode GEMMs of a Llama-2-7B layer (bf16):
 y = x @ W.T with W stored [N, K] (F.linear, as checkpoints store it) against W.T stored [K, N]
-(torch.mm), at decode batch sizes. Median of CUDA-graph replays, each call on its own weights
+(torch.mm), at decode batch sizes; and the [N, K] weight split in halves of N or of K as one
+batched GEMM (bmm_N2, bmm_K2: other cuBLAS tilings, e.g. more CTAs for down). Median of CUDA-graph replays, each call on its own weights
 (cold), achieved bandwidth next to an eager copy.
 
     python bench/gemm_layouts.py --out DIR [--blas cublas,cublaslt] [--names qkv,o]
@@ -56,6 +57,14 @@ def main() -> int:
                 "F.linear": [lambda i=i: F.linear(xs[i], ws[i]) for i in range(4)],
                 "mm_KN": [lambda i=i: torch.mm(xs[i], wts[i], out=outs[i]) for i in range(4)],
                 "mm_NK_xT": [lambda i=i: torch.mm(ws[i], xs[i].t()) for i in range(4)],
+                # the [N, K] weight as two halves of N in one batched GEMM (out [2, M, N/2])
+                "bmm_N2": [lambda i=i: torch.bmm(xs[i].expand(2, m, k),
+                                                 ws[i].view(2, n // 2, k).transpose(1, 2))
+                           for i in range(4)],
+                # two halves of K in one batched GEMM, then their sum (out [2, M, N])
+                "bmm_K2": [lambda i=i: torch.bmm(xs[i].view(m, 2, k // 2).transpose(0, 1),
+                                                 ws[i].view(n, 2, k // 2).permute(1, 2, 0))
+                           for i in range(4)],
             }
             ref = (xs[0].float() @ ws[0].float().t())
             for v, fns in variants.items():
@@ -65,6 +74,10 @@ def main() -> int:
                 out = outs[0] if out is None else out
                 if v == "mm_NK_xT":
                     out = out.t()
+                elif v == "bmm_N2":
+                    out = out.transpose(0, 1).reshape(m, n)
+                elif v == "bmm_K2":
+                    out = out.sum(0)
                 err = float((out.float() - ref).abs().max() / ref.abs().max())
                 us = time_us(fns, dev, 25, 100)
                 nbytes = 2 * (n * k + m * k + m * n)

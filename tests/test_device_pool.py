@@ -160,3 +160,20 @@ def test_column_blocks_hold_each_adapters_a_rows_in_either_weight_layout(kn):
     third = pool.place("again", layout_from_peft_dir(DEMO_ADAPTERS / names[1], spec,
                                                      torch.float32))
     assert cols.col_host[third] == 0 and int(cols.col_slot[third]) == 0
+
+
+def test_column_blocks_default_on_cuda_only(monkeypatch):
+    """LORAFLEET_LORA_COLUMNS unset: a CUDA model keeps CUDA_DEFAULT blocks, a CPU model none;
+    set, it wins on both; a value that is not a count is an error."""
+    from services.worker.lora_columns import CUDA_DEFAULT, column_slots
+    monkeypatch.delenv("LORAFLEET_LORA_COLUMNS", raising=False)
+    assert CUDA_DEFAULT > 0
+    assert column_slots(torch.device("cuda")) == CUDA_DEFAULT
+    assert column_slots(torch.device("cpu")) == 0
+    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "0")
+    assert column_slots(torch.device("cuda")) == 0
+    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "5")
+    assert column_slots(torch.device("cpu")) == 5
+    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "-1")
+    with pytest.raises(ValueError, match="LORAFLEET_LORA_COLUMNS"):
+        column_slots(torch.device("cuda"))

@@ -143,7 +143,7 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
         self.lora: LoraTables | None = None
-        n_cols = column_slots()
+        n_cols = column_slots(device)
         self.column_impl = "auto"      # sgmv_expand_columns: the kernel on CUDA, else torch
         self.columns = LoraColumns(weights, len(self.slices["qkv"]) - 1, n_cols, device) \
             if n_cols else None
