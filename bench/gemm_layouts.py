@@ -1,10 +1,12 @@
 """Which weight layout cuBLAS serves fastest for the decode GEMMs of a Llama-2-7B layer (bf16):
 y = x @ W.T with W stored [N, K] (F.linear, as checkpoints store it) against W.T stored [K, N]
 (torch.mm), at decode batch sizes; and the [N, K] weight split in halves of N or of K as one
-batched GEMM (bmm_N2, bmm_K2: other cuBLAS tilings, e.g. more CTAs for down). Median of CUDA-graph replays, each call on its own weights
-(cold), achieved bandwidth next to an eager copy.
+batched GEMM (bmm_N2, bmm_K2: other cuBLAS tilings, e.g. more CTAs for down). Median of
+CUDA-graph replays, each call on its own weights (cold), achieved bandwidth next to an eager
+copy.
 
     python bench/gemm_layouts.py --out DIR [--blas cublas,cublaslt] [--names qkv,o]
+        [--extra-n 0,512] [--pad-ld 256,512]
 
 --blas runs the sweep once per torch BLAS backend (torch.backends.cuda.preferred_blas_library);
 rows carry the backend's name.
@@ -35,6 +37,10 @@ def main() -> int:
     ap.add_argument("--blas", default="", help="backends to compare, e.g. cublas,cublaslt")
     ap.add_argument("--names", default="", help="only these GEMMs, e.g. qkv,o")
     ap.add_argument("--variants", default="", help="only these variants, e.g. mm_KN")
+    ap.add_argument("--pad-ld", default="", help="also [K, N] views of wider [K, N + pad] "
+                    "buffers (mm_KN_ld+pad: a leading dimension past N), e.g. 256,512")
+    ap.add_argument("--extra-n", default="0", help="rows added to each weight's N, e.g. "
+                    "0,256,512 (column LoRA's A blocks: 16 a rank-16 adapter and slice)")
     a = ap.parse_args()
     backends = a.blas.split(",") if a.blas else [None]
     names = set(a.names.split(",")) if a.names else set(SHAPES)
@@ -42,12 +48,17 @@ def main() -> int:
     dev = torch.device("cuda")
     bw = copy_tbps(dev, 2.0, 25, 100)
     rows = []
-    for blas, (name, (n, k)) in ((b, item) for b in backends for item in SHAPES.items()
-                                 if item[0] in names):
+    extras = [int(e) for e in a.extra_n.split(",")]
+    shapes = [(f"{name}+{e}" if e else name, (n + e, k)) for name, (n, k) in SHAPES.items()
+              if name in names for e in extras]
+    for blas, (name, (n, k)) in ((b, item) for b in backends for item in shapes):
         if blas:
             torch.backends.cuda.preferred_blas_library(blas)
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
         wts = [w.t().contiguous() for w in ws]
+        pads = [int(p) for p in a.pad_ld.split(",") if p]
+        padded = {p: [torch.cat([wt, wt.new_zeros(k, p)], dim=1)[:, :n] for wt in wts]
+                  for p in pads}
         for m in (int(b) for b in a.batches.split(",")):
             xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(4)]
             outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(4)]
@@ -66,9 +77,13 @@ def main() -> int:
                                                  ws[i].view(n, 2, k // 2).permute(1, 2, 0))
                            for i in range(4)],
             }
+            for p, wps in padded.items():
+                variants[f"mm_KN_ld+{p}"] = [lambda i=i, wps=wps: torch.mm(xs[i], wps[i],
+                                                                         out=outs[i])
+                                             for i in range(4)]
             ref = (xs[0].float() @ ws[0].float().t())
             for v, fns in variants.items():
-                if only and v not in only:
+                if only and v not in only and not v.startswith("mm_KN_ld+"):
                     continue
                 out = fns[0]()
                 out = outs[0] if out is None else out
@@ -86,7 +101,7 @@ def main() -> int:
                              "rel_err": err})
                 print(f"{blas or '':9s}{name:8s} M={m:4d} {v:10s} {us:7.2f} us "
                       f"{nbytes / us / 1e6:5.2f} TB/s err {err:.1e}", flush=True)
-        del ws, wts
+        del ws, wts, padded
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "gemm-layouts-h200.json").write_text(json.dumps(
