@@ -91,3 +91,23 @@ def test_counter_uniform_is_uniform_and_distinct():
     assert len(set(u.tolist())) == len(u)
     v = counter_uniform(seeds, torch.ones_like(seeds))
     assert abs(torch.corrcoef(torch.stack([u, v]))[0, 1]) < 0.02
+
+
+def test_bf16_logits_sample_as_their_fp32_copies():
+    """The engine hands sample() logits in the model's dtype: a greedy batch takes their argmax
+    as they are (ties included: the first maximum), every other batch the tokens of their
+    fp32 copies (sampled rows, greedy rows beside them, a penalty)."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(8, 300, generator=g) * 4).to(torch.bfloat16)
+    logits[3, 17] = logits[3, 250] = logits[3].max() + 1          # a tie: the first wins
+    wide = logits.float()
+    greedy = batch(8, 0.0)
+    assert sample(logits, greedy).dtype == torch.int64
+    assert torch.equal(sample(logits, greedy), wide.argmax(-1))
+    assert int(sample(logits, greedy)[3]) == 17
+    mixed = batch(8, 0.8, top_k=40, top_p=0.9, seed=7, counter=3)
+    mixed.temperature[::3] = 0.0
+    assert torch.equal(sample(logits, mixed), sample(wide, mixed))
+    history = torch.randint(0, 300, (8, 5), generator=g)
+    pen = batch(8, 0.0, penalty=torch.full((8,), 1.3), history=history)
+    assert torch.equal(sample(logits, pen), sample(wide, pen))

@@ -101,7 +101,6 @@ class GraphRunner:
         self.ids, self.pos, self.slots = self.dev64[0], self.dev64[1], self.dev64[2]
         self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = self._split32(
             self.dev32, top, mb)
-        self.rows = torch.arange(top, dtype=torch.int64, device=dev)
         # (batch, LoRA mask, rank tile; 0 without LoRA) -> graph
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -116,7 +115,7 @@ class GraphRunner:
     def _ctx(self, b: int, mask: int, tile: int = 0) -> StepContext:
         return StepContext(positions=self.pos[:b], slot_mapping=self.slots[:b],
                            block_tables=self.tables[:b], q_seq=self.q_seq[:b],
-                           q_pos=self.q_pos[:b], sample_rows=self.rows[:b],
+                           q_pos=self.q_pos[:b], sample_rows=None,   # every row samples
                            seg_start=self.seg_start[:b + 1], seg_slot=self.seg_slot[:b],
                            max_context=self.max_blocks * self.block_size, has_lora=mask != 0,
                            lora_mask=mask, lora_rank=tile or self.rank)

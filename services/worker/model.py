@@ -34,7 +34,7 @@ class StepContext:
     block_tables: torch.Tensor  # int32 [S, MB]
     q_seq: torch.Tensor         # int32 [T]   row -> sequence index in block_tables
     q_pos: torch.Tensor         # int32 [T]   = positions, as the attention kernel wants it
-    sample_rows: torch.Tensor   # int64 [R]   rows whose logits are needed
+    sample_rows: torch.Tensor | None  # int64 [R] rows whose logits are needed; None: all
     seg_start: torch.Tensor     # int32 [G+1] LoRA segments over rows (sorted by adapter)
     seg_slot: torch.Tensor      # int32 [G]   adapter slot per segment, -1 = base only
     max_context: int            # host bound on positions + 1 (for sizing attention)
@@ -240,7 +240,10 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
                 kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids [T] -> fp32 logits [R, vocab] for ctx.sample_rows.
+        """input_ids [T] -> logits [R, vocab] for ctx.sample_rows (every row when None), in
+        the model's dtype: a bf16 model's lm_head GEMM rounds them to bf16 either way, and
+        sampling (services.worker.sampling.sample) takes fp32 copies only where it computes
+        with them (a greedy step's argmax does not: bf16 values order as their fp32 copies).
 
         The residual h is updated in place; each residual add is fused with the next norm
         (the last one with the final norm).
@@ -253,4 +256,5 @@ class LlamaModel:
             x = add_rms_norm(h, self._attention(i, w, x, ctx, kv_cache[i]), w["post_norm"], eps)
             after = layers[i + 1]["in_norm"] if i + 1 < len(layers) else self.w["norm"]
             x = add_rms_norm(h, self._mlp(i, w, x, ctx), after, eps)
-        return F.linear(x[ctx.sample_rows], self.w["lm_head"]).float()
+        rows = x if ctx.sample_rows is None else x[ctx.sample_rows]
+        return F.linear(rows, self.w["lm_head"])

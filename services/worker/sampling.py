@@ -57,7 +57,12 @@ def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor,
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """logits fp32 [R, V] -> token ids int64 [R]."""
+    """logits [R, V] (any float dtype) -> token ids int64 [R]. An all-greedy batch without a
+    penalty takes the argmax of the logits as they are (bf16 values order as their fp32
+    copies); everything else computes on fp32 copies."""
+    if b.all_greedy and b.penalty is None:
+        return logits.argmax(dim=-1)
+    logits = logits.float()
     if b.penalty is not None:
         logits = apply_repetition_penalty(logits, b.penalty, b.history)
     greedy = logits.argmax(dim=-1)
