@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_args, wait_then_release
+from kernels.sgmv_split import _progs
 from kernels.sgmv_triton import _locate
 
-N_SLICES = 3            # q, k, v
 RANK_BLOCK = 16         # the column blocks' rank tile (services.worker.lora_columns.RANK_TILE)
 
 
@@ -100,7 +100,7 @@ def _columns_rope_kernel(y_ptr, vcol_ptr, col_ptr, pool_ptr, b_off_ptr, ranks_pt
         y2 = tl.load(y_ptrs + HALF, mask=io, other=0.0)
         if live:                             # x @ A.T from the GEMM's extra columns
             v = tl.load(vcol_ptr + rows[:, None] * stride_v
-                        + ((c_o * 3 + j) * RANK_BLOCK + rr)[None, :],
+                        + ((c_o * 3 + j) * RANK_BLOCK + rr)[None, :],   # 3 slices
                         mask=row_ok[:, None], other=0.0).to(tl.float32)
             v = (v * scale).to(pool_ptr.dtype.element_ty)
             if UPCAST:                       # (the interpreter cannot multiply bf16)
@@ -132,13 +132,6 @@ def _columns_rope_kernel(y_ptr, vcol_ptr, col_ptr, pool_ptr, b_off_ptr, ranks_pt
                 tl.store(kp, o1.to(kc_ptr.dtype.element_ty), mask=to_cache)
                 tl.store(kp + HALF, o2.to(kc_ptr.dtype.element_ty), mask=to_cache)
     wait_then_release(USE_PDL)               # a program without items waits too
-
-
-def _programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return 4 * torch.cuda.get_device_properties(idx).multi_processor_count
 
 
 def columns_rope_write_kv_(qkv, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts,
@@ -181,7 +174,7 @@ def columns_rope_write_kv_(qkv, v_cols, col_slot, pool, b_off, ranks, scales, sl
     if t_rows == 0 or n_segs == 0:
         return None
     interp = not qkv.is_cuda
-    _columns_rope_kernel[(_programs(qkv.device),)](
+    _columns_rope_kernel[(_progs(qkv.device),)](     # four programs an SM
         qkv, v_cols, col_slot, pool, b_off, ranks, scales, seg_start, seg_slot, k_cache,
         v_cache, cos, sin, positions, slot_mapping, b_off.shape[1], n_segs, qkv.stride(0),
         v_cols.stride(0), n_q, n_kv, SEG_BLOCK=max(16, triton.next_power_of_2(n_segs)),
