@@ -27,23 +27,9 @@ import triton.language as tl
 
 from kernels.pdl import launch_args, wait_then_release
 from kernels.sgmv_split import _progs
-from kernels.sgmv_triton import _locate
+from kernels.sgmv_triton import _live_tiles, _locate
 
 RANK_BLOCK = 16         # the column blocks' rank tile (services.worker.lora_columns.RANK_TILE)
-
-
-@triton.jit
-def _all_tiles(seg_start_ptr, seg_slot_ptr, n_segs, SEG_BLOCK: tl.constexpr,
-               BLOCK_M: tl.constexpr):
-    """The segment table as row tiles, base-only segments included (they need the rope too):
-    (segment index, first row, end row, slot, tiles of each segment, their running sum)."""
-    si = tl.arange(0, SEG_BLOCK)
-    s_ok = si < n_segs
-    lo = tl.load(seg_start_ptr + si, mask=s_ok, other=0)
-    hi = tl.load(seg_start_ptr + si + 1, mask=s_ok, other=0)
-    slot = tl.load(seg_slot_ptr + si, mask=s_ok, other=-1)
-    tiles = tl.where(s_ok, (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M, 0)
-    return si, lo, hi, slot, tiles, tl.cumsum(tiles, axis=0)
 
 
 @triton.jit
@@ -59,8 +45,9 @@ def _columns_rope_kernel(y_ptr, vcol_ptr, col_ptr, pool_ptr, b_off_ptr, ranks_pt
     place, k heads rotated into the cache, v heads copied into it. Under PDL the tables, Bt,
     the rows' positions, cache slots and angles are read before the wait; qkv after it."""
     pid, nprog = tl.program_id(0), tl.num_programs(0)
-    si, lo, hi, slot, tiles, tiles_end = _all_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
-                                                    SEG_BLOCK, BLOCK_M)
+    # base-only segments too: their rows need the rope and the cache write
+    si, lo, hi, slot, tiles, tiles_end = _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs,
+                                                     SEG_BLOCK, BLOCK_M, True)
     n_heads = n_q + 2 * n_kv
     kv_elems = n_kv * 2 * HALF
     total = tl.sum(tiles) * n_heads
