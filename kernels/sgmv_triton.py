@@ -57,17 +57,15 @@ def _slice_bounds(j, s0, s1, s2, s3, s4, N_SLICES: tl.constexpr):
 
 @triton.jit
 def _live_tiles(seg_start_ptr, seg_slot_ptr, n_segs, SEG_BLOCK: tl.constexpr,
-                BLOCK_M: tl.constexpr, BASE_TOO: tl.constexpr = False):
+                BLOCK_M: tl.constexpr):
     """The segment table as row tiles: (segment index, first row, end row, slot, tiles of each
-    live segment (0 for base-only and padded ones; with BASE_TOO, base-only segments' rows
-    count too), their running sum)."""
+    live segment (0 for base-only and padded ones), their running sum)."""
     si = tl.arange(0, SEG_BLOCK)
     s_ok = si < n_segs
     lo = tl.load(seg_start_ptr + si, mask=s_ok, other=0)
     hi = tl.load(seg_start_ptr + si + 1, mask=s_ok, other=0)
     slot = tl.load(seg_slot_ptr + si, mask=s_ok, other=-1)
-    counted = s_ok if BASE_TOO else slot >= 0
-    tiles = tl.where(counted, (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    tiles = tl.where(slot >= 0, (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M, 0)
     return si, lo, hi, slot, tiles, tl.cumsum(tiles, axis=0)
 
 

@@ -156,31 +156,21 @@ def test_kn_layout_keeps_the_values_and_the_linear():
     assert untied["lm_head"].stride() == (1, 100) and torch.equal(untied["lm_head"], embed)
 
 
-@pytest.mark.parametrize("rope_fused", [False, True])
-def test_column_lora_matches_peft_greedy(ckpt, monkeypatch, rope_fused):
+def test_column_lora_matches_peft_greedy(ckpt, monkeypatch):
     """Column LoRA (q/k/v A rows beside the base weight, services.worker.lora_columns) with
     two blocks: the first two q/k/v adapters of rank <= 16 get one, r64-all never does. A batch
     of those two and base rows takes the column path; with r64-all in it the split SGMV runs.
-    Both give every request PEFT's greedy tokens. rope_fused (LORAFLEET_COLUMNS_ROPE=1): the
-    column path's expand also rotates q/k and writes the cache (here its torch form; the
-    kernel is checked in test_columns_rope), and the layer skips its own rope."""
+    Both give every request PEFT's greedy tokens."""
     from services.worker import model as model_mod
     monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "2")
-    monkeypatch.setenv("LORAFLEET_COLUMNS_ROPE", "1" if rope_fused else "0")
-    calls = {"columns": 0, "fused": 0}
+    calls = {"columns": 0}
     plain = model_mod.LlamaModel._qkv_columns
-    fused = model_mod.columns_rope_write_kv_
 
     def counting(self, *args):
         calls["columns"] += 1
         return plain(self, *args)
 
-    def counting_fused(*args, **kwargs):
-        calls["fused"] += 1
-        return fused(*args, **kwargs)
-
     monkeypatch.setattr(model_mod.LlamaModel, "_qkv_columns", counting)
-    monkeypatch.setattr(model_mod, "columns_rope_write_kv_", counting_fused)
     root = ckpt[0]
     built, slots = _engine(root)
     cols = built.engine.runner.model.columns
@@ -189,12 +179,11 @@ def test_column_lora_matches_peft_greedy(ckpt, monkeypatch, rope_fused):
     with_block = [n for n, b in blocks.items() if b >= 0]
     g = torch.Generator().manual_seed(11)
     for names, column_path in ((with_block + [None], True), (["r64-all", *with_block], False)):
-        calls.update(columns=0, fused=0)
+        calls["columns"] = 0
         seqs, expected = mixed_requests(names, slots, ckpt, g, prompt=(4, 3), new=6)
         got, _ = run_all(built.engine, seqs)
         assert got == expected, names
         assert (calls["columns"] > 0) == column_path, (names, calls)
-        assert calls["fused"] == (calls["columns"] if rope_fused else 0), calls
     # a removed adapter gives its block back; the next placed one takes it
     freed = blocks[with_block[0]]
     built.pool.remove(with_block[0])

@@ -41,11 +41,6 @@ KERNELS = {
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, BLOCK_N=64, RANK_BLOCK=16,
              DOT_PREC="tf32", UPCAST=False, STAGES=3, KS_MAX=16, SPIN_LIMIT=1 << 22,
              ALIGN=8)),
-    "columns_rope._columns_rope_kernel": (
-        [BF16, BF16, "*i32", BF16, I64, "*i32", F32, "*i32", "*i32"] + [BF16] * 4 + [I64] * 2
-        + [I32] * 6,
-        dict(SEG_BLOCK=64, BLOCK_M=16, HALF=64, HALF_PAD=64, RANK_BLOCK=16, DOT_PREC="tf32",
-             UPCAST=False, ALIGN=8)),
     "sgmv_triton._sgmv_kernel": (
         [BF16] * 3 + [I64] * 2 + ["*i32", F32, "*i32", "*i32"] + [I32] * 11,
         dict(N_SLICES=3, SEG_BLOCK=256, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, RANK_BLOCK=16,
@@ -65,7 +60,7 @@ EARLY_READS = {"sgmv_split._shrink_kernel", "sgmv_split._expand_kernel",
                "sgmv_split._one_launch_kernel", "fused._rms_kernel", "fused._rope_kernel",
                "fused._rope_kv_kernel", "attention_triton._paged_attn_kernel",
                "attention_triton._split_combine_kernel",
-               "columns_rope._columns_rope_kernel", "sgmv_triton._sgmv_kernel"}
+               "sgmv_triton._sgmv_kernel"}
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import paged_attention
-from kernels.columns_rope import columns_rope_write_kv_
 from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
 from kernels.sgmv import HostSegments, sgmv, sgmv_expand_columns
 from services.worker.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns, column_slots
@@ -148,9 +147,6 @@ class LlamaModel:
         self.column_impl = "auto"      # sgmv_expand_columns: the kernel on CUDA, else torch
         self.columns = LoraColumns(weights, len(self.slices["qkv"]) - 1, n_cols, device) \
             if n_cols else None
-        # LORAFLEET_COLUMNS_ROPE=1: the column path's expand also rotates q/k and writes the
-        # cache (kernels/columns_rope.py), one launch fewer a layer; off until measured
-        self.columns_rope = os.environ.get("LORAFLEET_COLUMNS_ROPE", "0") not in ("", "0")
 
     def lora_mask(self, slots) -> int:
         """GROUP_BIT mask of the groups that the adapters in these slots target (-1 = none),
@@ -180,36 +176,24 @@ class LlamaModel:
                  self.slices[group], ctx.seg_start, ctx.seg_slot, ctx.lora_rank or t.max_rank,
                  host=host, align=t.align)
 
-    def _qkv_columns(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
-                     kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    def _qkv_columns(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """q/k/v with the LoRA as column LoRA: one GEMM over the extended weight gives the base
         output and every resident adapter's x @ A.T; the expand reads v from those columns.
-        Returns the [T, q + 2kv] view of the extended output (rows strided), and whether q and
-        k are rotated and k, v in the cache already (columns_rope)."""
+        Returns the [T, q + 2kv] view of the extended output (rows strided)."""
         t, cols = self.lora, self.columns
         ext = F.linear(x, w["qkv_ext"], w.get("qkv_ext_bias"))
         n = cols.n_base
         out = ext[:, :n]
-        if self.columns_rope:
-            s = self.spec
-            columns_rope_write_kv_(out, ext[:, n:], cols.col_slot, t.pool, t.b_off["qkv"][i],
-                                   t.ranks, t.scales, self.slices["qkv"], ctx.seg_start,
-                                   ctx.seg_slot, s.num_heads, s.num_kv_heads, self.cos,
-                                   self.sin, ctx.positions, kv[0], kv[1], ctx.slot_mapping,
-                                   impl="triton" if self.column_impl == "split" else
-                                   self.column_impl, align=t.align)
-            return out, True
         sgmv_expand_columns(out, ext[:, n:], cols.col_slot, t.pool, t.b_off["qkv"][i], t.ranks,
                             t.scales, self.slices["qkv"], ctx.seg_start, ctx.seg_slot,
                             COLUMN_RANK_TILE, impl=self.column_impl, align=t.align)
-        return out, False
+        return out
 
     def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
                    kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         s = self.spec
-        roped = False
         if ctx.has_lora and ctx.lora_mask & COLUMNS_BIT and self.columns is not None:
-            qkv, roped = self._qkv_columns(i, w, x, ctx, kv)
+            qkv = self._qkv_columns(i, w, x, ctx)
         else:
             qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))             # [T, q + 2kv]
             self._lora("qkv", i, qkv, x, ctx)
@@ -217,10 +201,9 @@ class LlamaModel:
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)          # views, strided rows
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
-        if not roped:
-            # rotate q and k in place, write k and v to their KV slots (one launch on GPU)
-            rope_write_kv_(q, k, v, self.cos, self.sin, ctx.positions, kv[0], kv[1],
-                           ctx.slot_mapping)
+        # rotate q and k in place, write k and v to their KV slots (one launch on GPU)
+        rope_write_kv_(q, k, v, self.cos, self.sin, ctx.positions, kv[0], kv[1],
+                       ctx.slot_mapping)
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
         attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
