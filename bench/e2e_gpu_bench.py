@@ -104,7 +104,8 @@ def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, s
 
 
 ENV0 = {k: os.environ.get(k) for k in ("LORAFLEET_WEIGHT_LAYOUT", "LORAFLEET_SGMV_SPLIT",
-                                        "LORAFLEET_BLAS", "LORAFLEET_LORA_COLUMNS")}
+                                        "LORAFLEET_BLAS", "LORAFLEET_LORA_COLUMNS",
+                                        "LORAFLEET_FOLD_NORMS")}
 
 
 def apply_variant(variant: str) -> int:
@@ -113,18 +114,20 @@ def apply_variant(variant: str) -> int:
     graphs serve (grank; default: the worker's EngineOptions.graph_max_rank), torch's BLAS
     backend for the base GEMMs (blas=cublas|cublaslt: LORAFLEET_BLAS, read when the model is
     built; default cublaslt), the column LoRA's blocks (cols=N: LORAFLEET_LORA_COLUMNS, read
-    when the model is built; default: the worker's, lora_columns.CUDA_DEFAULT), and fields of the
-    split SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
+    when the model is built; default: the worker's, lora_columns.CUDA_DEFAULT), the in-layer
+    norms folded into the GEMMs (fold=0|1: LORAFLEET_FOLD_NORMS, read when the model is built;
+    default on), and fields of the split SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
     LORAFLEET_SGMV_SPLIT). Empty: the defaults. Returns the graphs' largest rank."""
     import dataclasses
     from kernels import pdl
     from kernels.sgmv_split import SplitConfig
     opts = dict(kv.split("=") for kv in variant.split(",") if kv)
     split_fields = {f.name for f in dataclasses.fields(SplitConfig)}
-    unknown = set(opts) - {"pdl", "layout", "grank", "blas", "cols"} - split_fields
+    unknown = set(opts) - {"pdl", "layout", "grank", "blas", "cols", "fold"} - split_fields
     if unknown:
         raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, blas, "
-                         f"cols, {', '.join(sorted(split_fields))})")
+                         f"cols, fold, {', '.join(sorted(split_fields))})")
+    os.environ["LORAFLEET_FOLD_NORMS"] = opts.get("fold", ENV0["LORAFLEET_FOLD_NORMS"] or "1")
     cols = opts.get("cols", ENV0["LORAFLEET_LORA_COLUMNS"])
     if cols is None:
         os.environ.pop("LORAFLEET_LORA_COLUMNS", None)      # the worker's default

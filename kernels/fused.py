@@ -3,6 +3,13 @@ embedding of q and k in place (optionally with the KV-cache write of k and v), a
 CUDA each is one Triton launch; elsewhere the torch expressions below, which are also their
 semantics.
 
+Folded norms (`rms=(h, eps)` on rope_write_kv_ and silu_mul): a model whose norm weights are
+folded into the next GEMM's weight (services.worker.model) feeds that GEMM the residual h itself
+and leaves the row factor 1 / sqrt(mean(h^2) + eps) to the consumer, since norm(h) @ W = factor
+* (h @ (g * W)) row by row. The consumer computes the factor from h's row and scales its input
+by it (rounded to the input's dtype, as a GEMM output would be) before its own work, so a
+decoder layer needs no norm launch.
+
 Why: inside a CUDA-graph decode step each tiny torch op is still a kernel of ~2-3 µs; unfused,
 a Llama layer has ~45 of them, which costs more than streaming its weights at batch 64.
 """
@@ -30,6 +37,18 @@ def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
     return rms_norm_ref(h, w, eps)
 
 
+def inv_rms_ref(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm's row factor of h [T, H]: 1 / sqrt(mean(h^2) + eps), fp32 [T, 1]."""
+    hf = h.float()
+    return torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def scale_rows_ref(x: torch.Tensor, rms: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """x [T, ...] times the row factor of rms = (h, eps), rounded to x's dtype (a new tensor)."""
+    f = inv_rms_ref(*rms).view(-1, *([1] * (x.dim() - 1)))
+    return (x.float() * f).to(x.dtype)
+
+
 def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor) -> None:
     """In place, rotate-half convention: x = x * c + rotate_half(x) * s at each row's position.
@@ -43,13 +62,25 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         x[..., half:] = x2 * c + x1 * s
 
 
-def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
-    """gu [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+def silu_mul_ref(gu: torch.Tensor, rms: tuple[torch.Tensor, float] | None = None
+                 ) -> torch.Tensor:
+    """gu [T, 2I] = [gate | up] -> silu(gate) * up [T, I]; with rms = (h, eps) gu is first
+    scaled by h's row factor (folded norms)."""
+    if rms is not None:
+        gu = scale_rows_ref(gu, rms)
     gate, up = gu.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
 # ---------------------------------------------------------------- Triton kernels
+@triton.jit
+def _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID: tl.constexpr):
+    """The RMSNorm's factor of one row of h: 1 / sqrt(mean(h^2) + eps), fp32."""
+    cols = tl.arange(0, BLOCK_HID)
+    x = tl.load(h_ptr + row * stride_h + cols, mask=cols < H, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+
+
 @triton.jit
 def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, eps,
                 ADD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
@@ -71,10 +102,13 @@ def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, e
 
 @triton.jit
 def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, n_heads,
-                HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+                h_ptr, stride_h, H, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                RMS: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr):
     """Rotate the heads of one row of x in place; returns the rotated halves [BLOCK_H, HALF]
-    (in x's dtype), the head indices and their mask. Under PDL the position and its angles (a
-    step input and a table) are read before the wait, x after it."""
+    (in x's dtype), the head indices, their mask and the row's factor. With RMS the heads are
+    first scaled by the row factor of h (folded norms; else the factor is 1). Under PDL the
+    position and its angles (a step input and a table) are read before the wait, x and h
+    after it."""
     pos = tl.load(pos_ptr + row).to(tl.int64)
     hs = tl.arange(0, BLOCK_H)
     ds = tl.arange(0, HALF)
@@ -83,33 +117,42 @@ def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, 
     s = tl.load(sin_ptr + pos * HALF + ds).to(tl.float32)[None, :]
     wait_then_release(USE_PDL)
     base = x_ptr + row * stride_row + hs[:, None] * stride_head + ds[None, :]
-    x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(base, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0)
+    f = 1.0
+    if RMS:
+        f = _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID)
+        x1 = (x1.to(tl.float32) * f).to(x_ptr.dtype.element_ty)
+        x2 = (x2.to(tl.float32) * f).to(x_ptr.dtype.element_ty)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     y1 = (x1 * c - x2 * s).to(x_ptr.dtype.element_ty)
     y2 = (x2 * c + x1 * s).to(x_ptr.dtype.element_ty)
     tl.store(base, y1, mask=ok)
     tl.store(base + HALF, y2, mask=ok)
-    return y1, y2, hs, ok
+    return y1, y2, hs, ok, f
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_heads,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, tl.program_id(0).to(tl.int64), stride_row,
-                stride_head, n_heads, HALF, BLOCK_H, USE_PDL)
+                stride_head, n_heads, x_ptr, 0, 0, 1.0, HALF, BLOCK_H, False, 1, USE_PDL)
 
 
 @triton.jit
-def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                    stride_row, stride_v, n_q, n_heads, kv_elems,
+def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, h_ptr,
+                    stride_row, stride_v, n_q, n_heads, kv_elems, stride_h, H, eps,
                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    RMS: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr):
     """One row: rotate its q and k heads (side by side in x) in place, and write the rotated k
-    and its v to the cache slot (none when the slot is negative)."""
+    and its v to the cache slot (none when the slot is negative). With RMS, q, k and v are
+    first scaled by h's row factor (folded norms)."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row).to(tl.int64)     # a step input: before the PDL wait
-    y1, y2, hs, ok = _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, 2 * HALF,
-                                 n_heads, HALF, BLOCK_H, USE_PDL)
+    y1, y2, hs, ok, f = _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, 2 * HALF,
+                                    n_heads, h_ptr, stride_h, H, eps, HALF, BLOCK_H, RMS,
+                                    BLOCK_HID, USE_PDL)
     ds = tl.arange(0, HALF)
     if slot >= 0:
         kh = hs - n_q                                 # k head index; negative for q heads
@@ -120,18 +163,29 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
         vs = tl.arange(0, BLOCK_V)
         v_ok = vs < kv_elems
         vv = tl.load(v_ptr + row * stride_v + vs, mask=v_ok)
+        if RMS:
+            vv = (vv.to(tl.float32) * f).to(v_ptr.dtype.element_ty)
         tl.store(vc_ptr + slot * kv_elems + vs, vv.to(vc_ptr.dtype.element_ty), mask=v_ok)
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr,
+def _silu_mul_kernel(gu_ptr, out_ptr, h_ptr, inter, stride_gu, stride_o, stride_h, H, eps,
+                     BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr,
                      USE_PDL: tl.constexpr):
+    """silu(gate) * up for one row's column block; with RMS gate and up are first scaled by
+    h's row factor (folded norms: every block of the row computes it)."""
     wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
-    g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=ok, other=0.0)
+    if RMS:
+        f = _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID)
+        g = (g.to(tl.float32) * f).to(gu_ptr.dtype.element_ty)
+        u = (u.to(tl.float32) * f).to(gu_ptr.dtype.element_ty)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -195,15 +249,33 @@ def _side_by_side(q, k, v) -> bool:
             and v.data_ptr() == k.data_ptr() + k.shape[1] * d * es)
 
 
+def _rms_args(rms, x: torch.Tensor) -> tuple:
+    """Kernel arguments (h, stride, H, eps, RMS, BLOCK_HID) for rms = (h, eps) or None."""
+    if rms is None:
+        return x, 0, 0, 1.0, False, 1
+    h, eps = rms
+    if h.dim() != 2 or h.shape[0] != x.shape[0] or h.stride(1) != 1:
+        raise ValueError(f"rms: h must be [T={x.shape[0]}, H] with unit column stride, got "
+                         f"{tuple(h.shape)}")
+    return h, h.stride(0), h.shape[1], float(eps), True, triton.next_power_of_2(h.shape[1])
+
+
 def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
-                   impl: str = "auto") -> None:
+                   impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None) -> None:
     """rope_(q, k, ...) then write_kv(k_cache, v_cache, k, v, slot_mapping): one launch on CUDA
     when q, k and v sit side by side in one row (the engine's qkv layout); otherwise the two
-    ops. Shapes: q [T, Hq, D], k and v [T, Hk, D]; caches [NB, BS, Hk, D]; slot_mapping [T]."""
+    ops. Shapes: q [T, Hq, D], k and v [T, Hk, D]; caches [NB, BS, Hk, D]; slot_mapping [T].
+    rms = (h [T, H], eps): q and k are scaled in place by h's row factor before the rotation,
+    and v on its way to the cache (v itself is left as it is): folded norms, see the module
+    docstring."""
     from kernels.attention import write_kv
     if not _triton(q, impl) or not _side_by_side(q, k, v) or not (
             k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape[2:] == k.shape[1:] and v_cache.shape == k_cache.shape):
+        if rms is not None:
+            q.copy_(scale_rows_ref(q, rms))
+            k.copy_(scale_rows_ref(k, rms))
+            v = scale_rows_ref(v, rms)
         rope_(q, k, cos, sin, positions, impl=impl)
         write_kv(k_cache, v_cache, k, v, slot_mapping, impl=impl)
         return None
@@ -211,20 +283,26 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
     if t == 0:
         return None
     kv_elems = k.shape[1] * d
-    _rope_kv_kernel[(t,)](q, v, k_cache, v_cache, cos, sin, positions, slot_mapping,
-                          q.stride(0), v.stride(0), hq, hq + k.shape[1], kv_elems, HALF=d // 2,
-                          BLOCK_H=triton.next_power_of_2(hq + k.shape[1]),
-                          BLOCK_V=triton.next_power_of_2(kv_elems), **launch_args(q.device))
+    h, stride_h, hid, eps, on, block_hid = _rms_args(rms, q)
+    _rope_kv_kernel[(t,)](q, v, k_cache, v_cache, cos, sin, positions, slot_mapping, h,
+                          q.stride(0), v.stride(0), hq, hq + k.shape[1], kv_elems, stride_h, hid,
+                          eps, HALF=d // 2, BLOCK_H=triton.next_power_of_2(hq + k.shape[1]),
+                          BLOCK_V=triton.next_power_of_2(kv_elems), RMS=on, BLOCK_HID=block_hid,
+                          **launch_args(q.device))
     return None
 
 
-def silu_mul(gu, impl: str = "auto"):
+def silu_mul(gu, impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None):
+    """silu(gate) * up of gu [T, 2I] = [gate | up]; rms = (h [T, H], eps): gu scaled by h's
+    row factor first (folded norms)."""
     if not _triton(gu, impl):
-        return silu_mul_ref(gu)
+        return silu_mul_ref(gu, rms)
     t, two_i = gu.shape
     inter = two_i // 2
     out = torch.empty((t, inter), dtype=gu.dtype, device=gu.device)
     block = 1024
-    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, inter, gu.stride(0), out.stride(0),
-                                                      BLOCK=block, **launch_args(gu.device))
+    h, stride_h, hid, eps, on, block_hid = _rms_args(rms, gu)
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](
+        gu, out, h, inter, gu.stride(0), out.stride(0), stride_h, hid, eps, BLOCK=block, RMS=on,
+        BLOCK_HID=block_hid, **launch_args(gu.device))
     return out

@@ -26,6 +26,16 @@ def write_tokenizer(path: pathlib.Path, vocab_size: int) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
+def randomize_norms(model) -> None:
+    """HF initializes every RMSNorm weight to 1, under which a norm weight applied in the wrong
+    place (or not at all: the engine folds them into the GEMMs and the adapters' A) would not
+    show: give them values around 1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+
+
 def make_base(path: pathlib.Path, seed: int = 0, **overrides):
     """A random GQA Llama saved as a HF checkpoint; returns the model (fp32, eval)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -35,6 +45,7 @@ def make_base(path: pathlib.Path, seed: int = 0, **overrides):
                rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=0, tie_word_embeddings=False)
     cfg.update(overrides)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    randomize_norms(model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, cfg["vocab_size"])
@@ -78,11 +89,10 @@ def make_family(path: pathlib.Path, arch: str = "llama", seed: int = 0, dtype=No
                initializer_range=init_std)
     cfg.update(overrides)
     model = model_cls(cfg_cls(**cfg)).eval()
-    with torch.no_grad():           # HF inits norms to 1 and biases to 0: make them matter
+    randomize_norms(model)
+    with torch.no_grad():           # HF inits biases to 0 too: make them matter
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            if name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn_like(p))
     if dtype is not None:
         model = model.to(dtype)

@@ -55,9 +55,16 @@ def hf_greedy(model, prompt, n):
     return gen[0, len(prompt):].tolist()
 
 
-def test_mixed_batch_matches_peft_greedy(ckpt):
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_mixed_batch_matches_peft_greedy(ckpt, monkeypatch, fold):
+    """Every adapter (q/k/v, o and MLP targets; ranks 1-64) and base rows in one batch give
+    PEFT's greedy tokens, with the in-layer norms folded into the GEMMs (the default) and
+    without (LORAFLEET_FOLD_NORMS=0). The checkpoint's norm weights are not 1, so a norm
+    weight the fold left out (of a GEMM or of an adapter's A) changes the tokens."""
+    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", fold)
     root = ckpt[0]
     built, slots = _engine(root)
+    assert (built.engine.runner.model.norm_fold is not None) == (fold == "1")
     g = torch.Generator().manual_seed(7)
     names = [*ADAPTER_SPECS, None, *ADAPTER_SPECS, None]
     seqs, expected = mixed_requests(names, slots, ckpt, g, prompt=(3, 5), new=8)
@@ -79,7 +86,9 @@ def mixed_requests(names, slots, ckpt, g, prompt: tuple[int, int], new: int):
     return seqs, expected
 
 
-def test_prefill_logits_match_peft(ckpt):
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_prefill_logits_match_peft(ckpt, monkeypatch, fold):
+    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", fold)
     root, base, peft_models = ckpt
     built, slots = _engine(root)
     from services.worker.scheduler import Scheduled
@@ -100,6 +109,68 @@ def test_prefill_logits_match_peft(ckpt):
         with torch.no_grad():
             ref = peft_models[name](torch.tensor([prompts[name]])).logits[0, -1]
         torch.testing.assert_close(logits[row], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
+    """With folded norms a forward pass runs one norm (the final one, before lm_head) and no
+    residual add + norm; the q/k/v and gate/up weights hold g * W, and the pool's q/k/v and
+    gate/up A matrices g * A (o's and down's as written)."""
+    from services.worker import model as model_mod
+    from services.worker.adapter_layout import layout_from_peft_dir
+    calls = {"rms_norm": 0, "add_rms_norm": 0}
+    for name in calls:
+        real = getattr(model_mod, name)
+
+        def counting(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(model_mod, name, counting)
+    root = ckpt[0]
+    built, slots = _engine(root)
+    seqs, expected = mixed_requests(["r64-all", None], slots, ckpt, torch.Generator(),
+                                    prompt=(4, 2), new=3)
+    got, _ = run_all(built.engine, seqs)
+    assert got == expected
+    # one norm a step (a prefill, then two decode steps), none in the layers
+    assert calls == {"rms_norm": 3, "add_rms_norm": 0}, calls
+    from safetensors.torch import load_file
+    raw = load_file(root / "base" / "model.safetensors")
+    model = built.engine.runner.model
+    w0 = model.w["layers"][0]
+    g_in = raw["model.layers.0.input_layernorm.weight"]
+    assert not torch.allclose(g_in, torch.ones_like(g_in))
+    torch.testing.assert_close(w0["qkv"][:raw["model.layers.0.self_attn.q_proj.weight"].shape[0]],
+                               raw["model.layers.0.self_attn.q_proj.weight"] * g_in)
+    t = built.pool.tables
+    lay = layout_from_peft_dir(root / "adapters" / "r64-all", built.spec, built.dtype)
+    slot = slots["r64-all"]
+    for group, norm in (("qkv", "input_layernorm"), ("gate_up", "post_attention_layernorm"),
+                        ("o", None), ("down", None)):
+        a_in_pool = int(t.a_off_host[group][1, 0, slot])
+        a_in_blob = int(lay.offsets[group][1, 0, 0])
+        n = lay.rank * (built.spec.hidden_size if norm else
+                        (built.spec.q_size if group == "o" else built.spec.intermediate_size))
+        want = lay.blob[a_in_blob:a_in_blob + n]
+        if norm:
+            want = (want.view(lay.rank, -1) * raw[f"model.layers.1.{norm}.weight"]).reshape(-1)
+        torch.testing.assert_close(t.pool[a_in_pool:a_in_pool + n], want)
+
+
+def test_fold_norms_setting(ckpt, monkeypatch):
+    """LORAFLEET_FOLD_NORMS: on by default, 0 turns it off, anything else is an error; a model
+    with a q/k/v bias never folds (the norm factor must not scale the bias)."""
+    import dataclasses
+    from services.worker.model import fold_norms
+    from services.worker.model_spec import load_spec
+    spec = load_spec(ckpt[0] / "base")
+    monkeypatch.delenv("LORAFLEET_FOLD_NORMS", raising=False)
+    assert fold_norms(spec)
+    assert not fold_norms(dataclasses.replace(spec, qkv_bias=True))
+    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", "0")
+    assert not fold_norms(spec)
+    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", "yes")
+    with pytest.raises(ValueError, match="LORAFLEET_FOLD_NORMS"):
+        fold_norms(spec)
 
 
 def test_pool_host_tables_mirror_the_device_tables(ckpt):

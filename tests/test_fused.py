@@ -37,14 +37,26 @@ def check(device: str = "cpu") -> None:
             fused.rope_(q, k, cos, sin, pos, impl=impl)
         torch.testing.assert_close(a, b, atol=10 * tol, rtol=10 * tol)
         check_rope_write_kv(g, device, dtype, tol)
+        check_rope_write_kv(g, device, dtype, tol, folded=True)
         gu = torch.randn(6, 2 * 80, generator=g).to(device, dtype)
         torch.testing.assert_close(fused.silu_mul(gu, impl="triton"), fused.silu_mul_ref(gu),
                                    atol=tol, rtol=tol)
+        # folded norms: gate and up scaled by each row's RMS factor of h (H = 96 of 128 lanes)
+        h = (torch.randn(6, 96, generator=g) * torch.arange(1, 7)[:, None]).to(device, dtype)
+        got = fused.silu_mul(gu, impl="triton", rms=(h, 1e-5))
+        torch.testing.assert_close(got, fused.silu_mul_ref(gu, (h, 1e-5)), atol=tol, rtol=tol)
+        normed = fused.rms_norm_ref(h, torch.ones(96, dtype=dtype, device=device), 1e-5)
+        factor = (normed.float() / h.float()).mean(-1, keepdim=True)
+        unscaled = fused.silu_mul_ref(gu)
+        assert not torch.allclose(got, unscaled, atol=tol, rtol=tol)    # the factor did act
+        torch.testing.assert_close(fused.silu_mul_ref((gu.float() * factor).to(dtype)), got,
+                                   atol=20 * tol, rtol=20 * tol)
 
 
-def check_rope_write_kv(g, device, dtype, tol) -> None:
+def check_rope_write_kv(g, device, dtype, tol, folded: bool = False) -> None:
     """The fused rope + KV write (GQA: 4 q heads, 2 kv heads; one row with no slot) against
-    rope_ then write_kv; caches poisoned with NaN, so unwritten or stray writes show."""
+    rope_ then write_kv; caches poisoned with NaN, so unwritten or stray writes show. folded:
+    with rms=(h, eps), against q, k, v scaled by h's row factors first."""
     from kernels import fused
     from kernels.attention_ref import write_kv_ref
     t, hq, hk, d = 5, 4, 2, 16
@@ -53,8 +65,11 @@ def check_rope_write_kv(g, device, dtype, tol) -> None:
     slots = torch.tensor([5, -1, 0, 13, 7]).to(device)
     cos = torch.randn(64, d // 2, generator=g).to(device, dtype)
     sin = torch.randn(64, d // 2, generator=g).to(device, dtype)
+    rms = None
+    if folded:
+        rms = ((torch.randn(t, 40, generator=g) * 3).to(device, dtype), 1e-5)
     out = []
-    for impl in ("triton", "torch"):
+    for impl in ("triton", "torch", "fallback"):
         x = qkv.clone()
         q = x[:, :hq * d].view(t, hq, d)
         k = x[:, hq * d:(hq + hk) * d].view(t, hk, d)
@@ -62,13 +77,23 @@ def check_rope_write_kv(g, device, dtype, tol) -> None:
         kc = torch.full((4, 4, hk, d), float("nan"), dtype=dtype, device=device)
         vc = kc.clone()
         if impl == "triton":
-            fused.rope_write_kv_(q, k, v, cos, sin, pos, kc, vc, slots, impl="triton")
+            fused.rope_write_kv_(q, k, v, cos, sin, pos, kc, vc, slots, impl="triton", rms=rms)
+        elif impl == "fallback":       # not side by side: the two ops (and torch's scaling)
+            fused.rope_write_kv_(q.clone(), k, v.clone(), cos, sin, pos, kc, vc, slots,
+                                 impl="triton", rms=rms)
+            x = None
         else:
+            if folded:               # q and k scaled in place, v only in the cache
+                x[:, :(hq + hk) * d] = fused.scale_rows_ref(x[:, :(hq + hk) * d], rms)
+                v = fused.scale_rows_ref(v, rms)
             fused.rope_ref(q, k, cos, sin, pos)
             write_kv_ref(kc, vc, k, v, slots)
         out.append((x, kc, vc))
-    for got, want in zip(*out):
+    for got, want, fallback in zip(*out):
         torch.testing.assert_close(got, want, atol=10 * tol, rtol=10 * tol, equal_nan=True)
+        if fallback is not None:
+            torch.testing.assert_close(fallback, want, atol=10 * tol, rtol=10 * tol,
+                                       equal_nan=True)
     assert out[0][1].isnan().sum() == out[0][1].numel() - 4 * hk * d     # 4 rows written
 
 

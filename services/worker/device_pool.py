@@ -25,9 +25,13 @@ class PoolFull(Exception):
 
 class DevicePool:
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                 capacity_bytes: int, max_slots: int, columns: LoraColumns | None = None):
+                 capacity_bytes: int, max_slots: int, columns: LoraColumns | None = None,
+                 norm_fold: dict[str, torch.Tensor] | None = None):
         """columns: the model's column LoRA (services.worker.lora_columns), whose blocks the
-        pool assigns and frees with its slots; None: no column LoRA."""
+        pool assigns and frees with its slots; None: no column LoRA. norm_fold: group -> [L, K]
+        norm weights the model folded into that group's GEMM (LlamaModel.norm_fold); the pool
+        folds them into the group's LoRA A as it places an adapter, since the model feeds
+        those LoRAs the residual, not the normed rows."""
         elem = torch.tensor([], dtype=dtype).element_size()
         self.device, self.dtype, self.elem = device, dtype, elem
         self.alloc = RangeAllocator(capacity_bytes // elem)
@@ -54,6 +58,7 @@ class DevicePool:
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.columns = columns
+        self.norm_fold = norm_fold
         if columns is not None:
             columns.bind(max_slots)
 
@@ -109,12 +114,30 @@ class DevicePool:
         dst = t.pool[start:start + layout.blob.numel()]
         if self._stream is None:
             dst.copy_(layout.blob)
+            self._fold_norms(dst, layout)
             self._write_tables(t, start, layout, slot)
             return
         with torch.cuda.stream(self._stream):
             dst.copy_(layout.blob, non_blocking=True)
+            self._fold_norms(dst, layout)
             self._write_tables(t, start, layout, slot)
         self._stream.synchronize()   # the copy thread waits; the compute stream never does
+
+    def _fold_norms(self, dst: torch.Tensor, layout: AdapterLayout) -> None:
+        """A [r, K] *= g (over K) for each A of a group whose norm the model folded: the
+        model's LoRA on that group reads h, so (h * factor * g) @ A.T = factor * (h @ (A *
+        g).T) needs A * g. One multiply an A matrix (a q/k/v + gate/up adapter of a 32-layer
+        model: 160), on the copy stream, in the pool's dtype."""
+        if self.norm_fold is None:
+            return
+        for group, norms in self.norm_fold.items():
+            offs = layout.offsets.get(group)
+            if offs is None:
+                continue
+            k = norms.shape[1]
+            for layer, j in zip(*np.nonzero(offs[:, :, 0] >= 0)):
+                a = int(offs[layer, j, 0])
+                dst[a:a + layout.rank * k].view(layout.rank, k).mul_(norms[layer])
 
     def _write_tables(self, t: LoraTables, start: int, layout: AdapterLayout, slot: int) -> None:
         for g, offs in layout.offsets.items():

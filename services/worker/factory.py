@@ -84,7 +84,7 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     scheduler = Scheduler(BlockManager(blocks, opts.block_size), opts.max_batch_tokens,
                           opts.max_running)
     pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots,
-                      columns=model.columns)
+                      columns=model.columns, norm_fold=model.norm_fold)
     model.lora = pool.tables
     if device.type == "cuda" and opts.cuda_graphs:
         from services.worker.graph_runner import GraphRunner

@@ -115,6 +115,34 @@ def choose_blas(device: torch.device) -> None:
         torch.backends.cuda.preferred_blas_library(name)
 
 
+# The GEMMs whose input is a norm's output, and that norm: with folded norms (fold_norms) each
+# keeps g * W (the norm weight g folded into its input columns) and gets the residual h itself;
+# the consumer of its output scales rows by the norm's factor (kernels/fused.py), and the
+# adapter pool folds g into these groups' LoRA A (services.worker.device_pool).
+NORM_OF = {"qkv": "in_norm", "gate_up": "post_norm"}
+
+
+def fold_norms(spec: ModelSpec) -> bool:
+    """LORAFLEET_FOLD_NORMS (default on): fold the in-layer RMSNorms into the GEMMs after them,
+    so a decoder layer launches no norm kernel (the residual adds go into the o and down
+    GEMMs' epilogues). Off for a model with a q/k/v bias, which the factor must not scale."""
+    val = os.environ.get("LORAFLEET_FOLD_NORMS", "1")
+    if val not in ("0", "1"):
+        raise ValueError(f"LORAFLEET_FOLD_NORMS must be 0 or 1, got {val!r}")
+    return val == "1" and not spec.qkv_bias
+
+
+def fold_norm_weights(weights: dict) -> dict[str, torch.Tensor]:
+    """In place: each layer's q/k/v and gate/up weight [N, K] times its norm's weight over K.
+    Returns group -> [L, K] of the norm weights folded (the pool folds them into LoRA A)."""
+    folded = {}
+    for group, norm in NORM_OF.items():
+        for layer in weights["layers"]:
+            layer[group].mul_(layer[norm])
+        folded[group] = torch.stack([layer[norm] for layer in weights["layers"]])
+    return folded
+
+
 def to_kn_layout(weights: dict) -> None:
     """In place: the KN_GEMMS of each layer (and an untied lm_head) stored column-major, one
     tensor at a time (the old storage is freed as each is replaced). F.linear then hands cuBLAS
@@ -132,6 +160,8 @@ class LlamaModel:
     """Forward pass over fused weights (services.worker.loader.fuse_layers)."""
 
     def __init__(self, spec: ModelSpec, weights: dict, device: torch.device, dtype: torch.dtype):
+        # group -> [L, K] norm weights folded into its GEMM (None: norms run as kernels)
+        self.norm_fold = fold_norm_weights(weights) if fold_norms(spec) else None
         if device.type == "cuda" and os.environ.get("LORAFLEET_WEIGHT_LAYOUT", "kn") != "nk":
             to_kn_layout(weights)
         choose_blas(device)
@@ -190,7 +220,11 @@ class LlamaModel:
         return out
 
     def _attention(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
-                   kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   kv: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor | None = None
+                   ) -> torch.Tensor | None:
+        """Attention of layer i on its normed input x, returning the o projection. Folded
+        norms (h given): x is the residual h, the q/k/v rows are scaled by its norm factor in
+        the rope launch, and the o projection (and its LoRA) is added into h: returns None."""
         s = self.spec
         if ctx.has_lora and ctx.lora_mask & COLUMNS_BIT and self.columns is not None:
             qkv = self._qkv_columns(i, w, x, ctx)
@@ -203,22 +237,42 @@ class LlamaModel:
         v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
         # rotate q and k in place, write k and v to their KV slots (one launch on GPU)
         rope_write_kv_(q, k, v, self.cos, self.sin, ctx.positions, kv[0], kv[1],
-                       ctx.slot_mapping)
+                       ctx.slot_mapping, rms=None if h is None else (h, s.rms_norm_eps))
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
         attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
                                self.scale, ctx.max_context).reshape(-1, s.q_size)
-        out = F.linear(attn, w["o"], w.get("o_bias"))
-        self._lora("o", i, out, attn, ctx)
-        return out
+        if h is None:
+            out = F.linear(attn, w["o"], w.get("o_bias"))
+            self._lora("o", i, out, attn, ctx)
+            return out
+        self._residual_linear(h, attn, w["o"], w.get("o_bias"))
+        self._lora("o", i, h, attn, ctx)
+        return None
 
-    def _mlp(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    @staticmethod
+    def _residual_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> None:
+        """h += x @ weight.T (+ bias): the residual add in the GEMM's epilogue (beta = 1)."""
+        h.addmm_(x, weight.t())
+        if bias is not None:
+            h.add_(bias)
+
+    def _mlp(self, i: int, w: dict, x: torch.Tensor, ctx: StepContext,
+             h: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The MLP of layer i on its normed input x, returning down's output; folded norms (h
+        given, x = h): gate/up rows scaled by h's norm factor in the SiLU launch, and down (and
+        its LoRA) added into h: returns None."""
         gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
         self._lora("gate_up", i, gu, x, ctx)
-        act = silu_mul(gu)                                               # [T, I]
-        out = F.linear(act, w["down"])
-        self._lora("down", i, out, act, ctx)
-        return out
+        act = silu_mul(gu, rms=None if h is None else (h, self.spec.rms_norm_eps))  # [T, I]
+        if h is None:
+            out = F.linear(act, w["down"])
+            self._lora("down", i, out, act, ctx)
+            return out
+        self._residual_linear(h, act, w["down"], None)
+        self._lora("down", i, h, act, ctx)
+        return None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
@@ -228,12 +282,19 @@ class LlamaModel:
         sampling (services.worker.sampling.sample) takes fp32 copies only where it computes
         with them (a greedy step's argmax does not: bf16 values order as their fp32 copies).
 
-        The residual h is updated in place; each residual add is fused with the next norm
-        (the last one with the final norm).
+        The residual h is updated in place. With folded norms (norm_fold) the layers read h
+        itself and add into it (no norm launch in a layer); otherwise each residual add is
+        fused with the next norm (the last one with the final norm).
         """
         eps = self.spec.rms_norm_eps
         layers = self.w["layers"]
         h = self.w["embed"][input_ids]                                   # [T, H], a new tensor
+        if self.norm_fold is not None:
+            for i, w in enumerate(layers):
+                self._attention(i, w, h, ctx, kv_cache[i], h=h)
+                self._mlp(i, w, h, ctx, h=h)
+            rows = h if ctx.sample_rows is None else h[ctx.sample_rows]
+            return F.linear(rms_norm(rows, self.w["norm"], eps), self.w["lm_head"])
         x = rms_norm(h, layers[0]["in_norm"], eps)
         for i, w in enumerate(layers):
             x = add_rms_norm(h, self._attention(i, w, x, ctx, kv_cache[i]), w["post_norm"], eps)
