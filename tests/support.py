@@ -52,23 +52,41 @@ class Service:
 
     def __init__(self, name: str, args: list[str], log_dir: pathlib.Path,
                  env: dict[str, str] | None = None, port: int | None = None):
-        self.name = name
-        self.port = port or free_port()
+        self.name, self._args, self._log_dir = name, args, log_dir
+        self._own_port = port is None          # picked here: may be taken again on a clash
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._start(port or free_port())
+
+    def _start(self, port: int) -> None:
+        self.port = port
         self.addr = f"127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}-{self.port}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_path = self._log_dir / f"{self.name}-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}", "--listen", self.addr,
-             "--metrics-port", "0", *args],
-            cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", f"services.{self.name}", "--listen", self.addr,
+             "--metrics-port", "0", *self._args],
+            cwd=ROOT, env=self._env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 120.0) -> "Service":
-        try:
-            wait_serving(self.addr, timeout, self.proc)
-        except Exception:
-            print(self.log())
-            raise
+        """Until the service answers SERVING. A port that free_port() picked can be taken by
+        another process before the service binds it (free_port releases it first); then the
+        service exits on "Address already in use" and starts again on a new port, twice at most
+        (read `addr` after wait())."""
+        for attempt in range(3):
+            try:
+                wait_serving(self.addr, timeout, self.proc)
+                return self
+            except RuntimeError:
+                if (self._own_port and attempt < 2 and self.proc.poll() is not None
+                        and "Address already in use" in self.log()):
+                    self._log.close()
+                    self._start(free_port())
+                    continue
+                print(self.log())
+                raise
+            except Exception:
+                print(self.log())
+                raise
         return self
 
     def log(self) -> str:

@@ -138,3 +138,28 @@ def test_sigterm_drains_in_flight_requests_then_exits(stack):
     with pytest.raises(grpc.RpcError):
         with LorafleetClient(stack.router.addr, timeout=2) as c:
             c.generate(PROMPT, max_new_tokens=2)
+
+
+def test_a_service_whose_picked_port_was_taken_starts_on_another(tmp_path, monkeypatch):
+    """tests.support.Service: free_port() lets go of the port it found, so another process can
+    take it before the service binds it (a suite run failed so once). The service then exits on
+    "Address already in use", and wait() starts it again on a new port."""
+    import socket
+    from tests import support
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    picks = iter([port])
+    real = support.free_port
+    monkeypatch.setattr(support, "free_port", lambda: next(picks, None) or real())
+    svc = support.Service("adapter_store", ["--adapters-dir", str(DEMO_ADAPTERS), "--model",
+                                            str(MODEL_DIR), "--db", ":memory:"], tmp_path)
+    try:
+        assert svc.port == port
+        svc.wait(timeout=60)
+        assert svc.port != port
+        assert health_status(svc.addr) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        svc.terminate()
+        taken.close()
