@@ -108,6 +108,15 @@ ENV0 = {k: os.environ.get(k) for k in ("LORAFLEET_WEIGHT_LAYOUT", "LORAFLEET_SGM
                                         "LORAFLEET_FOLD_NORMS")}
 
 
+def _launch0() -> dict:
+    from kernels import fused
+    return {"rope_parts": fused.ROPE_LAUNCH["parts"], "rope_warps": fused.ROPE_LAUNCH["num_warps"],
+            "silu_block": fused.SILU_LAUNCH["block"], "silu_warps": fused.SILU_LAUNCH["num_warps"]}
+
+
+LAUNCH0 = _launch0()            # the defaults of kernels.fused's launch shapes
+
+
 def apply_variant(variant: str) -> int:
     """A build variant, "pdl=0,layout=nk" style: PDL on or off (kernels.pdl), the decode GEMMs'
     weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built), the largest rank the
@@ -116,17 +125,27 @@ def apply_variant(variant: str) -> int:
     built; default cublaslt), the column LoRA's blocks (cols=N: LORAFLEET_LORA_COLUMNS, read
     when the model is built; default: the worker's, lora_columns.CUDA_DEFAULT), the in-layer
     norms folded into the GEMMs (fold=0|1: LORAFLEET_FOLD_NORMS, read when the model is built;
-    default on), and fields of the split SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
+    default on), the rope + KV write and SiLU launch shapes (rope_parts, rope_warps,
+    silu_block, silu_warps: kernels.fused.ROPE_LAUNCH / SILU_LAUNCH), and fields of the split
+    SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
     LORAFLEET_SGMV_SPLIT). Empty: the defaults. Returns the graphs' largest rank."""
     import dataclasses
-    from kernels import pdl
+    from kernels import fused, pdl
     from kernels.sgmv_split import SplitConfig
     opts = dict(kv.split("=") for kv in variant.split(",") if kv)
     split_fields = {f.name for f in dataclasses.fields(SplitConfig)}
-    unknown = set(opts) - {"pdl", "layout", "grank", "blas", "cols", "fold"} - split_fields
+    launch = {"rope_parts": (fused.ROPE_LAUNCH, "parts"),
+              "rope_warps": (fused.ROPE_LAUNCH, "num_warps"),
+              "silu_block": (fused.SILU_LAUNCH, "block"),
+              "silu_warps": (fused.SILU_LAUNCH, "num_warps")}
+    unknown = (set(opts) - {"pdl", "layout", "grank", "blas", "cols", "fold"} - set(launch)
+               - split_fields)
     if unknown:
         raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, blas, "
-                         f"cols, fold, {', '.join(sorted(split_fields))})")
+                         f"cols, fold, {', '.join(sorted(launch))}, "
+                         f"{', '.join(sorted(split_fields))})")
+    for key, (table, field) in launch.items():
+        table[field] = int(opts.get(key, LAUNCH0[key]))
     os.environ["LORAFLEET_FOLD_NORMS"] = opts.get("fold", ENV0["LORAFLEET_FOLD_NORMS"] or "1")
     cols = opts.get("cols", ENV0["LORAFLEET_LORA_COLUMNS"])
     if cols is None:

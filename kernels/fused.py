@@ -101,27 +101,28 @@ def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, e
 
 
 @triton.jit
-def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, n_heads,
+def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, h0, n_heads,
                 h_ptr, stride_h, H, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                 RMS: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr):
-    """Rotate the heads of one row of x in place; returns the rotated halves [BLOCK_H, HALF]
+    """Rotate heads h0 .. h0 + BLOCK_H (of n_heads) of one row of x in place; returns the rotated halves [BLOCK_H, HALF]
     (in x's dtype), the head indices, their mask and the row's factor. With RMS the heads are
     first scaled by the row factor of h (folded norms; else the factor is 1). Under PDL the
-    position and its angles (a step input and a table) are read before the wait, x and h
-    after it."""
+    position and its angles (a step input and a table) and h are read before the wait (h was
+    written two or more kernels back: the GEMM before this one reads it), x after it."""
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    hs = tl.arange(0, BLOCK_H)
+    hs = h0 + tl.arange(0, BLOCK_H)
     ds = tl.arange(0, HALF)
     ok = (hs < n_heads)[:, None]
     c = tl.load(cos_ptr + pos * HALF + ds).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * HALF + ds).to(tl.float32)[None, :]
+    f = 1.0
+    if RMS:
+        f = _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID)
     wait_then_release(USE_PDL)
     base = x_ptr + row * stride_row + hs[:, None] * stride_head + ds[None, :]
     x1 = tl.load(base, mask=ok, other=0.0)
     x2 = tl.load(base + HALF, mask=ok, other=0.0)
-    f = 1.0
     if RMS:
-        f = _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID)
         x1 = (x1.to(tl.float32) * f).to(x_ptr.dtype.element_ty)
         x2 = (x2.to(tl.float32) * f).to(x_ptr.dtype.element_ty)
     x1 = x1.to(tl.float32)
@@ -137,7 +138,7 @@ def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, 
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_heads,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, tl.program_id(0).to(tl.int64), stride_row,
-                stride_head, n_heads, x_ptr, 0, 0, 1.0, HALF, BLOCK_H, False, 1, USE_PDL)
+                stride_head, 0, n_heads, x_ptr, 0, 0, 1.0, HALF, BLOCK_H, False, 1, USE_PDL)
 
 
 @triton.jit
@@ -145,14 +146,16 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
                     stride_row, stride_v, n_q, n_heads, kv_elems, stride_h, H, eps,
                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
                     RMS: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr):
-    """One row: rotate its q and k heads (side by side in x) in place, and write the rotated k
-    and its v to the cache slot (none when the slot is negative). With RMS, q, k and v are
-    first scaled by h's row factor (folded norms)."""
+    """One row (program_id 0), or part program_id 1 of it: rotate its q and k heads (side by
+    side in x) in place, and write the rotated k and its v to the cache slot (none when the
+    slot is negative). Part p takes heads p * BLOCK_H .. and v elements p * BLOCK_V ... With
+    RMS, q, k and v are first scaled by h's row factor (folded norms; each part computes it)."""
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     slot = tl.load(slot_ptr + row).to(tl.int64)     # a step input: before the PDL wait
     y1, y2, hs, ok, f = _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, 2 * HALF,
-                                    n_heads, h_ptr, stride_h, H, eps, HALF, BLOCK_H, RMS,
-                                    BLOCK_HID, USE_PDL)
+                                    part * BLOCK_H, n_heads, h_ptr, stride_h, H, eps, HALF,
+                                    BLOCK_H, RMS, BLOCK_HID, USE_PDL)
     ds = tl.arange(0, HALF)
     if slot >= 0:
         kh = hs - n_q                                 # k head index; negative for q heads
@@ -160,7 +163,7 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
         kbase = kc_ptr + slot * kv_elems + kh[:, None] * (2 * HALF) + ds[None, :]
         tl.store(kbase, y1.to(kc_ptr.dtype.element_ty), mask=k_ok)
         tl.store(kbase + HALF, y2.to(kc_ptr.dtype.element_ty), mask=k_ok)
-        vs = tl.arange(0, BLOCK_V)
+        vs = part * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = vs < kv_elems
         vv = tl.load(v_ptr + row * stride_v + vs, mask=v_ok)
         if RMS:
@@ -173,15 +176,17 @@ def _silu_mul_kernel(gu_ptr, out_ptr, h_ptr, inter, stride_gu, stride_o, stride_
                      BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr,
                      USE_PDL: tl.constexpr):
     """silu(gate) * up for one row's column block; with RMS gate and up are first scaled by
-    h's row factor (folded norms: every block of the row computes it)."""
-    wait_then_release(USE_PDL)
+    h's row factor (folded norms: every block of the row computes it, before the PDL wait: h
+    was written two or more kernels back, the gate/up GEMM before this one reads it)."""
     row = tl.program_id(0).to(tl.int64)
+    if RMS:
+        f = _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID)
+    wait_then_release(USE_PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
     u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=ok, other=0.0)
     if RMS:
-        f = _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID)
         g = (g.to(tl.float32) * f).to(gu_ptr.dtype.element_ty)
         u = (u.to(tl.float32) * f).to(gu_ptr.dtype.element_ty)
     g = g.to(tl.float32)
@@ -191,6 +196,11 @@ def _silu_mul_kernel(gu_ptr, out_ptr, h_ptr, inter, stride_gu, stride_o, stride_
 
 
 # ---------------------------------------------------------------- dispatch
+# Launch shapes: the rope + KV write launch in `parts` programs a row (each its share of the
+# heads and of v), and the SiLU launch's column block. bench/fused_micro.py compares others.
+ROPE_LAUNCH = {"parts": 1, "num_warps": 4}
+SILU_LAUNCH = {"block": 1024, "num_warps": 4}
+
 def _triton(x: torch.Tensor, impl: str) -> bool:
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
@@ -284,11 +294,13 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
         return None
     kv_elems = k.shape[1] * d
     h, stride_h, hid, eps, on, block_hid = _rms_args(rms, q)
-    _rope_kv_kernel[(t,)](q, v, k_cache, v_cache, cos, sin, positions, slot_mapping, h,
-                          q.stride(0), v.stride(0), hq, hq + k.shape[1], kv_elems, stride_h, hid,
-                          eps, HALF=d // 2, BLOCK_H=triton.next_power_of_2(hq + k.shape[1]),
-                          BLOCK_V=triton.next_power_of_2(kv_elems), RMS=on, BLOCK_HID=block_hid,
-                          **launch_args(q.device))
+    parts, heads = ROPE_LAUNCH["parts"], hq + k.shape[1]
+    _rope_kv_kernel[(t, parts)](
+        q, v, k_cache, v_cache, cos, sin, positions, slot_mapping, h, q.stride(0), v.stride(0),
+        hq, heads, kv_elems, stride_h, hid, eps, HALF=d // 2,
+        BLOCK_H=triton.next_power_of_2(triton.cdiv(heads, parts)),
+        BLOCK_V=triton.next_power_of_2(triton.cdiv(kv_elems, parts)), RMS=on,
+        BLOCK_HID=block_hid, num_warps=ROPE_LAUNCH["num_warps"], **launch_args(q.device))
     return None
 
 
@@ -300,9 +312,9 @@ def silu_mul(gu, impl: str = "auto", rms: tuple[torch.Tensor, float] | None = No
     t, two_i = gu.shape
     inter = two_i // 2
     out = torch.empty((t, inter), dtype=gu.dtype, device=gu.device)
-    block = 1024
+    block = SILU_LAUNCH["block"]
     h, stride_h, hid, eps, on, block_hid = _rms_args(rms, gu)
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](
         gu, out, h, inter, gu.stride(0), out.stride(0), stride_h, hid, eps, BLOCK=block, RMS=on,
-        BLOCK_HID=block_hid, **launch_args(gu.device))
+        BLOCK_HID=block_hid, num_warps=SILU_LAUNCH["num_warps"], **launch_args(gu.device))
     return out

@@ -38,6 +38,11 @@ def check(device: str = "cpu") -> None:
         torch.testing.assert_close(a, b, atol=10 * tol, rtol=10 * tol)
         check_rope_write_kv(g, device, dtype, tol)
         check_rope_write_kv(g, device, dtype, tol, folded=True)
+        fused.ROPE_LAUNCH["parts"] = 3          # each row's heads and v in three programs
+        try:
+            check_rope_write_kv(g, device, dtype, tol, folded=True)
+        finally:
+            fused.ROPE_LAUNCH["parts"] = 1
         gu = torch.randn(6, 2 * 80, generator=g).to(device, dtype)
         torch.testing.assert_close(fused.silu_mul(gu, impl="triton"), fused.silu_mul_ref(gu),
                                    atol=tol, rtol=tol)

@@ -56,12 +56,13 @@ def _kernel(name: str):
     return getattr(__import__(f"kernels.{module}", fromlist=[attr]), attr)
 
 
-# Kernels that read the step's tables (and adapter weights) before their wait: those were
-# written before the step, never by the kernel just before (kernels.pdl's contract).
+# Kernels that read before their wait: the step's tables and adapter weights (written before
+# the step), or the residual (the folded norms' factor: written two or more kernels back), never
+# what the kernel just before may write (kernels.pdl's contract).
 EARLY_READS = {"sgmv_split._shrink_kernel", "sgmv_split._expand_kernel",
                "sgmv_split._one_launch_kernel", "fused._rms_kernel", "fused._rope_kernel",
                "fused._rope_kv_kernel", "attention_triton._paged_attn_kernel",
-               "attention_triton._split_combine_kernel",
+               "attention_triton._split_combine_kernel", "fused._silu_mul_kernel",
                "sgmv_triton._sgmv_kernel"}
 
 
