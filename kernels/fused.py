@@ -104,11 +104,12 @@ def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, e
 def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, h0, n_heads,
                 h_ptr, stride_h, H, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                 RMS: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr):
-    """Rotate heads h0 .. h0 + BLOCK_H (of n_heads) of one row of x in place; returns the rotated halves [BLOCK_H, HALF]
-    (in x's dtype), the head indices, their mask and the row's factor. With RMS the heads are
-    first scaled by the row factor of h (folded norms; else the factor is 1). Under PDL the
-    position and its angles (a step input and a table) and h are read before the wait (h was
-    written two or more kernels back: the GEMM before this one reads it), x after it."""
+    """Rotate heads h0 .. h0 + BLOCK_H (of n_heads) of one row of x in place; returns the
+    rotated halves [BLOCK_H, HALF] (in x's dtype), the head indices, their mask and the row's
+    factor. With RMS the heads are first scaled by the row factor of h (folded norms; else the
+    factor is 1). Under PDL the position and its angles (a step input and a table) and h are
+    read before the wait (h was written two or more kernels back: the GEMM before this one
+    reads it), x after it."""
     pos = tl.load(pos_ptr + row).to(tl.int64)
     hs = h0 + tl.arange(0, BLOCK_H)
     ds = tl.arange(0, HALF)
