@@ -117,6 +117,7 @@ def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
     gate/up A matrices g * A (o's and down's as written)."""
     from services.worker import model as model_mod
     from services.worker.adapter_layout import layout_from_peft_dir
+    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", "1")
     calls = {"rms_norm": 0, "add_rms_norm": 0}
     for name in calls:
         real = getattr(model_mod, name)
