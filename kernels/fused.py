@@ -25,9 +25,7 @@ from kernels.pdl import launch_args, wait_then_release
 # ---------------------------------------------------------------- torch semantics (references)
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """w * (x / sqrt(mean(x^2) + eps)) in fp32, cast back as Hugging Face does. x [T, H]."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    return w * (x.float() * inv_rms_ref(x, eps)).to(x.dtype)
 
 
 def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
@@ -74,11 +72,18 @@ def silu_mul_ref(gu: torch.Tensor, rms: tuple[torch.Tensor, float] | None = None
 
 # ---------------------------------------------------------------- Triton kernels
 @triton.jit
+def _inv_rms_of(xf, H, eps):
+    """The RMSNorm's factor 1 / sqrt(mean(x^2) + eps) of a row held as fp32 xf (H values; the
+    rest of the block zeros)."""
+    return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+
+
+@triton.jit
 def _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID: tl.constexpr):
-    """The RMSNorm's factor of one row of h: 1 / sqrt(mean(h^2) + eps), fp32."""
+    """The RMSNorm's factor of one row of h, read from memory."""
     cols = tl.arange(0, BLOCK_HID)
     x = tl.load(h_ptr + row * stride_h + cols, mask=cols < H, other=0.0).to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    return _inv_rms_of(x, H, eps)
 
 
 @triton.jit
@@ -95,7 +100,7 @@ def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, e
                                          other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * stride_h + cols, x, mask=ok)
     xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    inv = _inv_rms_of(xf, H, eps)
     normed = (xf * inv).to(h_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
 
