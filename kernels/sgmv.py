@@ -38,12 +38,6 @@ def use_split(t_rows: int, n_segs: int, max_rank: int) -> bool:
     return t_rows <= SPLIT_MAX_ROWS and t_rows // max(n_segs, 1) >= MIN_ROWS_PER_SEGMENT
 
 
-def rank_tile(rank: int) -> int:
-    """The rank tile (the kernels' RANK_BLOCK) that serves adapters up to this rank: the next
-    power of two, at least 16. A captured decode graph bakes one in."""
-    return max(16, 1 << max(0, int(rank) - 1).bit_length())
-
-
 CUBLAS_MIN_RANK = 33          # a single live segment at this rank or more: cuBLAS pairs
 
 

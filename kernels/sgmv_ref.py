@@ -59,6 +59,12 @@ def sgmv_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.
     return y
 
 
+def rank_tile(rank: int) -> int:
+    """The rank tile (the kernels' RANK_BLOCK) that serves adapters up to this rank: the next
+    power of two, at least 16. A captured decode graph bakes one in."""
+    return max(16, 1 << max(0, int(rank) - 1).bit_length())
+
+
 def expand_columns_ref(y: torch.Tensor, v_cols: torch.Tensor, col_slot: torch.Tensor,
                        pool: torch.Tensor, b_off: torch.Tensor, ranks: torch.Tensor,
                        scales: torch.Tensor, slice_starts: Sequence[int], seg_start: torch.Tensor,
@@ -69,7 +75,7 @@ def expand_columns_ref(y: torch.Tensor, v_cols: torch.Tensor, col_slot: torch.Te
         v = v_cols[R, (c * n_slices + j) * RB : + rank_s]   (RB = the rank tile of max_rank)
         y[R, C_j] += (scales[s] * v) @ Bt_{j,s}
     The scaled v is rounded to the pool's dtype, as the kernel rounds it."""
-    rb = max(16, 1 << max(0, int(max_rank) - 1).bit_length())
+    rb = rank_tile(max_rank)
     starts, slots = seg_start.tolist(), seg_slot.tolist()
     b_tab, cols = b_off.tolist(), col_slot.tolist()
     rank_of, scale_of = ranks.tolist(), scales.tolist()

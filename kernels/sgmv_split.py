@@ -43,7 +43,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import launch_args, wait_then_release
-from kernels.sgmv import rank_tile
+from kernels.sgmv_ref import rank_tile
 from kernels.sgmv_triton import _live_tiles, _locate, _slice_bounds
 
 SPIN_LIMIT = 1 << 22          # barrier polls before a program gives up and flags a timeout

@@ -506,6 +506,6 @@ def test_rank_tile_is_the_kernels_rank_block():
     """The tile a decode graph is keyed by (kernels.sgmv.rank_tile, computed without triton)
     is the RANK_BLOCK the kernels use for the same rank."""
     triton = pytest.importorskip("triton")
-    from kernels.sgmv import rank_tile
+    from kernels.sgmv_ref import rank_tile
     assert [rank_tile(r) for r in range(0, 300)] == [
         max(16, triton.next_power_of_2(r)) for r in range(0, 300)]

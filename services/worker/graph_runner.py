@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.sgmv import rank_tile
+from kernels.sgmv_ref import rank_tile
 from services.worker.model import StepContext
 from services.worker.model_spec import ALL_GROUPS
 from services.worker.runner import ModelRunner
