@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from services.adapter_store.errors import Refusal
+from services.common.errors import Refusal
 
 MAX_CONFIG_BYTES = 64 << 10
 REQUIRED = ("peft_type", "r", "lora_alpha", "target_modules")

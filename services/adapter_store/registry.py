@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace as dc_replace
 
-from services.adapter_store.safetensors_parse import RawTensor
+from services.common.safetensors_parse import RawTensor
 from services.common.errors import AlreadyExists, unknown_adapter
 
 READY, REGISTERED, FAILED = "READY", "REGISTERED", "FAILED"

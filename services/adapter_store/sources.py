@@ -17,7 +17,7 @@ from typing import Callable
 from services.adapter_store import s3
 from services.adapter_store.s3 import MissingFile
 from services.adapter_store.peft_config import MAX_CONFIG_BYTES
-from services.adapter_store.errors import Refusal
+from services.common.errors import Refusal
 
 CONFIG, WEIGHTS, PICKLE = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from services.adapter_store import metrics
-from services.adapter_store.errors import Refusal
+from services.common.errors import Refusal
 from services.adapter_store.host_cache import HostCache, HostTierStats
 from services.adapter_store.peft_config import check_config
 from services.adapter_store.registry import FAILED, READY, AdapterRecord, Registry

@@ -19,9 +19,9 @@ import pathlib
 import re
 from dataclasses import dataclass
 
-from services.adapter_store import safetensors_parse as st
+from services.common import safetensors_parse as st
 from services.adapter_store.peft_config import LoraFields, check_config
-from services.adapter_store.errors import Refusal
+from services.common.errors import Refusal
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {m: "self_attn" for m in MODULES[:4]} | {m: "mlp" for m in MODULES[4:]}

@@ -22,6 +22,15 @@ class InvalidArgument(LorafleetError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class Refusal(InvalidArgument):
+    """An adapter or name refused; the message names the field or tensor, `reason` labels
+    lorafleet_store_refusals_total (a small fixed set: "r", "shape", "nonfinite", ...)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class NotFound(LorafleetError):
     """Unknown adapter, or another tenant's (same message for both)."""
     code = grpc.StatusCode.NOT_FOUND
@@ -102,3 +111,4 @@ def retry_after_of(err: grpc.RpcError) -> float | None:
             detail.Unpack(info)
             return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
     return None
+

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.adapter_store.errors import Refusal
+from services.common.errors import Refusal
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 4096
@@ -39,29 +39,37 @@ class RawTensor:
 
 def parse(blob: bytes, what: str = "adapter_model.safetensors") -> list[RawTensor]:
     """Check the container and return its tensors sorted by offset; raises Refusal."""
-    header_len = _header_length(blob, what)
-    header = _header_json(blob[8:8 + header_len], what)
+    return parse_header(blob[:8 + header_length(blob, len(blob), what)], len(blob), what)
+
+
+def parse_header(head: bytes, size: int, what: str = "adapter_model.safetensors"
+                 ) -> list[RawTensor]:
+    """`parse` from the file's first 8 + N bytes (`head`) and its size alone: the tensors'
+    places, checked against each other and the size; the data section is not read."""
+    header_len = header_length(head, size, what)
+    header = _header_json(bytes(head[8:8 + header_len]), what)
     data_start = 8 + header_len
     tensors = [_entry(name, meta, data_start) for name, meta in header.items()
                if name != "__metadata__"]
     if not tensors:
         raise Refusal("header", f"{what}: holds no tensors")
-    _check_layout(tensors, data_start, len(blob), what)
+    _check_layout(tensors, data_start, size, what)
     return tensors
 
 
-def _header_length(blob: bytes, what: str) -> int:
-    if len(blob) < 8:
-        raise Refusal("truncated", f"{what}: truncated: {len(blob)} bytes, no header length")
-    header_len = int.from_bytes(blob[:8], "little")
+def header_length(head: bytes, size: int, what: str = "adapter_model.safetensors") -> int:
+    """N, the JSON header's length, from the first 8 bytes of a file of `size` bytes."""
+    if size < 8 or len(head) < 8:
+        raise Refusal("truncated", f"{what}: truncated: {size} bytes, no header length")
+    header_len = int.from_bytes(bytes(head[:8]), "little")
     if header_len > MAX_HEADER_BYTES:
         raise Refusal("header", f"{what}: header length {header_len} exceeds the "
                                 f"{MAX_HEADER_BYTES}-byte cap")
     if header_len < 2:
         raise Refusal("header", f"{what}: header length {header_len} is too small")
-    if 8 + header_len > len(blob):
+    if 8 + header_len > size:
         raise Refusal("truncated", f"{what}: truncated: header of {header_len} bytes but the "
-                                   f"file has {len(blob)} bytes")
+                                   f"file has {size} bytes")
     return header_len
 
 
