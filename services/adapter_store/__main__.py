@@ -20,6 +20,7 @@ async def _run(config: store_config.StoreConfig) -> None:
     server, port, health = create_server(config, store)
     log.info("adapter store listening on %s (port %d)", config.listen, port)
     await serve(server, health, config.grace, on_drain=None, name="adapter-store")
+    store.close()
     registry.close()
 
 

@@ -30,7 +30,9 @@ class StoreConfig:
     max_rank: int = 128
     host_cache_bytes: int = 2 * GiB
     max_adapter_bytes: int = 1 * GiB
-    chunk_bytes: int = 1 * MiB
+    chunk_bytes: int = 4 * MiB
+    # The host tier as files here (a tmpfs: /dev/shm), for workers on this host (None: memory).
+    shm_dir: pathlib.Path | None = None
     # Per-tenant share of the host tier (None: plain LRU). Shared adapters count as tenant "".
     tenant_share: float | None = 0.5
     # Socket timeouts for S3 when the caller set no deadline (seconds).
@@ -58,6 +60,8 @@ class StoreConfig:
         _require(self.tenant_share is None or 0 < self.tenant_share <= 1,
                  "tenant_share must be in (0, 1] or None")
         _require(bool(self.db), "--db must not be empty")
+        _require(self.shm_dir is None or self.shm_dir.is_dir(),
+                 f"--shm-dir {self.shm_dir} is not a directory")
         _require(self.s3_connect_timeout > 0 and self.s3_read_timeout > 0,
                  "S3 timeouts must be > 0")
         check_common(self)
@@ -93,8 +97,12 @@ def parser() -> argparse.ArgumentParser:
                    help="byte budget of the host-memory tier (2 GiB)")
     p.add_argument("--max-adapter-bytes", type=parse_bytes, default=1 * GiB,
                    help="largest adapter_model.safetensors accepted (1 GiB)")
-    p.add_argument("--chunk-bytes", type=parse_bytes, default=1 * MiB,
-                   help="Fetch data chunk size (1 MiB)")
+    p.add_argument("--chunk-bytes", type=parse_bytes, default=4 * MiB,
+                   help="Fetch data chunk size (4 MiB)")
+    p.add_argument("--shm-dir", default=None,
+                   help="keep the host tier as files in this shared-memory directory (a tmpfs, "
+                        "e.g. /dev/shm/lorafleet): workers on this host started with "
+                        "--store-shm-dir DIR read adapters from it instead of a stream")
     return p
 
 
@@ -110,4 +118,5 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
         s3_region=args.s3_region or env.get("AWS_REGION") or "us-east-1",
         db=args.db, max_rank=args.max_rank, host_cache_bytes=args.host_cache_bytes,
         max_adapter_bytes=args.max_adapter_bytes, chunk_bytes=args.chunk_bytes,
+        shm_dir=pathlib.Path(args.shm_dir) if args.shm_dir else None,
         **common_values(args))

@@ -3,13 +3,27 @@
 Eviction is services.common.cache_policy.CachePolicy (LRU with per-tenant caps; shared adapters
 count as tenant ""). Only blobs whose digest matched their registered version are put here, so a
 hit is served without re-checking. A blob larger than what the tier can free is simply not kept.
-Blobs are immutable `bytes`: a Fetch streaming one keeps it alive even if it is evicted meanwhile.
+A Fetch streaming a blob keeps it alive even if it is evicted meanwhile (bytes, or a read-only
+mapping that outlives its file).
+
+With a shared-memory directory (--shm-dir, on a tmpfs such as /dev/shm) the tier's blobs are
+files there, mapped read-only: a worker on this host reads one with a single system call
+instead of a gRPC stream (FetchRequest.shm). Files are written under a temporary name and
+renamed, so a reader never sees half of one; an evicted blob's file is unlinked at once.
 """
 from __future__ import annotations
 
+import logging
+import mmap
+import os
+import pathlib
+import uuid
 from dataclasses import dataclass
 
 from services.common.cache_policy import CachePolicy, NoRoom
+
+log = logging.getLogger(__name__)
+PREFIX = "lorafleet-store-"
 
 
 @dataclass(frozen=True)
@@ -21,16 +35,66 @@ class HostTierStats:
     evictions: int
 
 
+@dataclass(frozen=True)
+class CachedBlob:
+    data: bytes | memoryview
+    shm_file: str = ""                # the file in the shared-memory directory, if any
+
+
+class ShmDir:
+    """This store's files in a shared-memory directory: PREFIX + a per-process tag + version."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self._tag = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self._clear_stale()
+
+    def _clear_stale(self) -> None:
+        """Files of stores that are gone (their pid no longer runs)."""
+        for f in self.path.glob(PREFIX + "*"):
+            pid = f.name[len(PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                f.unlink(missing_ok=True)
+
+    def write(self, version: str, blob: bytes) -> CachedBlob:
+        name = self._tag + version
+        tmp = self.path / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, self.path / name)
+        return CachedBlob(self.map(name, len(blob)), name)
+
+    def map(self, name: str, size: int) -> memoryview:
+        with open(self.path / name, "rb") as f:
+            return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)) \
+                if size else memoryview(b"")
+
+    def unlink(self, name: str) -> None:
+        (self.path / name).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class HostCache:
     """version -> blob, with hit/miss counters for Stats and /metrics."""
 
-    def __init__(self, capacity_bytes: int, tenant_share: float | None):
+    def __init__(self, capacity_bytes: int, tenant_share: float | None,
+                 shm_dir: pathlib.Path | None = None):
         self._policy = CachePolicy(capacity_bytes, tenant_share=tenant_share,
                                    foothold=tenant_share is not None)
-        self._blobs: dict[str, bytes] = {}
+        self._blobs: dict[str, CachedBlob] = {}
         self._hits = self._misses = self._evictions = 0
+        self._shm = ShmDir(shm_dir) if shm_dir is not None else None
 
-    def get(self, version: str) -> bytes | None:
+    def get(self, version: str) -> CachedBlob | None:
         """The blob (a hit, now most recent) or None (a miss, counted)."""
         blob = self._blobs.get(version)
         if blob is not None and self._policy.touch(version):
@@ -39,22 +103,41 @@ class HostCache:
         self._misses += 1
         return None
 
-    def put(self, version: str, tenant: str, blob: bytes) -> list[str]:
-        """Keep blob unless it cannot fit; returns the versions evicted to make room."""
+    def prepare(self, version: str, blob: bytes) -> CachedBlob:
+        """What `put` will keep for a verified blob: with a shared-memory directory its file
+        there (blocking: call it off the event loop), else the bytes."""
+        return self._shm.write(version, blob) if self._shm is not None else CachedBlob(blob)
+
+    def put(self, version: str, tenant: str, cached: CachedBlob) -> list[str]:
+        """Keep a prepared blob unless it cannot fit (then its file goes; a Fetch already
+        streaming it keeps its mapping); returns the versions evicted to make room."""
         try:
-            victims = self._policy.admit(version, tenant, len(blob), count_miss=False)
+            victims = self._policy.admit(version, tenant, len(cached.data), count_miss=False)
         except NoRoom:
+            if cached.shm_file:
+                self._shm.unlink(cached.shm_file)
             return []
         for victim in victims:
-            self._blobs.pop(victim, None)
+            self._drop(victim)
         self._evictions += len(victims)
-        self._blobs[version] = blob
+        self._blobs[version] = cached
         return victims
 
     def remove(self, version: str) -> None:
         """Drop a version (its adapter was deleted or replaced)."""
-        if self._blobs.pop(version, None) is not None:
+        if version in self._blobs:
+            self._drop(version)
             self._policy.remove(version)
+
+    def _drop(self, version: str) -> None:
+        cached = self._blobs.pop(version, None)
+        if cached is not None and cached.shm_file:
+            self._shm.unlink(cached.shm_file)
+
+    def close(self) -> None:
+        """Unlink this store's shared-memory files (shutdown)."""
+        for version in list(self._blobs):
+            self._drop(version)
 
     def __contains__(self, version: str) -> bool:
         return version in self._blobs

@@ -28,7 +28,7 @@ def build_store(config: StoreConfig) -> tuple[AdapterStore, Registry]:
     s3 = S3Clients(config.s3_endpoint, config.s3_region, config.s3_connect_timeout,
                    config.s3_read_timeout)
     reader = SourceReader(config.adapters_dir, s3, config.max_adapter_bytes)
-    cache = HostCache(config.host_cache_bytes, config.tenant_share)
+    cache = HostCache(config.host_cache_bytes, config.tenant_share, config.shm_dir)
     store = AdapterStore(base, registry, reader, cache, config.max_rank, config.bucket)
     if config.adapters_dir is not None:
         store.scan(config.adapters_dir)

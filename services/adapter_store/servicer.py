@@ -3,6 +3,8 @@ mapped to status codes by services.common.server.ErrorInterceptor.
 
 Fetch streams, in order: one AdapterHeader, the blob (exactly the validated
 adapter_model.safetensors bytes) in `data` chunks of --chunk-bytes, then the blob's hex SHA-256.
+A caller on this host that asks for shared memory (FetchRequest.shm) of a blob the host tier
+keeps as a file there gets the header with `shm_file` set and the digest, no chunks.
 """
 from __future__ import annotations
 
@@ -34,15 +36,16 @@ def adapter_info(rec: AdapterRecord) -> router_pb2.AdapterInfo:
         lora_alpha=rec.alpha, use_rslora=rec.rslora)
 
 
-def fetch_header(staged: Staged) -> pb.AdapterHeader:
-    """What the worker needs to place the blob without parsing safetensors again."""
+def fetch_header(staged: Staged, shm: bool = False) -> pb.AdapterHeader:
+    """What the worker needs to place the blob without parsing safetensors again (and, with
+    shm, the shared-memory file to read it from)."""
     rec = staged.record
     return pb.AdapterHeader(
         adapter=adapter_info(rec), config_json=rec.config_json,
         tensors=[pb.TensorEntry(name=t.name, dtype=t.dtype, shape=list(t.shape),
                                 offset=t.offset, nbytes=t.nbytes) for t in rec.tensors],
         total_bytes=len(staged.blob), tier=common_pb2.Tier.Value(staged.tier),
-        source_load_s=staged.load_s)
+        source_load_s=staged.load_s, shm_file=staged.shm_file if shm else "")
 
 
 class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
@@ -83,10 +86,13 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
                                                  remaining(context))
             span.set_attributes({"lora.bytes": len(staged.blob), "lora.tier": staged.tier,
                                  "lora.version": staged.record.version})
-            yield pb.FetchChunk(header=fetch_header(staged))
-            view = memoryview(staged.blob)
-            for start in range(0, len(view), self._chunk):
-                yield pb.FetchChunk(data=bytes(view[start:start + self._chunk]))
+            shm = request.shm and bool(staged.shm_file)
+            span.set_attribute("lora.shm", shm)
+            yield pb.FetchChunk(header=fetch_header(staged, shm))
+            if not shm:
+                view = memoryview(staged.blob)
+                for start in range(0, len(view), self._chunk):
+                    yield pb.FetchChunk(data=bytes(view[start:start + self._chunk]))
             yield pb.FetchChunk(sha256=staged.record.sha256)
         finally:
             span.end()

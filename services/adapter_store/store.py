@@ -3,27 +3,33 @@ list, delete, and stage for Fetch (host tier, else the source with a digest chec
 
 Versions: `version` = first 16 hex of SHA-256(canonical config JSON + "\\n" + blob) and `sha256` =
 SHA-256 of the blob (validate.content_version). A Fetch that misses the host tier reads the source
-again and recomputes both: a mismatch is DATA_LOSS and nothing is cached.
+again and checks it against the registration: the blob's SHA-256 and the canonical config must
+both match (which makes the version match too, at one pass over the bytes); a mismatch is
+DATA_LOSS and nothing is cached.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import pathlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from opentelemetry import trace
 
 from services.adapter_store import metrics
 from services.common.errors import Refusal
-from services.adapter_store.host_cache import HostCache, HostTierStats
+from services.adapter_store.host_cache import CachedBlob, HostCache, HostTierStats
 from services.adapter_store.peft_config import check_config
 from services.adapter_store.registry import FAILED, READY, AdapterRecord, Registry
 from services.adapter_store.s3 import MissingFile
 from services.adapter_store.sources import SourceReader, SourceRef, parse_source
-from services.adapter_store.validate import AdapterSummary, BaseShapes, digests, validate
+from services.adapter_store.validate import AdapterSummary, BaseShapes, canonical_json, validate
 from services.common.errors import (AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition,
                                     LorafleetError, unknown_adapter)
 from services.common.names import NAME, name_error
@@ -43,12 +49,14 @@ def check_name(field: str, value: str, allow_empty: bool = False) -> None:
 
 @dataclass(frozen=True)
 class Staged:
-    """An adapter ready to stream: its record, blob, the tier it came from, source seconds."""
+    """An adapter ready to stream: its record, blob, the tier it came from, source seconds, and
+    its file in the shared-memory directory (empty: none)."""
 
     record: AdapterRecord
-    blob: bytes
+    blob: bytes | memoryview
     tier: str
     load_s: float
+    shm_file: str = ""
 
 
 @dataclass(frozen=True)
@@ -169,20 +177,20 @@ class AdapterStore:
         if version and version != record.version:
             raise FailedPrecondition(f"adapter {adapter_id!r} is at version {record.version}, "
                                      f"not {version[:64]!r}")
-        blob = self._cache.get(record.version)
-        self._count_host(blob is not None)
-        if blob is not None:
-            return Staged(record, blob, STORE_HOST, 0.0)
+        cached = self._cache.get(record.version)
+        self._count_host(cached is not None)
+        if cached is not None:
+            return Staged(record, cached.data, STORE_HOST, 0.0, cached.shm_file)
         task = self._inflight.get(record.version)
         if task is None:  # one source read per version, however many Fetches wait for it
             task = asyncio.ensure_future(self._from_source(record, remaining))
             self._inflight[record.version] = task
             task.add_done_callback(lambda t, v=record.version: self._landed(v, t))
-        blob, seconds = await _bounded(asyncio.shield(task), remaining)
-        return Staged(record, blob, SOURCE, seconds)
+        cached, seconds = await _bounded(asyncio.shield(task), remaining)
+        return Staged(record, cached.data, SOURCE, seconds, cached.shm_file)
 
     async def _from_source(self, record: AdapterRecord, remaining: float | None
-                           ) -> tuple[bytes, float]:
+                           ) -> tuple[CachedBlob, float]:
         ref = parse_source(record.source, self._bucket)
         start = time.perf_counter()
         try:
@@ -193,23 +201,33 @@ class AdapterStore:
                 raw = await asyncio.to_thread(self._reader.read, ref, remaining)
             with _tracer.start_as_current_span("store.verify") as span:
                 span.set_attribute("lora.bytes", len(raw.blob))
-                _, version, sha = await asyncio.to_thread(digests, raw.config, raw.blob)
+                cached = await asyncio.to_thread(self._verified, record, ref, raw)
         except LorafleetError as exc:
-            metrics.observe_source_load(self._window, ref.kind, "error", 0.0)
+            reason = "data_loss" if isinstance(exc, DataLoss) else "error"
+            metrics.observe_source_load(self._window, ref.kind, reason, 0.0)
             log.warning("staging %r from %s failed: %s", record.id, ref.uri, exc.message)
             raise
-        if (version, sha) != (record.version, record.sha256):
-            metrics.observe_source_load(self._window, ref.kind, "data_loss", 0.0)
-            log.error("adapter %r: source %s changed since registration (version %s, "
-                      "registered %s); not served", record.id, ref.uri, version, record.version)
-            raise DataLoss(f"adapter {record.id!r}: the source no longer matches the registered "
-                           f"version {record.version} (now {version}); re-register it")
-        evicted = self._cache.put(record.version, record.owner, raw.blob)
+        evicted = self._cache.put(record.version, record.owner, cached)
         metrics.CACHE_EVICTIONS.labels(metrics.TIER).inc(len(evicted))
         self._publish_host_tier()
         seconds = time.perf_counter() - start
         metrics.observe_source_load(self._window, ref.kind, "ok", seconds)
-        return raw.blob, seconds
+        return cached, seconds
+
+    def _verified(self, record: AdapterRecord, ref: SourceRef, raw) -> CachedBlob:
+        """The source's bytes as the host tier keeps them, once they match the registration
+        (blocking: a thread); DATA_LOSS, nothing kept, when they do not."""
+        try:
+            config_json = canonical_json(json.loads(raw.config))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            config_json = ""
+        if config_json != record.config_json or \
+                hashlib.sha256(raw.blob).hexdigest() != record.sha256:
+            log.error("adapter %r: source %s changed since registration (registered version "
+                      "%s); not served", record.id, ref.uri, record.version)
+            raise DataLoss(f"adapter {record.id!r}: the source no longer matches the registered "
+                           f"version {record.version}; re-register it")
+        return self._cache.prepare(record.version, raw.blob)
 
     def _landed(self, version: str, task: asyncio.Task) -> None:
         self._inflight.pop(version, None)
@@ -233,8 +251,11 @@ class AdapterStore:
 
     # ---- start-up --------------------------------------------------------------------------------
 
-    def scan(self, root: pathlib.Path) -> None:
-        """Register every adapter directory under root as a shared adapter (bad ones FAILED)."""
+    def scan(self, root: pathlib.Path, threads: int | None = None) -> None:
+        """Register every adapter directory under root as a shared adapter (bad ones FAILED).
+        Adapters are read and validated on `threads` threads (hashing and the NaN check let go
+        of the GIL), then recorded in order."""
+        names = []
         for folder in sorted(p for p in root.iterdir() if p.is_dir()):
             if not any((folder / f).exists() for f in ("adapter_config.json",
                        "adapter_model.safetensors", "adapter_model.bin")):
@@ -242,16 +263,26 @@ class AdapterStore:
             elif not NAME.fullmatch(folder.name):
                 log.warning("skipping %s: not a valid adapter id", folder.name)
             else:
-                self._scan_one(folder.name)
+                names.append(folder.name)
+        start = time.monotonic()
+        with ThreadPoolExecutor(threads or min(32, os.cpu_count() or 1)) as pool:
+            for i, record in enumerate(pool.map(self._scan_one, names), 1):
+                if record is not None:
+                    self._record_scanned(record)
+                if i % 100 == 0 or i == len(names):
+                    log.info("adapters dir: %d of %d read and validated (%.1fs)", i,
+                             len(names), time.monotonic() - start)
         metrics.set_adapter_counts(self._registry.counts())
 
-    def _scan_one(self, name: str) -> None:
+    def _scan_one(self, name: str) -> AdapterRecord | None:
+        """The record for DIR/name (FAILED with the reason if it does not validate); None when
+        the name is already registered from elsewhere."""
         ref = parse_source(f"file://{name}", None)
         existing = self._registry.get(name)
         if existing is not None and (existing.source, existing.owner) != (ref.uri, ""):
             log.warning("adapters dir: %r is already registered from %s (owner %r); left as is",
                         name, existing.source, existing.owner)
-            return
+            return None
         try:
             record = _record(name, "", ref, self._load_validated(ref, None), ())
             log.info("adapters dir: registered %r version %s (r=%d, %s, %d bytes)", name,
@@ -260,10 +291,17 @@ class AdapterStore:
             metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
             record = AdapterRecord(name, "", ref.uri, FAILED, reason=exc.message)
             log.warning("adapters dir: %r FAILED: %s", name, exc.message)
+        return record
+
+    def _record_scanned(self, record: AdapterRecord) -> None:
         try:
             self._registry.put(record, replace=True)
         except LorafleetError as exc:  # e.g. the name is already another adapter's alias
-            log.warning("adapters dir: %r not recorded: %s", name, exc.message)
+            log.warning("adapters dir: %r not recorded: %s", record.id, exc.message)
+
+    def close(self) -> None:
+        """Give up the host tier's shared-memory files (shutdown)."""
+        self._cache.close()
 
 
 def _check_aliases(aliases: list[str]) -> None:
