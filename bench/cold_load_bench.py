@@ -29,7 +29,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from services.worker.adapter_layout import build_layout  # noqa: E402
+from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
 from services.worker.device_pool import DevicePool  # noqa: E402
 from services.worker.model_spec import ModelSpec  # noqa: E402
 
@@ -86,8 +86,7 @@ def base_config(path: pathlib.Path, spec: ModelSpec) -> None:
 async def cpu_tiers(work: pathlib.Path, ranks: list[int], reps: int) -> list[dict]:
     from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
     from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc
-    from services.common.server import channel
-    from services.worker.adapter_manager import AdapterManager
+    from services.common.server import channel, sync_channel
     from services.worker.store_client import StoreClient
     from tests.support import S3_ENV, MotoS3, Service
     spec = spec7b()
@@ -114,8 +113,9 @@ async def cpu_tiers(work: pathlib.Path, ranks: list[int], reps: int) -> list[dic
             await stub.Register(spb.RegisterRequest(id=f"r{r}", source=f"s3://adapters/r{r}-{i}"),
                                 timeout=300)
         pool = DevicePool(spec, torch.device("cpu"), torch.bfloat16, 1 << 30, 8)
+        fetcher = StoreClient(sync_channel(store.addr))
         for r in ranks:
-            rows += await _measure_rank(r, reps, pool, spec, StoreClient(chan), stub)
+            rows += await _measure_rank(r, reps, pool, spec, fetcher, stub)
             print(f"rank {r} done", flush=True)
         await chan.close()
     finally:
@@ -130,6 +130,7 @@ async def _measure_rank(r, reps, pool, spec, store_client, stub) -> list[dict]:
     worker (empty tiers) fetching again (the store's host tier: STORE_HOST)."""
     from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
     from services.worker.adapter_manager import AdapterManager
+    from services.worker.host_tier import HostTier
     by_tier: dict[str, list[float]] = {"source": [], "store_host": [], "worker_host": []}
     names = {4: "source", 3: "store_host", 2: "worker_host"}
     nbytes = 0
@@ -139,8 +140,8 @@ async def _measure_rank(r, reps, pool, spec, store_client, stub) -> list[dict]:
                                     timeout=300)).adapter
         nbytes = info.bytes
         for fresh in (True, False, True):
-            mgr = fresh_mgr = (AdapterManager(pool, spec, 1 << 31, store_client, None)
-                               if fresh else mgr)
+            mgr = fresh_mgr = (AdapterManager(pool, spec, HostTier(1 << 30, None, False, spec),
+                                              store_client, None) if fresh else mgr)
             acq = await mgr.acquire(info.id, info.version, "bench", None)
             by_tier[names.get(acq.tier, str(acq.tier))].append(acq.seconds)
             mgr.release(acq.key)
@@ -159,12 +160,12 @@ async def _measure_rank(r, reps, pool, spec, store_client, stub) -> list[dict]:
 def gpu_rows(reps: int, counts: list[int]) -> list[dict]:
     spec = spec7b()
     dev = torch.device("cuda")
-    layout = build_layout(tensors(spec, 16, 1), {"r": 16, "lora_alpha": 32}, spec,
-                          torch.bfloat16, pin=True)
+    layout = staged_from_tensors(tensors(spec, 16, 1), {"r": 16, "lora_alpha": 32}, spec)
+    blob = layout.blob.pin_memory()
     nbytes = layout.nbytes
-    dst = torch.empty(layout.blob.numel(), dtype=torch.bfloat16, device=dev)
+    dst = torch.empty(blob.numel(), dtype=torch.uint8, device=dev)
     rows = [{"what": "one pinned copy", "bytes": nbytes, **stats(_time_gpu(
-        lambda: dst.copy_(layout.blob, non_blocking=True), reps))}]
+        lambda: dst.copy_(blob, non_blocking=True), reps))}]
     parts = [t.contiguous().pin_memory() for t in tensors(spec, 16, 2).values()]
     dparts = [torch.empty_like(t, device=dev) for t in parts]
     def many():
@@ -193,18 +194,21 @@ def _time_gpu(fn, reps: int) -> list[float]:
 
 def _staging(spec: ModelSpec, registered: int, reps: int) -> list[float]:
     """Adapters 0..registered-1 live in the pinned host tier (views of one pinned arena, each
-    contiguous); the GPU pool holds 64. Stage random ones in: evict the LRU, place, time it."""
+    contiguous); the GPU pool holds 64. Stage random ones in: evict the LRU, place (one copy,
+    the layout kernel, the slot tables), time it."""
     from services.common.cache_policy import CachePolicy
-    base = build_layout(tensors(spec, 16, 3), {"r": 16, "lora_alpha": 32}, spec, torch.bfloat16)
-    n_el = base.blob.numel()
-    arena = torch.empty(registered * n_el, dtype=torch.bfloat16, pin_memory=True)
+    from services.worker.host_tier import HostTier
+    base = staged_from_tensors(tensors(spec, 16, 3), {"r": 16, "lora_alpha": 32}, spec)
+    n = base.nbytes
+    host = HostTier(registered * (n + 64), None, True, spec)
     layouts = []
     for i in range(registered):
-        view = arena[i * n_el:(i + 1) * n_el]
-        view.copy_(base.blob)
-        layouts.append(type(base)(view, base.rank, base.scale, base.offsets))
-    pool = DevicePool(spec, torch.device("cuda"), torch.bfloat16, 64 * base.nbytes + (1 << 24),
-                      64)
+        res, _ = host.reserve(f"a{i}", "t", n)
+        res.view.copy_(base.blob)
+        layouts.append(host.commit(res, {"r": 16, "lora_alpha": 32}))
+    pool = DevicePool(spec, torch.device("cuda"), torch.bfloat16,
+                      64 * 2 * base.plan.numel + (1 << 24), 64)
+    pool.warm_up()
     policy = CachePolicy.plain_lru(pool.capacity_bytes)
     g = torch.Generator().manual_seed(registered)
     times = []
@@ -214,12 +218,11 @@ def _staging(spec: ModelSpec, registered: int, reps: int) -> list[float]:
             policy.touch(key)
             continue
         t = time.perf_counter()
-        for victim in policy.admit(key, "t", pool.alloc.rounded(n_el) * 2):
+        for victim in policy.admit(key, "t", pool.alloc.rounded(base.plan.numel) * 2):
             pool.remove(victim)
         pool.place(key, layouts[int(key[1:])])
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    del arena
     return times[3:]
 
 

@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from services.worker.adapter_layout import build_layout  # noqa: E402
+from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
 from services.worker.factory import EngineOptions, assemble  # noqa: E402
 from services.worker.model_spec import ModelSpec  # noqa: E402
 from services.worker.sequence import Sequence, Stopping  # noqa: E402
@@ -179,9 +179,8 @@ def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:
                          graph_max_rank=grank)
     built = assemble(spec, weights, _NullTokenizer(), opts, device, torch.bfloat16)
     n_adapters = max(args.distinct)
-    slots = [built.pool.place(f"a{i}", build_layout(adapter_tensors(spec, 16, i + 1, device),
-                                                    {"r": 16, "lora_alpha": 32}, spec,
-                                                    torch.bfloat16))
+    slots = [built.pool.place(f"a{i}", staged_from_tensors(
+                 adapter_tensors(spec, 16, i + 1, device), {"r": 16, "lora_alpha": 32}, spec))
              for i in range(n_adapters)]
     rows = []
     runs = [(batch, n, True) for batch in args.batch for n in [0, *args.distinct] if n <= batch]

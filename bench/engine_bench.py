@@ -35,7 +35,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.worker.adapter_layout import build_layout  # noqa: E402
+from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
 from services.worker.factory import EngineOptions, build_engine  # noqa: E402
 from services.worker.sequence import Sequence, Stopping  # noqa: E402
 
@@ -97,8 +97,8 @@ def build(model_dir: pathlib.Path, args, n_adapters: int):
                          pool_slots=64, max_model_len=max(512, tokens))
     built = build_engine(model_dir, opts)
     config = {"r": args.rank, "lora_alpha": 2 * args.rank}
-    slots = [built.pool.place(f"a{i}", build_layout(random_adapter(built.spec, args.rank, i),
-                                                    config, built.spec, built.dtype))
+    slots = [built.pool.place(f"a{i}", staged_from_tensors(
+                 random_adapter(built.spec, args.rank, i), config, built.spec))
              for i in range(n_adapters)]
     return built, slots
 

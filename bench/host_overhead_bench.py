@@ -66,7 +66,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import services.worker.graph_runner as graph_runner_mod  # noqa: E402
-from services.worker.adapter_layout import layout_from_peft_dir  # noqa: E402
+from services.worker.adapter_layout import staged_from_peft_dir  # noqa: E402
 from services.worker.factory import EngineOptions, build_engine  # noqa: E402
 from services.worker.graph_runner import GraphRunner  # noqa: E402
 from services.worker.scheduler import Scheduled  # noqa: E402
@@ -163,7 +163,7 @@ def build(model_dir: pathlib.Path, batch: int, prompt_len: int, new: int, clock:
                          cuda_graphs=False)
     built = build_engine(model_dir, opts)
     adapters = model_dir.parent / "adapters"
-    slots = [built.pool.place(n, layout_from_peft_dir(adapters / n, built.spec, built.dtype))
+    slots = [built.pool.place(n, staged_from_peft_dir(adapters / n, built.spec))
              for n in ADAPTERS if (adapters / n).exists()]
     gr = GraphRunner(built.engine.runner, sizes=(batch,))
     if cuda:                           # as services.worker.factory does it, for one batch size

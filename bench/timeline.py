@@ -160,7 +160,7 @@ def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
     prefilled and a few decode steps in."""
     from bench.e2e_gpu_bench import (_NullTokenizer, adapter_tensors, llama7b_spec,
                                      random_weights)
-    from services.worker.adapter_layout import build_layout
+    from services.worker.adapter_layout import staged_from_tensors
     from services.worker.factory import EngineOptions, assemble
     from services.worker.sequence import Sequence, Stopping
     dev = torch.device(device)
@@ -171,9 +171,9 @@ def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
                          pool_slots=64, max_model_len=1024, cuda_graphs=cuda_graphs, **extra)
     built = assemble(spec, random_weights(spec, dev, torch.bfloat16), _NullTokenizer(), opts,
                      dev, torch.bfloat16)
-    slots = [built.pool.place(f"a{i}", build_layout(adapter_tensors(spec, 16, i + 1, dev),
-                                                    {"r": 16, "lora_alpha": 32}, spec,
-                                                    torch.bfloat16)) for i in range(distinct)]
+    slots = [built.pool.place(f"a{i}", staged_from_tensors(
+                 adapter_tensors(spec, 16, i + 1, dev), {"r": 16, "lora_alpha": 32}, spec))
+             for i in range(distinct)]
     eng = built.engine
     for i in range(batch):
         slot = slots[i % len(slots)] if slots else -1

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, common_pb2
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
-from services.worker.adapter_layout import layout_from_peft_dir
+from services.worker.adapter_layout import staged_from_peft_dir
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.sequence import Sequence, Stopping
 from tests.hf_fixtures import make_base
@@ -57,8 +57,8 @@ def pool_bytes_for(root: pathlib.Path, k: int) -> int:
     from services.worker.model_spec import load_spec
     from services.worker.range_alloc import RangeAllocator
     spec = load_spec(root / "base")
-    lay = layout_from_peft_dir(root / "adapters" / "a000", spec, torch.float32)
-    return k * RangeAllocator.rounded(lay.blob.numel()) * 4
+    lay = staged_from_peft_dir(root / "adapters" / "a000", spec)
+    return k * RangeAllocator.rounded(lay.plan.numel) * 4
 
 
 def start(root, tmp, tenant_share: float, pool_bytes: int | None = None):
@@ -101,8 +101,8 @@ def expected_outputs(root, jobs):
     out, done = {}, []
     for i, (name, prompt) in enumerate(jobs):
         if name not in slots:
-            slots[name] = built.pool.place(name, layout_from_peft_dir(
-                root / "adapters" / name, built.spec, built.dtype))
+            slots[name] = built.pool.place(name, staged_from_peft_dir(
+                root / "adapters" / name, built.spec))
         out[i] = []
         built.engine.submit(Sequence(str(i), prompt, slot=slots[name],
                                      stopping=Stopping(6, ignore_eos=True)),

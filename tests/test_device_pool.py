@@ -1,6 +1,7 @@
 """The device pool (services.worker.device_pool) on the tiny model, with the demo adapters: an
-adapter's slot becomes visible only once its blob and tables are written, and a failed copy
-gives its range and slot back. The copy here is the pool's own, held at an event so that the
+adapter's slot becomes visible only once its weights and tables are written, a failed copy
+gives its range and slot back, every matrix lands where the tables say, transposed and folded
+as the kernels expect. The device work here is the pool's own, held at an event so that the
 window between reserving a slot and finishing the copy can be looked into."""
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.adapter_layout import OFFSET_ALIGN, build_layout, layout_from_peft_dir
+from services.common.errors import InvalidArgument
+from services.worker.adapter_layout import (OFFSET_ALIGN, staged_from_peft_dir,
+                                            staged_from_tensors)
 from services.worker.device_pool import DevicePool
-from services.worker.model_spec import MODULE_GROUP, load_spec
+from services.worker.model_spec import GROUPS, MODULE_GROUP, load_spec
 from tests.support import DEMO_ADAPTERS, MODEL_DIR
 
 
@@ -25,19 +28,19 @@ class HeldPool(DevicePool):
         super().__init__(*args)
         self.started, self.release, self.fail = threading.Event(), threading.Event(), False
 
-    def _copy(self, start, layout, slot):
+    def _write(self, staged, segs, values):
         self.started.set()
         assert self.release.wait(30)
         if self.fail:
             raise RuntimeError("copy failed")
-        super()._copy(start, layout, slot)
+        super()._write(staged, segs, values)
 
 
 @pytest.fixture
 def pool_and_layout():
     spec = load_spec(MODEL_DIR)
     name = sorted(p.name for p in DEMO_ADAPTERS.iterdir())[0]
-    layout = layout_from_peft_dir(DEMO_ADAPTERS / name, spec, torch.float32)
+    layout = staged_from_peft_dir(DEMO_ADAPTERS / name, spec)
     return HeldPool(spec, torch.device("cpu"), torch.float32, 1 << 22, 4), layout
 
 
@@ -52,9 +55,11 @@ def test_a_slot_is_visible_only_once_placed(pool_and_layout):
     placing.join(30)
     slot = out["slot"]
     assert pool.slot_of("a") == slot
-    group = next(g for g, offs in layout.offsets.items() if (offs >= 0).any())
+    group = next(g for g, offs in layout.plan.offsets.items() if (offs >= 0).any())
     assert (pool.tables.a_off_host[group][..., slot] >= 0).any()
-    assert pool.tables.ranks_host[slot] == layout.rank
+    assert pool.tables.ranks_host[slot] == layout.plan.rank
+    assert int(pool.tables.ranks[slot]) == layout.plan.rank
+    assert float(pool.tables.scales[slot]) == pytest.approx(layout.plan.scale)
 
 
 def test_a_failed_copy_gives_back_its_range_and_slot(pool_and_layout):
@@ -71,50 +76,88 @@ def test_a_failed_copy_gives_back_its_range_and_slot(pool_and_layout):
     assert np.count_nonzero(pool.tables.slot_groups) == 1
 
 
-def test_every_matrix_starts_at_an_aligned_offset_whatever_the_shapes():
-    """The SGMV kernels take every pool offset as a multiple of tables.align (so that they may
-    load adapter weights in 16-byte vectors): the layout pads each A and Bt to OFFSET_ALIGN
-    elements even where r x K is odd, and the matrices read back at their offsets unchanged."""
-    spec = dataclasses.replace(load_spec(MODEL_DIR), hidden_size=36, num_heads=3, head_dim=12,
-                               num_kv_heads=1, intermediate_size=20)
-    r, gen = 3, torch.Generator().manual_seed(0)
+def _odd_adapter(spec, r: int, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(spec.num_layers):
         for mod in ("q_proj", "k_proj", "o_proj", "down_proj"):
             k, n = spec.in_out(mod)
             part = "mlp" if mod == "down_proj" else "self_attn"
             pre = f"base_model.model.model.layers.{layer}.{part}.{mod}"
-            tensors[f"{pre}.lora_A.weight"] = torch.randn(r, k, generator=gen)
-            tensors[f"{pre}.lora_B.weight"] = torch.randn(n, r, generator=gen)
-    layout = build_layout(tensors, {"r": r, "lora_alpha": 6}, spec, torch.float32)
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(r, k, generator=gen).to(dtype)
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(n, r, generator=gen).to(dtype)
+    return tensors
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_every_matrix_lands_at_an_aligned_offset_as_the_kernels_read_it(src_dtype):
+    """The SGMV kernels take every pool offset as a multiple of tables.align (so that they may
+    load adapter weights in 16-byte vectors): each A and Bt starts at a multiple of
+    OFFSET_ALIGN elements even where r x K is odd, A reads back as it was, B transposed, in
+    the pool's dtype, and the device tables (offsets, rank, scale) match the host's."""
+    spec = dataclasses.replace(load_spec(MODEL_DIR), hidden_size=36, num_heads=3, head_dim=12,
+                               num_kv_heads=1, intermediate_size=20)
+    r = 3
+    tensors = _odd_adapter(spec, r, src_dtype)
+    staged = staged_from_tensors(tensors, {"r": r, "lora_alpha": 6}, spec)
     pool = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 20, 2)
     assert pool.tables.align == OFFSET_ALIGN
-    slot = pool.place("odd", layout)
+    pool.place("first", staged_from_tensors(_odd_adapter(spec, 5, seed=1), {"r": 5}, spec))
+    slot = pool.place("odd", staged)
     t = pool.tables
     for name, w in tensors.items():
         layer, mod, ab = int(name.split(".")[4]), name.split(".")[6], name.split(".")[7]
         group, j = MODULE_GROUP[mod]
-        table = t.a_off_host if ab == "lora_A" else t.b_off_host
+        table, dev = (t.a_off_host, t.a_off) if ab == "lora_A" else (t.b_off_host, t.b_off)
         off = int(table[group][layer, j, slot])
         assert off % OFFSET_ALIGN == 0, (name, off)
-        want = w if ab == "lora_A" else w.t()
+        assert int(dev[group][layer, j, slot]) == off
+        want = (w if ab == "lora_A" else w.t()).float()
         got = t.pool[off:off + want.numel()].view(want.shape)
         assert torch.equal(got, want), name
+    assert (t.a_off["gate_up"][..., slot] == -1).all()          # untargeted: absent
+    assert int(t.ranks[slot]) == r and float(t.scales[slot]) == 2.0
 
 
-def test_a_layout_with_unaligned_offsets_is_refused(pool_and_layout):
-    """A blob whose offsets break the alignment the kernels assume never reaches the tables."""
-    pool, layout = pool_and_layout
-    group = next(g for g, offs in layout.offsets.items() if (offs >= 0).any())
-    offs = layout.offsets[group].copy()
-    offs[offs >= 0] += 1
-    bad = dataclasses.replace(layout, offsets=dict(layout.offsets, **{group: offs}))
-    free = pool.free_bytes
-    with pytest.raises(ValueError, match="multiples of"):
-        pool.place("bad", bad)
-    assert not pool.started.is_set()                  # refused before any copy
-    assert pool.slot_of("bad") is None and pool.free_bytes == free
-    assert all((tab == -1).all() for tab in pool.tables.a_off_host.values())
+def test_adapters_the_model_cannot_take_are_refused_with_the_tensor_named():
+    """Planning checks the file's own header against the model: a shape that does not match,
+    a lone A, a tensor of an unknown module, two dtypes in one file."""
+    spec = load_spec(MODEL_DIR)
+    good = _odd_adapter(spec, 4)
+    name = next(iter(good))
+    cases = {
+        "do not match": {**good, name: torch.zeros(4, 7)},
+        "needs both": {k: v for k, v in good.items() if "layers.0.self_attn.q_proj.lora_B" not in k},
+        "not a supported target": {**good, name.replace("q_proj", "lm_proj"): good[name].clone()},
+        "several dtypes": {**good, name: good[name].half()},
+    }
+    for message, tensors in cases.items():
+        with pytest.raises(InvalidArgument, match=message):
+            staged_from_tensors(tensors, {"r": 4}, spec)
+
+
+def test_the_pool_folds_norm_weights_into_the_a_of_folded_groups():
+    """With norm_fold (the model folded in-layer RMSNorm weights into q/k/v and gate/up), the
+    pool holds g * A for those groups' A and leaves B and the other groups' A as they were."""
+    spec = load_spec(MODEL_DIR)
+    g = torch.Generator().manual_seed(3)
+    fold = {"qkv": 1 + 0.2 * torch.randn(spec.num_layers, spec.hidden_size, generator=g),
+            "gate_up": 1 + 0.2 * torch.randn(spec.num_layers, spec.hidden_size, generator=g)}
+    staged = staged_from_peft_dir(DEMO_ADAPTERS / "pirate", spec)     # every group
+    plain = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 22, 2)
+    folded = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 22, 2, norm_fold=fold)
+    s0, s1 = plain.place("a", staged), folded.place("a", staged)
+    seen = set()
+    for group, offs in staged.plan.offsets.items():
+        for layer, j in zip(*np.nonzero(offs[:, :, 0] >= 0)):
+            r = staged.plan.rank
+            kk = spec.in_out(next(m for m, gj in MODULE_GROUP.items() if gj == (group, j)))[0]
+            a0 = plain.tables.pool[plain.tables.a_off_host[group][layer, j, s0]:][:r * kk]
+            a1 = folded.tables.pool[folded.tables.a_off_host[group][layer, j, s1]:][:r * kk]
+            want = a0.view(r, kk) * fold[group][layer] if group in fold else a0.view(r, kk)
+            torch.testing.assert_close(a1.view(r, kk), want)
+            seen.add(group)
+    assert seen == set(GROUPS)
 
 
 @pytest.mark.parametrize("kn", [False, True])
@@ -139,10 +182,8 @@ def test_column_blocks_hold_each_adapters_a_rows_in_either_weight_layout(kn):
                               x @ w.t(), atol=1e-5)
     pool = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 22, 4, columns=cols)
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
-    first = pool.place(names[0], layout_from_peft_dir(DEMO_ADAPTERS / names[0], spec,
-                                                      torch.float32))
-    second = pool.place(names[1], layout_from_peft_dir(DEMO_ADAPTERS / names[1], spec,
-                                                       torch.float32))
+    first = pool.place(names[0], staged_from_peft_dir(DEMO_ADAPTERS / names[0], spec))
+    second = pool.place(names[1], staged_from_peft_dir(DEMO_ADAPTERS / names[1], spec))
     assert cols.col_host[first] == 0 and cols.col_host[second] == -1
     t = pool.tables
     n, k, r = starts[-1], spec.hidden_size, int(t.ranks_host[first])
@@ -154,11 +195,11 @@ def test_column_blocks_hold_each_adapters_a_rows_in_either_weight_layout(kn):
             if a_o >= 0:
                 want[:r] = t.pool[a_o:a_o + r * k].view(r, k)
             assert torch.equal(block, want), (layer, j)
+    assert int(cols.col_slot[first]) == 0 and int(cols.col_slot[second]) == -1
     assert (t.a_off_host["qkv"][:, :, first] < 0).any()      # some slice untargeted: zeros
     pool.remove(names[0])
-    assert cols.col_host[first] == -1 and int(cols.col_slot[first]) == -1
-    third = pool.place("again", layout_from_peft_dir(DEMO_ADAPTERS / names[1], spec,
-                                                     torch.float32))
+    assert cols.col_host[first] == -1                        # the block is free again
+    third = pool.place("again", staged_from_peft_dir(DEMO_ADAPTERS / names[1], spec))
     assert cols.col_host[third] == 0 and int(cols.col_slot[third]) == 0
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.worker.adapter_layout import layout_from_peft_dir
+from services.worker.adapter_layout import staged_from_peft_dir
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.sequence import Sampling, Sequence, Stop, Stopping
 from tests.hf_fixtures import make_adapter, make_base
@@ -35,7 +35,7 @@ def engine_for(root, model="base", **kw):
     built = build_engine(root / model, EngineOptions(device="cpu", dtype="float32", **kw))
     slots = {None: -1}
     for n in ADAPTERS:
-        layout = layout_from_peft_dir(root / "adapters" / n, built.spec, built.dtype)
+        layout = staged_from_peft_dir(root / "adapters" / n, built.spec)
         slots[n] = built.pool.place(n, layout)
     return built, slots
 

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from services.worker.adapter_layout import layout_from_peft_dir
+from services.worker.adapter_layout import staged_from_peft_dir
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.sequence import Sequence, Stopping
 from tests.hf_fixtures import ADAPTER_SPECS
@@ -23,8 +23,7 @@ def _engine(root: pathlib.Path, **kw):
     opts = EngineOptions(device="cpu", dtype="float32", kv_cache_bytes=kw.pop("kv", 4 << 20),
                          block_size=kw.pop("block_size", 4), max_batch_tokens=64, **kw)
     built = build_engine(root / "base", opts)
-    slots = {n: built.pool.place(n, layout_from_peft_dir(root / "adapters" / n, built.spec,
-                                                          built.dtype))
+    slots = {n: built.pool.place(n, staged_from_peft_dir(root / "adapters" / n, built.spec))
              for n in ADAPTER_SPECS}
     return built, slots
 
@@ -116,7 +115,7 @@ def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
     residual add + norm; the q/k/v and gate/up weights hold g * W, and the pool's q/k/v and
     gate/up A matrices g * A (o's and down's as written)."""
     from services.worker import model as model_mod
-    from services.worker.adapter_layout import layout_from_peft_dir
+    from services.worker.adapter_layout import staged_from_peft_dir
     monkeypatch.setenv("LORAFLEET_FOLD_NORMS", "1")
     calls = {"rms_norm": 0, "add_rms_norm": 0}
     for name in calls:
@@ -143,18 +142,18 @@ def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
     torch.testing.assert_close(w0["qkv"][:raw["model.layers.0.self_attn.q_proj.weight"].shape[0]],
                                raw["model.layers.0.self_attn.q_proj.weight"] * g_in)
     t = built.pool.tables
-    lay = layout_from_peft_dir(root / "adapters" / "r64-all", built.spec, built.dtype)
+    from safetensors.torch import load_file
+    peft = load_file(str(root / "adapters" / "r64-all" / "adapter_model.safetensors"))
     slot = slots["r64-all"]
-    for group, norm in (("qkv", "input_layernorm"), ("gate_up", "post_attention_layernorm"),
-                        ("o", None), ("down", None)):
+    for group, module, norm in (("qkv", "self_attn.q_proj", "input_layernorm"),
+                                ("gate_up", "mlp.gate_proj", "post_attention_layernorm"),
+                                ("o", "self_attn.o_proj", None), ("down", "mlp.down_proj", None)):
         a_in_pool = int(t.a_off_host[group][1, 0, slot])
-        a_in_blob = int(lay.offsets[group][1, 0, 0])
-        n = lay.rank * (built.spec.hidden_size if norm else
-                        (built.spec.q_size if group == "o" else built.spec.intermediate_size))
-        want = lay.blob[a_in_blob:a_in_blob + n]
+        want = peft[f"base_model.model.model.layers.1.{module}.lora_A.weight"].to(built.dtype)
         if norm:
-            want = (want.view(lay.rank, -1) * raw[f"model.layers.1.{norm}.weight"]).reshape(-1)
-        torch.testing.assert_close(t.pool[a_in_pool:a_in_pool + n], want)
+            want = want * raw[f"model.layers.1.{norm}.weight"]
+        got = t.pool[a_in_pool:a_in_pool + want.numel()].view(want.shape)
+        torch.testing.assert_close(got, want)
 
 
 def test_fold_norms_setting(ckpt, monkeypatch):
@@ -175,24 +174,31 @@ def test_fold_norms_setting(ckpt, monkeypatch):
 
 
 def test_pool_host_tables_mirror_the_device_tables(ckpt):
-    """The host copies of the offset, rank and scale tables follow every place and remove."""
+    """The host copies of the offset, rank and scale tables match the device's for every
+    placed slot. A removal is host bookkeeping only (the host says -1; no row reads the
+    device's stale entries), and the next placement in that slot rewrites every device entry
+    of it, groups the new adapter does not target included."""
     root, _, _ = ckpt
     built, slots = _engine(root)
     t = built.pool.tables
 
-    def same():
+    def same(live):
         for g in t.a_off:
-            assert (t.a_off_host[g] == t.a_off[g].numpy()).all()
-            assert (t.b_off_host[g] == t.b_off[g].numpy()).all()
-        assert (t.ranks_host == t.ranks.numpy()).all()
-        assert (t.scales_host == t.scales.numpy()).all()
+            assert (t.a_off_host[g][..., live] == t.a_off[g].numpy()[..., live]).all()
+            assert (t.b_off_host[g][..., live] == t.b_off[g].numpy()[..., live]).all()
+        assert (t.ranks_host[live] == t.ranks.numpy()[live]).all()
+        assert (t.scales_host[live] == t.scales.numpy()[live]).all()
 
-    same()
+    same(list(slots.values()))
     assert (t.ranks_host[list(slots.values())] > 0).all()
-    gone = next(iter(slots))
+    gone = "r64-all"                                # targets every group
     built.pool.remove(gone)
-    same()
     assert all((t.a_off_host[g][:, :, slots[gone]] == -1).all() for g in t.a_off)
+    again = built.pool.place("again", staged_from_peft_dir(root / "adapters" / "r1-attn",
+                                                           built.spec))
+    assert again == slots[gone]                     # the freed slot, reused
+    same([again])
+    assert (t.a_off["gate_up"].numpy()[..., again] == -1).all()   # r1-attn: q/v only
 
 
 def test_adapters_really_change_the_output(ckpt):
@@ -256,11 +262,12 @@ def test_column_lora_matches_peft_greedy(ckpt, monkeypatch):
         got, _ = run_all(built.engine, seqs)
         assert got == expected, names
         assert (calls["columns"] > 0) == column_path, (names, calls)
-    # a removed adapter gives its block back; the next placed one takes it
+    # a removed adapter gives its block back; the next placed one takes it (the device's
+    # col_slot entry of the freed slot is rewritten by the slot's next placement)
     freed = blocks[with_block[0]]
     built.pool.remove(with_block[0])
     gone = slots[with_block[0]]
-    assert cols.col_host[gone] == -1 and int(cols.col_slot[gone]) == -1
-    again = built.pool.place("again", layout_from_peft_dir(root / "adapters" / with_block[0],
-                                                           built.spec, built.dtype))
-    assert cols.col_host[again] == freed
+    assert cols.col_host[gone] == -1
+    again = built.pool.place("again", staged_from_peft_dir(root / "adapters" / with_block[0],
+                                                           built.spec))
+    assert cols.col_host[again] == freed and int(cols.col_slot[again]) == freed

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from services.worker.adapter_layout import layout_from_peft_dir
+from services.worker.adapter_layout import staged_from_peft_dir
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.sequence import Sequence, Stopping
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -24,8 +24,8 @@ def greedy_tokens(device: str, dtype: str, graphs: bool = True,
                          overlap=overlap)
     built = build_engine(MODEL_DIR, opts)
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
-    slots = {n: built.pool.place(n, layout_from_peft_dir(DEMO_ADAPTERS / n, built.spec,
-                                                          built.dtype)) for n in names}
+    slots = {n: built.pool.place(n, staged_from_peft_dir(DEMO_ADAPTERS / n, built.spec))
+             for n in names}
     prompts = ["Tell me about the weather.", "Hello!", "What should I do today?"]
     out: dict[str, list[int]] = {}
     done: list = []
@@ -101,8 +101,8 @@ def test_gpu_prefill_logits_match_cpu_fp32():
         names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
         seqs = []
         for i, n in enumerate(["", *names]):
-            slot = built.pool.place(n, layout_from_peft_dir(DEMO_ADAPTERS / n, built.spec,
-                                                            built.dtype)) if n else -1
+            slot = built.pool.place(n, staged_from_peft_dir(DEMO_ADAPTERS / n,
+                                                            built.spec)) if n else -1
             seqs.append(Sequence(n or "base", list(range(5 + i, 40 + 3 * i)), slot=slot))
         runner = built.engine.runner
         for s in seqs:

@@ -171,8 +171,21 @@ def channel(target: str, ca: str | None = None, cert: str | None = None,
             key: str | None = None) -> grpc.aio.Channel:
     """An aio channel to another lorafleet service (TLS when a CA is given)."""
     if ca:
-        creds = grpc.ssl_channel_credentials(
-            open(ca, "rb").read(), open(key, "rb").read() if key else None,
-            open(cert, "rb").read() if cert else None)
-        return grpc.aio.secure_channel(target, creds, options=CLIENT_OPTIONS)
+        return grpc.aio.secure_channel(target, _credentials(ca, cert, key),
+                                       options=CLIENT_OPTIONS)
     return grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
+
+
+def sync_channel(target: str, ca: str | None = None, cert: str | None = None,
+                 key: str | None = None) -> grpc.Channel:
+    """A blocking channel to another lorafleet service, for calls made from worker threads
+    (the worker's adapter fetches), with the same options and TLS as `channel`."""
+    if ca:
+        return grpc.secure_channel(target, _credentials(ca, cert, key), options=CLIENT_OPTIONS)
+    return grpc.insecure_channel(target, options=CLIENT_OPTIONS)
+
+
+def _credentials(ca: str, cert: str | None, key: str | None) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        open(ca, "rb").read(), open(key, "rb").read() if key else None,
+        open(cert, "rb").read() if cert else None)

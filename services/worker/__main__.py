@@ -11,11 +11,12 @@ import torch
 
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from services.common.runtime import run_service
-from services.common.server import channel, create_server, serve, server_credentials
+from services.common.server import create_server, serve, server_credentials, sync_channel
 from services.worker import metrics
 from services.worker.adapter_manager import AdapterManager
 from services.worker.config import WorkerConfig, parse_args
 from services.worker.factory import EngineOptions, build_engine
+from services.worker.host_tier import HostTier
 from services.worker.residency import ResidencyFeed
 from services.worker.servicer import WorkerServicer
 from services.worker.store_client import StoreClient
@@ -48,11 +49,16 @@ async def main_async(cfg: WorkerConfig) -> None:
     if engine_options(cfg).device == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
     built = await asyncio.to_thread(build_engine, cfg.model, engine_options(cfg))
-    store = StoreClient(channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key))
+    store = StoreClient(sync_channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key),
+                        shm_dir=cfg.store_shm_dir or None)
+    host = await asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
+                                   built.device.type == "cuda", built.spec)
+    await asyncio.to_thread(built.pool.warm_up)
     feed_ref: list[ResidencyFeed] = []
-    manager = AdapterManager(built.pool, built.spec, cfg.host_pool_bytes, store,
+    manager = AdapterManager(built.pool, built.spec, host, store,
                              tenant_share=cfg.tenant_share or None,
-                             on_change=lambda key: feed_ref[0].mark(key))
+                             on_change=lambda key: feed_ref[0].mark(key),
+                             loader_threads=cfg.loader_threads)
     base_load = load_fn(built.engine)
     def load():
         out = base_load()
@@ -81,6 +87,7 @@ async def main_async(cfg: WorkerConfig) -> None:
         feed.close()
     await serve(server, health, cfg.grace, on_drain=drain, name="worker")
     ticker.cancel()
+    manager.close()
     stop.set()
     thread.join(5)
 

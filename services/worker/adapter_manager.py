@@ -1,28 +1,40 @@
 """The worker's adapter tiers: the device pool (GPU) and the pinned host tier, both governed by
 services.common.cache_policy (LRU, pins, per-tenant caps, footholds), filled from the store.
 
-A request `acquire`s its adapter: a GPU hit pins it at once; otherwise it is staged (host tier,
-else the store) while the engine keeps running other rows, then placed and pinned. The pin is
-held until the engine has finished the request, so an adapter in use is never evicted.
+A request `acquire`s its adapter: a GPU hit pins it at once; otherwise one cold load runs for
+it (later requests for the same adapter join it) while the engine keeps stepping every other
+row. The request enters the engine only once its adapter is usable, so a load never holds the
+batch back. The pin is held until the engine has finished the request, so an adapter in use is
+never evicted.
+
+A cold load is one job on a loader thread, never on the event loop: the store fetch straight
+into a host-tier reservation (services.worker.store_client), the layout plan, the device-pool
+admission (evicting unpinned adapters) and the placement (services.worker.device_pool), a
+handful of device operations. The event loop only starts it and hears when it is done, so
+loads run side by side and no stream's tokens wait for one. When the pool is full of adapters
+in use the job hands back, the loop waits for a release, and the job runs again (its bytes are
+in the host tier by then). Each finished load leaves a record of its stages (ColdLoadLog).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextvars
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-from safetensors.torch import load as load_safetensors
-
 from services.common.cache_policy import CachePolicy, NoRoom
 from services.common.errors import ResourceExhausted
-from services.common.gen.lorafleet.v1 import common_pb2
+from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import tracer
-from services.worker.adapter_layout import AdapterLayout, build_layout
 from services.worker import metrics
-from services.worker.device_pool import DevicePool, PoolFull
+from services.worker.adapter_layout import StagedAdapter
+from services.worker.device_pool import DevicePool
+from services.worker.host_tier import HostTier
 from services.worker.model_spec import ModelSpec
 from services.worker.store_client import StoreClient
 
@@ -52,25 +64,58 @@ class Residency:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class _Job:
+    """One run of a cold-load job: what it found and changed, for the event loop to apply."""
+    key: str
+    adapter_id: str
+    version: str
+    tenant: str
+    deadline: float | None
+    record: wpb.ColdLoadRecord
+    placed: bool = False
+    runs: int = 0
+    nbytes: int = 0
+    host_added: bool = False
+    gpu_victims: list[str] = field(default_factory=list)
+    host_victims: list[str] = field(default_factory=list)
+
+
+class ColdLoadLog:
+    """The newest finished cold loads, numbered (WorkerInfoResponse.cold_load_records)."""
+
+    def __init__(self, keep: int = 4096):
+        self.seq = 0
+        self._records: collections.deque = collections.deque(maxlen=keep)
+
+    def add(self, record: wpb.ColdLoadRecord) -> None:
+        self.seq += 1
+        record.seq = self.seq
+        self._records.append(record)
+
+    def since(self, seq: int) -> list[wpb.ColdLoadRecord]:
+        return [r for r in self._records if r.seq > seq]
+
+
 ROOM_MARGIN_S = 0.5      # a wait for adapter room ends this long before the request's deadline
+STAGES = ("fetch", "digest", "layout", "room_wait", "host_to_device", "source")
 
 
 class AdapterManager:
-    def __init__(self, pool: DevicePool, spec: ModelSpec, host_bytes: int, store: StoreClient,
+    def __init__(self, pool: DevicePool, spec: ModelSpec, host: HostTier, store: StoreClient,
                  tenant_share: float | None = 0.5,
-                 on_change: Callable[[str], None] = lambda key: None):
-        self.pool, self.spec, self.store = pool, spec, store
+                 on_change: Callable[[str], None] = lambda key: None, loader_threads: int = 8):
+        self.pool, self.spec, self.store, self.host = pool, spec, store, host
         self.gpu = CachePolicy(pool.capacity_bytes, tenant_share, foothold=tenant_share is not None)
-        self.host = CachePolicy(max(host_bytes, 1), tenant_share,
-                                foothold=tenant_share is not None)
-        self.host_blobs: dict[str, AdapterLayout] = {}
         self.info: dict[str, Residency] = {}
         self._loading: dict[str, asyncio.Future] = {}
         self._freed = asyncio.Condition()
+        self._gpu_lock = threading.Lock()      # policy + pool steps that must go together
+        self._loader = ThreadPoolExecutor(max(1, loader_threads), "adapter-load")
         self._on_change = on_change
+        self.log = ColdLoadLog()
         self.cold_loads: dict[int, list[float]] = {}   # tier -> recent seconds
         self.cold_load_count: dict[int, int] = {}
-        self.pin = pool.device.type == "cuda"
 
     @staticmethod
     def key(adapter_id: str, version: str) -> str:
@@ -80,9 +125,12 @@ class AdapterManager:
                       deadline: float | None) -> Acquired:
         """Pin the adapter on the device, staging it first if needed."""
         key = self.key(adapter_id, version)
-        slot = self.pool.slot_of(key)
-        if slot is not None and self.gpu.touch(key):
-            self.gpu.pin(key)
+        with self._gpu_lock:
+            slot = self.pool.slot_of(key)
+            hit = slot is not None and self.gpu.touch(key)
+            if hit:
+                self.gpu.pin(key)
+        if hit:
             self._use(key, +1)
             metrics.count_lookup("gpu", True)
             return Acquired(key, slot, common_pb2.GPU, 0.0)
@@ -118,8 +166,11 @@ class AdapterManager:
             pending = self._loading.get(key)
             if pending is not None:
                 await asyncio.shield(pending)
-                if self.pool.slot_of(key) is not None and self.gpu.contains(key):
-                    self.gpu.pin(key)
+                with self._gpu_lock:
+                    ready = self.pool.slot_of(key) is not None and self.gpu.contains(key)
+                    if ready:
+                        self.gpu.pin(key)
+                if ready:
                     self._use(key, +1)
                     return common_pb2.GPU
                 continue
@@ -132,71 +183,152 @@ class AdapterManager:
                 fut.set_result(None)
 
     async def _load(self, key, adapter_id, version, tenant, deadline) -> int:
-        layout, tier = await self._host_layout(key, adapter_id, version, tenant, deadline)
-        self.info[key].loading = True
+        info = self.info.setdefault(key, Residency(adapter_id, version, tenant, 0))
+        info.loading = True
         self._on_change(key)
+        start = time.monotonic()
+        job = _Job(key, adapter_id, version, tenant, deadline, wpb.ColdLoadRecord(
+            adapter_id=adapter_id, tier=common_pb2.WORKER_HOST))
         try:
-            await self._place(key, tenant, layout, deadline)
+            while True:
+                ctx = contextvars.copy_context()
+                try:
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._loader, ctx.run, self._cold_job, job)
+                finally:
+                    self._apply(job)
+                if job.placed:
+                    break
+                waited = time.monotonic()
+                await self._wait_for_room(deadline, key)
+                job.record.room_wait_s += time.monotonic() - waited
         finally:
-            self.info[key].loading = False
-        self.info[key].gpu = True
+            info.loading = False
+        info.gpu = True
         self._use(key, +1)
-        return tier
+        job.record.total_s = time.monotonic() - start
+        job.record.end_unix_s = time.time()
+        self.log.add(job.record)
+        _observe_stages(job.record)
+        return job.record.tier
 
-    async def _host_layout(self, key, adapter_id, version, tenant, deadline):
-        if key in self.host_blobs and self.host.touch(key):
+    # ---- the job, on a loader thread -------------------------------------------------------
+
+    def _cold_job(self, job: _Job) -> None:
+        """Host tier (else the store) -> device pool. Sets job.placed, or leaves it False when
+        the pool has no room (every adapter in it in use: the loop waits, then runs it again)."""
+        job.runs += 1
+        staged = self.host.lookup(job.key, pin=True)
+        if staged is None:
+            staged = self._fetch(job)
+        elif job.runs == 1:
             metrics.count_lookup("worker_host", True)
-            return self.host_blobs[key], common_pb2.WORKER_HOST
+        job.nbytes = job.record.bytes = staged.nbytes
+        try:
+            if self._admit(job, staged):
+                t = time.monotonic()
+                with _tracer.start_as_current_span("lora.host_to_device") as span:
+                    span.set_attribute("lora.bytes", staged.nbytes)
+                    self._place(job.key, staged)
+                job.record.host_to_device_s += time.monotonic() - t
+                job.placed = True
+        finally:
+            self.host.unpin(job.key)
+
+    def _fetch(self, job: _Job) -> StagedAdapter:
         metrics.count_lookup("worker_host", False)
-        timeout = None if deadline is None else max(0.01, deadline - time.monotonic())
+        remaining = None if job.deadline is None else max(0.01, job.deadline - time.monotonic())
+        rec, reserved = job.record, []
+
+        def reserve(nbytes: int):
+            res, victims = self.host.reserve(job.key, job.tenant, nbytes)
+            job.host_victims += victims
+            reserved.append(res)
+            return res
         with _tracer.start_as_current_span("lora.store_fetch") as span:
-            fetched = await self.store.fetch(adapter_id, version, timeout)
-            span.set_attributes({"lora.bytes": len(fetched.blob), "lora.source_tier":
-                                 common_pb2.Tier.Name(fetched.tier)})
-        layout = await asyncio.to_thread(self._layout, fetched.blob, fetched.config)
-        info = self.info.setdefault(key, Residency(adapter_id, fetched.version, tenant, 0))
-        info.nbytes = layout.nbytes
-        for victim in self.host.admit(key, tenant, layout.nbytes):
-            self._drop_host(victim)
-        self.host_blobs[key] = layout
-        info.host = True
-        self._on_change(key)
-        return layout, fetched.tier
+            try:
+                fetched, res = self.store.fetch(job.adapter_id, job.version, remaining, reserve)
+            except BaseException:
+                for res in reserved:
+                    self.host.abort(res)
+                raise
+            span.set_attributes({"lora.bytes": res.view.numel(), "lora.source_tier":
+                                 common_pb2.Tier.Name(fetched.tier), "lora.shm": fetched.shm})
+        rec.tier, rec.fetch_s, rec.digest_s = fetched.tier, fetched.fetch_s, fetched.digest_s
+        rec.source_s, rec.bytes = fetched.source_s, res.view.numel()
+        t = time.monotonic()
+        with _tracer.start_as_current_span("lora.validate") as span:   # header + layout plan
+            span.set_attribute("lora.bytes", res.view.numel())
+            staged = self.host.commit(res, fetched.config)
+        rec.layout_s = time.monotonic() - t
+        job.host_added = res.cached
+        return staged
 
-    def _layout(self, blob: bytes, config: dict) -> AdapterLayout:
-        """Check the fetched safetensors bytes (validated by the store at registration,
-        digest-checked in transit) against this worker's model: every tensor a LoRA A/B of a
-        supported projection, pairs complete, shapes matching; and lay them out as a pool blob.
-        Traced as the cold load's `lora.validate` span."""
-        with _tracer.start_as_current_span("lora.validate") as span:
-            span.set_attribute("lora.bytes", len(blob))
-            return build_layout(load_safetensors(blob), config, self.spec, self.pool.dtype,
-                                pin=self.pin)
-
-    async def _place(self, key, tenant, layout: AdapterLayout, deadline) -> None:
-        nbytes = self.pool.alloc.rounded(layout.blob.numel()) * self.pool.elem
+    def _admit(self, job: _Job, staged: StagedAdapter) -> bool:
+        """Room in the pool for the adapter, pinned for this load: evicts unpinned adapters
+        (policy order, then least recent first while the free space is too fragmented).
+        False when the rest is in use."""
+        nbytes = self.pool.alloc.rounded(staged.plan.numel) * self.pool.elem
         if nbytes > self.pool.capacity_bytes:          # would wait for room that never comes
             raise ResourceExhausted(
-                f"adapter {key} needs {nbytes} bytes of adapter pool; this worker's pool holds "
-                f"{self.pool.capacity_bytes} (--gpu-pool-bytes)", retry_after=1.0)
-        while True:
+                f"adapter {job.key} needs {nbytes} bytes of adapter pool; this worker's pool "
+                f"holds {self.pool.capacity_bytes} (--gpu-pool-bytes)", retry_after=1.0)
+        with self._gpu_lock:
             try:
-                for victim in self.gpu.admit(key, tenant, nbytes, pin=True):
-                    self._drop_gpu(victim)
-                break
+                victims = self.gpu.admit(job.key, job.tenant, nbytes, pin=True)
             except NoRoom:
-                await self._wait_for_room(deadline, key)
+                return False
+            for victim in victims:
+                self._drop_slot(victim, job)
+            while not self.pool.fits(staged):           # fragmentation or out of slots
+                victim = next((e.key for e in self.gpu.entries() if e.pins == 0
+                               and e.key != job.key and self.pool.slot_of(e.key) is not None),
+                              None)
+                if victim is None:
+                    self.gpu.unpin(job.key)
+                    self.gpu.remove(job.key)
+                    return False
+                self.gpu.remove(victim)
+                self._drop_slot(victim, job)
+        return True
+
+    def _place(self, key: str, staged: StagedAdapter) -> None:
         try:
-            while not self.pool.fits(layout):           # fragmentation or out of slots
-                if not self._evict_one_unpinned(key):
-                    await self._wait_for_room(deadline, key)
-            with _tracer.start_as_current_span("lora.host_to_device") as span:
-                span.set_attribute("lora.bytes", layout.nbytes)
-                await asyncio.to_thread(self.pool.place, key, layout)
+            self.pool.place(key, staged)
         except BaseException:
-            self.gpu.unpin(key)
-            self.gpu.remove(key)
+            with self._gpu_lock:
+                self.gpu.unpin(key)
+                self.gpu.remove(key)
             raise
+
+    def _drop_slot(self, key: str, job: _Job) -> None:
+        if self.pool.slot_of(key) is not None:
+            self.pool.remove(key)
+        job.gpu_victims.append(key)
+
+    # ---- back on the event loop ----------------------------------------------------------------
+
+    def _apply(self, job: _Job) -> None:
+        """The residency changes a job made (evictions, a new host-tier entry)."""
+        for victim in job.gpu_victims:
+            self._mark(victim, gpu=False)
+        for victim in job.host_victims:
+            self._mark(victim, host=False)
+        job.gpu_victims, job.host_victims = [], []
+        info = self.info[job.key]
+        if job.nbytes:
+            info.nbytes = job.nbytes
+        if job.host_added:
+            info.host = True
+            job.host_added = False
+        self._on_change(job.key)
+
+    def _mark(self, key: str, **flags) -> None:
+        info = self.info.get(key)
+        if info is not None:
+            for name, value in flags.items():
+                setattr(info, name, value)
+            self._on_change(key)
 
     async def _wait_for_room(self, deadline, key) -> None:
         """Wait (at most a second) for an adapter to be freed. Gives up ROOM_MARGIN_S before the
@@ -213,40 +345,23 @@ class AdapterManager:
         finally:
             self.info[key].waiters -= 1
 
-    def _evict_one_unpinned(self, keep: str) -> bool:
-        for entry in self.gpu.entries():
-            if entry.pins == 0 and entry.key != keep and self.pool.slot_of(entry.key) is not None:
-                self.gpu.remove(entry.key)
-                self._drop_gpu(entry.key)
-                return True
-        return False
-
-    def _drop_gpu(self, key: str) -> None:
-        if self.pool.slot_of(key) is not None:
-            self.pool.remove(key)
-        if key in self.info:
-            self.info[key].gpu = False
-            self._on_change(key)
-
-    def _drop_host(self, key: str) -> None:
-        self.host_blobs.pop(key, None)
-        if key in self.info:
-            self.info[key].host = False
-            self._on_change(key)
-
     def offload(self, adapter_id: str, to_host: bool) -> int:
         """Drop every unpinned version of an adapter from the device (and host) tier."""
         dropped = 0
         for key, info in list(self.info.items()):
             if info.id != adapter_id:
                 continue
-            if info.gpu and not self.gpu.is_pinned(key):
-                self.gpu.remove(key)
-                self._drop_gpu(key)
+            with self._gpu_lock:
+                drop = info.gpu and not self.gpu.is_pinned(key) and key not in self._loading
+                if drop:
+                    self.gpu.remove(key)
+                    if self.pool.slot_of(key) is not None:
+                        self.pool.remove(key)
+            if drop:
+                self._mark(key, gpu=False)
                 dropped += 1
-            if not to_host and info.host and not self.host.is_pinned(key):
-                self.host.remove(key)
-                self._drop_host(key)
+            if not to_host and info.host and self.host.remove(key):
+                self._mark(key, host=False)
         return dropped
 
     def _record_cold(self, tier: int, seconds: float) -> None:
@@ -260,7 +375,17 @@ class AdapterManager:
     def _gauges(self) -> None:
         """Adapter counts per tier and evictions per tenant, for /metrics."""
         metrics.ADAPTERS.labels("gpu").set(sum(1 for i in self.info.values() if i.gpu))
-        metrics.ADAPTERS.labels("worker_host").set(len(self.host_blobs))
-        for tier, policy in (("gpu", self.gpu), ("worker_host", self.host)):
+        metrics.ADAPTERS.labels("worker_host").set(len(self.host))
+        for tier, policy in (("gpu", self.gpu), ("worker_host", self.host.policy)):
             for tenant, st in policy.stats().items():
                 metrics.EVICTIONS.labels(tier, tenant).set(st.evictions)
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+def _observe_stages(record: wpb.ColdLoadRecord) -> None:
+    for stage in STAGES:
+        seconds = getattr(record, f"{stage}_s")
+        if seconds:
+            metrics.COLD_LOAD_STAGE.labels(stage).observe(seconds)

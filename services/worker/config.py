@@ -36,6 +36,8 @@ class WorkerConfig:
     tls_ca: str | None = None
     worker_id: str = ""
     cpu_threads: int = 1                # torch intra-op threads for a CPU engine (0 = torch's)
+    store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
+    loader_threads: int = 8             # cold loads that run at once
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -46,6 +48,10 @@ class WorkerConfig:
             raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
+        if self.loader_threads < 1:
+            raise ValueError("--loader-threads must be >= 1")
+        if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
+            raise ValueError(f"--store-shm-dir {self.store_shm_dir}: not a directory")
         check_common(self)
         from services.worker.model_spec import load_spec   # torch-free; reads config.json
         try:
@@ -81,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads for a CPU engine; 0 = torch's default (1: small decode "
                         "steps are faster on one thread than split over cores)")
+    p.add_argument("--store-shm-dir", default="",
+                   help="the adapter-store's --shm-dir, when it runs on this host: adapters "
+                        "then come through shared memory instead of a gRPC stream")
+    p.add_argument("--loader-threads", type=int, default=8,
+                   help="cold loads (fetch + placement) that run at once (8)")
     a = p.parse_args(argv)
     return WorkerConfig(
         listen=a.listen, model=a.model, store=a.store, device=a.device, dtype=a.dtype,
@@ -89,4 +100,5 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
         max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
         tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
-        cpu_threads=a.cpu_threads)
+        cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
+        loader_threads=a.loader_threads)

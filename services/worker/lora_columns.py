@@ -78,42 +78,67 @@ class LoraColumns:
         self._free = list(range(n_cols - 1, -1, -1))
         self._lock = threading.Lock()
 
-    def bind(self, max_slots: int) -> None:
-        """Size the slot -> block tables for the pool's slots (the pool calls it)."""
-        self.col_slot = torch.full((max_slots,), -1, dtype=torch.int32, device=self.device)
+    def bind(self, max_slots: int, col_slot: torch.Tensor | None = None) -> None:
+        """Size the slot -> block tables for the pool's slots (the pool calls it, handing over
+        the device table it writes with each placement's other slot entries)."""
+        self.col_slot = col_slot if col_slot is not None else torch.full(
+            (max_slots,), -1, dtype=torch.int32, device=self.device)
         self.col_host = np.full(max_slots, -1, dtype=np.int64)
 
-    def assign(self, slot: int, pool: torch.Tensor, a_off_host: np.ndarray, rank: int) -> int:
-        """Give the adapter in `slot` a block, if it can have one, and write its A rows there
-        (on the current stream). a_off_host [L, n_slices, n_slots]: the pool's q/k/v A
-        offsets (slot's column already written). Returns the block, or -1."""
-        offs = a_off_host[:, :, slot]
-        if rank > RANK_TILE or not (offs >= 0).any():
+    @property
+    def flat(self) -> list[torch.Tensor]:
+        """Each layer's extended weight as its flat storage (what `segments` addresses: the
+        pool's scatter writes blocks through these)."""
+        return [e.t().view(-1) if _column_major(e) else e.view(-1) for e in self.ext]
+
+    def assign(self, slot: int, rank: int, targets_qkv: bool) -> int:
+        """Give the adapter placed in `slot` a block if it can have one (rank <= RANK_TILE, it
+        targets q/k/v, a block is free); returns it, or -1. Host bookkeeping: the pool writes
+        the block (`segments`) and the device's col_slot entry with the rest of the slot."""
+        if rank > RANK_TILE or not targets_qkv:
             return -1
         with self._lock:
             if not self._free:
                 return -1
             c = self._free.pop()
-        k = self.ext[0].shape[1]
-        r0 = self.n_base + c * self.n_slices * RANK_TILE
-        for layer, ext in enumerate(self.ext):
-            block = ext[r0:r0 + self.n_slices * RANK_TILE]
-            block.zero_()
-            for j in range(self.n_slices):
-                a_o = int(offs[layer, j])
-                if a_o >= 0:
-                    block[j * RANK_TILE:j * RANK_TILE + rank].copy_(
-                        pool[a_o:a_o + rank * k].view(rank, k))
-        self.col_slot[slot] = c
         self.col_host[slot] = c
         return c
 
+    def segments(self, c: int, segs: np.ndarray, qkv_a: np.ndarray, rank: int) -> np.ndarray:
+        """kernels.adapter_scatter rows that write block c: each q/k/v A the adapter has (its
+        pool segment in `segs`, index qkv_a[layer, slice]), copied to its 16 rows of the block
+        in layer l's extended weight (dsts index 1 + l), and zeros in the rows past the rank
+        and in the rows of slices it lacks."""
+        from kernels import adapter_scatter as sc
+        rows = []
+        for layer, ext in enumerate(self.ext):
+            k = ext.shape[1]
+            # element (row i, column kk) of the block: row-major [N + width, K] storage, or the
+            # column-major one ([K, N + width] in memory)
+            d_rs, d_cs = (1, ext.shape[0]) if _column_major(ext) else (k, 1)
+            for j in range(self.n_slices):
+                base = self.n_base + (c * self.n_slices + j) * RANK_TILE
+                at = int(qkv_a[layer, j])
+                if at >= 0:
+                    row = segs[at].copy()
+                    row[[sc.DST, sc.DST_OFF, sc.DST_RS, sc.DST_CS]] = (1 + layer, base * d_rs,
+                                                                       d_rs, d_cs)
+                    rows.append(row)
+                n_zero, first = (RANK_TILE - rank, base + rank) if at >= 0 else (RANK_TILE, base)
+                if n_zero > 0:
+                    zero = np.zeros(sc.NFIELDS, dtype=np.int64)
+                    zero[[sc.DST, sc.DST_OFF, sc.ROWS, sc.COLS, sc.DST_RS, sc.DST_CS, sc.FOLD,
+                          sc.FLAGS]] = (1 + layer, first * d_rs, n_zero, k, d_rs, d_cs, -1,
+                                        sc.ZERO)
+                    rows.append(zero)
+        return np.stack(rows) if rows else np.zeros((0, sc.NFIELDS), dtype=np.int64)
+
     def release(self, slot: int) -> None:
-        """Free the slot's block (the caller guarantees no step uses the slot)."""
+        """Free the slot's block (the caller guarantees no step uses the slot). Host only: the
+        device's col_slot entry is rewritten by the slot's next placement."""
         c = int(self.col_host[slot])
         if c < 0:
             return
-        self.col_slot[slot] = -1
         self.col_host[slot] = -1
         with self._lock:
             self._free.append(c)
@@ -121,3 +146,7 @@ class LoraColumns:
     def covers(self, slots: np.ndarray) -> bool:
         """Whether every one of these adapter slots (its adapter targets q/k/v) has a block."""
         return bool(len(slots)) and bool((self.col_host[slots] >= 0).all())
+
+
+def _column_major(ext: torch.Tensor) -> bool:
+    return ext.stride(0) == 1 and ext.shape[0] > 1

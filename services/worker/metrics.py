@@ -11,6 +11,11 @@ CACHE = Counter("lorafleet_adapter_cache_total", "Adapter lookups by tier and re
                 ["tier", "result"])
 COLD_LOAD = Histogram("lorafleet_cold_load_seconds", "Adapter cold-load latency by source tier",
                       ["tier"], buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
+COLD_LOAD_STAGE = Histogram(
+    "lorafleet_cold_load_stage_seconds", "Cold-load time by stage: fetch (store call and "
+    "transfer), digest, layout (header and plan), room_wait (pool full of adapters in use), "
+    "host_to_device (copy, layout kernel, slot tables), source (the store's source read)",
+    ["stage"], buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
 EVICTIONS = Gauge("lorafleet_adapter_evictions", "Evictions per tenant and tier",
                   ["tier", "tenant"])
 ADAPTERS = Gauge("lorafleet_adapters", "Adapters resident per tier", ["tier"])

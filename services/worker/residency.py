@@ -46,7 +46,7 @@ class ResidencyFeed:
 
     def _cache(self) -> list[wpb.CacheCounters]:
         out = []
-        for name, policy in (("gpu", self.manager.gpu), ("worker_host", self.manager.host)):
+        for name, policy in (("gpu", self.manager.gpu), ("worker_host", self.manager.host.policy)):
             t = policy.totals()
             out.append(wpb.CacheCounters(tier=name, hits=t.hits, misses=t.misses))
         return out

@@ -241,7 +241,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Info(self, request, context):
         s, m = self.built.spec, self.manager
         cache = [wpb.CacheCounters(tier=n, hits=p.totals().hits, misses=p.totals().misses)
-                 for n, p in (("gpu", m.gpu), ("worker_host", m.host))]
+                 for n, p in (("gpu", m.gpu), ("worker_host", m.host.policy))]
         cold = [wpb.ColdLoadHistogram(tier=common_pb2.Tier.Name(t), samples=v,
                                       count=m.cold_load_count.get(t, 0))
                 for t, v in m.cold_loads.items()]
@@ -251,8 +251,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_layers=s.num_layers, dtype=str(self.built.dtype).replace("torch.", ""),
             max_lora_rank=128, worker_id=self.worker_id, cache=cache, cold_loads=cold,
             gpu_resident=sum(1 for i in m.info.values() if i.gpu),
-            host_resident=len(m.host_blobs), device=str(self.built.device),
-            eos_token_id=s.eos_token_ids[0] if s.eos_token_ids else 0)
+            host_resident=len(m.host), device=str(self.built.device),
+            eos_token_id=s.eos_token_ids[0] if s.eos_token_ids else 0,
+            cold_load_records=m.log.since(request.cold_loads_since), cold_load_seq=m.log.seq)
 
 
 def _check_ref(ref, field: str) -> None:

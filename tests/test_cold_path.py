@@ -1,0 +1,246 @@
+"""The cold path's parts on their own: the worker's host tier (an arena with LRU, pins and
+fragmentation), the worker's store client against a real gRPC server on loopback that lies
+(bad digest, too many bytes, a stream cut short, a shared-memory file that is gone), and the
+store's shared-memory host tier (files appear, match the stream, go with eviction, stale ones
+of a dead store are cleared)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from services.common.errors import DataLoss, InvalidArgument
+from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
+from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, common_pb2
+from services.worker.adapter_layout import staged_from_peft_dir
+from services.worker.host_tier import HostTier
+from services.worker.model_spec import load_spec
+from services.worker.store_client import StoreClient
+from tests.support import DEMO_ADAPTERS, MODEL_DIR, Service
+from tests.test_store_support import StoreClient as StoreApi, sha256
+
+SPEC = load_spec(MODEL_DIR)
+ADAPTER = DEMO_ADAPTERS / "pirate"
+BLOB = (ADAPTER / "adapter_model.safetensors").read_bytes()
+CONFIG = json.loads((ADAPTER / "adapter_config.json").read_text())
+
+
+def _fill(tier: HostTier, key: str, tenant: str = "t"):
+    res, victims = tier.reserve(key, tenant, len(BLOB))
+    res.view.copy_(torch.frombuffer(bytearray(BLOB), dtype=torch.uint8))
+    staged = tier.commit(res, CONFIG)
+    tier.unpin(key)
+    return staged, victims, res
+
+
+def test_host_tier_keeps_staged_adapters_in_its_arena_and_evicts_the_least_recent():
+    tier = HostTier(2 * len(BLOB) + 4096, None, pin=False, spec=SPEC)
+    a, _, res_a = _fill(tier, "a")
+    plan = staged_from_peft_dir(ADAPTER, SPEC).plan
+    assert res_a.cached and a.plan.numel == plan.numel and (a.plan.segs == plan.segs).all()
+    assert bytes(a.blob.numpy()) == BLOB
+    _fill(tier, "b")
+    assert tier.lookup("a") is not None                 # a is now the most recent
+    _, victims, _ = _fill(tier, "c")
+    assert victims == ["b"] and "b" not in tier and len(tier) == 2
+    assert tier.free_bytes < len(BLOB)
+
+
+def test_host_tier_never_evicts_a_pinned_entry_and_serves_it_uncached_instead():
+    tier = HostTier(len(BLOB) + 64, None, pin=False, spec=SPEC)
+    _fill(tier, "a")
+    assert tier.lookup("a", pin=True) is not None       # a placement is copying it
+    res, victims = tier.reserve("b", "t", len(BLOB))
+    assert not res.cached and victims == [] and "a" in tier
+    res.view.copy_(torch.frombuffer(bytearray(BLOB), dtype=torch.uint8))
+    staged = tier.commit(res, CONFIG)
+    assert "b" not in tier and staged.nbytes == len(BLOB)
+    tier.unpin("a")
+    assert not tier.remove("missing") and tier.remove("a") and len(tier) == 0
+
+
+def test_a_failed_fetch_gives_its_reservation_back():
+    tier = HostTier(len(BLOB) + 64, None, pin=False, spec=SPEC)
+    free = tier.free_bytes
+    res, _ = tier.reserve("a", "t", len(BLOB))
+    assert tier.free_bytes < free
+    tier.abort(res)
+    assert tier.free_bytes == free and "a" not in tier
+    res, _ = tier.reserve("a", "t", len(BLOB))
+    res.view.fill_(0)                                      # not a safetensors file
+    with pytest.raises(InvalidArgument, match="header length"):
+        tier.commit(res, CONFIG)
+    assert tier.free_bytes == free and "a" not in tier
+
+
+class _LyingStore(adapter_store_pb2_grpc.AdapterStoreServicer):
+    """A store whose Fetch misbehaves as `mode` says."""
+
+    def __init__(self):
+        self.mode, self.calls = "ok", []
+
+    def Fetch(self, request, context):
+        self.calls.append(request.shm)
+        header = spb.AdapterHeader(config_json=json.dumps(CONFIG), total_bytes=len(BLOB),
+                                   tier=common_pb2.STORE_HOST)
+        if request.shm and self.mode == "gone":
+            header.shm_file = "lorafleet-store-1-00000000-gone"
+            yield spb.FetchChunk(header=header)
+            yield spb.FetchChunk(sha256=sha256(BLOB))
+            return
+        yield spb.FetchChunk(header=header)
+        data = BLOB + (b"x" if self.mode == "long" else b"")
+        if self.mode == "short":
+            data = data[:100]
+        for at in range(0, len(data), 1 << 16):
+            yield spb.FetchChunk(data=data[at:at + (1 << 16)])
+        digest = sha256(b"other") if self.mode == "digest" else sha256(BLOB)
+        yield spb.FetchChunk(sha256=digest)
+
+
+@pytest.fixture
+def lying_store(tmp_path):
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    store = _LyingStore()
+    adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(store, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield store, channel, tmp_path
+    channel.close()
+    server.stop(0)
+
+
+def _reserve_in(tier: HostTier, made: list):
+    def reserve(n):
+        made.append(tier.reserve("k", "t", n)[0])
+        return made[-1]
+    return reserve
+
+
+def test_the_store_client_checks_what_it_is_streamed(lying_store):
+    store, channel, _ = lying_store
+    client = StoreClient(channel)
+    tier, made = HostTier(4 * len(BLOB), None, pin=False, spec=SPEC), []
+    free = tier.free_bytes
+    fetched, res = client.fetch("pirate", "v", 10, _reserve_in(tier, made))
+    assert bytes(res.view.numpy()) == BLOB and fetched.digest_s > 0 and not fetched.shm
+    tier.abort(res)
+    for mode, message in (("digest", "digest mismatch"), ("long", "more bytes"),
+                          ("short", "ended early")):
+        store.mode = mode
+        with pytest.raises(DataLoss, match=message):
+            client.fetch("pirate", "v", 10, _reserve_in(tier, made))
+        tier.abort(made[-1])
+        assert tier.free_bytes == free
+
+
+def test_a_shared_memory_file_that_is_gone_is_fetched_again_as_a_stream(lying_store):
+    store, channel, shm = lying_store
+    store.mode = "gone"
+    tier = HostTier(2 * len(BLOB), None, pin=False, spec=SPEC)
+    fetched, res = StoreClient(channel, shm_dir=str(shm)).fetch("pirate", "v", 10,
+                                                                 _reserve_in(tier, []))
+    assert store.calls == [True, False] and not fetched.shm and fetched.digest_s > 0
+    assert bytes(res.view.numpy()) == BLOB
+
+
+def test_the_store_keeps_its_host_tier_in_shared_memory(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    stale = shm / "lorafleet-store-999999-deadbeef-0123"       # a store long gone
+    stale.write_bytes(b"old")
+    adapters = tmp_path / "adapters"
+    adapters.mkdir()
+    shutil.copytree(ADAPTER, adapters / "pirate")
+    store = Service("adapter_store", ["--model", str(MODEL_DIR), "--db", ":memory:",
+                                      "--adapters-dir", str(adapters), "--shm-dir", str(shm)],
+                    tmp_path).wait()
+    api = StoreApi(store.addr)
+    try:
+        assert not stale.exists()
+        version = api.resolve("pirate").version
+        chunks = list(api.stub.Fetch(spb.FetchRequest(id="pirate", shm=True), timeout=10))
+        header = chunks[0].header
+        assert header.tier == common_pb2.SOURCE and header.shm_file
+        assert [c.WhichOneof("part") for c in chunks[1:]] == ["sha256"]
+        assert (shm / header.shm_file).read_bytes() == BLOB
+        assert chunks[1].sha256 == hashlib.sha256(BLOB).hexdigest()
+        _, streamed, _ = api.fetch("pirate")                      # without shm: a stream
+        assert streamed == BLOB
+        again = list(api.stub.Fetch(spb.FetchRequest(id="pirate", shm=True), timeout=10))
+        assert again[0].header.tier == common_pb2.STORE_HOST
+        assert again[0].header.shm_file == header.shm_file and version in header.shm_file
+        api.delete("pirate")
+        assert not (shm / header.shm_file).exists()
+    finally:
+        api.close()
+        assert store.terminate() == 0
+    assert not list(shm.glob("lorafleet-store-*"))               # nothing left behind
+
+
+def test_a_bad_shm_dir_is_refused_at_start(tmp_path):
+    for service, flag in (("adapter_store", "--shm-dir"), ("worker", "--store-shm-dir")):
+        run = subprocess.run([sys.executable, "-m", f"services.{service}", "--model",
+                              str(MODEL_DIR), flag, str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=60,
+                             cwd=pathlib.Path(__file__).resolve().parent.parent)
+        assert run.returncode == 2 and "not a directory" in run.stderr, run.stderr[-500:]
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stage(tmp_path, shm):
+    """The worker's cold loads stage by stage (WorkerInfoResponse.cold_load_records): from the
+    source, the store's host tier, its own host tier; through the store's shared memory (no
+    digest: the bytes never left host memory) or a stream (digest checked)."""
+    from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
+    adapters, shm_dir = tmp_path / "adapters", tmp_path / "shm"
+    adapters.mkdir()
+    shm_dir.mkdir()
+    shutil.copytree(ADAPTER, adapters / "pirate")
+    store = Service("adapter_store", ["--model", str(MODEL_DIR), "--db", ":memory:",
+                                      "--adapters-dir", str(adapters), "--shm-dir", str(shm_dir)],
+                    tmp_path).wait()
+    worker = Service("worker", ["--model", str(MODEL_DIR), "--store", store.addr,
+                                "--device", "cpu"] + (["--store-shm-dir", str(shm_dir)] if shm
+                                                      else []), tmp_path).wait()
+    try:
+        version = StoreApi(store.addr).resolve("pirate").version
+        with grpc.insecure_channel(worker.addr) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            ref = wpb.AdapterRef(id="pirate", version=version, tenant="t")
+            tiers = []
+            for to_host in (None, False, True):          # source, store host, worker host
+                if to_host is not None:
+                    stub.OffloadAdapter(wpb.OffloadAdapterRequest(id="pirate", to_host=to_host),
+                                        timeout=10)
+                tiers.append(stub.LoadAdapter(wpb.LoadAdapterRequest(adapter=ref),
+                                              timeout=30).from_tier)
+            info = stub.Info(wpb.WorkerInfoRequest(), timeout=10)
+            later = stub.Info(wpb.WorkerInfoRequest(cold_loads_since=2), timeout=10)
+    finally:
+        worker.terminate()
+        store.terminate()
+    assert tiers == [common_pb2.SOURCE, common_pb2.STORE_HOST, common_pb2.WORKER_HOST]
+    recs = list(info.cold_load_records)
+    assert [r.seq for r in recs] == [1, 2, 3] and info.cold_load_seq == 3
+    assert [r.seq for r in later.cold_load_records] == [3]
+    assert [r.tier for r in recs] == tiers and all(r.adapter_id == "pirate" for r in recs)
+    for r in recs:
+        assert r.bytes == len(BLOB) and r.total_s > 0 and r.host_to_device_s > 0
+        assert r.end_unix_s > 0
+    source, store_host, worker_host = recs
+    assert source.source_s > 0 and store_host.source_s == 0
+    for r in (source, store_host):
+        assert r.fetch_s > 0 and r.layout_s > 0
+        assert (r.digest_s == 0) == shm
+    assert worker_host.fetch_s == 0 and worker_host.digest_s == 0
