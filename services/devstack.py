@@ -1,9 +1,12 @@
 """`make run`: the adapter store, one worker and the router on this machine, with the embedded
-tiny model and demo adapters. Serves until Ctrl-C, then drains all three."""
+tiny model and demo adapters. Serves until Ctrl-C, then drains all three. Where the machine has
+a tmpfs at /dev/shm, the store keeps its host tier there and the worker reads adapters from it
+(--shm-dir / --store-shm-dir) instead of a gRPC stream."""
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,12 +42,15 @@ def main() -> int:
     a = p.parse_args()
     h = a.host
     py = sys.executable
+    shm = shm_dir()
     specs = [
         ("adapter-store", [py, "-m", "services.adapter_store", "--listen", f"{h}:7003",
                            "--adapters-dir", a.adapters_dir, "--model", a.model,
-                           "--db", "state/adapter_store.sqlite"], f"{h}:7003"),
+                           "--db", "state/adapter_store.sqlite",
+                           *(["--shm-dir", shm] if shm else [])], f"{h}:7003"),
         ("worker", [py, "-m", "services.worker", "--listen", f"{h}:7002", "--model", a.model,
-                    "--store", f"{h}:7003"], f"{h}:7002"),
+                    "--store", f"{h}:7003", *(["--store-shm-dir", shm] if shm else [])],
+         f"{h}:7002"),
         ("router", [py, "-m", "services.router", "--listen", f"{h}:7001", "--http-listen",
                     f"{h}:8080", "--store", f"{h}:7003",
                     "--worker", f"{h}:7002"], f"{h}:7001"),
@@ -82,6 +88,17 @@ def main() -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if shm:
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+def shm_dir() -> str | None:
+    """A directory of this user's on /dev/shm for the store's host tier, or None without one."""
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        return None
+    path = f"/dev/shm/lorafleet-devstack-{os.getuid()}"
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 if __name__ == "__main__":
