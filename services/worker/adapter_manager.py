@@ -33,7 +33,7 @@ from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import tracer
 from services.worker import metrics
 from services.worker.adapter_layout import StagedAdapter
-from services.worker.device_pool import DevicePool
+from services.worker.device_pool import DevicePool, PoolFull
 from services.worker.host_tier import HostTier
 from services.worker.model_spec import ModelSpec
 from services.worker.store_client import StoreClient
@@ -225,11 +225,12 @@ class AdapterManager:
             metrics.count_lookup("worker_host", True)
         job.nbytes = job.record.bytes = staged.nbytes
         try:
-            if self._admit(job, staged):
+            reserved = self._admit(job, staged)
+            if reserved is not None:
                 t = time.monotonic()
                 with _tracer.start_as_current_span("lora.host_to_device") as span:
                     span.set_attribute("lora.bytes", staged.nbytes)
-                    self._place(job.key, staged)
+                    self._fill(job.key, staged, reserved)
                 job.record.host_to_device_s += time.monotonic() - t
                 job.placed = True
         finally:
@@ -264,10 +265,10 @@ class AdapterManager:
         job.host_added = res.cached
         return staged
 
-    def _admit(self, job: _Job, staged: StagedAdapter) -> bool:
-        """Room in the pool for the adapter, pinned for this load: evicts unpinned adapters
-        (policy order, then least recent first while the free space is too fragmented).
-        False when the rest is in use."""
+    def _admit(self, job: _Job, staged: StagedAdapter) -> tuple[int, int] | None:
+        """A slot and range in the pool for the adapter, admitted and pinned for this load:
+        evicts unpinned adapters (policy order, then least recent first while the free space
+        is too fragmented or the slots are out). None when the rest is in use."""
         nbytes = self.pool.alloc.rounded(staged.plan.numel) * self.pool.elem
         if nbytes > self.pool.capacity_bytes:          # would wait for room that never comes
             raise ResourceExhausted(
@@ -277,24 +278,27 @@ class AdapterManager:
             try:
                 victims = self.gpu.admit(job.key, job.tenant, nbytes, pin=True)
             except NoRoom:
-                return False
+                return None
             for victim in victims:
                 self._drop_slot(victim, job)
-            while not self.pool.fits(staged):           # fragmentation or out of slots
+            while True:
+                try:
+                    return self.pool.reserve(job.key, staged)
+                except PoolFull:
+                    pass
                 victim = next((e.key for e in self.gpu.entries() if e.pins == 0
                                and e.key != job.key and self.pool.slot_of(e.key) is not None),
                               None)
                 if victim is None:
                     self.gpu.unpin(job.key)
                     self.gpu.remove(job.key)
-                    return False
+                    return None
                 self.gpu.remove(victim)
                 self._drop_slot(victim, job)
-        return True
 
-    def _place(self, key: str, staged: StagedAdapter) -> None:
+    def _fill(self, key: str, staged: StagedAdapter, reserved: tuple[int, int]) -> None:
         try:
-            self.pool.place(key, staged)
+            self.pool.fill(key, staged, reserved)
         except BaseException:
             with self._gpu_lock:
                 self.gpu.unpin(key)

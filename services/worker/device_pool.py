@@ -89,32 +89,39 @@ class DevicePool:
         placed = self._placed.get(key)
         return None if placed is None else placed[0]
 
-    def fits(self, staged: StagedAdapter) -> bool:
-        return bool(self._free_slots) and self.alloc.largest_hole >= self.alloc.rounded(
-            staged.plan.numel)
-
     def place(self, key: str, staged: StagedAdapter) -> int:
-        """Lay the adapter out in a free range and slot; returns the slot (PoolFull if none).
+        """Lay the adapter out in a free range and slot; returns the slot (PoolFull if none)."""
+        return self.fill(key, staged, self.reserve(key, staged))
 
-        The range and slot are reserved first; the key becomes visible (`slot_of`) only once
-        its weights and tables are written, so a concurrent lookup never gets a half-placed slot
-        (one did: a second request for an adapter whose first load was still copying ran with
-        the slot's old contents)."""
-        plan = staged.plan
+    def reserve(self, key: str, staged: StagedAdapter) -> tuple[int, int]:
+        """A free slot and range for the adapter, (slot, start); PoolFull if there is none.
+        Fill it (`fill`) or give it back (`unreserve`)."""
         with self._lock:
-            start = self.alloc.alloc(plan.numel) if self._free_slots else None
+            start = self.alloc.alloc(staged.plan.numel) if self._free_slots else None
             if start is None:
                 raise PoolFull(key)
-            slot = self._free_slots.pop()
+            return self._free_slots.pop(), start
+
+    def unreserve(self, staged: StagedAdapter, reserved: tuple[int, int]) -> None:
+        with self._lock:
+            self._release(reserved[0], reserved[1], staged.plan.numel)
+
+    def fill(self, key: str, staged: StagedAdapter, reserved: tuple[int, int]) -> int:
+        """Write the adapter into its reserved slot and range; returns the slot.
+
+        The key becomes visible (`slot_of`) only once its weights and tables are written, so a
+        concurrent lookup never gets a half-placed slot (one did: a second request for an
+        adapter whose first load was still copying ran with the slot's old contents). A
+        failure gives the reservation back."""
+        plan, (slot, start) = staged.plan, reserved
         block = -1
         try:
-            if self.columns is not None and plan.offsets.get("qkv") is not None:
-                block = self.columns.assign(slot, plan.rank, (plan.qkv_a >= 0).any())
+            if self.columns is not None:
+                block = self.columns.assign(slot, plan.rank, bool((plan.qkv_a >= 0).any()))
             self._write(staged, self._segments(plan, start, block),
                         self._slot_values(plan, start, slot, block))
         except BaseException:
-            with self._lock:
-                self._release(slot, start, plan.numel)
+            self.unreserve(staged, reserved)
             raise
         self._host_tables(plan, start, slot)
         with self._lock:
