@@ -232,8 +232,11 @@ def run(args) -> pathlib.Path:
     out = pathlib.Path(args.out)
     for p in serve_report.write(out, name, h, bench.rows, bench.cdfs):
         print(f"wrote {p}", flush=True)
-    if tmp:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if tmp:                  # a temp work dir is not reused: drop the model and adapters
+        for part in work.iterdir():
+            if part.name != "logs":
+                shutil.rmtree(part, ignore_errors=True)
+        print(f"service logs kept in {work / 'logs'}", flush=True)
     return out / f"{name}.md"
 
 

@@ -70,10 +70,11 @@ class ServiceProc:
         raise RuntimeError(f"{self.name} exited with {self.proc.returncode} (log {self.log_path})")
 
     def wait(self, timeout: float, progress=None, every: float = 15.0) -> None:
-        """Until grpc.health.v1 Check says SERVING. Each Check waits for the channel to connect
-        (wait_for_ready: the store binds only once it has registered its adapters); every
-        `every` seconds the process is checked and progress() printed. (Health Watch would
-        need no repeated Checks, but the services' error interceptor breaks it: INTERNAL.)"""
+        """Until grpc.health.v1 Check says SERVING. Each Check waits (up to a second, then the
+        process is checked) for the channel to connect (wait_for_ready: the store binds only
+        once it has registered its adapters); progress() is printed every `every` seconds.
+        (Health Watch would need no repeated Checks, but the services' error interceptor
+        answers it INTERNAL: grpc_health's aio Watch is no async generator.)"""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         deadline, shown = time.monotonic() + timeout, time.monotonic()
         with grpc.insecure_channel(self.addr, options=OPTIONS) as ch:
@@ -86,7 +87,7 @@ class ServiceProc:
                     raise TimeoutError(f"{self.name} not SERVING after {timeout:.0f}s")
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(), wait_for_ready=True,
-                                      timeout=min(left, every))
+                                      timeout=min(left, 1.0))
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                     time.sleep(0.05)          # bound, SERVING is being set: check again

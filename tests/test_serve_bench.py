@@ -153,3 +153,35 @@ def test_quick_run_writes_complete_results(tmp_path):
         return
     assert (out / "serve-cpu.png").stat().st_size > 0
     assert (out / "serve-cpu-cdf.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_service_that_exits_raises_with_the_end_of_its_log(tmp_path, capsys):
+    """A bad flag (the store and worker addresses are closed loopback ports): the router exits
+    2, and waiting for it raises at once, naming it, with its log's tail printed."""
+    import os
+    from bench.serve_stack import ServiceProc
+    svc = ServiceProc("router", ["--store", "127.0.0.1:1", "--worker", "127.0.0.1:1",
+                                 "--max-in-flight-per-worker", "0"], tmp_path, dict(os.environ))
+    with pytest.raises(RuntimeError, match="router exited with 2"):
+        svc.wait(60)
+    assert "max-in-flight-per-worker" in capsys.readouterr().out
+    svc.terminate()
+
+
+@pytest.mark.slow
+def test_quick_run_from_s3(tmp_path):
+    """--source s3: the adapters uploaded to moto's server on loopback and registered with the
+    store, then served."""
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--quick", "--source", "s3",
+                           "--suite", "none", "--scenarios",
+                           "s3:adapters=3,rank=8,zipf=0,concurrency=2,requests=9",
+                           "--out", str(out), "--name", "s3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads((out / "s3.json").read_text())["rows"]
+    assert rows and all(r["ok"] == 9 and not r["errors"] for r in rows)
+    assert {r["cold_tier"] for r in rows} == {"source"}
