@@ -101,7 +101,8 @@ def _service_flags(p) -> None:
     a = p.add_argument
     for svc in ("store", "worker", "router"):
         a(f"--{svc}-flag", action="append", default=[], metavar="ARG",
-          help=f"passed to the {svc} as is (repeatable; one argv token or --flag=value)")
+          help=f"passed to the {svc} as is (repeatable; one argv token, e.g. "
+          f"--{svc}-flag=--log-level=DEBUG)")
     for flag, what in (("gpu-pool-bytes", "worker"), ("kv-cache-bytes", "worker"),
                        ("max-running", "worker"), ("max-batch-tokens", "worker"),
                        ("host-pool-bytes", "worker"), ("pool-slots", "worker"),
