@@ -1,0 +1,273 @@
+"""The serving benchmark: load through the real services (adapter-store, one worker, router as
+processes on loopback), as vLLM's benchmarks/benchmark_serving.py and S-LoRA's experiments run.
+
+It writes (or takes, --model) a Llama checkpoint and N PEFT adapters into a work directory,
+starts the services, sends requests to the router's GenerationService/GenerateStream from K
+client processes (open-loop Poisson arrivals or a closed loop; Zipf adapter popularity; tenant
+t{i % tenants} for adapter i) and reports per scenario: output tok/s, req/s, TTFT / ITL /
+end-to-end percentiles, errors, the worker's GPU and host hit rates, the store's host hit rate,
+cold loads per source tier (worker records stage by stage, when it sends them), and, with a
+cold stream, the ITL of the other requests while loads run. Results: OUT/NAME.json (header +
+rows), OUT/NAME.md, OUT/NAME.png and OUT/NAME-cdf.png.
+
+    # a CPU smoke run (tiny model, a handful of adapters, a pool smaller than the working set)
+    python bench/serve_bench.py --quick --out /tmp/serve
+    # H200, Llama-2-7B shape: the S-LoRA sweep (5 .. 2,000 rank-8 adapters at 90% of the base
+    # model's closed-loop req/s), the resident and cold-load cases, and the engine in-process
+    python bench/serve_bench.py --shape 7b --device cuda --work /data/serve-work \\
+        --suite slora,resident,cold,engine --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB \\
+        --max-running 256 --max-batch-tokens 4096
+    # one scenario of your own (rate or concurrency; keys: see --scenarios)
+    python bench/serve_bench.py --suite none --scenarios \\
+        "mix:adapters=100,rank=8,zipf=1.0,rate=20,requests=400,prompt=64:256,output=128"
+
+A rerun with the same --work reuses the model and adapters while their manifests match.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import shutil
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import serve_model, serve_report, serve_scenarios as ss  # noqa: E402
+from bench.serve_run import Bench  # noqa: E402
+
+GPU_DEFAULTS = {"gpu_pool_bytes": "4GiB", "kv_cache_bytes": "40GiB", "max_running": 256,
+                "max_batch_tokens": 4096, "host_pool_bytes": "8GiB", "store_host_bytes": "16GiB",
+                "max_in_flight_per_worker": 256}
+# --quick: a pool of 6 of the tiny model's rank-8 adapters (112 KiB each in fp32) and a host
+# tier of 11, so that 16 adapters take loads from the worker's host tier, the store's host tier
+# and the source
+QUICK_DEFAULTS = {"gpu_pool_bytes": "768KiB", "host_pool_bytes": "1280KiB", "request_timeout": 60}
+LOAD_DEFAULTS = {"requests": 500, "warmup": 32, "prompt": "128", "output": "128",
+                 "request_timeout": 600.0}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--quick", action="store_true", help="CPU smoke run: tiny model, suite quick + engine")
+    a("--model", help="an existing HF checkpoint (else one is written into --work)")
+    a("--work", help="work directory: model, adapters, service logs (default: a temp dir)")
+    a("--shape", choices=sorted(serve_model.SHAPES), help="model to write (7b on a GPU)")
+    a("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:N")
+    a("--adapters", default="auto", help="COUNTxRANK groups, e.g. 32x16,2000x8 (auto: what "
+      "the scenarios need)")
+    a("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    a("--adapter-dtype", choices=("bf16", "fp32"), default="bf16")
+    a("--source", choices=("local", "s3"), default="local",
+      help="adapters from a local dir or from S3 (moto's server on loopback)")
+    a("--suite", default=None, help="comma-separated presets: slora, resident, cold, quick, "
+      "engine (the in-process twin of the resident case), none (default slora,resident,cold)")
+    a("--scenarios", default="", help="';'-separated NAME:key=value,... with keys "
+      + ", ".join(ss.KEYS))
+    _load_flags(p)
+    _service_flags(p)
+    a("--out", default=str(ROOT / "bench" / "results"))
+    a("--name", help="results name (serve-h200 on an H200, serve-cpu on a CPU)")
+    return p
+
+
+def _load_flags(p) -> None:
+    a = p.add_argument
+    a("--rate", default="auto", help="open-loop req/s of the suites, or auto: 90%% of a "
+      "closed-loop probe's req/s on the base model")
+    a("--concurrency", type=int, default=64, help="closed-loop requests in flight (resident)")
+    a("--probe-concurrency", type=int, default=64)
+    a("--probe-requests", type=int, default=0, help="0: 4x the probe concurrency")
+    a("--cold-rate", type=float, default=2.0, help="the cold suite's cold stream, req/s")
+    a("--cold-requests", type=int, default=32, help="most requests of a cold stream")
+    a("--requests", type=int, help="measured requests per scenario (500; --quick 24)")
+    a("--warmup", type=int, help="unmeasured requests first, same workload (32; --quick 4)")
+    a("--prompt", help="prompt tokens: N or LO:HI (128; --quick 8:16)")
+    a("--output", help="new tokens: N or LO:HI (128; --quick 4:8)")
+    a("--tenants", type=int, default=16, help="adapter i's requests come from t{i %% tenants}")
+    a("--seed", type=int, default=0)
+    a("--clients", type=int, help="client processes (4 on a GPU box, 1 for --quick)")
+    a("--request-timeout", type=float, help="seconds per request (600; --quick 60)")
+    a("--start-timeout", type=float, default=900.0, help="seconds for a service to serve")
+
+
+def _service_flags(p) -> None:
+    a = p.add_argument
+    for svc in ("store", "worker", "router"):
+        a(f"--{svc}-flag", action="append", default=[], metavar="ARG",
+          help=f"passed to the {svc} as is (repeatable; one argv token, e.g. "
+          f"--{svc}-flag=--log-level=DEBUG)")
+    for flag, what in (("gpu-pool-bytes", "worker"), ("kv-cache-bytes", "worker"),
+                       ("max-running", "worker"), ("max-batch-tokens", "worker"),
+                       ("host-pool-bytes", "worker"), ("pool-slots", "worker"),
+                       ("store-host-bytes", "store --host-cache-bytes"),
+                       ("max-in-flight-per-worker", "router")):
+        a(f"--{flag}", help=f"{what} (GPU runs: {GPU_DEFAULTS.get(flag.replace('-', '_'), '-')};"
+          " else the service's default)")
+
+
+def resolve(args) -> argparse.Namespace:
+    """Fill in what depends on the machine and on --quick."""
+    if args.quick:
+        args.device, args.shape = "cpu", args.shape or "tiny"
+        args.suite = args.suite or "quick,engine"
+    if args.device == "auto":
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = args.device.startswith("cuda")
+    args.shape = args.shape or ("7b" if gpu else "tiny")
+    args.suite = args.suite if args.suite is not None else "slora,resident,cold"
+    args.clients = args.clients or (1 if args.quick else 4 if gpu else 2)
+    small = {"requests": 24, "warmup": 4, "prompt": "8:16", "output": "4:8"}
+    for key, value in {**(GPU_DEFAULTS if gpu else {}), **(small if args.quick else {}),
+                       **(QUICK_DEFAULTS if args.quick else {})}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key, value in LOAD_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.defaults = {"requests": args.requests, "warmup": args.warmup,
+                     "prompt": ss.parse_range(args.prompt, "--prompt"),
+                     "output": ss.parse_range(args.output, "--output"),
+                     "rate": None, "concurrency": args.concurrency}
+    return args
+
+
+def build_scenarios(args) -> list[ss.Scenario]:
+    names = [n for n in args.suite.split(",") if n.strip() and n.strip() != "none"]
+    texts = [t for n in names if n != "engine" for t in ss.suite(n.strip(), args)]
+    out = ss.parse_scenarios(";".join(texts + [args.scenarios]), args.defaults)
+    if "engine" in names:
+        out.append(ss.engine_twin(out, args))
+    for s in out:
+        if s.path == "engine" and s.concurrency is None:
+            raise SystemExit(f"scenario {s.name}: path=engine runs a closed loop "
+                             "(give concurrency)")
+    if not out:
+        raise SystemExit("no scenarios: give --suite or --scenarios")
+    return out
+
+
+# ------------------------------------------------------------------------- model, adapters
+def prepare(args, work: pathlib.Path, scenarios) -> tuple[pathlib.Path, dict, dict]:
+    """(model dir, its config.json, the adapters' manifest)."""
+    if args.model:
+        model = pathlib.Path(args.model).resolve()
+    else:
+        model = serve_model.ensure_model(work, args.shape, args.seed)
+    cfg = json.loads((model / "config.json").read_text())
+    if args.adapters == "auto":
+        groups = [(n, r) for r, n in sorted(ss.adapter_needs(scenarios).items())]
+    else:
+        groups = serve_model.parse_groups(args.adapters)
+    have = {r: n for n, r in groups}
+    for r, n in ss.adapter_needs(scenarios).items():
+        if have.get(r, 0) < n:
+            raise SystemExit(f"--adapters {args.adapters}: the scenarios need {n} of rank {r}")
+    targets = [t for t in args.targets.split(",") if t]
+    manifest = serve_model.ensure_adapters(work, cfg, groups, targets, args.adapter_dtype,
+                                           args.seed)
+    manifest["source"] = args.source
+    return model, cfg, manifest
+
+
+def link_twins(rows: list[dict], scenarios: list[ss.Scenario]) -> None:
+    """A cold-stream scenario's ITL p99 without the stream (the scenario alike but for it), and
+    an engine row's gRPC twin."""
+    by_name = {s.name: s for s in scenarios}
+    first = {}
+    for r in rows:
+        first.setdefault(r["scenario"], r)
+    for r in rows:
+        s = by_name[r["scenario"]]
+        if s.cold_requests:
+            twin = next((t for t in scenarios if t.path == "grpc" and not t.cold_requests and
+                         dataclasses.replace(t, name=s.name, cold=s.cold, cold_n=s.cold_n) == s),
+                        None)
+            if twin is not None:
+                r["nocold_twin"], r["itl_p99_nocold_ms"] = twin.name, first[twin.name][
+                    "itl_p99_ms"]
+        if s.path == "engine" and s.twin in first:
+            g = first[s.twin]
+            r["engine_vs"] = {"scenario": g["scenario"], "out_tok_s": g["out_tok_s"]}
+
+
+def header(args, model, cfg, manifest, scenarios, bench: Bench) -> dict:
+    h = serve_report.base_header(args.device)
+    h["model"] = {"shape": None if args.model else args.shape, "path": str(model),
+                  "layers": cfg["num_hidden_layers"], "hidden": cfg["hidden_size"],
+                  "vocab": cfg["vocab_size"], "dtype": cfg.get("torch_dtype")}
+    h["adapters"] = {k: v for k, v in manifest.items() if k != "ids"}
+    h["adapters"]["first_last"] = {r: [v[0], v[-1]] for r, v in manifest["ids"].items() if v}
+    h["clients"] = args.clients
+    h["scenarios"] = [dataclasses.asdict(s) for s in scenarios]
+    h.update(bench.header)
+    return h
+
+
+def run(args) -> pathlib.Path:
+    """Prepare, run every scenario, write the results; returns the markdown's path."""
+    scenarios = build_scenarios(args)
+    print("scenarios: " + "; ".join(s.name for s in scenarios), flush=True)
+    tmp = None if args.work else tempfile.mkdtemp(prefix="serve-bench-")
+    work = pathlib.Path(args.work or tmp).resolve()
+    model, cfg, manifest = prepare(args, work, scenarios)
+    bench = Bench(args, model, cfg, manifest)
+    try:
+        scenarios = execute(bench, scenarios, work)
+    except BaseException:
+        print(f"failed; the work dir {work} (service logs in logs/) is kept", flush=True)
+        raise
+    order = {s.name: i for i, s in enumerate(scenarios)}
+    bench.rows.sort(key=lambda r: order[r["scenario"]])
+    link_twins(bench.rows, scenarios)
+    h = header(args, model, cfg, manifest, scenarios, bench)
+    name = args.name or ("serve-h200" if "H200" in h["card"] else
+                         "serve-gpu" if args.device.startswith("cuda") else "serve-cpu")
+    out = pathlib.Path(args.out)
+    for p in serve_report.write(out, name, h, bench.rows, bench.cdfs):
+        print(f"wrote {p}", flush=True)
+    if tmp:                  # a temp work dir is not reused: drop the model and adapters
+        for part in work.iterdir():
+            if part.name != "logs":
+                shutil.rmtree(part, ignore_errors=True)
+        print(f"service logs kept in {work / 'logs'}", flush=True)
+    return out / f"{name}.md"
+
+
+def execute(bench: Bench, scenarios: list[ss.Scenario], work: pathlib.Path) -> list:
+    """The engine in-process first (it needs the memory the worker will take), then the
+    services, the rate probe if a scenario asks for it, and the gRPC scenarios in order.
+    Returns the scenarios with rate auto replaced by the probe's rate."""
+    engine = [s for s in scenarios if s.path == "engine"]
+    if engine:
+        bench.run_engine(engine)
+    try:
+        bench.start_services(work)
+        if any(s.rate == "auto" for s in scenarios):
+            rate = bench.probe()
+            scenarios = [dataclasses.replace(s, rate=rate) if s.rate == "auto" else s
+                         for s in scenarios]
+        for s in scenarios:
+            if s.path == "grpc":
+                bench.run_grpc(s)
+    finally:
+        bench.stop()
+    return scenarios
+
+
+def main(argv=None) -> int:
+    args = resolve(parser().parse_args(argv))
+    md = run(args)
+    print(md.read_text(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The serving benchmark's results: the header (date, card, versions, commit, argv, model,
+adapters, service command lines), one row per scenario and cold-load source tier, and
+NAME.json, NAME.md and the plots (NAME.png, NAME-cdf.png) under --out."""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROW_FIELDS = ("scenario", "adapters", "zipf", "rate", "concurrency", "out_tok_s", "ttft_p50_ms",
+              "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "gpu_hit_rate", "cold_p50_ms",
+              "cold_p99_ms", "cold_tier")
+PACKAGES = ("torch", "triton", "grpcio", "protobuf", "transformers", "peft")
+
+
+def card(device: str) -> str:
+    """The GPU's name (nvidia-smi: this process never touches CUDA) or the CPU model."""
+    if device.startswith("cuda") and shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip().splitlines()
+        if out:
+            return out[0].strip()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def base_header(device: str) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "card": card(device), "device": device, "cpus": os.cpu_count(),
+            "versions": versions(),
+            "commit": commit + ("+dirty" if dirty else ""), "argv": sys.argv[1:]}
+
+
+# ----------------------------------------------------------------------------------- rows
+def scenario_rows(s, figures: dict, hits: dict, tiers: dict, extra: dict) -> list[dict]:
+    """One row per cold-load source tier seen (cold_tier null and no cold figures when none)."""
+    base = {"scenario": s.name, "path": s.path, "adapters": s.adapters,
+            "rank": s.rank if s.adapters else None, "zipf": s.zipf if s.adapters else None,
+            "rate": s.rate, "concurrency": s.concurrency, "preload": s.preload,
+            "cold_stream_rate": s.cold or None,
+            **{k: v for k, v in figures.items() if not k.startswith("_")}, **hits, **extra}
+    if not tiers:
+        return [{**base, "cold_tier": None, "cold_n": 0, "cold_p50_ms": None,
+                 "cold_p99_ms": None}]
+    rows = []
+    for tier, t in tiers.items():
+        rows.append({**base, "cold_tier": tier, "cold_n": t["n"], "cold_p50_ms": t["p50_ms"],
+                     "cold_p99_ms": t["p99_ms"], "cold_from": t["from"], "stages": t["stages"],
+                     "first_step_p50_ms": t["first_step_p50_ms"],
+                     "req_cold_p50_ms": t["req_cold_p50_ms"],
+                     "req_cold_p99_ms": t["req_cold_p99_ms"]})
+    return rows
+
+
+# -------------------------------------------------------------------------------- writing
+def write(out: pathlib.Path, name: str, header: dict, rows: list[dict], cdfs: dict) -> list:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1)
+                                      + "\n")
+    (out / f"{name}.md").write_text(markdown(header, rows))
+    written = [out / f"{name}.json", out / f"{name}.md"]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+    except ImportError:
+        return written
+    from bench.serve_plots import plot_cdfs, plot_scaling
+    ordered = {r["scenario"]: cdfs[r["scenario"]] for r in rows if r["scenario"] in cdfs}
+    written += [p for p in (plot_scaling(out / f"{name}.png", header, rows),
+                            plot_cdfs(out / f"{name}-cdf.png", header, ordered)) if p]
+    return written
+
+
+def _f(x, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _load(r: dict) -> str:
+    return f"rate {r['rate']:g}" if r["rate"] is not None else f"conc {r['concurrency']}"
+
+
+def markdown(header: dict, rows: list[dict]) -> str:
+    m = header.get("model", {})
+    ad = header.get("adapters", {})
+    lines = [f"# Serving benchmark, {header['card']}, {header['date']}", "",
+             f"Commit {header['commit']}; " + ", ".join(f"{k} {v}" for k, v in
+                                                     header["versions"].items()) + ".",
+             f"Model {m.get('shape') or m.get('path')} ({m.get('layers')} layers, hidden "
+             f"{m.get('hidden')}, vocab {m.get('vocab')}); adapters "
+             + ", ".join(f"{g['count']}x rank {g['rank']}" for g in ad.get("groups", []))
+             + f" on {','.join(ad.get('targets', []))} ({ad.get('dtype')}, source "
+             f"{ad.get('source')}); {header.get('clients')} client process(es). Requests through "
+             "the router's GenerateStream (path grpc) or the engine in-process (path engine).",
+             "", "| scenario | path | adapters | zipf | load | req/s | out tok/s | TTFT p50 / p99 "
+             "ms | ITL p50 / p99 ms | e2e p50 / p99 ms | gpu hit | cold tier | cold n | cold p50 "
+             "/ p99 ms | errors |", "|" + "---|" * 15]
+    for r in rows:
+        lines.append(
+            f"| {r['scenario']} | {r['path']} | {r['adapters'] or 'base'} | {_f(r['zipf'], '{:g}')}"
+            f" | {_load(r)} | {_f(r.get('req_s'), '{:.2f}')} | {_f(r['out_tok_s'], '{:.0f}')} | "
+            f"{_f(r['ttft_p50_ms'])} / {_f(r['ttft_p99_ms'])} | {_f(r['itl_p50_ms'], '{:.2f}')} "
+            f"/ {_f(r['itl_p99_ms'], '{:.2f}')} | {_f(r.get('e2e_p50_ms'))} / "
+            f"{_f(r.get('e2e_p99_ms'))} | {_f(r['gpu_hit_rate'], '{:.2f}')} | "
+            f"{r['cold_tier'] or '-'} | {r.get('cold_n') or '-'} | {_f(r['cold_p50_ms'], '{:.2f}')}"
+            f" / {_f(r['cold_p99_ms'], '{:.2f}')} | {_errors(r)} |")
+    return "\n".join(lines + _cold_tables(rows) + _notes(header, rows)) + "\n"
+
+
+def _errors(r: dict) -> str:
+    errs = r.get("errors") or {}
+    return ", ".join(f"{k} {v}" for k, v in errs.items()) or "0"
+
+
+def _cold_tables(rows: list[dict]) -> list[str]:
+    cold = [r for r in rows if r["cold_tier"]]
+    if not cold:
+        return []
+    from bench.serve_metrics import STAGES
+    lines = ["", "Cold loads by source tier (p50 / p99 ms; stages from the worker's records, "
+             "'-' where it sent none; first step = TTFT - cold load of the requests that had "
+             "one):", "", "| scenario | tier | n | from | total | " + " | ".join(
+                 s[:-2] for s in STAGES) + " | request cold load | first step p50 |",
+             "|" + "---|" * (7 + len(STAGES))]
+    for r in cold:
+        st = r.get("stages") or {}
+        cells = [f"{_f(st[s]['p50_ms'], '{:.2f}')} / {_f(st[s]['p99_ms'], '{:.2f}')}"
+                 if s in st else "-" for s in STAGES]
+        lines.append(f"| {r['scenario']} | {r['cold_tier']} | {r['cold_n']} | "
+                     f"{r.get('cold_from', '-')} | {_f(r['cold_p50_ms'], '{:.2f}')} / "
+                     f"{_f(r['cold_p99_ms'], '{:.2f}')} | " + " | ".join(cells) +
+                     f" | {_f(r.get('req_cold_p50_ms'), '{:.2f}')} / "
+                     f"{_f(r.get('req_cold_p99_ms'), '{:.2f}')} | "
+                     f"{_f(r.get('first_step_p50_ms'), '{:.2f}')} |")
+    return lines
+
+
+def _notes(header: dict, rows: list[dict]) -> list[str]:
+    lines = []
+    seen = set()
+    for r in rows:
+        if r.get("cold_stream") and r["scenario"] not in seen:
+            seen.add(r["scenario"])
+            lines.append(f"- {r['scenario']}: a cold stream at {r['cold_stream_rate']:g} req/s "
+                         f"(requests on fresh adapters: {r['cold_stream']['requests']} sent "
+                         "before the main stream ended); ITL p99 "
+                         f"of the other requests' gaps inside cold-load windows "
+                         f"{_f(r.get('itl_p99_cold_ms'), '{:.2f}')} ms "
+                         f"({r.get('gaps_in_cold_windows', 0)} gaps; windows from "
+                         f"{r.get('cold_windows_from')}), outside them "
+                         f"{_f(r.get('itl_p99_outside_ms'), '{:.2f}')} ms, without the cold "
+                         f"stream ({r.get('nocold_twin') or 'no twin run'}) "
+                         f"{_f(r.get('itl_p99_nocold_ms'), '{:.2f}')} ms.")
+        if r.get("engine_vs") and r["scenario"] not in seen:
+            seen.add(r["scenario"])
+            lines.append(f"- {r['scenario']}: the engine in-process on the same workload: "
+                         f"{r['out_tok_s']:.0f} tok/s against {r['engine_vs']['out_tok_s']:.0f} "
+                         f"through the services ({r['engine_vs']['scenario']}).")
+    if header.get("probe"):
+        p = header["probe"]
+        lines.append(f"- rate auto: a closed-loop probe at concurrency {p['concurrency']} on the "
+                     f"base model served {p['req_s']:.2f} req/s; open-loop scenarios ran at "
+                     f"{p['rate']:.2f} req/s (90%).")
+    return ["", *lines] if lines else []

@@ -1,0 +1,205 @@
+"""One serving-benchmark run's phases: the engine in-process (before the services), the
+services and client processes, the rate probe, and each gRPC scenario (preload, warmup, the
+measured requests with the services' counters read before and after), turned into rows."""
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+from bench import serve_metrics as sm
+from bench import serve_model, serve_report, serve_scenarios as ss
+
+
+def engine_options(args, manifest: dict, ids: list[str]) -> dict:
+    """The worker's engine options from the convenience flags (the worker's defaults where
+    unset), the pool made large enough to hold every adapter of the run at once."""
+    from services.common.runtime import parse_bytes
+    from services.worker.config import WorkerConfig
+    d = WorkerConfig()
+    elem = 4 if args.device == "cpu" else 2                 # the pool's dtype: fp32 / bf16
+    need = sum(elem * manifest["elements"][rank_of(a)] for a in ids)
+
+    def get(key: str):
+        value = getattr(args, key)
+        return getattr(d, key) if value is None else value
+    return {"device": args.device, "dtype": "auto",
+            "kv_cache_bytes": parse_bytes(get("kv_cache_bytes")),
+            "max_batch_tokens": int(get("max_batch_tokens")),
+            "max_running": int(get("max_running")),
+            "pool_bytes": max(parse_bytes(get("gpu_pool_bytes")), int(1.25 * need) + (16 << 20)),
+            "pool_slots": max(int(get("pool_slots")), len(ids) + 1)}
+
+
+WORKER_FLAGS = ("gpu_pool_bytes", "kv_cache_bytes", "max_running", "max_batch_tokens",
+                "host_pool_bytes", "pool_slots")
+
+
+def service_args(args, manifest: dict, s3) -> tuple[list, list, list]:
+    """The store's, the worker's and the router's flags: sources, the convenience flags that
+    are set, then each service's pass-through flags."""
+    store = (["--adapters-dir", manifest["dir"]] if s3 is None else
+             ["--s3-endpoint", s3.endpoint, "--bucket", s3.bucket])
+    if args.store_host_bytes:
+        store += ["--host-cache-bytes", str(args.store_host_bytes)]
+    worker = ["--device", args.device]
+    for key in WORKER_FLAGS:
+        if getattr(args, key) is not None:
+            worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    router = []
+    if args.max_in_flight_per_worker:
+        router += ["--max-in-flight-per-worker", str(args.max_in_flight_per_worker)]
+    return store + args.store_flag, worker + args.worker_flag, router + args.router_flag
+
+
+def rank_of(adapter_id: str) -> int:
+    return int(serve_model.ADAPTER_ID.fullmatch(adapter_id).group(1))
+
+
+class Bench:
+    """The run's state: adapters handed out so far, the stack, the client pool, the rows."""
+
+    def __init__(self, args, model: pathlib.Path, cfg: dict, manifest: dict):
+        self.args, self.model, self.cfg, self.manifest = args, model, cfg, manifest
+        self.vocab = cfg["vocab_size"]
+        self.used: set[str] = set()
+        self.rows: list[dict] = []
+        self.cdfs: dict[str, dict] = {}
+        self.stack = self.pool = self.s3 = None
+        self.header: dict = {}
+
+    def ids(self, s: ss.Scenario) -> list[str]:
+        """The scenario's adapters: the first `adapters` generated of its rank."""
+        return self.manifest["ids"].get(s.rank, [])[:s.adapters] if s.adapters else []
+
+    def fresh(self, s: ss.Scenario) -> list[str]:
+        """cold_n adapters of the scenario's rank that no scenario has used yet."""
+        out = [a for a in self.manifest["ids"].get(s.rank, []) if a not in self.used]
+        out = out[:s.cold_requests]
+        if len(out) < s.cold_requests:
+            raise SystemExit(f"scenario {s.name}: {s.cold_requests} fresh rank-{s.rank} "
+                             f"adapters needed, {len(out)} left (--adapters)")
+        return out
+
+    def requests(self, s: ss.Scenario, phase: str, n: int | None = None) -> list:
+        return ss.build_requests(s, self.ids(s), self.vocab, self.args.tenants, self.args.seed,
+                                 phase, n)
+
+    # ---- the engine in-process, before the services ----------------------------------------
+    def run_engine(self, scenarios: list[ss.Scenario]) -> None:
+        from bench.serve_engine import run_in_subprocess
+        jobs, adapters = [], {}
+        for s in scenarios:
+            adapters.update({a: str(pathlib.Path(self.manifest["dir"]) / a) for a in self.ids(s)})
+            jobs.append({"name": s.name, "concurrency": s.concurrency,
+                         "warmup": self.requests(s, "warmup", s.warmup) if s.warmup else [],
+                         "requests": self.requests(s, "measure")})
+        opts = engine_options(self.args, self.manifest, list(adapters))
+        print(f"engine: in-process run of {', '.join(s.name for s in scenarios)}", flush=True)
+        results = run_in_subprocess({"model": str(self.model), "options": opts,
+                                     "adapters": adapters, "jobs": jobs}, 3600)
+        self.header["engine_options"] = opts
+        for s in scenarios:
+            self.record(s, results[s.name], None, None)
+
+    # ---- the services -------------------------------------------------------------------------
+    def start_services(self, work: pathlib.Path) -> None:
+        from bench.serve_load import ClientPool
+        from bench.serve_stack import S3_ENV, S3Source, Stack
+        logs = work / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        ids = [a for v in self.manifest["ids"].values() for a in v]
+        if self.args.source == "s3":
+            self.s3 = S3Source(logs)
+            self.s3.upload(pathlib.Path(self.manifest["dir"]), ids)
+            env.update(S3_ENV)
+        store, worker, router = service_args(self.args, self.manifest, self.s3)
+        self.stack = Stack(self.model, logs, store, worker, router, env,
+                           0 if self.s3 else len(ids), self.args.start_timeout).start()
+        if self.s3 is not None:
+            self.s3.register(self.stack.store.addr, ids)
+        self.header["services"] = self.stack.commands()
+        if self.s3 is not None:
+            self.header["services"]["moto"] = f"moto.server on {self.s3.endpoint}"
+        self.header["logs"] = str(logs)
+        self.pool = ClientPool(self.args.clients, self.stack.router.addr,
+                               self.args.request_timeout)
+
+    def stop(self) -> None:
+        for part in (self.pool, self.stack, self.s3):
+            if part is not None:
+                try:
+                    part.stop()
+                except Exception as exc:  # noqa: BLE001 - stop the others too
+                    print(f"stopping {type(part).__name__}: {exc}", flush=True)
+
+    def probe(self) -> float:
+        """req/s of a closed loop at --probe-concurrency on the base model; returns 90% of it."""
+        a = self.args
+        s = ss.Scenario("probe", concurrency=a.probe_concurrency, requests=a.probe_requests
+                        or 4 * a.probe_concurrency, prompt=a.defaults["prompt"],
+                        output=a.defaults["output"])
+        self.pool.run(self.requests(s, "warmup", min(s.requests, s.concurrency)), s.concurrency)
+        fig = sm.client_figures(self.pool.run(self.requests(s, "measure"), s.concurrency))
+        if fig["errors"] or not fig["req_s"]:
+            raise SystemExit(f"the rate probe failed: {fig['errors']} {fig['error_examples']}")
+        rate = round(0.9 * fig["req_s"], 3)
+        self.header["probe"] = {"concurrency": s.concurrency, "requests": s.requests,
+                                "req_s": fig["req_s"], "out_tok_s": fig["out_tok_s"],
+                                "rate": rate}
+        print(f"probe: {fig['req_s']:.2f} req/s at concurrency {s.concurrency}; rate auto = "
+              f"{rate:.2f} req/s", flush=True)
+        return rate
+
+    def run_grpc(self, s: ss.Scenario) -> None:
+        """Preload and warm up (unmeasured), then the measured requests (with the cold stream
+        on fresh adapters), the worker's and the store's counters read around them."""
+        from bench.serve_stack import store_stats, worker_info
+        ids, start = self.ids(s), time.monotonic()
+        if s.preload:
+            self._preload(s, ids)
+        if s.warmup:
+            self.pool.run(self.requests(s, "warmup", s.warmup), s.concurrency)
+        self.used.update(ids)
+        fresh = self.fresh(s)
+        self.used.update(fresh)
+        reqs = self.requests(s, "measure") + ss.cold_stream(
+            s, fresh, self.vocab, self.args.tenants, self.args.seed, s.requests)
+        w0, st0 = worker_info(self.stack.worker.addr), store_stats(self.stack.store.addr)
+        records = self.pool.run(reqs, s.concurrency)
+        w1 = worker_info(self.stack.worker.addr, since=w0.cold_load_seq)
+        st1 = store_stats(self.stack.store.addr)
+        self.stack.check_alive()
+        print(f"{s.name}: {len(records)} requests in {time.monotonic() - start:.1f}s",
+              flush=True)
+        self.record(s, records, (w0, w1), (st0, st1))
+
+    def _preload(self, s: ss.Scenario, ids: list[str]) -> None:
+        """One short request per adapter, one at a time (setup, not measured)."""
+        recs = self.pool.run(ss.preload_requests(ids, self.vocab, self.args.tenants), 1)
+        bad = [r for r in recs if r["status"] != "OK"]
+        if bad:
+            raise SystemExit(f"{s.name}: preload failed: {bad[0]['status']} {bad[0]['error']}")
+
+    def record(self, s: ss.Scenario, records: list[dict], worker, store) -> None:
+        """The scenario's rows: client figures, and for a gRPC run the services' deltas."""
+        fig = sm.client_figures(records)
+        hits, tiers, more = {"gpu_hit_rate": None}, {}, {}
+        if worker is not None:
+            (w0, w1), (st0, st1) = worker, store
+            hits = sm.hit_rates(w0, w1, st0, st1)
+            recs = list(w1.cold_load_records)
+            tiers = sm.cold_by_tier(recs, sm.histogram_delta(w0, w1), records)
+            more["worker_cold_records"] = len(recs)
+            if s.cold_requests:
+                windows, source = sm.cold_windows(recs, records)
+                more.update(sm.itl_split(records, windows), cold_windows_from=source,
+                            cold_stream=sm.cold_stream_figures(records))
+        self.cdfs[s.name] = {"ttft": fig["_ttft"], "itl": fig["_itl"]}
+        rows = serve_report.scenario_rows(s, fig, hits, tiers, more)
+        self.rows += rows
+        r = rows[0]
+        print(f"{s.name}: {r['out_tok_s']:.0f} tok/s, {r['req_s']:.2f} req/s, TTFT p50 "
+              f"{r['ttft_p50_ms']} ms, ITL p50 {r['itl_p50_ms']} ms, errors {r['errors'] or 0}",
+              flush=True)

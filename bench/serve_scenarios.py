@@ -1,0 +1,224 @@
+"""Scenarios of the serving benchmark: parsing (`name:key=value,...;...`), the preset suites, and
+the reproducible request lists (Zipf adapter popularity, Poisson arrivals, length ranges).
+
+Plain Python (no torch, no gRPC), so the client processes and the tests import it cheaply.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from dataclasses import dataclass, field
+
+KEYS = ("adapters", "rank", "zipf", "rate", "concurrency", "requests", "warmup", "prompt",
+        "output", "preload", "cold", "cold_n", "path")
+
+
+def parse_range(text: str, what: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '64:256' -> (64, 256)."""
+    lo, _, hi = str(text).partition(":")
+    try:
+        lo_i, hi_i = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"{what}: {text!r} is not N or LO:HI") from None
+    if not 1 <= lo_i <= hi_i:
+        raise ValueError(f"{what}: {text!r} needs 1 <= LO <= HI")
+    return lo_i, hi_i
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One measured workload. Exactly one of rate (open loop, req/s; "auto" until the probe
+    ran) and concurrency (closed loop) is set. adapters 0 = the base model."""
+    name: str
+    adapters: int = 0
+    rank: int = 8
+    zipf: float = 1.0
+    rate: float | str | None = None
+    concurrency: int | None = None
+    requests: int = 100
+    warmup: int = 0
+    prompt: tuple[int, int] = (128, 128)
+    output: tuple[int, int] = (128, 128)
+    preload: bool = False
+    cold: float = 0.0                   # extra open-loop stream on never-used adapters, req/s
+    cold_n: int = 0                     # most requests of that stream (each a fresh adapter)
+    path: str = "grpc"                  # grpc: through the services; engine: in-process
+    twin: str = ""                      # replay this scenario's requests (the engine's twin)
+
+    def __post_init__(self) -> None:
+        if (self.rate is None) == (self.concurrency is None):
+            raise ValueError(f"scenario {self.name}: give exactly one of rate and concurrency")
+        if self.rate not in (None, "auto") and not float(self.rate) > 0:
+            raise ValueError(f"scenario {self.name}: rate must be > 0 or auto")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"scenario {self.name}: concurrency must be >= 1")
+        if self.adapters < 0 or self.requests < 1 or self.warmup < 0 or self.zipf < 0:
+            raise ValueError(f"scenario {self.name}: adapters, warmup, zipf >= 0; requests >= 1")
+        if self.path not in ("grpc", "engine"):
+            raise ValueError(f"scenario {self.name}: path is grpc or engine")
+        if self.cold > 0 and self.cold_n < 1:
+            raise ValueError(f"scenario {self.name}: a cold stream needs cold_n >= 1")
+
+    @property
+    def cold_requests(self) -> int:
+        return self.cold_n if self.cold > 0 else 0
+
+
+def parse_scenario(text: str, defaults: dict) -> Scenario:
+    """'name:key=value,...' over `defaults` (a dict of Scenario fields)."""
+    name, _, body = text.strip().partition(":")
+    if not name:
+        raise ValueError(f"--scenarios: {text!r} has no name")
+    given = {}
+    for item in filter(None, (x.strip() for x in body.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in KEYS:
+            raise ValueError(f"scenario {name}: {item!r} is not KEY=VALUE with KEY one of "
+                             f"{', '.join(KEYS)}")
+        given[key] = _value(key, value, name)
+    values = {**defaults, **given}
+    if "rate" in given and "concurrency" not in given:      # the mode given replaces the default
+        values["concurrency"] = None
+    if "concurrency" in given and "rate" not in given:
+        values["rate"] = None
+    return Scenario(name=name, **values)
+
+
+def _value(key: str, value: str, name: str):
+    try:
+        if key in ("prompt", "output"):
+            return parse_range(value, f"scenario {name}: {key}")
+        if key == "rate":
+            return "auto" if value == "auto" else float(value)
+        if key in ("zipf", "cold"):
+            return float(value)
+        if key == "preload":
+            return value not in ("0", "false", "no", "")
+        if key == "path":
+            return value
+        return int(value)
+    except ValueError as exc:
+        raise ValueError(f"scenario {name}: {key}={value!r}: {exc}") from None
+
+
+def parse_scenarios(text: str, defaults: dict) -> list[Scenario]:
+    out = [parse_scenario(t, defaults) for t in text.split(";") if t.strip()]
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--scenarios: names repeat: {names}")
+    return out
+
+
+# ------------------------------------------------------------------------------------- suites
+def suite(name: str, g) -> list[str]:
+    """A preset's scenario strings; g holds the suite-wide values (rate, concurrency, ...)."""
+    if name == "slora":
+        return [f"slora-{'base' if n == 0 else n}:adapters={n},rank=8,zipf=1.0,rate={g.rate}"
+                for n in (0, 5, 100, 1000, 2000)]
+    if name == "resident":
+        return [f"resident-base:adapters=0,concurrency={g.concurrency}",
+                f"resident-32:adapters=32,rank=16,zipf=0,concurrency={g.concurrency},preload=1"]
+    if name == "cold":
+        steady = f"adapters=32,rank=16,zipf=0,rate={g.rate},preload=1"
+        return [f"cold-off:{steady}",
+                f"cold-on:{steady},cold={g.cold_rate},cold_n={g.cold_requests}"]
+    if name == "quick":
+        small = "prompt=8:16,output=4:8"
+        resident = f"adapters=2,rank=8,zipf=0,concurrency=4,preload=1,requests=48,warmup=4,{small}"
+        return [f"quick-base:adapters=0,concurrency=4,requests=24,warmup=4,{small}",
+                f"quick-2:adapters=2,rank=8,zipf=1.0,rate=15,requests=24,warmup=4,{small}",
+                # more adapters than the pool holds, one request at a time: loads from every
+                # tier, never two at once (concurrent loads into a full pool race in the worker)
+                f"quick-many:adapters=16,rank=8,zipf=0.5,concurrency=1,requests=48,{small}",
+                f"quick-resident:{resident}",
+                f"quick-cold:{resident},cold=10,cold_n=4"]
+    raise ValueError(f"--suite: unknown suite {name!r} (slora, resident, cold, quick, engine)")
+
+
+def engine_twin(scenarios: list[Scenario], g) -> Scenario:
+    """The in-process engine run of the suite's resident case: the last preloaded closed-loop
+    scenario with adapters, else the `resident` suite's 32-adapter case."""
+    for s in reversed(scenarios):
+        if s.path == "grpc" and s.preload and s.concurrency and s.adapters and not s.cold:
+            return dataclasses.replace(s, name=f"{s.name}-engine", path="engine", cold=0.0,
+                                       cold_n=0, twin=s.name)
+    return dataclasses.replace(
+        parse_scenario(suite("resident", g)[1], g.defaults), name="resident-32-engine",
+        path="engine", twin="resident-32")
+
+
+def adapter_needs(scenarios: list[Scenario]) -> dict[int, int]:
+    """rank -> adapters to generate: the largest scenario's count plus one fresh adapter per
+    cold-stream request."""
+    need: dict[int, int] = {}
+    for s in scenarios:
+        need[s.rank] = max(need.get(s.rank, 0), s.adapters)
+    for s in scenarios:
+        if s.cold_requests:
+            need[s.rank] = need.get(s.rank, 0) + s.cold_requests
+    return {r: n for r, n in need.items() if n}
+
+
+# ------------------------------------------------------------------------------- request lists
+@dataclass
+class Request:
+    """One request as the client sends it (plain data: pickled to client processes)."""
+    index: int
+    adapter: str                         # "" = base model
+    tenant: str
+    prompt: list[int]
+    max_new: int
+    at: float | None = None              # open loop: send at start + at (s); None: closed loop
+    cold: bool = False                   # part of the cold stream
+    phase: str = "measure"
+    extra: dict = field(default_factory=dict)
+
+
+def zipf_weights(n: int, alpha: float) -> list[float]:
+    """Popularity of adapter i (0-based) ~ 1 / (i + 1)^alpha (alpha 0 = uniform)."""
+    return [1.0 / (i + 1) ** alpha for i in range(n)]
+
+
+def poisson_times(rng: random.Random, rate: float, n: int) -> list[float]:
+    return list(itertools.accumulate(rng.expovariate(rate) for _ in range(n)))
+
+
+def build_requests(s: Scenario, adapter_ids: list[str], vocab: int, tenants: int, seed: int,
+                   phase: str = "measure", n: int | None = None) -> list[Request]:
+    """The scenario's requests for one phase (measure or warmup), the same for the same seed.
+    adapter_ids: the scenario's adapters (empty for the base model)."""
+    rng = random.Random(f"{seed}:{s.twin or s.name}:{phase}")
+    n = s.requests if n is None else n
+    if adapter_ids:
+        picks = rng.choices(range(len(adapter_ids)), zipf_weights(len(adapter_ids), s.zipf), k=n)
+    else:
+        picks = [None] * n
+    times = poisson_times(rng, float(s.rate), n) if s.rate is not None else [None] * n
+    out = []
+    for i, (pick, at) in enumerate(zip(picks, times)):
+        plen, olen = rng.randint(*s.prompt), rng.randint(*s.output)
+        tenant = f"t{(pick if pick is not None else i) % tenants}"
+        out.append(Request(i, adapter_ids[pick] if pick is not None else "", tenant,
+                           [rng.randrange(10, vocab) for _ in range(plen)], olen, at,
+                           phase=phase))
+    return out
+
+
+def cold_stream(s: Scenario, fresh_ids: list[str], vocab: int, tenants: int, seed: int,
+                first_index: int) -> list[Request]:
+    """Open-loop requests at s.cold req/s, each on its own never-used adapter."""
+    rng = random.Random(f"{seed}:{s.name}:cold")
+    times = poisson_times(rng, s.cold, len(fresh_ids))
+    out = []
+    for k, (aid, at) in enumerate(zip(fresh_ids, times)):
+        plen, olen = rng.randint(*s.prompt), rng.randint(*s.output)
+        out.append(Request(first_index + k, aid, f"t{k % tenants}",
+                           [rng.randrange(10, vocab) for _ in range(plen)], olen, at, cold=True))
+    return out
+
+
+def preload_requests(adapter_ids: list[str], vocab: int, tenants: int) -> list[Request]:
+    """One short request per adapter (closed loop), so each is resident before measuring."""
+    return [Request(i, a, f"t{i % tenants}", [10 + i % max(1, vocab - 10)] * 4, 1,
+                    phase="preload") for i, a in enumerate(adapter_ids)]

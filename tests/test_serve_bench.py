@@ -1,0 +1,187 @@
+"""bench/serve_bench.py: its scenarios, request lists, adapters and figures, and a --quick run
+through the real services whose result files must be complete. Nothing here is timed."""
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from bench import serve_metrics as sm
+from bench import serve_report
+from bench import serve_scenarios as ss
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULTS = {"requests": 10, "warmup": 0, "prompt": (4, 4), "output": (2, 2), "rate": None,
+            "concurrency": 4}
+
+
+def test_scenarios_parse_with_the_mode_given_replacing_the_default():
+    a, b = ss.parse_scenarios("a:adapters=5,rank=16,zipf=0.5,rate=2.5;b:prompt=8:16,"
+                              "preload=1,cold=1,cold_n=3", DEFAULTS)
+    assert (a.adapters, a.rank, a.zipf, a.rate, a.concurrency) == (5, 16, 0.5, 2.5, None)
+    assert (b.concurrency, b.prompt, b.preload, b.cold_requests) == (4, (8, 16), True, 3)
+    assert ss.parse_scenario("c:rate=auto", DEFAULTS).rate == "auto"
+    for bad in ("d:colour=1", "e:rate=1,concurrency=2", "f:prompt=9:3", "g:cold=1"):
+        with pytest.raises(ValueError):
+            ss.parse_scenario(bad, DEFAULTS)
+
+
+def test_request_lists_are_reproducible_and_follow_the_scenario():
+    s = ss.parse_scenario("x:adapters=3,zipf=1.0,rate=50,requests=200,prompt=5:9,output=3",
+                          DEFAULTS)
+    ids = ["a", "b", "c"]
+    one = ss.build_requests(s, ids, vocab=100, tenants=2, seed=7)
+    assert one == ss.build_requests(s, ids, vocab=100, tenants=2, seed=7)
+    assert one != ss.build_requests(s, ids, vocab=100, tenants=2, seed=8)
+    assert all(5 <= len(r.prompt) <= 9 and min(r.prompt) >= 10 and max(r.prompt) < 100
+               and r.max_new == 3 for r in one)
+    assert all(r.tenant == f"t{ids.index(r.adapter) % 2}" for r in one)
+    counts = [sum(r.adapter == a for r in one) for a in ids]
+    assert counts[0] > counts[2]                             # Zipf: the first is the most used
+    times = [r.at for r in one]
+    assert times == sorted(times) and 2 < times[-1] < 8      # ~200 / 50 s of Poisson arrivals
+    base = ss.build_requests(ss.parse_scenario("y:", DEFAULTS), [], 100, 2, 0)
+    assert all(r.adapter == "" and r.at is None for r in base)
+
+
+def test_adapter_needs_count_a_fresh_adapter_per_cold_request():
+    sc = ss.parse_scenarios("a:adapters=32,rank=16;b:adapters=32,rank=16,cold=2,cold_n=5;"
+                            "c:adapters=100,rank=8;base:adapters=0", DEFAULTS)
+    assert ss.adapter_needs(sc) == {16: 37, 8: 100}
+
+
+def test_adapters_are_distinct_valid_peft_and_reused(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from bench import serve_model
+    cfg = serve_model.model_config("tiny")
+    man = serve_model.ensure_adapters(tmp_path, cfg, [(5, 4), (2, 8)], ["q_proj", "v_proj"],
+                                      "bf16")
+    dirs = [tmp_path / "adapters" / a for ids in man["ids"].values() for a in ids]
+    blobs = {hashlib.sha256((d / "adapter_model.safetensors").read_bytes()).hexdigest()
+             for d in dirs}
+    assert len(blobs) == len(dirs) == 7
+    for d in dirs:
+        config = json.loads((d / "adapter_config.json").read_text())
+        assert config["peft_type"] == "LORA" and config["r"] == int(d.name[1:].split("-")[0])
+        t = load_file(str(d / "adapter_model.safetensors"))
+        assert len(t) == 2 * 2 * cfg["num_hidden_layers"]
+        flat = torch.cat([x.float().flatten() for x in t.values()])
+        assert torch.isfinite(flat).all() and 0.005 < flat.std() < 0.02
+    stamp = (dirs[0] / "adapter_model.safetensors").stat().st_mtime_ns
+    serve_model.ensure_adapters(tmp_path, cfg, [(5, 4), (2, 8)], ["q_proj", "v_proj"], "bf16")
+    assert (dirs[0] / "adapter_model.safetensors").stat().st_mtime_ns == stamp
+
+
+def _record(i, send, times, cold=False, tier=None, load=0.0, status="OK"):
+    return {"index": i, "adapter": "a", "tenant": "t0", "cold": cold, "phase": "measure",
+            "prompt": 4, "send": send, "end": times[-1] if times else send, "times": times,
+            "status": status, "error": "", "tokens": len(times),
+            "timings": {"queue_s": 0.0, "cold_load_s": load, "time_to_first_token_s": 0.1,
+                        "total_s": times[-1] - send if times else 0.0, "adapter_tier": tier}}
+
+
+def test_client_figures_and_the_itl_inside_cold_windows():
+    recs = [_record(0, 0.0, [0.1, 0.2, 0.3, 1.3]), _record(1, 0.5, [0.6, 0.7]),
+            _record(2, 0.5, [], status="UNAVAILABLE")]
+    fig = sm.client_figures(recs)
+    assert fig["tokens"] == 6 and fig["out_tok_s"] == pytest.approx(6 / 1.3, abs=0.01)
+    assert fig["errors"] == {"UNAVAILABLE": 1} and fig["ttft_p50_ms"] == pytest.approx(100)
+    assert fig["itl_p99_ms"] == pytest.approx(1000)
+    split = sm.itl_split(recs, [(0.9, 1.0)])       # overlaps the 0.3 -> 1.3 gap only
+    assert split["gaps_in_cold_windows"] == 1 and split["itl_p99_cold_ms"] == pytest.approx(1000)
+    assert split["itl_p99_outside_ms"] == pytest.approx(100)
+
+
+def test_cold_figures_per_tier_from_the_worker_records_with_stages():
+    from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2
+    recs = [worker_pb2.ColdLoadRecord(seq=i + 1, tier=common_pb2.SOURCE, total_s=0.01 * (i + 1),
+                                      fetch_s=0.005, end_unix_s=10.0 + i) for i in range(3)]
+    reqs = [_record(0, 0.0, [0.2, 0.3], tier="source", load=0.02)]
+    tiers = sm.cold_by_tier(recs, {}, reqs)
+    assert list(tiers) == ["source"] and tiers["source"]["n"] == 3
+    assert tiers["source"]["p50_ms"] == pytest.approx(20)
+    assert tiers["source"]["stages"]["fetch_s"]["p99_ms"] == pytest.approx(5)
+    assert tiers["source"]["first_step_p50_ms"] == pytest.approx(80)
+    windows, source = sm.cold_windows(recs, reqs)
+    assert source == "worker" and windows[0] == pytest.approx((9.99, 10.0))
+    # no records (today's worker): the histograms give the totals, the requests the windows
+    fallback = sm.cold_by_tier([], {"store_host": [0.004]}, [])
+    assert fallback["store_host"]["from"] == "worker_histogram"
+    assert sm.cold_windows([], reqs)[1] == "request_timings"
+
+
+def test_rows_carry_every_required_field():
+    s = ss.parse_scenario("x:adapters=2", DEFAULTS)
+    fig = sm.client_figures([_record(0, 0.0, [0.1, 0.2])])
+    tiers = sm.cold_by_tier([], {"source": [0.01]}, [])
+    for rows in (serve_report.scenario_rows(s, fig, {"gpu_hit_rate": 0.5}, {}, {}),
+                 serve_report.scenario_rows(s, fig, {"gpu_hit_rate": 0.5}, tiers, {})):
+        assert all(set(serve_report.ROW_FIELDS) <= set(r) for r in rows)
+    assert rows[0]["cold_tier"] == "source" and rows[0]["cold_p50_ms"] == pytest.approx(10)
+
+
+@pytest.mark.slow
+def test_quick_run_writes_complete_results(tmp_path):
+    """The services as processes, the engine in-process, tiny counts: result files complete,
+    the base model's row there, loads from a cold tier, tokens served, no errors."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--quick", "--out", str(out),
+                           "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads((out / "serve-cpu.json").read_text())
+    for key in ("date", "card", "versions", "commit", "argv", "model", "adapters", "services"):
+        assert doc["header"][key], key
+    assert {"adapter_store", "worker", "router"} <= set(doc["header"]["services"])
+    assert {"python", "torch", "grpcio", "protobuf"} <= set(doc["header"]["versions"])
+    rows = doc["rows"]
+    for r in rows:
+        assert set(serve_report.ROW_FIELDS) <= set(r), r["scenario"]
+        assert r["out_tok_s"] > 0 and not r["errors"], r
+    assert any(r["adapters"] == 0 and r["path"] == "grpc" for r in rows)
+    assert any(r["cold_tier"] is not None and r["cold_p50_ms"] is not None for r in rows)
+    assert any(r["path"] == "engine" for r in rows)
+    assert "| scenario |" in (out / "serve-cpu.md").read_text()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "serve-cpu.png").stat().st_size > 0
+    assert (out / "serve-cpu-cdf.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_service_that_exits_raises_with_the_end_of_its_log(tmp_path, capsys):
+    """A bad flag (the store and worker addresses are closed loopback ports): the router exits
+    2, and waiting for it raises at once, naming it, with its log's tail printed."""
+    import os
+    from bench.serve_stack import ServiceProc
+    svc = ServiceProc("router", ["--store", "127.0.0.1:1", "--worker", "127.0.0.1:1",
+                                 "--max-in-flight-per-worker", "0"], tmp_path, dict(os.environ))
+    with pytest.raises(RuntimeError, match="router exited with 2"):
+        svc.wait(60)
+    assert "max-in-flight-per-worker" in capsys.readouterr().out
+    svc.terminate()
+
+
+@pytest.mark.slow
+def test_quick_run_from_s3(tmp_path):
+    """--source s3: the adapters uploaded to moto's server on loopback and registered with the
+    store, then served."""
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--quick", "--source", "s3",
+                           "--suite", "none", "--scenarios",
+                           "s3:adapters=3,rank=8,zipf=0,concurrency=2,requests=9",
+                           "--out", str(out), "--name", "s3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads((out / "s3.json").read_text())["rows"]
+    assert rows and all(r["ok"] == 9 and not r["errors"] for r in rows)
+    assert {r["cold_tier"] for r in rows} == {"source"}
