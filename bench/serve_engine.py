@@ -49,7 +49,7 @@ def run(params: dict) -> dict:
     """params: model, options (EngineOptions fields), cpu_threads, adapters {id: dir}, jobs
     [{name, concurrency, warmup: [Request], requests: [Request]}]."""
     import torch
-    from services.worker.adapter_layout import layout_from_peft_dir
+    from services.worker.adapter_layout import staged_from_peft_dir
     from services.worker.factory import EngineOptions, build_engine
     opts = EngineOptions(**params["options"])
     threads = params.get("cpu_threads", 1)          # as the worker's --cpu-threads default
@@ -57,7 +57,7 @@ def run(params: dict) -> dict:
         torch.set_num_threads(threads)
     start = time.monotonic()
     built = build_engine(params["model"], opts)
-    slots = {aid: built.pool.place(aid, layout_from_peft_dir(path, built.spec, built.dtype))
+    slots = {aid: built.pool.place(aid, staged_from_peft_dir(path, built.spec))
              for aid, path in params["adapters"].items()}
     print(f"engine: built in {time.monotonic() - start:.1f}s, {len(slots)} adapters placed",
           flush=True)
