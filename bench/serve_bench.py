@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
 import sys
@@ -66,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     a("--adapter-dtype", choices=("bf16", "fp32"), default="bf16")
     a("--source", choices=("local", "s3"), default="local",
       help="adapters from a local dir or from S3 (moto's server on loopback)")
+    a("--transfer", choices=("shm", "stream"), default=None,
+      help="store -> worker: the store's shared-memory directory (--shm-dir under /dev/shm; "
+      "the default where /dev/shm is writable) or a gRPC stream")
     a("--suite", default=None, help="comma-separated presets: slora, resident, cold, quick, "
       "engine (the in-process twin of the resident case), none (default slora,resident,cold)")
     a("--scenarios", default="", help="';'-separated NAME:key=value,... with keys "
@@ -121,6 +125,8 @@ def resolve(args) -> argparse.Namespace:
         import torch
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = args.device.startswith("cuda")
+    if args.transfer is None:
+        args.transfer = "shm" if os.access("/dev/shm", os.W_OK) else "stream"
     args.shape = args.shape or ("7b" if gpu else "tiny")
     args.suite = args.suite if args.suite is not None else "slora,resident,cold"
     args.clients = args.clients or (1 if args.quick else 4 if gpu else 2)
@@ -206,6 +212,7 @@ def header(args, model, cfg, manifest, scenarios, bench: Bench) -> dict:
     h["adapters"] = {k: v for k, v in manifest.items() if k != "ids"}
     h["adapters"]["first_last"] = {r: [v[0], v[-1]] for r, v in manifest["ids"].items() if v}
     h["clients"] = args.clients
+    h["transfer"] = args.transfer
     h["scenarios"] = [dataclasses.asdict(s) for s in scenarios]
     h.update(bench.header)
     return h

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import time
 
 from bench import serve_metrics as sm
@@ -35,14 +36,18 @@ WORKER_FLAGS = ("gpu_pool_bytes", "kv_cache_bytes", "max_running", "max_batch_to
                 "host_pool_bytes", "pool_slots")
 
 
-def service_args(args, manifest: dict, s3) -> tuple[list, list, list]:
-    """The store's, the worker's and the router's flags: sources, the convenience flags that
-    are set, then each service's pass-through flags."""
+def service_args(args, manifest: dict, s3, shm: str | None) -> tuple[list, list, list]:
+    """The store's, the worker's and the router's flags: sources, the shared-memory directory
+    (store and worker on this host), the convenience flags that are set, then each service's
+    pass-through flags."""
     store = (["--adapters-dir", manifest["dir"]] if s3 is None else
              ["--s3-endpoint", s3.endpoint, "--bucket", s3.bucket])
     if args.store_host_bytes:
         store += ["--host-cache-bytes", str(args.store_host_bytes)]
     worker = ["--device", args.device]
+    if shm:
+        store += ["--shm-dir", shm]
+        worker += ["--store-shm-dir", shm]
     for key in WORKER_FLAGS:
         if getattr(args, key) is not None:
             worker += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -63,14 +68,28 @@ class Bench:
         self.args, self.model, self.cfg, self.manifest = args, model, cfg, manifest
         self.vocab = cfg["vocab_size"]
         self.used: set[str] = set()
+        self.last_cold: dict[int, list[str]] = {}          # rank -> the last cold stream's
         self.rows: list[dict] = []
         self.cdfs: dict[str, dict] = {}
-        self.stack = self.pool = self.s3 = None
+        self.stack = self.pool = self.s3 = self.shm = None
         self.header: dict = {}
 
     def ids(self, s: ss.Scenario) -> list[str]:
         """The scenario's adapters: the first `adapters` generated of its rank."""
         return self.manifest["ids"].get(s.rank, [])[:s.adapters] if s.adapters else []
+
+    def cold_ids(self, s: ss.Scenario) -> list[str]:
+        """The cold stream's adapters: fresh ones, or the last cold stream's of the rank,
+        dropped from the worker's pool (cold_from host) or from the worker (store)."""
+        if s.cold_from == "fresh":
+            return self.fresh(s)
+        from bench.serve_stack import offload
+        ids = self.last_cold.get(s.rank, [])[:s.cold_requests]
+        if len(ids) < s.cold_requests:
+            raise SystemExit(f"scenario {s.name}: cold_from={s.cold_from} needs an earlier cold "
+                             f"stream of {s.cold_requests} rank-{s.rank} adapters")
+        offload(self.stack.worker.addr, ids, to_host=s.cold_from == "host")
+        return ids
 
     def fresh(self, s: ss.Scenario) -> list[str]:
         """cold_n adapters of the scenario's rank that no scenario has used yet."""
@@ -114,7 +133,10 @@ class Bench:
             self.s3 = S3Source(logs)
             self.s3.upload(pathlib.Path(self.manifest["dir"]), ids)
             env.update(S3_ENV)
-        store, worker, router = service_args(self.args, self.manifest, self.s3)
+        if self.args.transfer == "shm":
+            self.shm = f"/dev/shm/lorafleet-bench-{os.getpid()}"
+            os.makedirs(self.shm, exist_ok=True)
+        store, worker, router = service_args(self.args, self.manifest, self.s3, self.shm)
         self.stack = Stack(self.model, logs, store, worker, router, env,
                            0 if self.s3 else len(ids), self.args.start_timeout).start()
         if self.s3 is not None:
@@ -133,6 +155,8 @@ class Bench:
                     part.stop()
                 except Exception as exc:  # noqa: BLE001 - stop the others too
                     print(f"stopping {type(part).__name__}: {exc}", flush=True)
+        if self.shm:
+            shutil.rmtree(self.shm, ignore_errors=True)
 
     def probe(self) -> float:
         """req/s of a closed loop at --probe-concurrency on the base model; returns 90% of it."""
@@ -162,10 +186,12 @@ class Bench:
         if s.warmup:
             self.pool.run(self.requests(s, "warmup", s.warmup), s.concurrency)
         self.used.update(ids)
-        fresh = self.fresh(s)
-        self.used.update(fresh)
+        cold = self.cold_ids(s)
+        self.used.update(cold)
+        if cold:
+            self.last_cold[s.rank] = cold
         reqs = self.requests(s, "measure") + ss.cold_stream(
-            s, fresh, self.vocab, self.args.tenants, self.args.seed, s.requests)
+            s, cold, self.vocab, self.args.tenants, self.args.seed, s.requests)
         w0, st0 = worker_info(self.stack.worker.addr), store_stats(self.stack.store.addr)
         records = self.pool.run(reqs, s.concurrency)
         w1 = worker_info(self.stack.worker.addr, since=w0.cold_load_seq)

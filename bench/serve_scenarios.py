@@ -11,7 +11,8 @@ import random
 from dataclasses import dataclass, field
 
 KEYS = ("adapters", "rank", "zipf", "rate", "concurrency", "requests", "warmup", "prompt",
-        "output", "preload", "cold", "cold_n", "path")
+        "output", "preload", "cold", "cold_n", "cold_from", "path")
+COLD_FROM = ("fresh", "store", "host")
 
 
 def parse_range(text: str, what: str) -> tuple[int, int]:
@@ -41,8 +42,12 @@ class Scenario:
     prompt: tuple[int, int] = (128, 128)
     output: tuple[int, int] = (128, 128)
     preload: bool = False
-    cold: float = 0.0                   # extra open-loop stream on never-used adapters, req/s
-    cold_n: int = 0                     # most requests of that stream (each a fresh adapter)
+    cold: float = 0.0                   # an extra open-loop stream, req/s, one adapter each
+    cold_n: int = 0                     # most requests of that stream (each its own adapter)
+    # the stream's adapters: fresh (never used: loads from the source), or the previous cold
+    # stream's of this rank, dropped from the worker (store: loads from the store's host
+    # tier) or from its pool only (host: loads from the worker's host tier)
+    cold_from: str = "fresh"
     path: str = "grpc"                  # grpc: through the services; engine: in-process
     twin: str = ""                      # replay this scenario's requests (the engine's twin)
 
@@ -59,6 +64,8 @@ class Scenario:
             raise ValueError(f"scenario {self.name}: path is grpc or engine")
         if self.cold > 0 and self.cold_n < 1:
             raise ValueError(f"scenario {self.name}: a cold stream needs cold_n >= 1")
+        if self.cold_from not in COLD_FROM:
+            raise ValueError(f"scenario {self.name}: cold_from is one of {', '.join(COLD_FROM)}")
 
     @property
     def cold_requests(self) -> int:
@@ -95,7 +102,7 @@ def _value(key: str, value: str, name: str):
             return float(value)
         if key == "preload":
             return value not in ("0", "false", "no", "")
-        if key == "path":
+        if key in ("path", "cold_from"):
             return value
         return int(value)
     except ValueError as exc:
@@ -121,18 +128,19 @@ def suite(name: str, g) -> list[str]:
                 f"resident-32:adapters=32,rank=16,zipf=0,concurrency={g.concurrency},preload=1"]
     if name == "cold":
         steady = f"adapters=32,rank=16,zipf=0,rate={g.rate},preload=1"
-        return [f"cold-off:{steady}",
-                f"cold-on:{steady},cold={g.cold_rate},cold_n={g.cold_requests}"]
+        stream = f"{steady},cold={g.cold_rate},cold_n={g.cold_requests}"
+        return [f"cold-off:{steady}", f"cold-on:{stream}",
+                f"cold-store:{stream},cold_from=store", f"cold-host:{stream},cold_from=host"]
     if name == "quick":
         small = "prompt=8:16,output=4:8"
         resident = f"adapters=2,rank=8,zipf=0,concurrency=4,preload=1,requests=48,warmup=4,{small}"
         return [f"quick-base:adapters=0,concurrency=4,requests=24,warmup=4,{small}",
                 f"quick-2:adapters=2,rank=8,zipf=1.0,rate=15,requests=24,warmup=4,{small}",
-                # more adapters than the pool holds, one request at a time: loads from every
-                # tier, never two at once (concurrent loads into a full pool race in the worker)
-                f"quick-many:adapters=16,rank=8,zipf=0.5,concurrency=1,requests=48,{small}",
+                # more adapters than the pool holds: loads from every tier, several at once
+                f"quick-many:adapters=16,rank=8,zipf=0.5,concurrency=4,requests=48,{small}",
                 f"quick-resident:{resident}",
-                f"quick-cold:{resident},cold=10,cold_n=4"]
+                f"quick-cold:{resident},cold=10,cold_n=4",
+                f"quick-cold-store:{resident},cold=10,cold_n=4,cold_from=store"]
     raise ValueError(f"--suite: unknown suite {name!r} (slora, resident, cold, quick, engine)")
 
 
@@ -155,7 +163,7 @@ def adapter_needs(scenarios: list[Scenario]) -> dict[int, int]:
     for s in scenarios:
         need[s.rank] = max(need.get(s.rank, 0), s.adapters)
     for s in scenarios:
-        if s.cold_requests:
+        if s.cold_requests and s.cold_from == "fresh":
             need[s.rank] = need.get(s.rank, 0) + s.cold_requests
     return {r: n for r, n in need.items() if n}
 
@@ -205,13 +213,14 @@ def build_requests(s: Scenario, adapter_ids: list[str], vocab: int, tenants: int
     return out
 
 
-def cold_stream(s: Scenario, fresh_ids: list[str], vocab: int, tenants: int, seed: int,
+def cold_stream(s: Scenario, cold_ids: list[str], vocab: int, tenants: int, seed: int,
                 first_index: int) -> list[Request]:
-    """Open-loop requests at s.cold req/s, each on its own never-used adapter."""
+    """Open-loop requests at s.cold req/s, each on its own adapter that is not on the GPU
+    (Scenario.cold_from says where it comes from)."""
     rng = random.Random(f"{seed}:{s.name}:cold")
-    times = poisson_times(rng, s.cold, len(fresh_ids))
+    times = poisson_times(rng, s.cold, len(cold_ids))
     out = []
-    for k, (aid, at) in enumerate(zip(fresh_ids, times)):
+    for k, (aid, at) in enumerate(zip(cold_ids, times)):
         plen, olen = rng.randint(*s.prompt), rng.randint(*s.output)
         out.append(Request(first_index + k, aid, f"t{k % tenants}",
                            [rng.randrange(10, vocab) for _ in range(plen)], olen, at, cold=True))

@@ -199,6 +199,14 @@ def worker_info(addr: str, since: int = NO_RECORDS) -> wpb.WorkerInfoResponse:
                                                    timeout=60)
 
 
+def offload(addr: str, adapter_ids: list[str], to_host: bool) -> None:
+    """Drop adapters from the worker's pool (and from its host tier unless to_host)."""
+    with grpc.insecure_channel(addr, options=OPTIONS) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        for aid in adapter_ids:
+            stub.OffloadAdapter(wpb.OffloadAdapterRequest(id=aid, to_host=to_host), timeout=30)
+
+
 def store_stats(addr: str) -> spb.StoreStatsResponse:
     with grpc.insecure_channel(addr, options=OPTIONS) as ch:
         return adapter_store_pb2_grpc.AdapterStoreStub(ch).Stats(spb.StoreStatsRequest(),
