@@ -77,6 +77,7 @@ def parser() -> argparse.ArgumentParser:
     _load_flags(p)
     _service_flags(p)
     a("--out", default=str(ROOT / "bench" / "results"))
+    a("--replot", help="only redraw NAME.md and the plots of a results NAME.json")
     a("--name", help="results name (serve-h200 on an H200, serve-cpu on a CPU)")
     return p
 
@@ -194,7 +195,8 @@ def link_twins(rows: list[dict], scenarios: list[ss.Scenario]) -> None:
         s = by_name[r["scenario"]]
         if s.cold_requests:
             twin = next((t for t in scenarios if t.path == "grpc" and not t.cold_requests and
-                         dataclasses.replace(t, name=s.name, cold=s.cold, cold_n=s.cold_n) == s),
+                         dataclasses.replace(t, name=s.name, cold=s.cold, cold_n=s.cold_n,
+                                             cold_adapters=s.cold_adapters) == s),
                         None)
             if twin is not None:
                 r["nocold_twin"], r["itl_p99_nocold_ms"] = twin.name, first[twin.name][
@@ -240,6 +242,7 @@ def run(args) -> pathlib.Path:
     out = pathlib.Path(args.out)
     for p in serve_report.write(out, name, h, bench.rows, bench.cdfs):
         print(f"wrote {p}", flush=True)
+    (out / "partial-rows.json").unlink(missing_ok=True)
     if tmp:                  # a temp work dir is not reused: drop the model and adapters
         for part in work.iterdir():
             if part.name != "logs":
@@ -264,13 +267,26 @@ def execute(bench: Bench, scenarios: list[ss.Scenario], work: pathlib.Path) -> l
         for s in scenarios:
             if s.path == "grpc":
                 bench.run_grpc(s)
+                bench.save_partial()
     finally:
         bench.stop()
     return scenarios
 
 
+def replot(path: pathlib.Path) -> int:
+    doc = json.loads(path.read_text())
+    path.with_suffix(".md").write_text(serve_report.markdown(doc["header"], doc["rows"]))
+    for p in serve_report.plots(path.parent, path.stem, doc["header"], doc["rows"],
+                                doc.get("cdfs", {})):
+        print(f"wrote {p}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
-    args = resolve(parser().parse_args(argv))
+    parsed = parser().parse_args(argv)
+    if parsed.replot:
+        return replot(pathlib.Path(parsed.replot))
+    args = resolve(parsed)
     md = run(args)
     print(md.read_text(), flush=True)
     return 0

@@ -64,6 +64,7 @@ def scenario_rows(s, figures: dict, hits: dict, tiers: dict, extra: dict) -> lis
             "rank": s.rank if s.adapters else None, "zipf": s.zipf if s.adapters else None,
             "rate": s.rate, "concurrency": s.concurrency, "preload": s.preload,
             "cold_stream_rate": s.cold or None,
+            "cold_adapters": s.cold_adapters if s.cold else None,
             **{k: v for k, v in figures.items() if not k.startswith("_")}, **hits, **extra}
     if not tiers:
         return [{**base, "cold_tier": None, "cold_n": 0, "cold_p50_ms": None,
@@ -79,22 +80,33 @@ def scenario_rows(s, figures: dict, hits: dict, tiers: dict, extra: dict) -> lis
 
 
 # -------------------------------------------------------------------------------- writing
+def quantiles(xs: list[float], n: int = 200) -> list[float]:
+    """n + 1 evenly spaced quantiles of xs (what the JSON keeps of a CDF)."""
+    xs = sorted(xs)
+    return [xs[round(i * (len(xs) - 1) / n)] for i in range(n + 1)] if xs else []
+
+
 def write(out: pathlib.Path, name: str, header: dict, rows: list[dict], cdfs: dict) -> list:
+    """NAME.json (header, rows and each scenario's TTFT / ITL quantiles), NAME.md, and the
+    plots where matplotlib imports (else `--replot NAME.json` draws them later)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1)
-                                      + "\n")
+    kept = {k: {m: quantiles(v) for m, v in d.items()} for k, d in cdfs.items()}
+    (out / f"{name}.json").write_text(json.dumps({"header": header, "rows": rows,
+                                                  "cdfs": kept}, indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown(header, rows))
-    written = [out / f"{name}.json", out / f"{name}.md"]
+    return [out / f"{name}.json", out / f"{name}.md"] + plots(out, name, header, rows, kept)
+
+
+def plots(out: pathlib.Path, name: str, header: dict, rows: list[dict], cdfs: dict) -> list:
     try:
         import matplotlib
         matplotlib.use("Agg")
     except ImportError:
-        return written
+        return []
     from bench.serve_plots import plot_cdfs, plot_scaling
     ordered = {r["scenario"]: cdfs[r["scenario"]] for r in rows if r["scenario"] in cdfs}
-    written += [p for p in (plot_scaling(out / f"{name}.png", header, rows),
-                            plot_cdfs(out / f"{name}-cdf.png", header, ordered)) if p]
-    return written
+    return [p for p in (plot_scaling(out / f"{name}.png", header, rows),
+                        plot_cdfs(out / f"{name}-cdf.png", header, ordered)) if p]
 
 
 def _f(x, fmt: str = "{:.1f}") -> str:
@@ -167,7 +179,7 @@ def _notes(header: dict, rows: list[dict]) -> list[str]:
         if r.get("cold_stream") and r["scenario"] not in seen:
             seen.add(r["scenario"])
             lines.append(f"- {r['scenario']}: a cold stream at {r['cold_stream_rate']:g} req/s "
-                         f"(requests on fresh adapters: {r['cold_stream']['requests']} sent "
+                         f"({r['cold_stream']['requests']} requests on {r['cold_adapters']} adapters sent "
                          "before the main stream ended); ITL p99 "
                          f"of the other requests' gaps inside cold-load windows "
                          f"{_f(r.get('itl_p99_cold_ms'), '{:.2f}')} ms "

@@ -80,15 +80,15 @@ class Bench:
 
     def cold_ids(self, s: ss.Scenario) -> list[str]:
         """The cold stream's adapters: fresh ones, or the last cold stream's of the rank,
-        dropped from the worker's pool (cold_from host) or from the worker (store)."""
-        if s.cold_from == "fresh":
+        dropped from the worker's pool (cold_adapters host) or from the worker (store)."""
+        if s.cold_adapters == "fresh":
             return self.fresh(s)
         from bench.serve_stack import offload
         ids = self.last_cold.get(s.rank, [])[:s.cold_requests]
         if len(ids) < s.cold_requests:
-            raise SystemExit(f"scenario {s.name}: cold_from={s.cold_from} needs an earlier cold "
+            raise SystemExit(f"scenario {s.name}: cold_adapters={s.cold_adapters} needs an earlier cold "
                              f"stream of {s.cold_requests} rank-{s.rank} adapters")
-        offload(self.stack.worker.addr, ids, to_host=s.cold_from == "host")
+        offload(self.stack.worker.addr, ids, to_host=s.cold_adapters == "host")
         return ids
 
     def fresh(self, s: ss.Scenario) -> list[str]:
@@ -147,6 +147,13 @@ class Bench:
         self.header["logs"] = str(logs)
         self.pool = ClientPool(self.args.clients, self.stack.router.addr,
                                self.args.request_timeout)
+
+    def save_partial(self) -> None:
+        """The rows so far, in case a later scenario never finishes (OUT/partial-rows.json)."""
+        import json
+        out = pathlib.Path(self.args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "partial-rows.json").write_text(json.dumps(self.rows, indent=1, default=str))
 
     def stop(self) -> None:
         for part in (self.pool, self.stack, self.s3):

@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass, field
 
 KEYS = ("adapters", "rank", "zipf", "rate", "concurrency", "requests", "warmup", "prompt",
-        "output", "preload", "cold", "cold_n", "cold_from", "path")
-COLD_FROM = ("fresh", "store", "host")
+        "output", "preload", "cold", "cold_n", "cold_adapters", "path")
+COLD_ADAPTERS = ("fresh", "store", "host")
 
 
 def parse_range(text: str, what: str) -> tuple[int, int]:
@@ -47,7 +47,7 @@ class Scenario:
     # the stream's adapters: fresh (never used: loads from the source), or the previous cold
     # stream's of this rank, dropped from the worker (store: loads from the store's host
     # tier) or from its pool only (host: loads from the worker's host tier)
-    cold_from: str = "fresh"
+    cold_adapters: str = "fresh"
     path: str = "grpc"                  # grpc: through the services; engine: in-process
     twin: str = ""                      # replay this scenario's requests (the engine's twin)
 
@@ -64,8 +64,8 @@ class Scenario:
             raise ValueError(f"scenario {self.name}: path is grpc or engine")
         if self.cold > 0 and self.cold_n < 1:
             raise ValueError(f"scenario {self.name}: a cold stream needs cold_n >= 1")
-        if self.cold_from not in COLD_FROM:
-            raise ValueError(f"scenario {self.name}: cold_from is one of {', '.join(COLD_FROM)}")
+        if self.cold_adapters not in COLD_ADAPTERS:
+            raise ValueError(f"scenario {self.name}: cold_adapters is one of {', '.join(COLD_ADAPTERS)}")
 
     @property
     def cold_requests(self) -> int:
@@ -102,7 +102,7 @@ def _value(key: str, value: str, name: str):
             return float(value)
         if key == "preload":
             return value not in ("0", "false", "no", "")
-        if key in ("path", "cold_from"):
+        if key in ("path", "cold_adapters"):
             return value
         return int(value)
     except ValueError as exc:
@@ -130,7 +130,7 @@ def suite(name: str, g) -> list[str]:
         steady = f"adapters=32,rank=16,zipf=0,rate={g.rate},preload=1"
         stream = f"{steady},cold={g.cold_rate},cold_n={g.cold_requests}"
         return [f"cold-off:{steady}", f"cold-on:{stream}",
-                f"cold-store:{stream},cold_from=store", f"cold-host:{stream},cold_from=host"]
+                f"cold-store:{stream},cold_adapters=store", f"cold-host:{stream},cold_adapters=host"]
     if name == "quick":
         small = "prompt=8:16,output=4:8"
         resident = f"adapters=2,rank=8,zipf=0,concurrency=4,preload=1,requests=48,warmup=4,{small}"
@@ -140,7 +140,7 @@ def suite(name: str, g) -> list[str]:
                 f"quick-many:adapters=16,rank=8,zipf=0.5,concurrency=4,requests=48,{small}",
                 f"quick-resident:{resident}",
                 f"quick-cold:{resident},cold=10,cold_n=4",
-                f"quick-cold-store:{resident},cold=10,cold_n=4,cold_from=store"]
+                f"quick-cold-store:{resident},cold=10,cold_n=4,cold_adapters=store"]
     raise ValueError(f"--suite: unknown suite {name!r} (slora, resident, cold, quick, engine)")
 
 
@@ -163,7 +163,7 @@ def adapter_needs(scenarios: list[Scenario]) -> dict[int, int]:
     for s in scenarios:
         need[s.rank] = max(need.get(s.rank, 0), s.adapters)
     for s in scenarios:
-        if s.cold_requests and s.cold_from == "fresh":
+        if s.cold_requests and s.cold_adapters == "fresh":
             need[s.rank] = need.get(s.rank, 0) + s.cold_requests
     return {r: n for r, n in need.items() if n}
 
@@ -216,7 +216,7 @@ def build_requests(s: Scenario, adapter_ids: list[str], vocab: int, tenants: int
 def cold_stream(s: Scenario, cold_ids: list[str], vocab: int, tenants: int, seed: int,
                 first_index: int) -> list[Request]:
     """Open-loop requests at s.cold req/s, each on its own adapter that is not on the GPU
-    (Scenario.cold_from says where it comes from)."""
+    (Scenario.cold_adapters says where it comes from)."""
     rng = random.Random(f"{seed}:{s.name}:cold")
     times = poisson_times(rng, s.cold, len(cold_ids))
     out = []
