@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The serving benchmark on the H200 through the device tool (results in $OUT, plots drawn later
+# with `python bench/serve_bench.py --replot OUT/serve-h200.json` where matplotlib is):
+#   bash bench/h200_serve.sh check   # the cold path's GPU tests, then the resident, cold and
+#                                    # engine suites (32 + 64 rank-16 adapters)
+#   bash bench/h200_serve.sh slora   # the S-LoRA sweep: 5, 100, 1,000, 2,000 rank-8 adapters
+# Needs the wheels the services import that the image lacks in .whl (README: the device tool's
+# notes) and the generated stubs (services/common/gen, carried). The checkpoint, adapters and
+# Triton's cache live under tmp/ and are reused while the machine stays warm.
+set -u
+MODE=${1:-check}
+OUT=${OUT:-bench/results}
+WORK=${WORK:-$PWD/tmp/serve-work}
+export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/tmp/triton-cache}
+mkdir -p "$OUT" "$WORK" "$TRITON_CACHE_DIR"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+df -h "$WORK" /dev/shm | tail -2
+step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t))s"; }
+GPU=(--shape 7b --device cuda --work "$WORK" --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB
+     --max-running 256 --max-batch-tokens 4096 --host-pool-bytes 8GiB --store-host-bytes 16GiB
+     --max-in-flight-per-worker 256 --clients 4 --out "$OUT")
+if [ "$MODE" = check ]; then
+  step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adapter_scatter.py \
+       "tests/test_gpu.py::test_a_cuda_pool_places_adapters_as_the_cpu_pool_does" 2>&1 | tail -4
+  step timeout "${BUDGET:-420}" python3 bench/serve_bench.py "${GPU[@]}" --suite resident,cold,engine \
+       --cold-rate 4 --cold-requests 32 --requests 400 --warmup 64 --name serve-h200-check
+elif [ "$MODE" = slora ]; then
+  step timeout "${BUDGET:-560}" python3 bench/serve_bench.py "${GPU[@]}" --suite slora \
+       --requests 500 --warmup 64 --name serve-h200-slora
+fi
+tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null
+ls -la "$OUT"
