@@ -254,55 +254,42 @@ def test_overlap_cancel_and_time_limit_mid_flight(hf_ckpt):
     assert not built.engine.scheduler.running and built.engine._pending is None
 
 
-def _start_graphs(g: GraphRunner) -> dict:
-    """Stand-ins for what capture() makes at start: all groups at tiles 16 and 64, and none."""
-    from services.worker.model_spec import ALL_GROUPS
-    keys = [(b, m, t) for b in g.sizes for m, t in ((ALL_GROUPS, 16), (ALL_GROUPS, 64), (0, 0))]
-    return {k: _StandIn(g, k) for k in keys}
+def _start_graphs(g: GraphRunner, keys=None) -> dict:
+    """Stand-ins for what capture() makes at start (every batch size, start_keys' pairs)."""
+    pairs = keys if keys is not None else g.start_keys()
+    return {(b, m, t): _StandIn(g, (b, m, t)) for b in g.sizes for m, t in pairs}
 
 
-def test_lazy_capture_is_bounded_and_falls_back_to_the_all_groups_graph(hf_ckpt):
-    """A (LoRA mask, rank tile) pair without a graph is captured on first use, up to MAX_LAZY
-    pairs; past that, or after a failed capture (never retried), the step replays the
-    all-groups graph of the smallest start tile that holds its rank, and every request still
-    gets the eager path's output."""
+def test_a_step_without_its_own_graph_replays_the_smallest_captured_superset(hf_ckpt):
+    """Nothing is captured while serving: a (LoRA mask, rank tile) without a graph replays the
+    captured graph of its batch size with the fewest groups covering its own and the smallest
+    tile holding its rank; a column-LoRA graph only for a step whose q/k/v adapters all have
+    blocks; none at all (a rank above the graphs') means eager; and every request still gets
+    the eager path's output."""
+    from services.worker.graph_runner import ATTENTION
+    from services.worker.model import COLUMNS_BIT as COLS
     from services.worker.model_spec import ALL_GROUPS, GROUP_BIT as bit
     root, _, _ = hf_ckpt
     built, slots = _engine(root)
     g = _graph_runner(built)
-    g.graphs = _start_graphs(g)
-    calls = []
-
-    def capture_one(b, mask, tile):
-        calls.append((b, mask, tile))
-        if mask == bit["qkv"]:
-            raise RuntimeError("CUDA out of memory (simulated)")
-        g.graphs[(b, mask, tile)] = _StandIn(g, (b, mask, tile))
-    g._capture_one = capture_one
-    assert g._capture_lazily(4, bit["qkv"], 16) == (4, ALL_GROUPS, 16)
-    assert g._capture_lazily(4, bit["qkv"], 32) == (4, ALL_GROUPS, 64)
-    assert g._capture_lazily(4, bit["qkv"], 16) == (4, ALL_GROUPS, 16)      # not retried
-    assert calls == [(4, bit["qkv"], 16), (4, bit["qkv"], 32)]
-    pairs = [(bit["qkv"] | bit["o"], 16), (bit["o"], 16), (bit["o"], 64), (bit["down"], 32),
-             (bit["o"] | bit["down"], 16)]
-    assert [g._capture_lazily(4, m, t) for m, t in pairs] == [
-        (4, m, t) for m, t in pairs[:4]] + [(4, ALL_GROUPS, 16)]
-    assert g._capture_lazily(8, bit["o"], 64) == (8, bit["o"], 64)   # a known pair, another b
-    # past the limit: the smallest all-groups graph that holds the tile, a lazy one included
-    assert g._capture_lazily(4, bit["gate_up"], 32) == (4, ALL_GROUPS, 64)
-    g.graphs[(4, ALL_GROUPS, 32)] = _StandIn(g, (4, ALL_GROUPS, 32))
-    assert g._capture_lazily(4, bit["gate_up"], 32) == (4, ALL_GROUPS, 32)
-
-    def failing(b, mask, tile):
-        raise RuntimeError("CUDA out of memory (simulated)")
-    eager_built, eager_slots = _engine(root)
+    g.graphs = _start_graphs(g, [(ALL_GROUPS, 64), (ALL_GROUPS, 16), (ATTENTION, 16),
+                                 (ALL_GROUPS | COLS, 16), (ATTENTION | COLS, 16), (0, 0)])
+    assert g._graph_key(4, bit["qkv"], 16) == (4, ATTENTION, 16)
+    assert g._graph_key(4, bit["qkv"] | COLS, 16) == (4, ATTENTION | COLS, 16)
+    assert g._graph_key(4, bit["o"] | bit["down"], 16) == (4, ALL_GROUPS, 16)
+    assert g._graph_key(4, bit["o"] | bit["down"] | COLS, 16) == (4, ALL_GROUPS | COLS, 16)
+    assert g._graph_key(4, bit["qkv"], 32) == (4, ALL_GROUPS, 64)     # no tile-32 graph
+    assert g._graph_key(8, 0, 0) == (8, 0, 0)
+    assert g._graph_key(4, bit["qkv"], 128) is None                   # above the graphs: eager
+    g.graphs, g._choice = _start_graphs(g, [(ALL_GROUPS | COLS, 16), (0, 0)]), {}
+    assert g._graph_key(4, bit["qkv"], 16) is None                    # a columns graph never
+    eager_built, eager_slots = _engine(root)                          # serves a plain step
     eager = _serve(eager_built, eager_slots)
     built, slots = _engine(root)
     g = _graph_runner(built)
-    g.graphs = _start_graphs(g)
-    g._capture_one = failing
+    g.graphs = _start_graphs(g, [(ALL_GROUPS, 16), (ALL_GROUPS, 64), (0, 0)])
     assert _serve(built, slots, g) == eager
-    assert g._failed and g.replays > 10
+    assert g.replays > 10
 
 
 def test_overlap_continues_while_a_queue_cannot_start(hf_ckpt):
@@ -329,7 +316,10 @@ def test_graph_sizes_reach_the_row_limit(hf_ckpt):
     """A full batch (max_running rows) always has a graph, up to the largest size."""
     root, _, _ = hf_ckpt
     for max_running, sizes in ((3, [1, 2, 3]), (100, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]),
-                               (300, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128])):
+                               (300, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224,
+                                      256, 300]),
+                               (1000, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224,
+                                       256, 320, 384, 448, 512])):
         built, _ = _engine(root, max_running=max_running)
         assert GraphRunner(built.engine.runner).sizes == sizes, max_running
 

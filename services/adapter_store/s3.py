@@ -39,12 +39,12 @@ def redact(url: str | None) -> str:
 
 
 class S3Clients:
-    """One boto3 session; one client per (connect, read) timeout rung, built on demand."""
+    """One boto3 session, made at the first S3 read (a store without S3 sources never imports
+    boto3); one client per (connect, read) timeout rung, built on demand."""
 
     def __init__(self, endpoint: str | None, region: str, connect_timeout: float,
                  read_timeout: float):
-        import boto3  # deferred: a store without S3 sources never pays for it
-        self._session = boto3.session.Session()
+        self._session = None
         self._endpoint, self._region = endpoint, region
         self._connect, self._read = connect_timeout, read_timeout
         self._clients: dict[tuple[float, float], object] = {}
@@ -65,6 +65,9 @@ class S3Clients:
 
     def _build(self, connect: float, read: float):
         from botocore.config import Config
+        if self._session is None:
+            import boto3
+            self._session = boto3.session.Session()
         config = Config(connect_timeout=connect, read_timeout=read,
                         retries={"mode": "standard", "max_attempts": ATTEMPTS},
                         region_name=self._region, signature_version="s3v4")

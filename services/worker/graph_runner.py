@@ -8,20 +8,23 @@ q_seq -1 (no attention) and a base-only LoRA segment.
 
 A graph holds LoRA launches only for the projection groups that the step's adapters target
 (services.worker.model_spec.GROUP_BIT): a base-only step replays a graph with none, a batch of
-q/k/v/o adapters one without the MLP's. The graphs for every group and for none are captured at
-start; another combination is captured the first time a step needs it, for up to MAX_LAZY of
-them. Past that, or when a capture fails, the step replays the all-groups graph (correct for
-any mask: a group no adapter in the step targets has no offsets, so adds nothing).
+q/k/v/o adapters one without the MLP's. A graph also bakes in the SGMV rank tile
+(StepContext.lora_rank: the kernels' RANK_BLOCK and launch shape), so graphs are keyed by
+(batch, mask, tile) and a step replays the one for the largest rank among its own adapters, not
+the pool's: rank-16 adapters run rank-16 kernels even while a rank-64 adapter is resident (on the
+H200, batch 64 with 32 rank-16 adapters spends 38 us a layer in LoRA with the 16 tile against 83
+with the 64 one).
 
-A graph also bakes in the SGMV rank tile (StepContext.lora_rank: the kernels' RANK_BLOCK and
-launch shape), so graphs are keyed by (batch, mask, tile) and a step replays the one for the
-largest rank among its own adapters, not the pool's: rank-16 adapters run rank-16 kernels even
-while a rank-64 adapter is resident (on the H200, batch 64 with 32 rank-16 adapters spends 38
-us a layer in LoRA with the 16 tile against 83 with the 64 one). Tiles 16 and the largest
-(capture's max_rank) are captured at start with all groups; other (mask, tile) pairs lazily, as
-above, and the fallback is the smallest all-groups graph (a start one, or one captured
-lazily) that holds the step's rank. A step with an adapter above max_rank's tile runs eagerly. Capture never touches the
-pool's tables, which the adapter manager updates from its own thread.
+Every graph is captured at start, before the worker serves: for each batch size, none (base
+only), all groups at each start tile (16 and the largest, capture's max_rank), and at tile 16
+q/k/v/o (the common attention-only adapters), the tile-16 ones also with column LoRA
+(COLUMNS_BIT). Nothing is captured while serving (a capture stalls every row in flight): a
+step whose (mask, tile) has no graph of its own replays the captured graph of its batch size
+with the fewest groups that include its groups and the smallest tile that holds its rank
+(correct for any mask: a group no adapter in the step targets has no offsets, so adds nothing;
+a column-LoRA graph only for a step whose q/k/v adapters all have blocks), and a step with no
+such graph (an adapter above max_rank's tile) runs eagerly. Capture never touches the pool's
+tables, which the adapter manager updates from its own thread.
 
 Overlap. `launch` starts a decode step and returns at once (the sampled tokens come back through
 a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
@@ -39,15 +42,17 @@ import numpy as np
 import torch
 
 from kernels.sgmv_ref import rank_tile
-from services.worker.model import StepContext
-from services.worker.model_spec import ALL_GROUPS
+from services.worker.model import COLUMNS_BIT, StepContext
+from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
 from services.worker.runner import ModelRunner
 from services.worker.sampling import sample
 from services.worker.scheduler import Scheduled
 from services.worker.step_inputs import sampling_batch
 
 log = logging.getLogger(__name__)
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448,
+                 512)
+ATTENTION = GROUP_BIT["qkv"] | GROUP_BIT["o"]          # q/k/v/o adapters: a start graph too
 
 
 class _HostSet:
@@ -75,7 +80,6 @@ class PendingStep:
 
 
 class GraphRunner:
-    MAX_LAZY = 4      # (LoRA mask, rank tile) pairs, besides the start ones, with own graphs
     def __init__(self, runner: ModelRunner, sizes=DEFAULT_SIZES):
         self.runner = runner
         self.model = runner.model
@@ -106,7 +110,7 @@ class GraphRunner:
         self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
         self.pool = None                                                 # graphs share one
         self.captured: set[int] = set()          # batch sizes captured at start
-        self._failed: set[tuple[int, int, int]] = set()   # keys whose capture failed
+        self._choice: dict[tuple[int, int, int], tuple[int, int, int] | None] = {}
         self.replays = 0
         self.rank = 0                            # capture's max_rank (its tile: the largest)
         self.start_tiles: tuple[int, ...] = ()   # tiles captured at start for all groups
@@ -121,8 +125,8 @@ class GraphRunner:
                            lora_mask=mask, lora_rank=tile or self.rank)
 
     def capture(self, max_rank: int = 64) -> None:
-        """Capture one graph per batch size, largest first, for all LoRA groups (one per start
-        rank tile: 16 and max_rank's) and for none, sharing one memory pool.
+        """Capture every decode graph (see the module docstring), largest batch first, sharing
+        one memory pool; progress in the log.
 
         The SGMV kernel's rank tile is baked into a graph: graphs serve steps whose adapters have
         ranks up to rank_tile(max_rank); a step with a larger adapter runs eagerly.
@@ -130,11 +134,14 @@ class GraphRunner:
         start = time.monotonic()
         self.rank = max_rank
         self.start_tiles = tuple(sorted({rank_tile(min(16, max_rank)), rank_tile(max_rank)}))
-        keys = [(ALL_GROUPS, t) for t in reversed(self.start_tiles)] \
-            if self.model.lora is not None else []
-        for mask, tile in keys + [(0, 0)]:
+        keys = self.start_keys()
+        for i, (mask, tile) in enumerate(keys):
+            t = time.monotonic()
             for b in reversed(self.sizes):
                 self._capture_one(b, mask, tile)
+            log.info("captured LoRA groups %s, rank tile %d for %d batch sizes in %.1fs "
+                     "(%d of %d)", bin(mask), tile, len(self.sizes), time.monotonic() - t,
+                     i + 1, len(keys))
         self.captured = set(self.sizes)
         from kernels.sgmv_split import barrier_timeouts
         if barrier_timeouts(self.model.device):
@@ -142,6 +149,17 @@ class GraphRunner:
         log.info("captured %d decode graphs (batch %s, rank tiles %s) in %.1fs",
                  len(self.graphs), ",".join(map(str, self.sizes)),
                  ",".join(map(str, self.start_tiles)) or "-", time.monotonic() - start)
+
+    def start_keys(self) -> list[tuple[int, int]]:
+        """The (LoRA mask, rank tile) pairs captured for every batch size."""
+        if self.model.lora is None:
+            return [(0, 0)]
+        keys = [(ALL_GROUPS, t) for t in reversed(self.start_tiles)]
+        small = self.start_tiles[0]
+        keys.append((ATTENTION, small))
+        if self.model.columns is not None and self.model.columns.n_cols and small <= 16:
+            keys += [(ALL_GROUPS | COLUMNS_BIT, small), (ATTENTION | COLUMNS_BIT, small)]
+        return keys + [(0, 0)]
 
     def _capture_one(self, b: int, mask: int, tile: int = 0) -> None:
         """Capture the decode graph for batch size b, LoRA group mask and rank tile (inputs:
@@ -153,7 +171,7 @@ class GraphRunner:
             self.model.forward(self.ids[:b], ctx, kv)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the adapter manager's thread may copy tables while a lazy capture runs
+        # thread_local: the adapter manager's loader threads may copy while a capture runs
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.outputs[(b, mask, tile)] = self.model.forward(self.ids[:b], ctx, kv)
         self.pool = graph.pool()
@@ -198,8 +216,8 @@ class GraphRunner:
         slots = np.fromiter((x.seq.slot for x in batch), np.int64, len(batch))
         mask = self.model.lora_mask(slots)
         tile = self._step_tile(slots) if mask else 0
-        if tile > rank_tile(self.rank):              # an adapter above the graphs' ranks
-            return None
+        if tile > rank_tile(self.rank) or self._graph_key(b, mask, tile) is None:
+            return None                              # an adapter above the graphs' ranks
         batch = sorted(batch, key=lambda x: (x.seq.slot < 0, x.seq.slot, x.seq.arrival))
         src = None
         if prev is not None:
@@ -209,9 +227,9 @@ class GraphRunner:
         if src is not None:
             n = len(batch)
             torch.index_select(prev.tokens, 0, self.dev64[3, :n], out=self.ids[:n])
-        key = (b, mask, tile)
-        if key not in self.graphs:
-            key = self._capture_lazily(b, mask, tile)
+        key = self._graph_key(b, mask, tile)
+        if key is None:
+            return None
         if self.timings is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -232,30 +250,21 @@ class GraphRunner:
             done.record()
         return PendingStep(batch, tokens, host, done)
 
-    def _capture_lazily(self, b: int, mask: int, tile: int) -> tuple[int, int, int]:
-        """Capture the graph for (b, mask, tile) on first use and return its key; or return the
-        key of the all-groups graph of the smallest tile >= tile (it serves any mask:
-        untargeted groups have no offsets) once MAX_LAZY (mask, tile) pairs have graphs, or when
-        the capture fails (it is not tried again)."""
-        start = {(ALL_GROUPS, t) for t in self.start_tiles} | {(0, 0)}
-        lazy = {(m, t) for _, m, t in self.graphs} - start
-        # the smallest all-groups graph of this batch size that holds the tile (a start tile
-        # always does; a lazily captured one may be smaller)
-        fallback = (b, ALL_GROUPS, min(t for bb, m, t in self.graphs
-                                       if bb == b and m == ALL_GROUPS and t >= tile))
+    def _graph_key(self, b: int, mask: int, tile: int) -> tuple[int, int, int] | None:
+        """The graph a decode step replays (see the module docstring): its own (b, mask, tile),
+        else the captured one of batch b with the fewest groups that cover mask's and the
+        smallest tile >= tile (column LoRA's only if the step has COLUMNS_BIT, and preferred
+        then); None: no graph serves it (the step runs eagerly). Memoised."""
         key = (b, mask, tile)
-        if key in self._failed or ((mask, tile) not in lazy and len(lazy) >= self.MAX_LAZY):
-            return fallback
-        log.info("capturing the decode graph for batch %d, LoRA groups %s, rank tile %d", b,
-                 bin(mask), tile)
-        try:
-            self._capture_one(*key)
+        if key in self.graphs:
             return key
-        except Exception:  # noqa: BLE001 - out of memory etc.: serve from the all-groups graph
-            log.exception("capturing the graph for batch %d, LoRA groups %s, rank tile %d "
-                          "failed; using the all-groups graph", b, bin(mask), tile)
-            self._failed.add(key)
-            return fallback
+        if key not in self._choice:
+            groups = mask & ~COLUMNS_BIT
+            fits = [(bin(m & ~COLUMNS_BIT).count("1"), t, not m & COLUMNS_BIT, (bb, m, t))
+                    for bb, m, t in self.graphs if bb == b and t >= tile and m & groups == groups
+                    and (mask & COLUMNS_BIT or not m & COLUMNS_BIT)]
+            self._choice[key] = min(fits)[3] if fits else None
+        return self._choice[key]
 
     @staticmethod
     def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int]]:
