@@ -4,6 +4,8 @@
 #   bash bench/h200_serve.sh check   # the cold path's GPU tests, then the resident, cold and
 #                                    # engine suites (32 + 64 rank-16 adapters)
 #   bash bench/h200_serve.sh slora   # the S-LoRA sweep: 5, 100, 1,000, 2,000 rank-8 adapters
+#   bash bench/h200_serve.sh record  # all of it in one run: bench/results/serve-h200.*, with the
+#                                    # engine in-process on the resident and base/5-adapter cases
 # Needs the wheels the services import that the image lacks in .whl (README: the device tool's
 # notes) and the generated stubs (services/common/gen, carried). The checkpoint, adapters and
 # Triton's cache live under tmp/ and are reused while the machine stays warm.
@@ -24,12 +26,21 @@ df -h "$WORK" /dev/shm | tail -2
 step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t))s"; }
 GPU=(--shape 7b --device cuda --work "$WORK" --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB
      --max-running 256 --max-batch-tokens 4096 --host-pool-bytes 8GiB --store-host-bytes 16GiB
-     --max-in-flight-per-worker 256 --clients 4 --out "$OUT")
+     --max-in-flight-per-worker 256 --pool-slots 512 --clients 4 --out "$OUT")
 if [ "$MODE" = check ]; then
   step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adapter_scatter.py \
        "tests/test_gpu.py::test_a_cuda_pool_places_adapters_as_the_cpu_pool_does" 2>&1 | tail -4
   step timeout "${BUDGET:-420}" python3 bench/serve_bench.py "${GPU[@]}" --suite resident,cold,engine \
-       --cold-rate 4 --cold-requests 32 --requests 400 --warmup 64 --name serve-h200-check
+       --rate "${RATE:-40}" --cold-rate 4 --cold-requests 32 --requests 400 --warmup 64 \
+       --name serve-h200-check
+elif [ "$MODE" = record ]; then
+  R=${RATE:-58}                     # 90% of the base model's closed-loop 65.3-65.8 req/s
+  OL="rank=8,zipf=1.0,rate=$R,requests=500,warmup=64,path=engine"
+  step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${GPU[@]}" \
+       --suite slora,resident,cold,engine --rate "$R" --steady-rate "${STEADY:-40}" \
+       --cold-rate 4 --cold-requests 32 \
+       --requests 500 --warmup 64 --name serve-h200 --scenarios \
+       "slora-base-engine:adapters=0,$OL,twin=slora-base;slora-5-engine:adapters=5,$OL,twin=slora-5"
 elif [ "$MODE" = slora ]; then
   step timeout "${BUDGET:-560}" python3 bench/serve_bench.py "${GPU[@]}" --suite slora \
        --requests 500 --warmup 64 --name serve-h200-slora

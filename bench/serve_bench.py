@@ -90,6 +90,7 @@ def _load_flags(p) -> None:
     a("--probe-concurrency", type=int, default=64)
     a("--probe-requests", type=int, default=0, help="0: 4x the probe concurrency")
     a("--cold-rate", type=float, default=2.0, help="the cold suite's cold stream, req/s")
+    a("--steady-rate", default=None, help="the cold suite's steady stream, req/s (--rate)")
     a("--cold-requests", type=int, default=32, help="most requests of a cold stream")
     a("--requests", type=int, help="measured requests per scenario (500; --quick 24)")
     a("--warmup", type=int, help="unmeasured requests first, same workload (32; --quick 4)")
@@ -153,9 +154,9 @@ def build_scenarios(args) -> list[ss.Scenario]:
     if "engine" in names:
         out.append(ss.engine_twin(out, args))
     for s in out:
-        if s.path == "engine" and s.concurrency is None:
-            raise SystemExit(f"scenario {s.name}: path=engine runs a closed loop "
-                             "(give concurrency)")
+        if s.path == "engine" and s.rate == "auto":
+            raise SystemExit(f"scenario {s.name}: path=engine runs before the rate probe "
+                             "(give a rate or a concurrency)")
     if not out:
         raise SystemExit("no scenarios: give --suite or --scenarios")
     return out

@@ -1,6 +1,7 @@
-"""The engine's in-process figure for the serving benchmark: the same closed-loop workload as a
-gRPC scenario, run through `services.worker.factory.build_engine` + `Engine.submit` (no gRPC,
-no router, no store), with every adapter placed in the pool up front.
+"""The engine's in-process figure for the serving benchmark: the same workload as a gRPC scenario
+(a closed loop, or open-loop arrivals at their times), run through
+`services.worker.factory.build_engine` + `Engine.submit` (no gRPC, no router, no store), with
+every adapter placed in the pool up front.
 
 It runs in a subprocess started (and finished) before the services: it needs the GPU memory the
 worker will take. Records have the client records' shape (bench/serve_load.py), so the same
@@ -63,10 +64,11 @@ def run(params: dict) -> dict:
           flush=True)
     results = {}
     for job in params["jobs"]:
+        run = (closed_loop if job["concurrency"] else
+               lambda e, s, reqs, _: open_loop(e, s, reqs))
         if job["warmup"]:
-            closed_loop(built.engine, slots, job["warmup"], job["concurrency"])
-        results[job["name"]] = closed_loop(built.engine, slots, job["requests"],
-                                           job["concurrency"])
+            run(built.engine, slots, job["warmup"], job["concurrency"])
+        results[job["name"]] = run(built.engine, slots, job["requests"], job["concurrency"])
         print(f"engine: {job['name']} done", flush=True)
     return results
 
@@ -74,10 +76,39 @@ def run(params: dict) -> dict:
 def closed_loop(engine, slots: dict, requests: list, concurrency: int) -> list[dict]:
     """Keep `concurrency` requests submitted, stepping the engine on this thread; a request's
     sink records each token's wall-clock arrival."""
-    from services.worker.sequence import Sequence, Stopping
     todo = list(reversed(requests))
     finished: list[dict] = []
     records: list[dict] = []
+    submit = _submitter(engine, slots, finished)
+    for _ in range(min(concurrency, len(todo))):
+        submit(todo.pop())
+    while len(records) < len(requests):
+        engine.step()
+        while finished:
+            records.append(finished.pop())
+            if todo:
+                submit(todo.pop())
+    return sorted(records, key=lambda r: r["index"])
+
+
+def open_loop(engine, slots: dict, requests: list) -> list[dict]:
+    """Submit each request at its arrival time (Request.at after the start), stepping the engine
+    on this thread in between (so arrivals land between steps, as the worker's inbox does)."""
+    todo = sorted(requests, key=lambda r: r.at, reverse=True)
+    finished: list[dict] = []
+    submit = _submitter(engine, slots, finished)
+    start = time.time()
+    while len(finished) < len(requests):
+        while todo and todo[-1].at <= time.time() - start:
+            submit(todo.pop())
+        if not engine.step() and todo:
+            time.sleep(max(0.0, min(0.001, start + todo[-1].at - time.time())))
+    return sorted(finished, key=lambda r: r["index"])
+
+
+def _submitter(engine, slots: dict, finished: list):
+    """submit(request): hand it to the engine; its record lands in `finished` when it ends."""
+    from services.worker.sequence import Sequence, Stopping
 
     def submit(r) -> None:
         rec = {"index": r.index, "adapter": r.adapter, "tenant": r.tenant, "cold": False,
@@ -96,16 +127,7 @@ def closed_loop(engine, slots: dict, requests: list, concurrency: int) -> list[d
                                                           ignore_eos=True))
         rec["send"] = time.time()
         engine.submit(seq, sink)
-
-    for _ in range(min(concurrency, len(todo))):
-        submit(todo.pop())
-    while len(records) < len(requests):
-        engine.step()
-        while finished:
-            records.append(finished.pop())
-            if todo:
-                submit(todo.pop())
-    return sorted(records, key=lambda r: r["index"])
+    return submit
 
 
 def _finish(rec: dict, ev) -> None:

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 
 KEYS = ("adapters", "rank", "zipf", "rate", "concurrency", "requests", "warmup", "prompt",
-        "output", "preload", "cold", "cold_n", "cold_adapters", "path")
+        "output", "preload", "cold", "cold_n", "cold_adapters", "path", "twin")
 COLD_ADAPTERS = ("fresh", "store", "host")
 
 
@@ -102,7 +102,7 @@ def _value(key: str, value: str, name: str):
             return float(value)
         if key == "preload":
             return value not in ("0", "false", "no", "")
-        if key in ("path", "cold_adapters"):
+        if key in ("path", "cold_adapters", "twin"):
             return value
         return int(value)
     except ValueError as exc:
@@ -127,7 +127,7 @@ def suite(name: str, g) -> list[str]:
         return [f"resident-base:adapters=0,concurrency={g.concurrency}",
                 f"resident-32:adapters=32,rank=16,zipf=0,concurrency={g.concurrency},preload=1"]
     if name == "cold":
-        steady = f"adapters=32,rank=16,zipf=0,rate={g.rate},preload=1"
+        steady = f"adapters=32,rank=16,zipf=0,rate={g.steady_rate or g.rate},preload=1"
         stream = f"{steady},cold={g.cold_rate},cold_n={g.cold_requests}"
         return [f"cold-off:{steady}", f"cold-on:{stream}",
                 f"cold-store:{stream},cold_adapters=store", f"cold-host:{stream},cold_adapters=host"]
