@@ -26,7 +26,8 @@ df -h "$WORK" /dev/shm | tail -2
 step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t))s"; }
 GPU=(--shape 7b --device cuda --work "$WORK" --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB
      --max-running 256 --max-batch-tokens 4096 --host-pool-bytes 8GiB --store-host-bytes 16GiB
-     --max-in-flight-per-worker 256 --pool-slots 512 --clients 4 --out "$OUT")
+     --max-in-flight-per-worker 256 --pool-slots 512 --clients 4 --out "$OUT"
+     ${COMMIT:+--commit "$COMMIT"})      # COMMIT=$(git rev-parse --short HEAD) where it is made
 if [ "$MODE" = check ]; then
   step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adapter_scatter.py \
        "tests/test_gpu.py::test_a_cuda_pool_places_adapters_as_the_cpu_pool_does" 2>&1 | tail -4

@@ -78,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
     _service_flags(p)
     a("--out", default=str(ROOT / "bench" / "results"))
     a("--replot", help="only redraw NAME.md and the plots of a results NAME.json")
+    a("--commit", help="the code's commit for the header, where the checkout's git cannot tell "
+      "(a working tree copied to a GPU machine)")
     a("--name", help="results name (serve-h200 on an H200, serve-cpu on a CPU)")
     return p
 
@@ -208,7 +210,7 @@ def link_twins(rows: list[dict], scenarios: list[ss.Scenario]) -> None:
 
 
 def header(args, model, cfg, manifest, scenarios, bench: Bench) -> dict:
-    h = serve_report.base_header(args.device)
+    h = serve_report.base_header(args.device, args.commit)
     h["model"] = {"shape": None if args.model else args.shape, "path": str(model),
                   "layers": cfg["num_hidden_layers"], "hidden": cfg["hidden_size"],
                   "vocab": cfg["vocab_size"], "dtype": cfg.get("torch_dtype")}

@@ -9,15 +9,17 @@ import matplotlib.pyplot as plt
 
 def _series(rows: list[dict]) -> dict[str, list[dict]]:
     """One row per scenario, grouped by path and load (scenarios at the same rate or
-    concurrency line up), sorted by adapter count."""
+    concurrency line up), sorted by adapter count; scenarios with a cold stream, and a second
+    scenario of a series at the same adapter count, are left out (they are no scaling point)."""
     first: dict[str, dict] = {}
     for r in rows:
-        first.setdefault(r["scenario"], r)
-    groups: dict[str, list[dict]] = {}
+        if not r.get("cold_stream_rate"):
+            first.setdefault(r["scenario"], r)
+    groups: dict[str, dict[int, dict]] = {}
     for r in first.values():
         load = f"rate {r['rate']:g}" if r["rate"] is not None else f"concurrency {r['concurrency']}"
-        groups.setdefault(f"{r['path']}, {load}", []).append(r)
-    return {k: sorted(v, key=lambda r: r["adapters"]) for k, v in groups.items()}
+        groups.setdefault(f"{r['path']}, {load}", {}).setdefault(r["adapters"], r)
+    return {k: sorted(v.values(), key=lambda r: r["adapters"]) for k, v in groups.items()}
 
 
 def plot_scaling(path: pathlib.Path, header: dict, rows: list[dict]) -> pathlib.Path | None:

@@ -46,11 +46,15 @@ def versions() -> dict:
     return out
 
 
-def base_header(device: str) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
+def base_header(device: str, commit: str | None = None) -> dict:
+    """commit: what the run's code is, when the checkout's git does not know (a copy of a
+    working tree shipped to another machine); else git's HEAD, +dirty with local changes."""
+    dirty = ""
+    if commit is None:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "card": card(device), "device": device, "cpus": os.cpu_count(),
             "versions": versions(),
