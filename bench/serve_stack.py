@@ -24,7 +24,6 @@ from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
-NO_RECORDS = (1 << 63) - 1        # cold_loads_since past any seq: the newest seq, no records
 
 
 def free_port() -> int:
@@ -193,9 +192,11 @@ class Stack:
 
 
 # -------------------------------------------------------------------------------- snapshots
-def worker_info(addr: str, since: int = NO_RECORDS) -> wpb.WorkerInfoResponse:
+def worker_info(addr: str, since: int | None = None) -> wpb.WorkerInfoResponse:
+    """The worker's Info; with `since`, its cold-load records after that seq too."""
     with grpc.insecure_channel(addr, options=OPTIONS) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).Info(wpb.WorkerInfoRequest(cold_loads_since=since),
+        return worker_pb2_grpc.WorkerStub(ch).Info(wpb.WorkerInfoRequest(
+            cold_load_records=since is not None, cold_loads_since=since or 0),
                                                    timeout=60)
 
 

@@ -225,8 +225,10 @@ def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stag
                                         timeout=10)
                 tiers.append(stub.LoadAdapter(wpb.LoadAdapterRequest(adapter=ref),
                                               timeout=30).from_tier)
-            info = stub.Info(wpb.WorkerInfoRequest(), timeout=10)
-            later = stub.Info(wpb.WorkerInfoRequest(cold_loads_since=2), timeout=10)
+            info = stub.Info(wpb.WorkerInfoRequest(cold_load_records=True), timeout=10)
+            later = stub.Info(wpb.WorkerInfoRequest(cold_load_records=True, cold_loads_since=2),
+                              timeout=10)
+            plain = stub.Info(wpb.WorkerInfoRequest(), timeout=10)
     finally:
         worker.terminate()
         store.terminate()
@@ -234,6 +236,7 @@ def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stag
     recs = list(info.cold_load_records)
     assert [r.seq for r in recs] == [1, 2, 3] and info.cold_load_seq == 3
     assert [r.seq for r in later.cold_load_records] == [3]
+    assert not plain.cold_load_records and plain.cold_load_seq == 3      # asked for none
     assert [r.tier for r in recs] == tiers and all(r.adapter_id == "pirate" for r in recs)
     for r in recs:
         assert r.bytes == len(BLOB) and r.total_s > 0 and r.host_to_device_s > 0
@@ -244,3 +247,24 @@ def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stag
         assert r.fetch_s > 0 and r.layout_s > 0
         assert (r.digest_s == 0) == shm
     assert worker_host.fetch_s == 0 and worker_host.digest_s == 0
+
+
+def test_a_blob_the_store_cannot_keep_is_streamed_not_named(tmp_path):
+    """A host tier too small for the adapter keeps no file: a shared-memory Fetch gets the
+    bytes as a stream (no shm_file pointing at a file already gone)."""
+    shm, adapters = tmp_path / "shm", tmp_path / "adapters"
+    shm.mkdir()
+    adapters.mkdir()
+    shutil.copytree(ADAPTER, adapters / "pirate")
+    store = Service("adapter_store", ["--model", str(MODEL_DIR), "--db", ":memory:",
+                                      "--adapters-dir", str(adapters), "--shm-dir", str(shm),
+                                      "--host-cache-bytes", "1KiB"], tmp_path).wait()
+    api = StoreApi(store.addr)
+    try:
+        chunks = list(api.stub.Fetch(spb.FetchRequest(id="pirate", shm=True), timeout=10))
+        assert not chunks[0].header.shm_file
+        assert b"".join(c.data for c in chunks[1:-1]) == BLOB
+        assert not list(shm.glob("lorafleet-store-*"))
+    finally:
+        api.close()
+        store.terminate()

@@ -108,20 +108,22 @@ class HostCache:
         there (blocking: call it off the event loop), else the bytes."""
         return self._shm.write(version, blob) if self._shm is not None else CachedBlob(blob)
 
-    def put(self, version: str, tenant: str, cached: CachedBlob) -> list[str]:
-        """Keep a prepared blob unless it cannot fit (then its file goes; a Fetch already
-        streaming it keeps its mapping); returns the versions evicted to make room."""
+    def put(self, version: str, tenant: str, cached: CachedBlob
+            ) -> tuple[CachedBlob, list[str]]:
+        """Keep a prepared blob unless it cannot fit; returns what to serve it from and the
+        versions evicted to make room. A blob not kept loses its file (the bytes stay mapped
+        for the Fetch that read it, which then streams them)."""
         try:
             victims = self._policy.admit(version, tenant, len(cached.data), count_miss=False)
         except NoRoom:
             if cached.shm_file:
                 self._shm.unlink(cached.shm_file)
-            return []
+            return CachedBlob(cached.data), []
         for victim in victims:
             self._drop(victim)
         self._evictions += len(victims)
         self._blobs[version] = cached
-        return victims
+        return cached, victims
 
     def remove(self, version: str) -> None:
         """Drop a version (its adapter was deleted or replaced)."""

@@ -207,7 +207,7 @@ class AdapterStore:
             metrics.observe_source_load(self._window, ref.kind, reason, 0.0)
             log.warning("staging %r from %s failed: %s", record.id, ref.uri, exc.message)
             raise
-        evicted = self._cache.put(record.version, record.owner, cached)
+        cached, evicted = self._cache.put(record.version, record.owner, cached)
         metrics.CACHE_EVICTIONS.labels(metrics.TIER).inc(len(evicted))
         self._publish_host_tier()
         seconds = time.perf_counter() - start

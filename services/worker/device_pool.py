@@ -10,6 +10,7 @@ innermost dimension, so a slot's entries are every n_slots-th element: one index
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -249,7 +250,7 @@ class _CopyPath:
         pad = -plan.data_start % SRC_ALIGN
         n_seg, n_val = segs.size, values.shape[1]
         with self.lock:
-            with torch.cuda.stream(self.stream) if self.cuda else _nothing():
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
                 self._grow(pad + staged.nbytes, n_seg + 2 * n_val)
                 host = self.host.numpy()
                 host[:n_seg] = segs.ravel()
@@ -276,17 +277,11 @@ class _CopyPath:
         pool = self.pool
         with self.lock, torch.cuda.stream(self.stream):
             self._grow(64, sc.NFIELDS)
-            segs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0 if fold else -1, sc.ZERO]],
+            # an empty segment (0 rows): it compiles the kernel and writes nothing
+            segs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 0 if fold else -1, sc.ZERO]],
                                 dtype=torch.int64, device=self.device)
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 sc.adapter_scatter(self.staging[:64].view(dtype), self._dsts(), segs,
                                    pool._fold, max_elems=1, dst_ptrs=self.dst_ptrs)
             self.stream.synchronize()
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

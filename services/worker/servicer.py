@@ -253,7 +253,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             gpu_resident=sum(1 for i in m.info.values() if i.gpu),
             host_resident=len(m.host), device=str(self.built.device),
             eos_token_id=s.eos_token_ids[0] if s.eos_token_ids else 0,
-            cold_load_records=m.log.since(request.cold_loads_since), cold_load_seq=m.log.seq)
+            cold_load_records=(m.log.since(request.cold_loads_since)
+                               if request.cold_load_records else []),
+            cold_load_seq=m.log.seq)
 
 
 def _check_ref(ref, field: str) -> None:
