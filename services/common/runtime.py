@@ -95,5 +95,4 @@ def run_service(service: str, parse, main_async) -> int:
     setup_logging(service, cfg.log_level)
     setup_tracing(f"lorafleet-{service}", cfg.otlp_endpoint, cfg.trace_file)
     start_metrics(cfg.metrics_port)
-    asyncio.run(main_async(cfg))
-    return 0
+    return asyncio.run(main_async(cfg)) or 0

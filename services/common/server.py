@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -135,11 +135,16 @@ async def set_serving(health_servicer, serving: bool) -> None:
 
 
 async def serve(server: grpc.aio.Server, health_servicer, grace: float,
-                on_drain: Callable[[], object] | None = None, name: str = "service") -> None:
-    """Start, report SERVING, and on SIGTERM/SIGINT drain: NOT_SERVING, stop(grace), exit."""
+                on_drain: Callable[[], object] | None = None, name: str = "service",
+                started: Callable[[], Awaitable[None]] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Start (then await started(), if given), report SERVING, and on SIGTERM/SIGINT (or when
+    `stop` is set) drain: NOT_SERVING, on_drain(), stop(grace), return."""
     await server.start()
+    if started is not None:
+        await started()
     await set_serving(health_servicer, True)
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

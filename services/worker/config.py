@@ -38,6 +38,7 @@ class WorkerConfig:
     cpu_threads: int = 1                # torch intra-op threads for a CPU engine (0 = torch's)
     store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
     loader_threads: int = 8             # cold loads that run at once
+    frontend: str = "process"           # process: the gRPC port in a process of its own
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -48,6 +49,8 @@ class WorkerConfig:
             raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
+        if self.frontend not in ("process", "inline"):
+            raise ValueError(f"--frontend: {self.frontend!r} is not process or inline")
         if self.loader_threads < 1:
             raise ValueError("--loader-threads must be >= 1")
         if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
@@ -92,6 +95,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                         "then come through shared memory instead of a gRPC stream")
     p.add_argument("--loader-threads", type=int, default=8,
                    help="cold loads (fetch + placement) that run at once (8)")
+    p.add_argument("--frontend", default="process", choices=("process", "inline"),
+                   help="process: the public gRPC port is served by a process of its own, "
+                        "which streams tokens while this one runs the engine; inline: one "
+                        "process (process)")
     a = p.parse_args(argv)
     return WorkerConfig(
         listen=a.listen, model=a.model, store=a.store, device=a.device, dtype=a.dtype,
@@ -101,4 +108,4 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
         tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
-        loader_threads=a.loader_threads)
+        loader_threads=a.loader_threads, frontend=a.frontend)

@@ -63,6 +63,7 @@ class Engine:
         self._wake = threading.Event()
         self.steps = 0
         self.tokens_generated = 0
+        self.flush: Callable[[], None] | None = None   # called after each step (run)
 
     # --- thread-safe entry points -------------------------------------------------------
     def submit(self, seq: Sequence, sink: Sink) -> None:
@@ -95,10 +96,19 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
+        """Step until stop is set (then call wake()); idle, wait for a submit or an abort.
+        After each step, flush() (when set) hands the step's events on in one go."""
         while not stop.is_set():
-            if not self.step():
-                self._wake.wait(0.05)
+            busy = self.step()
+            if self.flush is not None:
+                self.flush()
+            if not busy:
+                self._wake.wait()
                 self._wake.clear()
+
+    def wake(self) -> None:
+        """Wake an idle run() (e.g. to see its stop event)."""
+        self._wake.set()
 
     def step(self) -> bool:
         """One engine step; False when there was nothing to do."""

@@ -17,7 +17,7 @@ from services.common.names import name_error
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
 from services.common.telemetry import incoming_context, tracer
 from services.worker import metrics
-from services.worker.adapter_manager import AdapterManager
+from services.worker.adapter_manager import Acquired, AdapterManager
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, TokenEvent
 from services.worker.factory import Built
@@ -131,9 +131,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for item in self._generate(request, context):
                 yield item
 
-    async def _generate(self, request, context):
-        arrival = time.monotonic()
-        remaining = context.time_remaining()
+    async def admit(self, request: wpb.WorkerGenerateRequest, arrival: float,
+                    remaining: float | None) -> tuple[Sequence, Acquired | None]:
+        """A Generate request made ready for the engine: its prompt's tokens, its sampling and
+        stopping checked, its adapter staged and pinned (release it when done)."""
+        if self.draining:
+            raise Unavailable("worker is draining")
         deadline = arrival + remaining if remaining is not None else None
         prompt = await self._prompt(request)
         sampling, stopping = sampling_from(request.sampling), stopping_from(request.stopping,
@@ -146,6 +149,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                        slot=acq.slot if acq else -1, adapter=acq.key if acq else "",
                        tenant=request.tenant, sampling=sampling, stopping=stopping,
                        arrival=arrival)
+        return seq, acq
+
+    async def _generate(self, request, context):
+        arrival = time.monotonic()
+        seq, acq = await self.admit(request, arrival, context.time_remaining())
         events = self._submit(seq, acq)
         finished = False
         try:

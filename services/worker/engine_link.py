@@ -1,0 +1,180 @@
+"""The core's end of the link to the worker's front end (see services.worker.link).
+
+Each Generate call the front end takes arrives as a "gen" message: it is admitted here as the
+in-process servicer admits one (prompt, sampling, adapter staged and pinned), then handed to
+the engine with a sink that appends its events to the current step's list; after each step
+the engine thread sends that list as one frame. The event loop sees a call twice (admission
+and its end), never per token.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from google.rpc import code_pb2, status_pb2
+from opentelemetry import trace
+
+from services.common.errors import LorafleetError
+from services.common.server import status_for
+from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
+from services.common.telemetry import incoming_context, tracer
+from services.worker import metrics
+from services.worker.engine import TokenEvent
+from services.worker.link import BlockingEnd
+from services.worker.sequence import Stop
+
+log = logging.getLogger(__name__)
+_tracer = tracer("lorafleet.worker")
+_NONE = Stop.NONE
+
+
+@dataclass(slots=True)
+class _Call:
+    tenant: str = ""
+    task: asyncio.Task | None = None
+    request_id: str = ""           # the engine's id, once submitted
+    acq_key: str = ""
+    span: object = None
+    aborted: bool = False
+
+
+class EngineLink:
+    def __init__(self, end: BlockingEnd, servicer, loop: asyncio.AbstractEventLoop):
+        self.end, self.servicer, self.loop = end, servicer, loop
+        self.engine, self.manager = servicer.engine, servicer.manager
+        self._out: list = []                  # this step's events (engine thread only)
+        self._calls: dict[int, _Call] = {}    # loop only
+        self.front_port: asyncio.Future = loop.create_future()
+        self.closed = asyncio.Event()         # the front end said bye, or its end closed
+        self.bye = False
+        self._reader = threading.Thread(target=self._read, name="link-reader", daemon=True)
+
+    def start(self) -> None:
+        self.engine.flush = self.flush
+        self._reader.start()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    # --- engine thread --------------------------------------------------------------------
+    def flush(self) -> None:
+        """Send the step's events (called by the engine thread after each step)."""
+        if self._out:
+            batch, self._out = self._out, []
+            self.end.send(("ev", batch))
+
+    def _sink(self, h: int, call: _Call, cold_s: float, tier: int):
+        out_of, loop, finished = self, self.loop, self._finished
+
+        def sink(ev: TokenEvent) -> None:
+            if ev.stop is _NONE:
+                out_of._out.append((h, ev.token_ids, ev.text))
+                return
+            out_of._out.append((h, ev.token_ids, ev.text, int(ev.stop), ev.prompt_tokens,
+                                ev.generated_tokens, ev.queue_s, ev.ttft_s, ev.total_s,
+                                ev.error, cold_s, tier))
+            loop.call_soon_threadsafe(finished, h, ev.stop, ev.generated_tokens)
+        return sink
+
+    # --- reader thread --------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            msg = self.end.recv()
+            if msg is None:
+                break
+            self.loop.call_soon_threadsafe(self._dispatch, msg)
+        self.loop.call_soon_threadsafe(self._eof)
+
+    # --- the event loop -------------------------------------------------------------------
+    def _dispatch(self, msg) -> None:
+        kind = msg[0]
+        if kind == "gen":
+            _, h, raw, remaining, metadata = msg
+            call = self._calls[h] = _Call()
+            call.task = self.loop.create_task(self._admit(h, call, raw, remaining, metadata))
+        elif kind == "abort":
+            self._abort(msg[1])
+        elif kind == "ready":
+            if not self.front_port.done():
+                self.front_port.set_result(msg[1])
+        elif kind == "bye":
+            self.bye = True
+            self.closed.set()
+        else:
+            log.error("link: unknown message %r from the front end", kind)
+
+    def _eof(self) -> None:
+        if not self.front_port.done():
+            self.front_port.set_result(None)
+        for h in list(self._calls):
+            self._abort(h)
+        self.closed.set()
+
+    async def _admit(self, h: int, call: _Call, raw: bytes, remaining, metadata) -> None:
+        arrival = time.monotonic()
+        acq = None
+        try:
+            request = wpb.WorkerGenerateRequest.FromString(raw)
+            call.tenant = request.tenant
+            call.span = _tracer.start_span(
+                "worker.generate", context=incoming_context(metadata),
+                attributes={"gen_ai.request.id": request.request_id,
+                            "lora.adapter_id": request.adapter.id, "lora.tenant": request.tenant})
+            with trace.use_span(call.span, end_on_exit=False):   # the cold load's spans
+                seq, acq = await self.servicer.admit(request, arrival, remaining)
+            call.acq_key = acq.key if acq else ""
+            sink = self._sink(h, call, acq.seconds if acq else 0.0,
+                              acq.tier if acq else common_pb2.TIER_UNSPECIFIED)
+            self.engine.submit(seq, sink)
+            call.request_id = seq.request_id
+        except asyncio.CancelledError:          # aborted while staging its adapter
+            self._end(h, call, "cancelled")
+        except LorafleetError as exc:
+            self._refuse(h, call, status_for(exc))
+        except Exception as exc:  # noqa: BLE001 - mapped to INTERNAL, as the interceptor does
+            log.exception("unhandled error in Generate", exc_info=exc)
+            self._refuse(h, call, status_pb2.Status(
+                code=code_pb2.INTERNAL, message=f"internal error: {type(exc).__name__}"))
+        finally:
+            call.task = None
+
+    def _refuse(self, h: int, call: _Call, status: status_pb2.Status) -> None:
+        self.end.send(("ev", [(h, status.SerializeToString())]))
+        self._end(h, call, "refused")
+
+    def _end(self, h: int, call: _Call, outcome: str) -> None:
+        self._calls.pop(h, None)
+        if call.acq_key:
+            self.manager.release(call.acq_key)
+            call.acq_key = ""
+        if call.span is not None:
+            call.span.set_attribute("lora.outcome", outcome)
+            call.span.end()
+
+    def _finished(self, h: int, stop: Stop, generated: int) -> None:
+        call = self._calls.get(h)
+        if call is None:
+            return
+        metrics.REQUESTS.labels(stop.name).inc()
+        metrics.TOKENS.labels(call.tenant).inc(generated)
+        self._end(h, call, stop.name)
+
+    def _abort(self, h: int) -> None:
+        call = self._calls.get(h)
+        if call is None or call.aborted:
+            return
+        call.aborted = True
+        if call.request_id:
+            self.engine.abort(call.request_id)  # its CANCELLED event ends it (_finished)
+        elif call.task is not None:
+            call.task.cancel()
+
+    def drain(self) -> None:
+        self.end.send(("drain",))
+
+    def close(self) -> None:
+        self.end.close()

@@ -1,0 +1,226 @@
+"""The worker's front end: its public gRPC port, in a process of its own (no torch).
+
+Started by the worker's core (services.worker.__main__) with one end of a socketpair (the link,
+services.worker.link) and the path of the core's private gRPC socket. Generate calls go over
+the link and their tokens come back one frame per engine step; every other Worker RPC is passed
+through to the core as bytes, with its metadata, deadline and status. grpc.health.v1 here
+says SERVING from the start (the core starts this process once it serves) until the core
+says drain. The core directs its life: SIGINT and SIGTERM are ignored here, "drain" stops the
+server with the grace period and says bye, and the end of the link (the core gone) ends every
+call UNAVAILABLE and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import signal
+import socket
+import sys
+
+import grpc
+from google.rpc import status_pb2
+from grpc_status import rpc_status
+
+from services.common.errors import LorafleetError
+from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
+from services.common.runtime import setup_logging
+from services.common.server import (CLIENT_OPTIONS, create_server, server_credentials,
+                                    set_serving)
+from services.worker.link import encode, read_message
+from services.worker.sequence import Stop
+
+log = logging.getLogger("lorafleet.worker.frontend")
+SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"]
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_ERROR = int(Stop.ERROR)
+_DROP = (":", "grpc-")                   # metadata the transport sets, not the caller
+
+
+def forwarded(context: grpc.aio.ServicerContext) -> tuple:
+    """The caller's metadata, to pass on to the core (trace context, auth, ...)."""
+    return tuple((k, v) for k, v in (context.invocation_metadata() or ())
+                 if not k.startswith(_DROP) and k != "user-agent")
+
+
+async def abort_with_status(context, status: status_pb2.Status) -> None:
+    if status.details:
+        await context.abort_with_status(rpc_status.to_status(status))
+    await context.abort(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message)
+
+
+async def relay_error(context, err: grpc.aio.AioRpcError) -> None:
+    trailing = tuple((k, v) for k, v in (err.trailing_metadata() or ())
+                     if not k.startswith(":"))
+    await context.abort(err.code(), err.details() or "", trailing_metadata=trailing)
+
+
+class Frontend:
+    def __init__(self, writer: asyncio.StreamWriter, core: grpc.aio.Channel):
+        self.writer, self.core = writer, core
+        self.draining = False
+        self._ids = itertools.count(1)
+        self._calls: dict[int, asyncio.Queue] = {}
+
+    def send(self, msg) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(encode(msg))
+
+    # --- the link -------------------------------------------------------------------------
+    def deliver(self, items: list) -> None:
+        calls = self._calls
+        for item in items:
+            q = calls.get(item[0])
+            if q is not None:
+                q.put_nowait(item)
+
+    def core_gone(self) -> None:
+        gone = status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                 message="worker engine exited").SerializeToString()
+        for h, q in self._calls.items():
+            q.put_nowait((h, gone))
+
+    async def drain(self, server: grpc.aio.Server, health, grace: float) -> None:
+        """NOT_SERVING, refuse new calls, let those in flight finish (grace), say bye."""
+        self.draining = True
+        await set_serving(health, False)
+        await server.stop(grace)
+        self.send(("bye",))
+        await self.writer.drain()
+
+    # --- Generate -------------------------------------------------------------------------
+    async def generate(self, request: bytes, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        h = next(self._ids)
+        q: asyncio.Queue = asyncio.Queue()
+        self._calls[h] = q
+        self.send(("gen", h, request, context.time_remaining(), forwarded(context)))
+        done = False
+        try:
+            while True:
+                item = await q.get()
+                n = len(item)
+                if n == 3:
+                    yield wpb.WorkerGenerateResponse(token_ids=item[1], text=item[2])
+                    continue
+                done = True
+                if n == 2:
+                    await abort_with_status(context, status_pb2.Status.FromString(item[1]))
+                (_, tokens, text, stop, prompt_tokens, generated, queue_s, ttft_s, total_s,
+                 error, cold_s, tier) = item
+                if stop == _ERROR:
+                    await context.abort(LorafleetError.code, f"generation failed: {error}")
+                out = wpb.WorkerGenerateResponse(token_ids=tokens, text=text, stop_reason=stop)
+                out.usage.prompt_tokens, out.usage.generated_tokens = prompt_tokens, generated
+                t = out.timings
+                t.queue_s, t.time_to_first_token_s, t.total_s = queue_s, ttft_s, total_s
+                t.cold_load_s, t.adapter_tier = cold_s, tier
+                yield out
+                return
+        finally:
+            self._calls.pop(h, None)
+            if not done:
+                self.send(("abort", h))  # cancelled or past its deadline: free its row now
+
+    # --- every other RPC: passed through as bytes ----------------------------------------
+    def _unary(self, path: str):
+        call = self.core.unary_unary(path)
+
+        async def handler(request: bytes, context):
+            try:
+                return await call(request, timeout=context.time_remaining(),
+                                  metadata=forwarded(context))
+            except grpc.aio.AioRpcError as err:
+                await relay_error(context, err)
+        return handler
+
+    def _stream(self, path: str):
+        open_call = self.core.unary_stream(path)
+
+        async def handler(request: bytes, context):
+            call = open_call(request, timeout=context.time_remaining(),
+                             metadata=forwarded(context))
+            try:
+                async for item in call:
+                    yield item
+            except grpc.aio.AioRpcError as err:
+                await relay_error(context, err)
+            finally:
+                call.cancel()
+        return handler
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        methods = {}
+        for m in SERVICE.methods:
+            path = f"/{SERVICE.full_name}/{m.name}"
+            if m.name == "Generate":
+                methods[m.name] = grpc.unary_stream_rpc_method_handler(
+                    self.generate,
+                    response_serializer=wpb.WorkerGenerateResponse.SerializeToString)
+            elif m.server_streaming:
+                methods[m.name] = grpc.unary_stream_rpc_method_handler(self._stream(path))
+            else:
+                methods[m.name] = grpc.unary_unary_rpc_method_handler(self._unary(path))
+        return grpc.method_handlers_generic_handler(SERVICE.full_name, methods)
+
+
+async def main_async(args) -> int:
+    sock = socket.socket(fileno=args.link_fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    core = grpc.aio.insecure_channel(args.core, options=CLIENT_OPTIONS)
+    front = Frontend(writer, core)
+    server, port, health = create_server(
+        args.listen, lambda s: (s.add_generic_rpc_handlers((front.handler(),)),
+                                [SERVICE.full_name])[1],
+        server_credentials(args.tls_cert, args.tls_key, args.tls_ca))
+    await server.start()
+    await set_serving(health, True)
+    front.send(("ready", port))
+    draining = None
+    while True:
+        msg = await read_message(reader)
+        if msg is None:                         # the core is gone (or closed after "bye")
+            if draining is not None and draining.done():
+                return 0
+            log.error("worker core exited: ending every call")
+            front.core_gone()
+            await server.stop(0.5)
+            return 1
+        if msg[0] == "ev":
+            front.deliver(msg[1])
+        elif msg[0] == "drain" and draining is None:
+            draining = asyncio.get_running_loop().create_task(
+                front.drain(server, health, args.grace))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m services.worker.frontend",
+                                description="the worker's public gRPC port (started by the "
+                                            "worker; not run by hand)")
+    p.add_argument("--listen", required=True)
+    p.add_argument("--core", required=True, help="the core's private gRPC address")
+    p.add_argument("--link-fd", type=int, required=True)
+    p.add_argument("--grace", type=float, default=10.0)
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    p.add_argument("--tls-ca", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the core directs this process
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    setup_logging("worker", args.log_level)
+    try:
+        return asyncio.run(main_async(args))
+    except RuntimeError as exc:                     # e.g. the port could not be bound
+        log.error("front end: %s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
