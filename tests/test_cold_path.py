@@ -188,6 +188,76 @@ def test_the_store_keeps_its_host_tier_in_shared_memory(tmp_path):
     assert not list(shm.glob("lorafleet-store-*"))               # nothing left behind
 
 
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
+    """A local blob is hashed as it is read into its place in the host tier: bytes that no
+    longer match the registration are refused DATA_LOSS and leave nothing behind (no file
+    in the shared-memory directory, not even the half-written one); put back, they serve."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    adapters = tmp_path / "adapters"
+    shutil.copytree(ADAPTER, adapters / "pirate")
+    weights = adapters / "pirate" / "adapter_model.safetensors"
+    store = Service("adapter_store", ["--model", str(MODEL_DIR), "--db", ":memory:",
+                                      "--adapters-dir", str(adapters),
+                                      *(["--shm-dir", str(shm_dir)] if shm else [])],
+                    tmp_path).wait()
+    api = StoreApi(store.addr)
+    try:
+        flipped = bytearray(BLOB)
+        flipped[-1] ^= 1                                           # same size, one bit
+        for changed in (bytes(flipped), BLOB[:-7]):               # ... and a shorter file
+            weights.write_bytes(changed)
+            with pytest.raises(grpc.RpcError) as err:
+                list(api.stub.Fetch(spb.FetchRequest(id="pirate", shm=shm), timeout=10))
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS
+            assert "re-register" in err.value.details()
+            assert list(shm_dir.iterdir()) == []
+        weights.write_bytes(BLOB)
+        chunks = list(api.stub.Fetch(spb.FetchRequest(id="pirate", shm=shm), timeout=10))
+        assert chunks[0].header.tier == common_pb2.SOURCE
+        if shm:
+            assert (shm_dir / chunks[0].header.shm_file).read_bytes() == BLOB
+            assert [p.name for p in shm_dir.iterdir()] == [chunks[0].header.shm_file]
+        else:
+            assert b"".join(c.data for c in chunks[1:]) == BLOB
+        assert chunks[-1].sha256 == hashlib.sha256(BLOB).hexdigest()
+    finally:
+        api.close()
+        assert store.terminate() == 0
+
+
+def test_read_hashed_hashes_what_it_reads_chunk_by_chunk(tmp_path, monkeypatch):
+    from services.adapter_store import sources
+    monkeypatch.setattr(sources, "CHUNK", 4096)
+    data = os.urandom(4096 * 5 + 123)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    for size in (len(data), len(data) + 1000):                    # the file shorter than said
+        dest = sources.Destination(size)
+        with open(path, "rb") as f:
+            digest = sources.read_hashed(f, size, dest)
+        assert bytes(dest.view) == data and digest == hashlib.sha256(data).hexdigest()
+
+
+def test_a_verified_file_is_read_again_without_hashing_only_while_unchanged(tmp_path):
+    """The identity a hashed read saw (device, inode, size, mtime, ctime) lets the next read
+    of the same file skip the hash; any write to the file changes it, and the read hashes."""
+    from services.adapter_store import sources
+    shutil.copytree(ADAPTER, tmp_path / "pirate")
+    reader = sources.SourceReader(tmp_path, None, 1 << 30)
+    ref = sources.parse_source("file://pirate", None)
+    first = reader.read(ref, landing=sources.Destination)
+    assert first.sha256 == hashlib.sha256(BLOB).hexdigest() and first.identity
+    again = reader.read(ref, landing=sources.Destination, trusted=first.identity)
+    assert again.trusted and again.sha256 == "" and bytes(again.blob) == BLOB
+    weights = tmp_path / "pirate" / "adapter_model.safetensors"
+    weights.write_bytes(BLOB)                                     # same bytes, written again
+    rewritten = reader.read(ref, landing=sources.Destination, trusted=first.identity)
+    assert not rewritten.trusted and rewritten.sha256 == first.sha256
+    assert rewritten.identity != first.identity
+
+
 def test_a_bad_shm_dir_is_refused_at_start(tmp_path):
     for service, flag in (("adapter_store", "--shm-dir"), ("worker", "--store-shm-dir")):
         run = subprocess.run([sys.executable, "-m", f"services.{service}", "--model",

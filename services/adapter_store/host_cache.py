@@ -13,13 +13,16 @@ renamed, so a reader never sees half of one; an evicted blob's file is unlinked 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
 import pathlib
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
+from services.adapter_store.sources import Destination
 from services.common.cache_policy import CachePolicy, NoRoom
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,9 @@ class ShmDir:
         os.replace(tmp, self.path / name)
         return CachedBlob(self.map(name, len(blob)), name)
 
+    def landing(self, version: str, size: int) -> "ShmLanding":
+        return ShmLanding(self, self._tag + version, size)
+
     def map(self, name: str, size: int) -> memoryview:
         with open(self.path / name, "rb") as f:
             return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)) \
@@ -71,6 +77,28 @@ class ShmDir:
 
     def unlink(self, name: str) -> None:
         (self.path / name).unlink(missing_ok=True)
+
+
+class ShmLanding(Destination):
+    """A source read straight into a new file of the shared-memory directory (no copy from a
+    buffer): a hidden temporary name until keep() gives it its own."""
+
+    def __init__(self, shm: ShmDir, name: str, size: int):
+        self._shm, self.name = shm, name
+        self._tmp = shm.path / f".{name}.tmp"
+        fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            os.ftruncate(fd, size)
+            self.view = memoryview(mmap.mmap(fd, size)) if size else memoryview(bytearray())
+        finally:
+            os.close(fd)
+
+    def keep(self) -> tuple[memoryview, str]:
+        os.replace(self._tmp, self._shm.path / self.name)
+        return self.view.toreadonly(), self.name
+
+    def drop(self) -> None:
+        self._tmp.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -107,6 +135,18 @@ class HostCache:
         """What `put` will keep for a verified blob: with a shared-memory directory its file
         there (blocking: call it off the event loop), else the bytes."""
         return self._shm.write(version, blob) if self._shm is not None else CachedBlob(blob)
+
+    def landing(self, version: str) -> Callable[[int], Destination]:
+        """Where a source read of `version` should land (SourceReader.read's landing): a file
+        of the shared-memory directory when there is one, else process memory."""
+        if self._shm is None:
+            return Destination
+        return functools.partial(self._shm.landing, version)
+
+    @staticmethod
+    def keep(landed: Destination) -> CachedBlob:
+        """What `put` will keep for a verified blob read into `landed`."""
+        return CachedBlob(*landed.keep())
 
     def put(self, version: str, tenant: str, cached: CachedBlob
             ) -> tuple[CachedBlob, list[str]]:

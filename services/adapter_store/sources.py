@@ -7,6 +7,9 @@ thread (asyncio.to_thread) so the event loop never waits on a disk or a socket.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import hashlib
 import os
 import pathlib
 import re
@@ -36,10 +39,77 @@ class SourceRef:
 
 @dataclass(frozen=True)
 class RawAdapter:
-    """The two files' bytes as read from a source."""
+    """The two files' bytes as read from a source; `sha256` is the blob's digest when it was
+    hashed as it was read (else "")."""
 
     config: bytes
-    blob: bytes
+    blob: bytes | memoryview
+    sha256: str = ""
+    landed: "Destination | None" = None      # where the blob was read into, if anywhere
+    # a local blob's file as it was for the whole read: (dev, inode, size, mtime_ns, ctime_ns);
+    # None when it changed while being read, or for S3
+    identity: tuple | None = None
+    trusted: bool = False                    # read unhashed: its identity was the one given
+
+
+def identity_of(info: os.stat_result) -> tuple:
+    """What changes whenever a file's bytes do (any write moves ctime, which no call sets)."""
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+class Destination:
+    """Where a source read lands: a writable buffer of the blob's size (see HostCache.landing).
+    The base keeps it in process memory."""
+
+    def __init__(self, size: int):
+        self.view = memoryview(bytearray(size))
+
+    def truncate(self, n: int) -> None:
+        self.view = self.view[:n]
+
+    def keep(self) -> tuple[memoryview, str]:
+        """The bytes are verified and kept: (read-only view, shared-memory file name or "")."""
+        return self.view.toreadonly(), ""
+
+    def drop(self) -> None:
+        """The bytes will not be kept (a failed read or a digest mismatch)."""
+
+
+_HASHERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="hash")
+CHUNK = 4 << 20
+
+
+def read_plain(f, size: int, dest: Destination) -> None:
+    """Read up to size bytes of f into dest.view (truncated to what was read)."""
+    view, off = dest.view, 0
+    while off < size:
+        n = f.readinto(view[off:min(size, off + CHUNK)])
+        if not n:
+            break
+        off += n
+    if off < size:
+        dest.truncate(off)
+
+
+def read_hashed(f, size: int, dest: Destination) -> str:
+    """Read up to size bytes of f into dest.view (truncated to what was read) and return
+    their SHA-256. A second thread hashes each chunk while the next one is read: file reads and
+    hashlib both release the GIL, so a read costs about the longer of the two, not their sum."""
+    h = hashlib.sha256()
+    view, off, pending = dest.view, 0, None
+    while off < size:
+        n = f.readinto(view[off:min(size, off + CHUNK)])
+        if not n:
+            break
+        if pending is not None:
+            pending.result()
+        pending = _HASHERS.submit(h.update, view[off:off + n])
+        off += n
+    if pending is not None:
+        pending.result()
+    if off < size:
+        dest.truncate(off)          # the file shrank since its stat: the digest will differ
+    return h.hexdigest()
 
 
 def parse_source(uri: str, default_bucket: str | None) -> SourceRef:
@@ -78,20 +148,27 @@ class SourceReader:
         self._max = max_bytes
 
     def read(self, ref: SourceRef, timeout: float | None = None,
-             check_config: Callable[[bytes], object] | None = None) -> RawAdapter:
+             check_config: Callable[[bytes], object] | None = None,
+             landing: Callable[[int], Destination] | None = None,
+             trusted: tuple | None = None) -> RawAdapter:
         """Both files of the adapter at `ref` (blocking); timeout bounds S3 I/O in seconds.
 
         check_config(config bytes) runs before the weights are read, so a refused config
-        never costs a download.
+        never costs a download. With `landing` (a size -> Destination), a local blob is read
+        straight into the destination and hashed as it is read (RawAdapter.sha256 set), or,
+        when its file's identity is still `trusted` (the one a verified read saw) before and
+        after the read, not hashed at all (RawAdapter.trusted).
         """
         check = check_config or (lambda _: None)
         if ref.kind == "file":
-            return RawAdapter(*self._read_file(ref, check))
+            return self._read_file(ref, check, landing, trusted)
         return RawAdapter(*self._read_s3(ref, timeout, check))
 
     # ---- file:// ----------------------------------------------------------------------------
 
-    def _read_file(self, ref: SourceRef, check: Callable) -> tuple[bytes, bytes]:
+    def _read_file(self, ref: SourceRef, check: Callable,
+                   landing: Callable[[int], Destination] | None = None,
+                   trusted: tuple | None = None) -> RawAdapter:
         if self._root is None:
             raise Refusal("source", f"source: {ref.uri!r}: file:// sources need --adapters-dir")
         folder = self._contained(self._root / ref.path, ref)
@@ -99,9 +176,12 @@ class SourceReader:
             raise MissingFile(f"source {ref.uri}: no such adapter directory")
         if not (folder / WEIGHTS).exists() and (folder / PICKLE).exists():
             raise _pickle_refusal(ref)
-        config = self._file(folder / CONFIG, ref, MAX_CONFIG_BYTES)
+        config = self._file(folder / CONFIG, ref, MAX_CONFIG_BYTES)[0]
         check(config)
-        return config, self._file(folder / WEIGHTS, ref, self._max)
+        if landing is None:
+            return RawAdapter(config, *self._file(folder / WEIGHTS, ref, self._max))
+        return RawAdapter(config, *self._file_into(folder / WEIGHTS, ref, self._max, landing,
+                                                   trusted))
 
     def _contained(self, path: pathlib.Path, ref: SourceRef) -> pathlib.Path:
         """path with symlinks resolved; refused if that leaves the root."""
@@ -110,7 +190,42 @@ class SourceReader:
             raise Refusal("source", f"source: {ref.uri!r} resolves outside --adapters-dir")
         return real
 
-    def _file(self, path: pathlib.Path, ref: SourceRef, cap: int) -> bytes:
+    def _file(self, path: pathlib.Path, ref: SourceRef, cap: int
+              ) -> tuple[bytes, str, None, tuple | None]:
+        """(bytes, "", None, identity) of a file."""
+        with self._open(path, ref, cap) as (f, info):
+            data = f.read(cap + 1)
+            same = identity_of(os.fstat(f.fileno())) == identity_of(info)
+        _check_size(path.name, len(data), cap)
+        return data, "", None, identity_of(info) if same else None
+
+    def _file_into(self, path: pathlib.Path, ref: SourceRef, cap: int,
+                   landing: Callable[[int], Destination], trusted: tuple | None
+                   ) -> tuple[memoryview, str, Destination, tuple | None, bool]:
+        """(bytes, digest or "", destination, identity, trusted) of a file read into place."""
+        with self._open(path, ref, cap) as (f, info):
+            before = identity_of(info)
+            dest = landing(info.st_size)
+            try:
+                digest = ""
+                if trusted is None or before != trusted:
+                    digest = read_hashed(f, info.st_size, dest)
+                else:
+                    read_plain(f, info.st_size, dest)
+                same = identity_of(os.fstat(f.fileno())) == before
+                if not digest and not same:     # it changed while read unhashed: hash it
+                    dest.drop()
+                    dest = landing(info.st_size)
+                    f.seek(0)
+                    digest = read_hashed(f, info.st_size, dest)
+            except BaseException:
+                dest.drop()
+                raise
+        return dest.view, digest, dest, before if same else None, not digest
+
+    @contextlib.contextmanager
+    def _open(self, path: pathlib.Path, ref: SourceRef, cap: int):
+        """(file, size) of a regular file inside the root, its size checked against cap."""
         if not path.exists() and not path.is_symlink():
             raise MissingFile(f"{path.name}: missing from source {ref.uri}")
         real = self._contained(path, ref)
@@ -120,11 +235,9 @@ class SourceReader:
                 if not stat.S_ISREG(info.st_mode):
                     raise Refusal("source", f"{path.name}: not a regular file in {ref.uri}")
                 _check_size(path.name, info.st_size, cap)
-                data = f.read(cap + 1)
+                yield f, info
         except FileNotFoundError:
             raise MissingFile(f"{path.name}: missing from source {ref.uri}") from None
-        _check_size(path.name, len(data), cap)
-        return data
 
     # ---- s3:// ------------------------------------------------------------------------------
 

@@ -78,6 +78,7 @@ class AdapterStore:
         self._base, self._registry, self._reader = base, registry, reader
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
         self._inflight: dict[str, asyncio.Task] = {}
+        self._identities: dict[tuple[str, str], tuple] = {}   # (source, version) -> see _trust
         self._window = metrics.LatencyWindow()
         metrics.set_adapter_counts(registry.counts())
 
@@ -110,10 +111,11 @@ class AdapterStore:
         if not replace and self._registry.get(adapter_id) is not None:  # before any download
             raise AlreadyExists(f"id: adapter {adapter_id!r} already exists (set replace to "
                                 "register a new version)")
-        summary = await _bounded(asyncio.to_thread(self._load_validated, ref, remaining),
-                                 remaining)
+        summary, identity = await _bounded(asyncio.to_thread(self._load_validated, ref,
+                                                             remaining), remaining)
         stored, old = self._registry.put(_record(adapter_id, owner, ref, summary,
                                                  tuple(aliases)), replace)
+        self._trust(stored, identity)
         if old is not None and old.version != stored.version:
             self._forget(old.version)
         return stored
@@ -123,8 +125,16 @@ class AdapterStore:
         """The largest rank Register accepts (--max-rank)."""
         return self._max_rank
 
-    def _load_validated(self, ref: SourceRef, remaining: float | None) -> AdapterSummary:
-        """Read and validate (blocking: runs in a thread); missing files become refusals."""
+    def _trust(self, record: AdapterRecord, identity: tuple | None) -> None:
+        """A local blob's file as its validated (hashed) read saw it: later source reads that
+        see the same identity need not hash it again (SourceReader.read's trusted)."""
+        if identity is not None:
+            self._identities[(record.source, record.version)] = identity
+
+    def _load_validated(self, ref: SourceRef, remaining: float | None
+                        ) -> tuple[AdapterSummary, tuple | None]:
+        """Read and validate (blocking: runs in a thread); missing files become refusals.
+        Returns the summary and the blob file's identity (local sources)."""
         with _tracer.start_as_current_span("store.validate") as span:
             span.set_attribute("lora.source", ref.uri)
             try:
@@ -133,7 +143,7 @@ class AdapterStore:
             except MissingFile as exc:
                 raise Refusal("missing_file", exc.message) from None
             span.set_attribute("lora.bytes", len(raw.blob))
-            return validate(raw.config, raw.blob, self._base, self._max_rank)
+            return validate(raw.config, raw.blob, self._base, self._max_rank), raw.identity
 
     def resolve(self, name: str, tenant: str) -> AdapterRecord:
         """The adapter `name` (id or alias) as `tenant` sees it; NOT_FOUND if invisible."""
@@ -197,8 +207,11 @@ class AdapterStore:
             # s3:// reads show as s3.get spans (sources.py); a local read gets one of its own
             read_span = (_tracer.start_as_current_span("store.source_read") if ref.kind == "file"
                          else contextlib.nullcontext())
-            with read_span:
-                raw = await asyncio.to_thread(self._reader.read, ref, remaining)
+            landing = self._cache.landing(record.version) if ref.kind == "file" else None
+            trusted = self._identities.get((record.source, record.version))
+            with read_span:             # a local blob is hashed as it is read, into its place
+                raw = await asyncio.to_thread(self._reader.read, ref, remaining, None, landing,
+                                              trusted)
             with _tracer.start_as_current_span("store.verify") as span:
                 span.set_attribute("lora.bytes", len(raw.blob))
                 cached = await asyncio.to_thread(self._verified, record, ref, raw)
@@ -221,12 +234,21 @@ class AdapterStore:
             config_json = canonical_json(json.loads(raw.config))
         except (UnicodeDecodeError, ValueError, RecursionError):
             config_json = ""
-        if config_json != record.config_json or \
-                hashlib.sha256(raw.blob).hexdigest() != record.sha256:
+        if raw.trusted:         # the file is as the read that hashed it saw it
+            digest = record.sha256
+        else:
+            digest = raw.sha256 or hashlib.sha256(raw.blob).hexdigest()
+        if config_json != record.config_json or digest != record.sha256:
+            if raw.landed is not None:
+                raw.landed.drop()
             log.error("adapter %r: source %s changed since registration (registered version "
                       "%s); not served", record.id, ref.uri, record.version)
             raise DataLoss(f"adapter {record.id!r}: the source no longer matches the registered "
                            f"version {record.version}; re-register it")
+        if raw.identity is not None and not raw.trusted:
+            self._identities[(record.source, record.version)] = raw.identity
+        if raw.landed is not None:
+            return self._cache.keep(raw.landed)
         return self._cache.prepare(record.version, raw.blob)
 
     def _landed(self, version: str, task: asyncio.Task) -> None:
@@ -284,7 +306,9 @@ class AdapterStore:
                         name, existing.source, existing.owner)
             return None
         try:
-            record = _record(name, "", ref, self._load_validated(ref, None), ())
+            summary, identity = self._load_validated(ref, None)
+            record = _record(name, "", ref, summary, ())
+            self._trust(record, identity)
             log.info("adapters dir: registered %r version %s (r=%d, %s, %d bytes)", name,
                      record.version, record.rank, ",".join(record.targets), record.bytes)
         except LorafleetError as exc:
