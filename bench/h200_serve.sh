@@ -16,6 +16,11 @@ WORK=${WORK:-$PWD/tmp/serve-work}
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/tmp/triton-cache}
 mkdir -p "$OUT" "$WORK" "$TRITON_CACHE_DIR"
+# A Triton cache from an earlier machine (KCACHE=path of a tgz made below, carried), so a
+# fresh machine does not compile for two minutes first
+if [ -n "${KCACHE:-}" ] && [ -f "$KCACHE" ] && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then
+  tar xzf "$KCACHE" -C "$TRITON_CACHE_DIR" && echo "triton cache: $(du -sh "$TRITON_CACHE_DIR")"
+fi
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -47,4 +52,7 @@ elif [ "$MODE" = slora ]; then
        --requests 500 --warmup 64 --name serve-h200-slora
 fi
 tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null
+if [ -n "${SAVE_KCACHE:-}" ]; then
+  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -sh "$OUT/triton-cache.tgz"
+fi
 ls -la "$OUT"
