@@ -15,6 +15,7 @@ import uuid
 
 import torch
 
+from kernels import compile_watch
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from services.common.runtime import run_service
 from services.common.server import create_server, serve, server_credentials, sync_channel
@@ -27,6 +28,7 @@ from services.worker.host_tier import HostTier
 from services.worker.link import BlockingEnd
 from services.worker.residency import ResidencyFeed
 from services.worker.servicer import WorkerServicer
+from services.worker.warmup import Warmup
 from services.worker.store_client import StoreClient
 
 log = logging.getLogger("lorafleet.worker")
@@ -60,6 +62,7 @@ def load_fn(engine):
 async def main_async(cfg: WorkerConfig) -> int:
     worker_id = cfg.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     sys.setswitchinterval(GIL_SWITCH_S)
+    compile_watch.install(lambda kernel: metrics.count_compile(kernel, log))
     if engine_options(cfg).device == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
     built = await asyncio.to_thread(build_engine, cfg.model, engine_options(cfg))
@@ -68,6 +71,13 @@ async def main_async(cfg: WorkerConfig) -> int:
     host = await asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
                                    built.device.type == "cuda", built.spec)
     await asyncio.to_thread(built.pool.warm_up)
+    if cfg.warmup == "on" or (cfg.warmup == "auto" and built.device.type == "cuda"):
+        warm = Warmup(built.engine, built.pool, built.spec, cfg.max_batch_tokens,
+                      max_rank=cfg.warmup_max_rank)
+        report = await asyncio.to_thread(warm.run)
+        log.info("warm-up: %d steps, %d sequences in %.1fs; %d kernel specializations so far",
+                 report.steps, report.sequences, report.seconds,
+                 metrics.KERNEL_COMPILES.labels("start")._value.get())
     feed_ref: list[ResidencyFeed] = []
     manager = AdapterManager(built.pool, built.spec, host, store,
                              tenant_share=cfg.tenant_share or None,
@@ -102,6 +112,7 @@ async def main_async(cfg: WorkerConfig) -> int:
         nonlocal port
         if front is not None:
             port = await front.start(stopped)
+        metrics.Phase.name = "serving"
         log.info("worker %s serving %s on port %d (device %s)", worker_id, built.spec.name,
                  port, built.device)
 

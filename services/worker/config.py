@@ -39,6 +39,8 @@ class WorkerConfig:
     store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
     loader_threads: int = 8             # cold loads that run at once
     frontend: str = "process"           # process: the gRPC port in a process of its own
+    warmup: str = "auto"                # run every eager step shape before SERVING (auto: GPU)
+    warmup_max_rank: int = 128          # the largest adapter rank the warm-up prepares for
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -49,6 +51,10 @@ class WorkerConfig:
             raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ValueError(f"--warmup: {self.warmup!r} is not auto, on or off")
+        if not 1 <= self.warmup_max_rank <= 4096:
+            raise ValueError("--warmup-max-rank must be in 1..4096")
         if self.frontend not in ("process", "inline"):
             raise ValueError(f"--frontend: {self.frontend!r} is not process or inline")
         if self.loader_threads < 1:
@@ -99,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    help="process: the public gRPC port is served by a process of its own, "
                         "which streams tokens while this one runs the engine; inline: one "
                         "process (process)")
+    p.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
+                   help="before SERVING, run each kind of eager step once (prompt lengths up "
+                        "to --max-batch-tokens, beside decode rows, with adapters of each rank "
+                        "tile) so no kernel compiles while serving; auto: on a GPU (auto)")
+    p.add_argument("--warmup-max-rank", type=int, default=128,
+                   help="largest adapter rank the warm-up prepares for (the store's --max-rank)")
     a = p.parse_args(argv)
     return WorkerConfig(
         listen=a.listen, model=a.model, store=a.store, device=a.device, dtype=a.dtype,
@@ -108,4 +120,5 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
         tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
-        loader_threads=a.loader_threads, frontend=a.frontend)
+        loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
+        warmup_max_rank=a.warmup_max_rank)

@@ -90,9 +90,11 @@ class DevicePool:
         placed = self._placed.get(key)
         return None if placed is None else placed[0]
 
-    def place(self, key: str, staged: StagedAdapter) -> int:
-        """Lay the adapter out in a free range and slot; returns the slot (PoolFull if none)."""
-        return self.fill(key, staged, self.reserve(key, staged))
+    def place(self, key: str, staged: StagedAdapter, columns: bool = True) -> int:
+        """Lay the adapter out in a free range and slot; returns the slot (PoolFull if none).
+        columns=False keeps it out of the LoRA columns (the warm-up's adapter that must take
+        the split q/k/v path)."""
+        return self.fill(key, staged, self.reserve(key, staged), columns)
 
     def reserve(self, key: str, staged: StagedAdapter) -> tuple[int, int]:
         """A free slot and range for the adapter, (slot, start); PoolFull if there is none.
@@ -107,7 +109,8 @@ class DevicePool:
         with self._lock:
             self._release(reserved[0], reserved[1], staged.plan.numel)
 
-    def fill(self, key: str, staged: StagedAdapter, reserved: tuple[int, int]) -> int:
+    def fill(self, key: str, staged: StagedAdapter, reserved: tuple[int, int],
+             columns: bool = True) -> int:
         """Write the adapter into its reserved slot and range; returns the slot.
 
         The key becomes visible (`slot_of`) only once its weights and tables are written, so a
@@ -117,7 +120,7 @@ class DevicePool:
         plan, (slot, start) = staged.plan, reserved
         block = -1
         try:
-            if self.columns is not None:
+            if self.columns is not None and columns:
                 block = self.columns.assign(slot, plan.rank, bool((plan.qkv_a >= 0).any()))
             self._write(staged, self._segments(plan, start, block),
                         self._slot_values(plan, start, slot, block))
@@ -223,7 +226,9 @@ class _CopyPath:
     def __init__(self, device: torch.device, pool: DevicePool):
         self.device, self.pool = device, pool
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # high priority: under decode load the compute stream's kernels (launched early under
+        # PDL) hold every SM, and a default-priority layout kernel waited behind whole steps
+        self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.done = torch.cuda.Event() if self.cuda else None
         self.lock = threading.Lock()
         self.staging = torch.empty(0, dtype=torch.uint8, device=device)

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from kernels.sgmv_ref import rank_tile
+from services.worker import metrics
 from services.worker.model import COLUMNS_BIT, StepContext
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
 from services.worker.runner import ModelRunner
@@ -176,6 +177,7 @@ class GraphRunner:
             self.outputs[(b, mask, tile)] = self.model.forward(self.ids[:b], ctx, kv)
         self.pool = graph.pool()
         self.graphs[(b, mask, tile)] = graph
+        metrics.count_capture()
         torch.cuda.synchronize()
 
     def _step_tile(self, slots: np.ndarray) -> int:

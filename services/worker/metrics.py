@@ -23,6 +23,33 @@ KV_USED = Gauge("lorafleet_kv_used_fraction", "Fraction of KV blocks in use")
 RUNNING = Gauge("lorafleet_running_sequences", "Sequences running")
 WAITING = Gauge("lorafleet_waiting_sequences", "Sequences waiting")
 
+KERNEL_COMPILES = Counter(
+    "lorafleet_worker_kernel_compiles_total", "Triton kernel specializations first needed "
+    "(compiled or loaded from the kernel cache), by phase: start (before SERVING) or serving "
+    "(expected: none)", ["phase"])
+GRAPH_CAPTURES = Counter("lorafleet_worker_graph_captures_total",
+                         "CUDA graphs captured, by phase: start or serving (expected: none)",
+                         ["phase"])
+for _phase in ("start", "serving"):
+    KERNEL_COMPILES.labels(_phase)
+    GRAPH_CAPTURES.labels(_phase)
+
+
+class Phase:
+    """Whether the worker has said SERVING yet (the phase label of the two counters above)."""
+    name = "start"
+
+
+def count_compile(kernel: str, log=None) -> None:
+    KERNEL_COMPILES.labels(Phase.name).inc()
+    if Phase.name == "serving" and log is not None:
+        log.warning("kernel specialization first needed while serving: %s", kernel)
+
+
+def count_capture() -> None:
+    GRAPH_CAPTURES.labels(Phase.name).inc()
+
+
 hit_rate.declare("gpu", "worker_host")
 
 

@@ -1,0 +1,37 @@
+"""Counts Triton kernel specializations as they are first needed in this process.
+
+Each time a @triton.jit kernel meets arguments whose specialization it has not run before, it
+compiles (or loads from its on-disk cache) a new binary: a pause of milliseconds to seconds for
+whatever waits on that launch. A server warms every specialization it can meet before it takes
+traffic (services.worker.warmup); this watch lets it prove that: `install(on_new)` calls
+on_new(kernel repr) for every new specialization from then on.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+_installed: list[Callable[[str], None]] = []
+
+
+def install(on_new: Callable[[str], None]) -> bool:
+    """Call on_new(repr) for each new kernel specialization; False when this Triton has no hook
+    for it (nothing is counted)."""
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        if not hasattr(runtime, "jit_cache_hook"):
+            return False
+    except (ImportError, AttributeError):
+        return False
+    previous = runtime.jit_cache_hook
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled, **_):
+        on_new(repr)
+        if previous is not None:
+            return previous(key=key, repr=repr, fn=fn, compile=compile,
+                            is_manual_warmup=is_manual_warmup,
+                            already_compiled=already_compiled)
+        return None                                  # None: compile as usual
+    runtime.jit_cache_hook = hook
+    _installed.append(on_new)
+    return True

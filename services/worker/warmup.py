@@ -1,0 +1,175 @@
+"""Before a worker says SERVING: run each kind of eager step it can meet once.
+
+Decode steps replay CUDA graphs captured at start (services.worker.graph_runner). The other
+steps (prefill, prefill beside decode rows, adapters above the graphs' rank tiles) run eagerly,
+and an eager step whose shapes a Triton kernel has not seen needs a new specialization of it:
+seconds of compiling on a cold kernel cache, milliseconds of loading on a warm one, either way
+a stall of every row of that step. Triton specializes an integer argument by whether it is 1
+and whether it divides by 16, and the kernels pick launch configurations by size; so the
+warm-up runs prompts of 1, 2-15, 16, 17 ... up to --max-batch-tokens tokens at each power of two
+and either side of it, alone and beside decode rows (8 and 16 sequences in the step), for the
+base model and for zero adapters of each rank tile (with and without LoRA columns, several in
+one step), with the sampling variants (greedy, temperature, top-k, top-p, repetition penalty).
+
+It drives the real engine (scheduler, runner, graphs) on this thread before the engine thread
+starts; the adapters are zeros placed in the pool and removed after, and every sequence ends,
+so the pool and the KV cache are as they were. kernels.compile_watch counts what it compiled.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.sgmv_ref import rank_tile
+from services.worker.adapter_layout import staged_from_tensors
+from services.worker.device_pool import PoolFull
+from services.worker.engine import Engine
+from services.worker.model_spec import GROUPS, ModelSpec
+from services.worker.sequence import Sampling, Sequence, Stopping
+
+log = logging.getLogger(__name__)
+MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+SAMPLINGS = (Sampling(), Sampling(0.8, 0, 0.9, 7, 1.0), Sampling(1.0, 20, 1.0, 8, 1.1),
+             Sampling(0.7, 50, 0.95, 9, 1.0))
+
+
+def token_counts(max_tokens: int) -> list[int]:
+    """1, 2, 3, 7, 8, 15, 16, 17 and each power of two from 32 with its neighbours, up to
+    max_tokens (and max_tokens itself)."""
+    out = {1, 2, 3, 7, 8, 15, 16, 17}
+    p = 32
+    while p <= max_tokens:
+        out |= {p - 1, p, p + 1}
+        p *= 2
+    out.add(max_tokens)
+    return sorted(t for t in out if 1 <= t <= max_tokens)
+
+
+def zero_adapter(spec: ModelSpec, rank: int, modules=tuple(MODULES)):
+    """A PEFT adapter of zeros (its output is the base model's) on `modules` of every layer."""
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for m in modules:
+            k, n = spec.in_out(m)
+            stem = f"base_model.model.model.layers.{layer}.{MODULES[m]}.{m}"
+            tensors[f"{stem}.lora_A.weight"] = torch.zeros(rank, k, dtype=torch.bfloat16)
+            tensors[f"{stem}.lora_B.weight"] = torch.zeros(n, rank, dtype=torch.bfloat16)
+    config = {"r": rank, "lora_alpha": rank, "target_modules": list(modules),
+              "peft_type": "LORA", "bias": "none"}
+    return staged_from_tensors(tensors, config, spec)
+
+
+@dataclass
+class Report:
+    steps: int = 0
+    sequences: int = 0
+    seconds: float = 0.0
+
+
+class Warmup:
+    def __init__(self, engine: Engine, pool, spec: ModelSpec, max_batch_tokens: int,
+                 max_rank: int, decode_rows: tuple[int, ...] = (7, 15)):
+        self.engine, self.pool, self.spec = engine, pool, spec
+        self.tokens = token_counts(max_batch_tokens)
+        self.max_rank, self.decode_rows = max_rank, decode_rows
+        self._ids = itertools.count()
+        self.report = Report()
+
+    def adapter_sets(self) -> list[tuple[str, list[tuple[str, object, bool]]]]:
+        """(label, [(key, staged, columns)]): the base model; each rank tile alone; a rank-16
+        adapter kept out of the columns; attention-only and MLP-only adapters; several
+        adapters in one step."""
+        spec, tiles = self.spec, []
+        t = 16
+        while t <= rank_tile(self.max_rank):
+            tiles.append(t)
+            t *= 2
+        sets: list[tuple[str, list]] = [("base", [])]
+        for t in tiles:
+            sets.append((f"rank {t}", [(f"warmup-r{t}", zero_adapter(spec, t), True)]))
+        sets.append(("rank 16 without columns",
+                     [("warmup-r16-split", zero_adapter(spec, 16), False)]))
+        attn = tuple(m for g in ("qkv", "o") for m in GROUPS[g])
+        sets.append(("rank 8, attention only",
+                     [("warmup-r8-attn", zero_adapter(spec, 8, attn), True)]))
+        mlp = tuple(m for g in ("gate_up", "down") for m in GROUPS[g])
+        sets.append(("rank 8, MLP only", [("warmup-r8-mlp", zero_adapter(spec, 8, mlp), True)]))
+        sets.append(("ranks 8, 16, 64 together",
+                     [("warmup-mix-8", zero_adapter(spec, 8), True),
+                      ("warmup-mix-16", zero_adapter(spec, 16), False),
+                      ("warmup-mix-64", zero_adapter(spec, min(64, rank_tile(self.max_rank))),
+                       True)]))
+        return sets
+
+    def run(self) -> Report:
+        start = time.monotonic()
+        sets = self.adapter_sets()
+        for i, (label, adapters) in enumerate(sets, 1):
+            t0, steps0 = time.monotonic(), self.report.steps
+            placed = []
+            try:
+                for key, staged, columns in adapters:
+                    placed.append((key, self.pool.place(key, staged, columns)))
+            except PoolFull:
+                log.info("warm-up: %s: skipped (the pool cannot hold it)", label)
+                for key, _ in placed:
+                    self.pool.remove(key)
+                continue
+            try:
+                self._shapes([slot for _, slot in placed] or [-1])
+            finally:
+                for key, _ in placed:
+                    self.pool.remove(key)
+            log.info("warm-up: %s: %d steps in %.1fs (%d of %d)", label,
+                     self.report.steps - steps0, time.monotonic() - t0, i, len(sets))
+        self.report.seconds = time.monotonic() - start
+        return self.report
+
+    def _shapes(self, slots: list[int]) -> None:
+        """Each prompt length alone, then beside each count of decode rows."""
+        for n in self.tokens:
+            self._drain(self._prompts(n, slots[0], 0))
+        for rows in self.decode_rows:
+            for n in self.tokens:
+                if n + rows > self.tokens[-1]:
+                    continue
+                decoding = [self._seq(3, slots[j % len(slots)], 3, j) for j in range(rows)]
+                self._drain(decoding, stop_after=1)          # their prefill: now they decode
+                self._submit(self._prompts(n, slots[(rows + 1) % len(slots)], rows))
+                self._drain([])
+
+    def _prompts(self, n: int, slot: int, j: int) -> list[Sequence]:
+        """Prompts of n tokens in all, each short enough for the model (a step of more tokens
+        than one prompt may hold is several prompts)."""
+        most = self.engine.max_model_len - 4
+        return [self._seq(min(most, n - i), slot, 1, j) for i in range(0, n, most)]
+
+    def _seq(self, n: int, slot: int, new: int, j: int) -> Sequence:
+        vocab = self.spec.vocab_size
+        return Sequence(f"warmup#{next(self._ids)}", [(3 + 7 * i) % vocab for i in range(n)],
+                        slot=slot, sampling=SAMPLINGS[j % len(SAMPLINGS)],
+                        stopping=Stopping(new, (), 0.0, True))
+
+    def _submit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.engine.submit(seq, _discard)
+        self.report.sequences += len(seqs)
+
+    def _drain(self, seqs: list[Sequence], stop_after: int = 0) -> None:
+        """Submit seqs and step until nothing is left (or for stop_after steps)."""
+        self._submit(seqs)
+        steps = 0
+        while self.engine.step():
+            steps += 1
+            self.report.steps += 1
+            if stop_after and steps >= stop_after:
+                return
+
+
+def _discard(_event) -> None:
+    pass

@@ -1,0 +1,68 @@
+"""The warm-up a worker runs before SERVING (services.worker.warmup): every prompt length class
+alone and beside decode rows, for the base model and zero adapters, through the real engine,
+leaving the pool, the scheduler and the KV cache as they were; and the compile watch that
+counts the kernel specializations needed after it."""
+from __future__ import annotations
+
+from services.worker import metrics
+from services.worker.factory import EngineOptions, build_engine
+from services.worker.warmup import Warmup, token_counts
+from tests.support import MODEL_DIR
+
+
+def test_token_counts_cover_each_specialization_class():
+    counts = token_counts(300)
+    assert counts[:8] == [1, 2, 3, 7, 8, 15, 16, 17]
+    assert {31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300} <= set(counts)
+    assert max(counts) == 300 and 511 not in counts
+
+
+def test_the_warm_up_runs_every_shape_and_leaves_the_engine_as_it_was():
+    built = build_engine(MODEL_DIR, EngineOptions(max_batch_tokens=80, pool_bytes=64 << 20))
+    engine, pool = built.engine, built.pool
+    free, seen = pool.free_bytes, []
+    run = engine.runner.run
+
+    def recording(batch):
+        seen.append((sum(1 for b in batch if b.seq.num_computed >= len(b.seq.prompt)),
+                     sum(b.num_tokens for b in batch), {b.seq.slot for b in batch}))
+        return run(batch)
+    engine.runner.run = recording
+    report = Warmup(engine, pool, built.spec, 80, max_rank=32).run()
+    assert report.steps == len(seen) > 0
+    prefill_only = {t for d, t, _ in seen if d == 0}
+    assert set(token_counts(80)) <= prefill_only              # every length alone
+    mixed = {(d, t - d) for d, t, _ in seen if d and t > d}
+    for rows in (7, 15):                                       # and beside decode rows
+        assert {(rows, n) for n in token_counts(80) if n + rows <= 80} <= mixed
+    assert any(len(slots - {-1}) >= 3 for _, _, slots in seen)  # several adapters in a step
+    assert -1 in {s for _, _, slots in seen for s in slots}     # and the base model
+    assert pool.free_bytes == free and pool.slot_of("warmup-r16") is None
+    sched = engine.scheduler
+    assert not sched.running and not sched.waiting and sched.blocks.used_fraction == 0.0
+    assert not engine._sinks
+
+
+def test_the_compile_watch_counts_by_phase_and_keeps_an_earlier_hook():
+    from triton import knobs
+    from kernels import compile_watch
+    calls, new = [], []
+    saved = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda **kw: calls.append(kw["repr"])
+    try:
+        assert compile_watch.install(new.append)
+        kwargs = dict(key=1, fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+        assert knobs.runtime.jit_cache_hook(repr="k[a: i32]", **kwargs) is None
+        assert new == ["k[a: i32]"] and calls == ["k[a: i32]"]
+    finally:
+        knobs.runtime.jit_cache_hook = saved
+    start = metrics.KERNEL_COMPILES.labels("start")._value.get()
+    serving = metrics.KERNEL_COMPILES.labels("serving")._value.get()
+    try:
+        metrics.count_compile("k")
+        metrics.Phase.name = "serving"
+        metrics.count_compile("k")
+    finally:
+        metrics.Phase.name = "start"
+    assert metrics.KERNEL_COMPILES.labels("start")._value.get() == start + 1
+    assert metrics.KERNEL_COMPILES.labels("serving")._value.get() == serving + 1
