@@ -18,8 +18,11 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/tmp/triton-cache}
 mkdir -p "$OUT" "$WORK" "$TRITON_CACHE_DIR"
 # A Triton cache from an earlier machine (KCACHE=path of a tgz made below, carried), so a
 # fresh machine does not compile for two minutes first
-if [ -n "${KCACHE:-}" ] && [ -f "$KCACHE" ] && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then
-  tar xzf "$KCACHE" -C "$TRITON_CACHE_DIR" && echo "triton cache: $(du -sh "$TRITON_CACHE_DIR")"
+# (KCACHE: a tgz, or the stem of its parts STEM.part-aa, -ab, ...)
+if [ -n "${KCACHE:-}" ] && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then
+  if [ -f "$KCACHE" ]; then tar xzf "$KCACHE" -C "$TRITON_CACHE_DIR"
+  else cat "$KCACHE".part-* | tar xz -C "$TRITON_CACHE_DIR"; fi
+  echo "triton cache: $(du -sh "$TRITON_CACHE_DIR")"
 fi
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -32,7 +35,7 @@ step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - 
 GPU=(--shape 7b --device cuda --work "$WORK" --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB
      --max-running 256 --max-batch-tokens 4096 --host-pool-bytes 8GiB --store-host-bytes 16GiB
      --max-in-flight-per-worker 256 --pool-slots 512 --clients 4 --out "$OUT"
-     ${COMMIT:+--commit "$COMMIT"})      # COMMIT=$(git rev-parse --short HEAD) where it is made
+     ${COMMIT:+--commit "$COMMIT"} ${EXTRA:-})   # COMMIT=$(git rev-parse --short HEAD) here
 if [ "$MODE" = check ]; then
   step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adapter_scatter.py \
        "tests/test_gpu.py::test_a_cuda_pool_places_adapters_as_the_cpu_pool_does" 2>&1 | tail -4
@@ -48,11 +51,12 @@ elif [ "$MODE" = record ]; then
        --requests 500 --warmup 64 --name serve-h200 --scenarios \
        "slora-base-engine:adapters=0,$OL,twin=slora-base;slora-5-engine:adapters=5,$OL,twin=slora-5"
 elif [ "$MODE" = slora ]; then
-  step timeout "${BUDGET:-560}" python3 bench/serve_bench.py "${GPU[@]}" --suite slora \
-       --requests 500 --warmup 64 --name serve-h200-slora
+  step timeout "${BUDGET:-560}" python3 bench/serve_bench.py "${GPU[@]}" --suite "${SUITE:-slora}" \
+       --rate "${RATE:-58}" --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-slora
 fi
 tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null
-if [ -n "${SAVE_KCACHE:-}" ]; then
-  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -sh "$OUT/triton-cache.tgz"
+if [ -n "${SAVE_KCACHE:-}" ]; then      # in parts: a file back from the device is 16 MiB at most
+  tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/triton-cache.tgz.part-"
+  du -ch "$OUT"/triton-cache.tgz.part-* | tail -1
 fi
 ls -la "$OUT"

@@ -13,6 +13,18 @@ from typing import Callable
 _installed: list[Callable[[str], None]] = []
 
 
+def describe(fn, compile: dict) -> str:
+    """A kernel's name, its constexpr values and its arguments' specializations (which integer
+    arguments are 1 or divide by 16): what tells one specialization from another."""
+    try:
+        constants = {k: v for k, v in (compile.get("constants") or {}).items()
+                     if not isinstance(k, tuple)}
+        configs = compile.get("configs") or [{}]
+        return f"{getattr(fn, 'name', fn)} constexprs={constants} attrs={configs[0]}"
+    except Exception:  # noqa: BLE001 - a description, never a failure of the launch
+        return ""
+
+
 def install(on_new: Callable[[str], None]) -> bool:
     """Call on_new(repr) for each new kernel specialization; False when this Triton has no hook
     for it (nothing is counted)."""
@@ -26,7 +38,7 @@ def install(on_new: Callable[[str], None]) -> bool:
     previous = runtime.jit_cache_hook
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled, **_):
-        on_new(repr)
+        on_new(describe(fn, compile) or repr)
         if previous is not None:
             return previous(key=key, repr=repr, fn=fn, compile=compile,
                             is_manual_warmup=is_manual_warmup,

@@ -4,6 +4,8 @@ leaving the pool, the scheduler and the KV cache as they were; and the compile w
 counts the kernel specializations needed after it."""
 from __future__ import annotations
 
+import types
+
 from services.worker import metrics
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.warmup import Warmup, token_counts
@@ -28,7 +30,7 @@ def test_the_warm_up_runs_every_shape_and_leaves_the_engine_as_it_was():
                      sum(b.num_tokens for b in batch), {b.seq.slot for b in batch}))
         return run(batch)
     engine.runner.run = recording
-    report = Warmup(engine, pool, built.spec, 80, max_rank=32).run()
+    report = Warmup(engine, pool, built.spec, 80, max_rank=32, max_running=40).run()
     assert report.steps == len(seen) > 0
     prefill_only = {t for d, t, _ in seen if d == 0}
     assert set(token_counts(80)) <= prefill_only              # every length alone
@@ -36,6 +38,9 @@ def test_the_warm_up_runs_every_shape_and_leaves_the_engine_as_it_was():
     for rows in (7, 15):                                       # and beside decode rows
         assert {(rows, n) for n in token_counts(80) if n + rows <= 80} <= mixed
     assert any(len(slots - {-1}) >= 3 for _, _, slots in seen)  # several adapters in a step
+    distinct = {len(slots - {-1}) for d, t, slots in seen if d and t > d}
+    # k decode rows on k adapters beside a prompt on one more, k of each class up to the rows
+    assert {k + 1 for k in token_counts(39)} <= distinct
     assert -1 in {s for _, _, slots in seen for s in slots}     # and the base model
     assert pool.free_bytes == free and pool.slot_of("warmup-r16") is None
     sched = engine.scheduler
@@ -51,9 +56,13 @@ def test_the_compile_watch_counts_by_phase_and_keeps_an_earlier_hook():
     knobs.runtime.jit_cache_hook = lambda **kw: calls.append(kw["repr"])
     try:
         assert compile_watch.install(new.append)
-        kwargs = dict(key=1, fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+        attrs = {(3,): [["tt.divisibility", 16]]}
+        kwargs = dict(key=1, fn=types.SimpleNamespace(name="k"), is_manual_warmup=False,
+                      compile={"constants": {"BLOCK": 64}, "configs": [attrs]},
+                      already_compiled=False)
         assert knobs.runtime.jit_cache_hook(repr="k[a: i32]", **kwargs) is None
-        assert new == ["k[a: i32]"] and calls == ["k[a: i32]"]
+        assert new == [f"k constexprs={{'BLOCK': 64}} attrs={attrs}"]
+        assert calls == ["k[a: i32]"]                             # the earlier hook still runs
     finally:
         knobs.runtime.jit_cache_hook = saved
     start = metrics.KERNEL_COMPILES.labels("start")._value.get()

@@ -73,7 +73,7 @@ async def main_async(cfg: WorkerConfig) -> int:
     await asyncio.to_thread(built.pool.warm_up)
     if cfg.warmup == "on" or (cfg.warmup == "auto" and built.device.type == "cuda"):
         warm = Warmup(built.engine, built.pool, built.spec, cfg.max_batch_tokens,
-                      max_rank=cfg.warmup_max_rank)
+                      max_rank=cfg.warmup_max_rank, max_running=cfg.max_running)
         report = await asyncio.to_thread(warm.run)
         log.info("warm-up: %d steps, %d sequences in %.1fs; %d kernel specializations so far",
                  report.steps, report.sequences, report.seconds,

@@ -73,9 +73,14 @@ class Report:
 
 class Warmup:
     def __init__(self, engine: Engine, pool, spec: ModelSpec, max_batch_tokens: int,
-                 max_rank: int, decode_rows: tuple[int, ...] = (7, 15)):
+                 max_rank: int, max_running: int, decode_rows: tuple[int, ...] = (7, 15)):
         self.engine, self.pool, self.spec = engine, pool, spec
         self.tokens = token_counts(max_batch_tokens)
+        self.segment_tokens = [n for n in (1, 16, 17, 64, 65, 256, 257, 1024, 1025)
+                               if n <= max_batch_tokens]
+        self.max_running = max_running
+        self.max_distinct = min(pool.max_slots, max_running + 1)
+        self._rank1_staged = None
         self.max_rank, self.decode_rows = max_rank, decode_rows
         self._ids = itertools.count()
         self.report = Report()
@@ -99,6 +104,8 @@ class Warmup:
                      [("warmup-r8-attn", zero_adapter(spec, 8, attn), True)]))
         mlp = tuple(m for g in ("gate_up", "down") for m in GROUPS[g])
         sets.append(("rank 8, MLP only", [("warmup-r8-mlp", zero_adapter(spec, 8, mlp), True)]))
+        sets.append(("many adapters", [(f"warmup-many-{i}", None, True)
+                                        for i in range(self.max_distinct)]))
         sets.append(("ranks 8, 16, 64 together",
                      [("warmup-mix-8", zero_adapter(spec, 8), True),
                       ("warmup-mix-16", zero_adapter(spec, 16), False),
@@ -111,17 +118,22 @@ class Warmup:
         sets = self.adapter_sets()
         for i, (label, adapters) in enumerate(sets, 1):
             t0, steps0 = time.monotonic(), self.report.steps
-            placed = []
+            placed, many = [], label == "many adapters"
             try:
                 for key, staged, columns in adapters:
+                    staged = staged or self._rank1()
                     placed.append((key, self.pool.place(key, staged, columns)))
             except PoolFull:
-                log.info("warm-up: %s: skipped (the pool cannot hold it)", label)
-                for key, _ in placed:
-                    self.pool.remove(key)
-                continue
+                if not many:
+                    log.info("warm-up: %s: skipped (the pool cannot hold it)", label)
+                    for key, _ in placed:
+                        self.pool.remove(key)
+                    continue              # (a step never has more adapters than the pool)
             try:
-                self._shapes([slot for _, slot in placed] or [-1])
+                if many:
+                    self._segments([slot for _, slot in placed])
+                else:
+                    self._shapes([slot for _, slot in placed] or [-1])
             finally:
                 for key, _ in placed:
                     self.pool.remove(key)
@@ -141,6 +153,25 @@ class Warmup:
                 decoding = [self._seq(3, slots[j % len(slots)], 3, j) for j in range(rows)]
                 self._drain(decoding, stop_after=1)          # their prefill: now they decode
                 self._submit(self._prompts(n, slots[(rows + 1) % len(slots)], rows))
+                self._drain([])
+
+    def _rank1(self):
+        if self._rank1_staged is None:          # rank 1: the rank-16 tile's kernels, 1/16 the bytes
+            self._rank1_staged = zero_adapter(self.spec, 1)
+        return self._rank1_staged
+
+    def _segments(self, slots: list[int]) -> None:
+        """Steps of k decode rows on k distinct adapters beside a prompt on one more, for k of
+        each specialization class of the kernels' segment count (up to the adapters the pool
+        holds and the rows a step may have): segment tables are sized by powers of two."""
+        most = min(len(slots) - 1, self.max_running - 1)
+        for k in [k for k in token_counts(most) if k <= most]:
+            for n in self.segment_tokens:
+                if n + k > self.tokens[-1]:
+                    continue
+                decoding = [self._seq(3, slots[j], 3, j) for j in range(k)]
+                self._drain(decoding, stop_after=1)
+                self._submit(self._prompts(n, slots[k], k))
                 self._drain([])
 
     def _prompts(self, n: int, slot: int, j: int) -> list[Sequence]:
