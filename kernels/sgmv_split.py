@@ -409,7 +409,13 @@ def _grid_sync(bar_ptr, nprog, SPIN_LIMIT: tl.constexpr):
     tl.debug_barrier()
 
 
-@triton.jit
+# Arguments that change from step to step (rows, segments, work items) are not specialized:
+# Triton would compile a variant for each combination of "is 1" / "divides by 16" among them,
+# mid-serving, whenever a step met a new one (20-60 such compiles in a served run).
+PER_STEP = ("T", "n_segs", "n_ks", "budget")
+
+
+@triton.jit(do_not_specialize=PER_STEP)
 def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, v_ptr,
                    vsum_ptr, cnt_ptr, K, T, n_slots, n_segs, n_ks, stride_x, budget,
                    N_SLICES: tl.constexpr, SEG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -423,7 +429,7 @@ def _shrink_kernel(x_ptr, pool_ptr, a_off_ptr, ranks_ptr, seg_start_ptr, seg_slo
                   DOT_PREC, UPCAST, STAGES, USE_PDL, RANK_SPLIT, REDUCE, KS_MAX, ALIGN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP)
 def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_ptr,
                    seg_slot_ptr, v_ptr, vsum_ptr, col_ptr, T, n_slots, n_segs, n_ks,
                    max_col_blocks, stride_y, stride_v, budget, s0, s1, s2, s3, s4,
