@@ -17,10 +17,16 @@ def describe(fn, compile: dict) -> str:
     """A kernel's name, its constexpr values and its arguments' specializations (which integer
     arguments are 1 or divide by 16): what tells one specialization from another."""
     try:
-        constants = {k: v for k, v in (compile.get("constants") or {}).items()
-                     if not isinstance(k, tuple)}
-        configs = compile.get("configs") or [{}]
-        return f"{getattr(fn, 'name', fn)} constexprs={constants} attrs={configs[0]}"
+        names = getattr(getattr(fn, "jit_function", None), "arg_names", None) or []
+        constants = {}
+        for k, v in (compile.get("constants") or {}).items():     # keys: (index,) or names
+            i = k[0] if isinstance(k, tuple) and len(k) == 1 else k
+            constants[names[i] if isinstance(i, int) and i < len(names) else str(k)] = v
+        attrs = {}
+        for k, v in (compile.get("configs") or [{}])[0].items():
+            i = k[0] if isinstance(k, tuple) and len(k) == 1 else k
+            attrs[names[i] if isinstance(i, int) and i < len(names) else str(k)] = v
+        return f"{getattr(fn, 'name', fn)} constexprs={constants} attrs={attrs}"
     except Exception:  # noqa: BLE001 - a description, never a failure of the launch
         return ""
 

@@ -56,12 +56,13 @@ def test_the_compile_watch_counts_by_phase_and_keeps_an_earlier_hook():
     knobs.runtime.jit_cache_hook = lambda **kw: calls.append(kw["repr"])
     try:
         assert compile_watch.install(new.append)
-        attrs = {(3,): [["tt.divisibility", 16]]}
-        kwargs = dict(key=1, fn=types.SimpleNamespace(name="k"), is_manual_warmup=False,
-                      compile={"constants": {"BLOCK": 64}, "configs": [attrs]},
-                      already_compiled=False)
+        attrs = {(1,): [["tt.divisibility", 16]]}
+        fn = types.SimpleNamespace(name="k", jit_function=types.SimpleNamespace(
+            arg_names=["x_ptr", "T", "n_segs", "BLOCK"]))
+        kwargs = dict(key=1, fn=fn, is_manual_warmup=False, already_compiled=False,
+                      compile={"constants": {(3,): 64}, "configs": [attrs]})
         assert knobs.runtime.jit_cache_hook(repr="k[a: i32]", **kwargs) is None
-        assert new == [f"k constexprs={{'BLOCK': 64}} attrs={attrs}"]
+        assert new == ["k constexprs={'BLOCK': 64} attrs={'T': [['tt.divisibility', 16]]}"]
         assert calls == ["k[a: i32]"]                             # the earlier hook still runs
     finally:
         knobs.runtime.jit_cache_hook = saved
