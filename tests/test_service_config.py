@@ -73,3 +73,15 @@ def test_router_and_worker_take_the_store_address_from_the_environment(monkeypat
     assert router_args([]).store == "10.0.0.9:7003"
     assert worker_args([]).store == "10.0.0.9:7003"
     assert router_args(["--store", "127.0.0.1:17003"]).store == "127.0.0.1:17003"
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--kernel-cache", "README.md"], "--kernel-cache README.md: not a directory"),
+    (["--warmup", "sometimes"], "--warmup"),
+    (["--frontend", "remote"], "--frontend"),
+])
+def test_the_worker_refuses_a_bad_kernel_cache_warmup_or_frontend(flags, named):
+    proc = subprocess.run([sys.executable, "-m", "services.worker", "--metrics-port", "0",
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

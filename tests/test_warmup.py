@@ -30,7 +30,13 @@ def test_the_warm_up_runs_every_shape_and_leaves_the_engine_as_it_was():
                      sum(b.num_tokens for b in batch), {b.seq.slot for b in batch}))
         return run(batch)
     engine.runner.run = recording
+    layers = []
+    forward = engine.runner.model.forward
+    engine.runner.model.forward = lambda *a: (layers.append(engine.runner.model.layer_limit),
+                                              forward(*a))[1]
     report = Warmup(engine, pool, built.spec, 80, max_rank=32, max_running=40).run()
+    del engine.runner.model.forward
+    assert set(layers) == {1} and engine.runner.model.layer_limit is None   # one layer, then all
     assert report.steps == len(seen) > 0
     prefill_only = {t for d, t, _ in seen if d == 0}
     assert set(token_counts(80)) <= prefill_only              # every length alone
@@ -76,3 +82,17 @@ def test_the_compile_watch_counts_by_phase_and_keeps_an_earlier_hook():
         metrics.Phase.name = "start"
     assert metrics.KERNEL_COMPILES.labels("start")._value.get() == start + 1
     assert metrics.KERNEL_COMPILES.labels("serving")._value.get() == serving + 1
+
+
+def test_the_kernel_cache_directory_is_where_triton_writes(tmp_path):
+    from triton import knobs
+    from kernels import kernel_cache
+    saved = knobs.cache.dir
+    try:
+        (tmp_path / "k" / "abc123").mkdir(parents=True)          # one kernel already cached
+        assert kernel_cache.use(str(tmp_path / "k")) == 1
+        assert knobs.cache.dir == str((tmp_path / "k").resolve())
+        assert kernel_cache.use(str(tmp_path / "new" / "dir")) == 0       # created
+        assert (tmp_path / "new" / "dir").is_dir()
+    finally:
+        knobs.cache.dir = saved

@@ -15,7 +15,7 @@ import uuid
 
 import torch
 
-from kernels import compile_watch
+from kernels import compile_watch, kernel_cache
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from services.common.runtime import run_service
 from services.common.server import create_server, serve, server_credentials, sync_channel
@@ -62,6 +62,9 @@ def load_fn(engine):
 async def main_async(cfg: WorkerConfig) -> int:
     worker_id = cfg.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     sys.setswitchinterval(GIL_SWITCH_S)
+    if cfg.kernel_cache:
+        cached = kernel_cache.use(cfg.kernel_cache)
+        log.info("kernel cache %s: %d kernels cached", cfg.kernel_cache, cached)
     compile_watch.install(lambda kernel: metrics.count_compile(kernel, log))
     if engine_options(cfg).device == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)

@@ -39,6 +39,7 @@ class WorkerConfig:
     store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
     loader_threads: int = 8             # cold loads that run at once
     frontend: str = "process"           # process: the gRPC port in a process of its own
+    kernel_cache: str = ""              # compiled kernels kept here across restarts ("": Triton's)
     warmup: str = "auto"                # run every eager step shape before SERVING (auto: GPU)
     warmup_max_rank: int = 128          # the largest adapter rank the warm-up prepares for
 
@@ -51,6 +52,9 @@ class WorkerConfig:
             raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
+        if self.kernel_cache and os.path.exists(self.kernel_cache) and \
+                not os.path.isdir(self.kernel_cache):
+            raise ValueError(f"--kernel-cache {self.kernel_cache}: not a directory")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"--warmup: {self.warmup!r} is not auto, on or off")
         if not 1 <= self.warmup_max_rank <= 4096:
@@ -105,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    help="process: the public gRPC port is served by a process of its own, "
                         "which streams tokens while this one runs the engine; inline: one "
                         "process (process)")
+    p.add_argument("--kernel-cache", default="",
+                   help="directory that keeps compiled GPU kernels across restarts (created if "
+                        "missing; default: Triton's own cache, ~/.triton/cache)")
     p.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
                    help="before SERVING, run each kind of eager step once (prompt lengths up "
                         "to --max-batch-tokens, beside decode rows, with adapters of each rank "
@@ -121,4 +128,5 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
         loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
+        kernel_cache=a.kernel_cache,
         warmup_max_rank=a.warmup_max_rank)

@@ -173,6 +173,9 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
         self.lora: LoraTables | None = None
+        # run only the first N layers (the warm-up: every layer runs the same kernels on the
+        # same shapes, so one layer meets every specialization a step needs); None: all
+        self.layer_limit: int | None = None
         n_cols = column_slots(device)
         self.column_impl = "auto"      # sgmv_expand_columns: the kernel on CUDA, else torch
         self.columns = LoraColumns(weights, len(self.slices["qkv"]) - 1, n_cols, device) \
@@ -287,7 +290,7 @@ class LlamaModel:
         fused with the next norm (the last one with the final norm).
         """
         eps = self.spec.rms_norm_eps
-        layers = self.w["layers"]
+        layers = self.w["layers"][:self.layer_limit]
         h = self.w["embed"][input_ids]                                   # [T, H], a new tensor
         if self.norm_fold is not None:
             for i, w in enumerate(layers):

@@ -1,0 +1,24 @@
+"""Where Triton keeps the kernels it compiles, set from the worker's --kernel-cache.
+
+A compiled specialization is written to the cache under a key of its source, its arguments'
+specialization and the compiler's version; a later process that needs the same one loads it
+(milliseconds) instead of compiling it (seconds). Entries are written under temporary names
+and renamed into place, so processes may share a directory.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+
+def use(directory: str) -> int:
+    """Make this process's Triton read and write its compiled kernels in directory (created if
+    missing). Returns how many cached kernels are already there."""
+    path = pathlib.Path(directory).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        from triton import knobs
+        knobs.cache.dir = str(path)
+    except (ImportError, AttributeError):            # a Triton without knobs reads the env
+        os.environ["TRITON_CACHE_DIR"] = str(path)
+    return sum(1 for entry in path.iterdir() if entry.is_dir())
