@@ -25,6 +25,11 @@ SHAPES = {
     "7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
            "vocab_size": 32000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"},
+    # a small GPU shape with the 7B's head size, vocabulary and context (GPU tests: the same
+    # kernels' code paths in seconds): hidden 1024, 4 layers, 8 heads, 4,096 positions
+    "small": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
+              "vocab_size": 32000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"},
     # the embedded demo model's shape: hidden 128, 4 layers, 4 query heads over 2 KV heads
     "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,

@@ -46,6 +46,8 @@ class ServiceProc:
                      "--metrics-port", "0", *args]
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")
+        self.started = time.monotonic()
+        self.serving_s: float | None = None      # start to SERVING, once wait() saw it
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT)
 
@@ -88,6 +90,7 @@ class ServiceProc:
                     resp = stub.Check(health_pb2.HealthCheckRequest(), wait_for_ready=True,
                                       timeout=min(left, 1.0))
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        self.serving_s = time.monotonic() - self.started
                         return
                     time.sleep(0.05)          # bound, SERVING is being set: check again
                 except grpc.RpcError as err:

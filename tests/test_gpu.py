@@ -186,3 +186,34 @@ def test_a_cuda_pool_places_adapters_as_the_cpu_pool_does(kn):
     assert torch.equal(cpu._meta32, cuda._meta32.cpu())
     for a, b in zip(cpu.columns.ext, cuda.columns.ext):
         assert torch.equal(a, b.cpu())
+
+
+def test_no_kernel_compiles_or_graph_captures_after_serving(tmp_path):
+    """Issue 23: after SERVING, a varied workload through the services (the base model and
+    adapters of ranks 8, 16 and 64; prompts of 1 to 2,048 tokens; 1 to 64 requests in flight,
+    base rows mixed in) needs no kernel specialization and no graph capture the warm-up did
+    not make, as the worker's /metrics counts them."""
+    import json
+    import subprocess
+    import sys
+    varied = ";".join([
+        "v-base:adapters=0,concurrency=64,requests=96,warmup=0,prompt=1:2048,output=8:32",
+        "v-one:adapters=8,rank=8,zipf=1.0,concurrency=1,requests=8,warmup=0,prompt=1:2048",
+        "v-r8:adapters=64,rank=8,zipf=1.0,concurrency=64,requests=128,warmup=0,prompt=1:2048",
+        "v-r16:adapters=32,rank=16,zipf=0.5,concurrency=48,requests=96,warmup=0,prompt=1:1024",
+        "v-r64:adapters=4,rank=64,zipf=0,concurrency=16,requests=48,warmup=0,prompt=1:2048"])
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "bench/startup_bench.py", "--device", "cuda", "--shape", "small",
+         "--work", str(tmp_path / "work"), "--out", str(out), "--name", "startup-test",
+         "--gpu-pool-bytes", "2GiB", "--kv-cache-bytes", "8GiB", "--max-running", "64",
+         "--max-batch-tokens", "2048", "--host-pool-bytes", "1GiB", "--clients", "2",
+         "--adapters", "64x8,32x16,4x64", "--output", "8:64",
+         "--measure", "m:adapters=32,rank=16,zipf=0,concurrency=64,requests=128,warmup=0,"
+                      "preload=1", "--varied", varied],
+        cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "startup-test.json").read_text())
+    assert not any(r["errors"] for r in doc["rows"])
+    assert doc["compiles_after_serving"] == 0, proc.stdout[-4000:]
+    assert doc["captures_after_serving"] == 0

@@ -185,3 +185,22 @@ def test_quick_run_from_s3(tmp_path):
     rows = json.loads((out / "s3.json").read_text())["rows"]
     assert rows and all(r["ok"] == 9 and not r["errors"] for r in rows)
     assert {r["cold_tier"] for r in rows} == {"source"}
+
+
+@pytest.mark.slow
+def test_the_startup_bench_quick_run_writes_its_figures(tmp_path):
+    """bench/startup_bench.py on the tiny model: two starts on one kernel cache, the measured
+    scenario twice, the varied workload, and the six figures issue 23 names (not timed)."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "bench/startup_bench.py", "--quick", "--work",
+                           str(tmp_path / "work"), "--out", str(out), "--name", "startup-t"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "startup-t.json").read_text())
+    for key in ("cold_start_s", "warm_start_s", "first_run_tok_s", "second_run_tok_s"):
+        assert isinstance(doc[key], float) and doc[key] > 0, key
+    assert doc["compiles_after_serving"] == 0 and doc["captures_after_serving"] == 0
+    names = [r["scenario"] for r in doc["rows"]]
+    assert names[:2] == ["startup-2", "startup-2-again"] and "varied-r8" in names
+    assert not any(r["errors"] for r in doc["rows"])
+    assert pathlib.Path(doc["header"]["kernel_cache"]).is_dir() and (out / "startup-t.md").exists()
