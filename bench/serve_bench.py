@@ -17,6 +17,9 @@ rows), OUT/NAME.md, OUT/NAME.png and OUT/NAME-cdf.png.
     python bench/serve_bench.py --shape 7b --device cuda --work /data/serve-work \\
         --suite slora,resident,cold,engine --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB \\
         --max-running 256 --max-batch-tokens 4096
+    # latency: open loop at 20-100% of the base model's saturation (rate=sat*F), base and 32
+    # adapters, and a prefill burst (64 prompts of --burst-prompt tokens at once) beside them
+    python bench/serve_bench.py --shape 7b --device cuda --suite latency --name latency-h200
     # one scenario of your own (rate or concurrency; keys: see --scenarios)
     python bench/serve_bench.py --suite none --scenarios \\
         "mix:adapters=100,rank=8,zipf=1.0,rate=20,requests=400,prompt=64:256,output=128"
@@ -89,6 +92,8 @@ def _load_flags(p) -> None:
     a("--rate", default="auto", help="open-loop req/s of the suites, or auto: 90%% of a "
       "closed-loop probe's req/s on the base model")
     a("--concurrency", type=int, default=64, help="closed-loop requests in flight (resident)")
+    a("--burst-prompt", default="1024", help="the latency suite's prefill burst: prompt tokens "
+      "of its 64 requests (N or LO:HI; 1024)")
     a("--probe-concurrency", type=int, default=64)
     a("--probe-requests", type=int, default=0, help="0: 4x the probe concurrency")
     a("--cold-rate", type=float, default=2.0, help="the cold suite's cold stream, req/s")
@@ -265,8 +270,10 @@ def execute(bench: Bench, scenarios: list[ss.Scenario], work: pathlib.Path) -> l
         bench.start_services(work)
         if any(s.rate == "auto" for s in scenarios):
             rate = bench.probe()
-            scenarios = [dataclasses.replace(s, rate=rate) if s.rate == "auto" else s
-                         for s in scenarios]
+            saturation = bench.header["probe"]["req_s"]
+            scenarios = [dataclasses.replace(s, rate=round(s.rate_frac * saturation, 3)
+                                             if s.rate_frac else rate)
+                         if s.rate == "auto" else s for s in scenarios]
         for s in scenarios:
             if s.path == "grpc":
                 bench.run_grpc(s)

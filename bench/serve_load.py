@@ -53,6 +53,7 @@ async def call(stub, r, proto, timeout: float) -> dict:
         status, error = err.code().name, (err.details() or "")[:300]
     end = time.time()
     rec = {"index": r.index, "adapter": r.adapter, "tenant": r.tenant, "cold": r.cold,
+           "burst": bool(r.extra.get("burst")),
            "phase": r.phase, "prompt": len(r.prompt), "send": send, "end": end,
            "times": times, "status": status, "error": error, "tokens": 0, "timings": None}
     if last is not None and last.HasField("timings"):

@@ -38,7 +38,7 @@ def gaps(rec: dict) -> list[tuple[float, float]]:
 def client_figures(records: list[dict]) -> dict:
     """Throughput over all measured requests; latencies over the main (not cold) stream."""
     ok = [r for r in records if r["status"] == "OK"]
-    main = [r for r in ok if not r["cold"] and r["times"]]
+    main = [r for r in ok if not r["cold"] and not r.get("burst") and r["times"]]
     errors = collections.Counter(r["status"] for r in records if r["status"] != "OK")
     span = (max(r["end"] for r in records) - min(r["send"] for r in records)) if records else 0
     ttft = [r["times"][0] - r["send"] for r in main]
@@ -154,6 +154,29 @@ def cold_windows(records_pb, requests: list[dict]) -> tuple[list[tuple[float, fl
         else:
             merged.append([a, b])
     return [(a, b) for a, b in merged], source
+
+
+def burst_figures(requests: list[dict]) -> dict:
+    """A prefill burst: its requests' TTFT, and the other requests' inter-token gaps while it
+    is taken in (from its first send to its last first token) against those outside."""
+    burst = [r for r in requests if r.get("burst")]
+    ok = [r for r in burst if r["status"] == "OK" and r["times"]]
+    if not ok:
+        return {"burst_requests": len(burst), "burst_ok": 0}
+    lo, hi = min(r["send"] for r in burst), max(r["times"][0] for r in ok)
+    inside, outside = [], []
+    for r in requests:
+        if r["cold"] or r.get("burst") or r["status"] != "OK":
+            continue
+        for a, b in gaps(r):
+            (inside if a < hi and b > lo else outside).append(b - a)
+    return {"burst_requests": len(burst), "burst_ok": len(ok),
+            "burst_window_ms": ms(hi - lo),
+            "burst_ttft_p50_ms": ms(pct([r["times"][0] - r["send"] for r in ok], 50)),
+            "burst_ttft_p99_ms": ms(pct([r["times"][0] - r["send"] for r in ok], 99)),
+            "itl_p50_burst_ms": ms(pct(inside, 50)), "itl_p99_burst_ms": ms(pct(inside, 99)),
+            "itl_p50_outside_burst_ms": ms(pct(outside, 50)),
+            "gaps_in_burst": len(inside)}
 
 
 def itl_split(requests: list[dict], windows: list[tuple[float, float]]) -> dict:

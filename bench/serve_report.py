@@ -66,7 +66,8 @@ def scenario_rows(s, figures: dict, hits: dict, tiers: dict, extra: dict) -> lis
     """One row per cold-load source tier seen (cold_tier null and no cold figures when none)."""
     base = {"scenario": s.name, "path": s.path, "adapters": s.adapters,
             "rank": s.rank if s.adapters else None, "zipf": s.zipf if s.adapters else None,
-            "rate": s.rate, "concurrency": s.concurrency, "preload": s.preload,
+            "rate": s.rate, "rate_frac": s.rate_frac, "concurrency": s.concurrency,
+            "preload": s.preload,
             "cold_stream_rate": s.cold or None,
             "cold_adapters": s.cold_adapters if s.cold else None,
             **{k: v for k, v in figures.items() if not k.startswith("_")}, **hits, **extra}
@@ -118,7 +119,10 @@ def _f(x, fmt: str = "{:.1f}") -> str:
 
 
 def _load(r: dict) -> str:
-    return f"rate {r['rate']:g}" if r["rate"] is not None else f"conc {r['concurrency']}"
+    if r["rate"] is None:
+        return f"conc {r['concurrency']}"
+    frac = f" ({r['rate_frac']:.0%} sat)" if r.get("rate_frac") else ""
+    return f"rate {r['rate']:g}{frac}"
 
 
 def markdown(header: dict, rows: list[dict]) -> str:
@@ -192,6 +196,16 @@ def _notes(header: dict, rows: list[dict]) -> list[str]:
                          f"{_f(r.get('itl_p99_outside_ms'), '{:.2f}')} ms, without the cold "
                          f"stream ({r.get('nocold_twin') or 'no twin run'}) "
                          f"{_f(r.get('itl_p99_nocold_ms'), '{:.2f}')} ms.")
+        if r.get("burst_requests") and r["scenario"] not in seen:
+            seen.add(r["scenario"])
+            lines.append(f"- {r['scenario']}: {r['burst_requests']} requests arriving at once "
+                         f"({r['burst_ok']} OK) during the steady stream: their TTFT p50 / p99 "
+                         f"{_f(r.get('burst_ttft_p50_ms'))} / {_f(r.get('burst_ttft_p99_ms'))} "
+                         f"ms; the other requests' ITL p50 / p99 while the burst was taken in "
+                         f"({_f(r.get('burst_window_ms'))} ms, {r.get('gaps_in_burst', 0)} gaps) "
+                         f"{_f(r.get('itl_p50_burst_ms'), '{:.2f}')} / "
+                         f"{_f(r.get('itl_p99_burst_ms'), '{:.2f}')} ms, p50 outside it "
+                         f"{_f(r.get('itl_p50_outside_burst_ms'), '{:.2f}')} ms.")
         if r.get("engine_vs") and r["scenario"] not in seen:
             seen.add(r["scenario"])
             lines.append(f"- {r['scenario']}: the engine in-process on the same workload: "

@@ -199,6 +199,9 @@ class Bench:
             self.last_cold[s.rank] = cold
         reqs = self.requests(s, "measure") + ss.cold_stream(
             s, cold, self.vocab, self.args.tenants, self.args.seed, s.requests)
+        if s.burst:
+            reqs += ss.burst_requests(s, ids, self.vocab, self.args.tenants, self.args.seed,
+                                      len(reqs), ss.burst_time(s))
         w0, st0 = worker_info(self.stack.worker.addr), store_stats(self.stack.store.addr)
         records = self.pool.run(reqs, s.concurrency)
         w1 = worker_info(self.stack.worker.addr, since=w0.cold_load_seq)
@@ -225,6 +228,8 @@ class Bench:
             recs = list(w1.cold_load_records)
             tiers = sm.cold_by_tier(recs, sm.histogram_delta(w0, w1), records)
             more["worker_cold_records"] = len(recs)
+            if s.burst:
+                more.update(sm.burst_figures(records))
             if s.cold_requests:
                 windows, source = sm.cold_windows(recs, records)
                 more.update(sm.itl_split(records, windows), cold_windows_from=source,

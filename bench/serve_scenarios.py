@@ -11,7 +11,8 @@ import random
 from dataclasses import dataclass, field
 
 KEYS = ("adapters", "rank", "zipf", "rate", "concurrency", "requests", "warmup", "prompt",
-        "output", "preload", "cold", "cold_n", "cold_adapters", "path", "twin")
+        "output", "preload", "cold", "cold_n", "cold_adapters", "path", "twin", "burst",
+        "burst_prompt", "burst_at")
 COLD_ADAPTERS = ("fresh", "store", "host")
 
 
@@ -50,6 +51,12 @@ class Scenario:
     cold_adapters: str = "fresh"
     path: str = "grpc"                  # grpc: through the services; engine: in-process
     twin: str = ""                      # replay this scenario's requests (the engine's twin)
+    # rate=sat*F: F times the saturation the probe measured (the base model's closed-loop
+    # req/s); rate is "auto" until the probe ran
+    rate_frac: float | None = None
+    burst: int = 0                      # requests that all arrive at burst_at (a prefill burst)
+    burst_prompt: tuple[int, int] = (1024, 1024)
+    burst_at: float = 0.0               # seconds into the measured stream (0: half way)
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -64,6 +71,10 @@ class Scenario:
             raise ValueError(f"scenario {self.name}: path is grpc or engine")
         if self.cold > 0 and self.cold_n < 1:
             raise ValueError(f"scenario {self.name}: a cold stream needs cold_n >= 1")
+        if self.rate_frac is not None and not 0 < self.rate_frac <= 2:
+            raise ValueError(f"scenario {self.name}: rate=sat*F needs 0 < F <= 2")
+        if self.burst < 0 or self.burst_at < 0:
+            raise ValueError(f"scenario {self.name}: burst and burst_at must be >= 0")
         if self.cold_adapters not in COLD_ADAPTERS:
             raise ValueError(f"scenario {self.name}: cold_adapters is one of {', '.join(COLD_ADAPTERS)}")
 
@@ -83,6 +94,9 @@ def parse_scenario(text: str, defaults: dict) -> Scenario:
         if not eq or key not in KEYS:
             raise ValueError(f"scenario {name}: {item!r} is not KEY=VALUE with KEY one of "
                              f"{', '.join(KEYS)}")
+        if key == "rate" and value.startswith("sat*"):
+            given["rate"], given["rate_frac"] = "auto", _value("zipf", value[4:], name)
+            continue
         given[key] = _value(key, value, name)
     values = {**defaults, **given}
     if "rate" in given and "concurrency" not in given:      # the mode given replaces the default
@@ -94,11 +108,11 @@ def parse_scenario(text: str, defaults: dict) -> Scenario:
 
 def _value(key: str, value: str, name: str):
     try:
-        if key in ("prompt", "output"):
+        if key in ("prompt", "output", "burst_prompt"):
             return parse_range(value, f"scenario {name}: {key}")
         if key == "rate":
             return "auto" if value == "auto" else float(value)
-        if key in ("zipf", "cold"):
+        if key in ("zipf", "cold", "burst_at"):
             return float(value)
         if key == "preload":
             return value not in ("0", "false", "no", "")
@@ -131,6 +145,11 @@ def suite(name: str, g) -> list[str]:
         stream = f"{steady},cold={g.cold_rate},cold_n={g.cold_requests}"
         return [f"cold-off:{steady}", f"cold-on:{stream}",
                 f"cold-store:{stream},cold_adapters=store", f"cold-host:{stream},cold_adapters=host"]
+    if name == "latency":                # open loop from 20% to 100% of saturation, and a burst
+        rows = [f"lat-{'base' if n == 0 else n}-{int(f * 100)}:adapters={n},rank=16,zipf=1.0,"
+                f"rate=sat*{f}" for n in (0, 32) for f in (0.2, 0.4, 0.6, 0.8, 1.0)]
+        return rows + ["prefill_burst:adapters=32,rank=16,zipf=1.0,rate=sat*0.5,burst=64,"
+                       f"burst_prompt={g.burst_prompt}"]
     if name == "quick":
         small = "prompt=8:16,output=4:8"
         resident = f"adapters=2,rank=8,zipf=0,concurrency=4,preload=1,requests=48,warmup=4,{small}"
@@ -141,7 +160,8 @@ def suite(name: str, g) -> list[str]:
                 f"quick-resident:{resident}",
                 f"quick-cold:{resident},cold=10,cold_n=4",
                 f"quick-cold-store:{resident},cold=10,cold_n=4,cold_adapters=store"]
-    raise ValueError(f"--suite: unknown suite {name!r} (slora, resident, cold, quick, engine)")
+    raise ValueError(f"--suite: unknown suite {name!r} (slora, resident, cold, latency, quick, "
+                     "engine)")
 
 
 def engine_twin(scenarios: list[Scenario], g) -> Scenario:
@@ -231,3 +251,24 @@ def preload_requests(adapter_ids: list[str], vocab: int, tenants: int) -> list[R
     """One short request per adapter (closed loop), so each is resident before measuring."""
     return [Request(i, a, f"t{i % tenants}", [10 + i % max(1, vocab - 10)] * 4, 1,
                     phase="preload") for i, a in enumerate(adapter_ids)]
+
+
+def burst_requests(s: Scenario, adapter_ids: list[str], vocab: int, tenants: int, seed: int,
+                   first_index: int, at: float) -> list[Request]:
+    """s.burst requests that all arrive at `at` (s from the stream's start), with prompts of
+    s.burst_prompt tokens, on the scenario's adapters as its stream picks them."""
+    rng = random.Random(f"{seed}:{s.name}:burst")
+    picks = (rng.choices(range(len(adapter_ids)), zipf_weights(len(adapter_ids), s.zipf),
+                         k=s.burst) if adapter_ids else [None] * s.burst)
+    out = []
+    for k, pick in enumerate(picks):
+        plen, olen = rng.randint(*s.burst_prompt), rng.randint(*s.output)
+        out.append(Request(first_index + k, adapter_ids[pick] if pick is not None else "",
+                           f"t{k % tenants}", [rng.randrange(10, vocab) for _ in range(plen)],
+                           olen, at, extra={"burst": True}))
+    return out
+
+
+def burst_time(s: Scenario) -> float:
+    """When the burst arrives: burst_at, else half way through the stream's arrivals."""
+    return s.burst_at or (s.requests / float(s.rate) / 2 if s.rate else 0.0)

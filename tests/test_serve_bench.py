@@ -204,3 +204,35 @@ def test_the_startup_bench_quick_run_writes_its_figures(tmp_path):
     assert names[:2] == ["startup-2", "startup-2-again"] and "varied-r8" in names
     assert not any(r["errors"] for r in doc["rows"])
     assert pathlib.Path(doc["header"]["kernel_cache"]).is_dir() and (out / "startup-t.md").exists()
+
+
+def test_rates_as_fractions_of_saturation_and_a_prefill_burst_parse_and_build():
+    s = ss.parse_scenario("b:adapters=3,rate=sat*0.8,burst=5,burst_prompt=20:30", DEFAULTS)
+    assert (s.rate, s.rate_frac, s.concurrency, s.burst, s.burst_prompt) == \
+        ("auto", 0.8, None, 5, (20, 30))
+    for bad in ("c:rate=sat*0", "c:rate=sat*x", "c:burst=-1,rate=2"):
+        with pytest.raises(ValueError):
+            ss.parse_scenario(bad, DEFAULTS)
+    s = ss.parse_scenario("b:adapters=3,rate=10,requests=40,burst=5,burst_prompt=20:30",
+                          DEFAULTS)
+    assert ss.burst_time(s) == 2.0                               # half way through arrivals
+    burst = ss.burst_requests(s, ["a", "b", "c"], 100, 2, 0, 40, ss.burst_time(s))
+    assert [r.index for r in burst] == list(range(40, 45)) and {r.at for r in burst} == {2.0}
+    assert all(20 <= len(r.prompt) <= 30 and r.extra == {"burst": True} for r in burst)
+    g = type("G", (), {"burst_prompt": "1024"})()
+    names = [t.split(":")[0] for t in ss.suite("latency", g)]
+    assert names[:5] == ["lat-base-20", "lat-base-40", "lat-base-60", "lat-base-80",
+                         "lat-base-100"] and names[-1] == "prefill_burst"
+
+
+def test_burst_figures_split_the_steady_gaps_at_the_burst_window():
+    def rec(send, times, burst=False):
+        return {"send": send, "times": times, "end": times[-1], "status": "OK", "cold": False,
+                "burst": burst, "tokens": len(times), "error": ""}
+    steady = rec(0.0, [0.1, 0.2, 0.3, 1.3, 1.4, 2.0, 2.1])      # a 1.0 s gap inside the burst
+    burst = [rec(0.35, [1.25, 1.5], True), rec(0.35, [1.3, 1.6], True)]
+    f = sm.burst_figures([steady, *burst])
+    assert f["burst_requests"] == 2 and f["burst_window_ms"] == pytest.approx(950.0)
+    assert f["itl_p99_burst_ms"] == pytest.approx(1000.0, rel=1e-6)
+    assert f["burst_ttft_p50_ms"] == pytest.approx(925.0, abs=30)
+    assert sm.client_figures([steady, *burst])["ttft_p50_ms"] == pytest.approx(100.0)
