@@ -58,6 +58,12 @@ def run(params: dict) -> dict:
         torch.set_num_threads(threads)
     start = time.monotonic()
     built = build_engine(params["model"], opts)
+    if params.get("warmup", opts.device != "cpu"):   # as the worker does before SERVING
+        from services.worker.warmup import Warmup
+        report = Warmup(built.engine, built.pool, built.spec, opts.max_batch_tokens,
+                        max_rank=params.get("warmup_max_rank", 128),
+                        max_running=opts.max_running).run()
+        print(f"engine: warm-up {report.steps} steps in {report.seconds:.1f}s", flush=True)
     slots = {aid: built.pool.place(aid, staged_from_peft_dir(path, built.spec))
              for aid, path in params["adapters"].items()}
     print(f"engine: built in {time.monotonic() - start:.1f}s, {len(slots)} adapters placed",

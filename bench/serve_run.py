@@ -57,6 +57,17 @@ def service_args(args, manifest: dict, s3, shm: str | None) -> tuple[list, list,
     return store + args.store_flag, worker + args.worker_flag, router + args.router_flag
 
 
+def _flag_value(flags: list[str], name: str, default: int) -> int:
+    """The value of --name=V or --name V among pass-through flags (the worker's own, so the
+    engine in-process warms up as the worker does)."""
+    for i, f in enumerate(flags):
+        if f.startswith(name + "="):
+            return int(f.split("=", 1)[1])
+        if f == name and i + 1 < len(flags):
+            return int(flags[i + 1])
+    return default
+
+
 def rank_of(adapter_id: str) -> int:
     return int(serve_model.ADAPTER_ID.fullmatch(adapter_id).group(1))
 
@@ -116,7 +127,10 @@ class Bench:
         opts = engine_options(self.args, self.manifest, list(adapters))
         print(f"engine: in-process run of {', '.join(s.name for s in scenarios)}", flush=True)
         results = run_in_subprocess({"model": str(self.model), "options": opts,
-                                     "adapters": adapters, "jobs": jobs}, 3600)
+                                     "adapters": adapters, "jobs": jobs,
+                                     "warmup_max_rank": _flag_value(self.args.worker_flag,
+                                                                    "--warmup-max-rank", 128)},
+                                    3600)
         self.header["engine_options"] = opts
         for s in scenarios:
             self.record(s, results[s.name], None, None)

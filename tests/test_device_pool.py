@@ -218,3 +218,21 @@ def test_column_blocks_default_on_cuda_only(monkeypatch):
     monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "-1")
     with pytest.raises(ValueError, match="LORAFLEET_LORA_COLUMNS"):
         column_slots(torch.device("cuda"))
+
+
+def test_a_placement_runs_with_a_short_switch_interval_and_restores_it(monkeypatch):
+    """A placement's device calls each give the GIL up; the interval a waiter waits before the
+    engine thread must drop it is cut for the placement only (device_pool.PLACEMENT_SWITCH_S)."""
+    import sys
+    from kernels import adapter_scatter
+    from services.worker import device_pool
+    spec = load_spec(MODEL_DIR)
+    staged = staged_from_peft_dir(DEMO_ADAPTERS / "pirate", spec)
+    pool = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 22, 4)
+    seen, scatter = [], adapter_scatter.adapter_scatter
+    monkeypatch.setattr(adapter_scatter, "adapter_scatter",
+                        lambda *a, **k: (seen.append(sys.getswitchinterval()), scatter(*a, **k)))
+    before = sys.getswitchinterval()
+    pool.place("a", staged)
+    assert seen == [pytest.approx(min(before, device_pool.PLACEMENT_SWITCH_S))]
+    assert sys.getswitchinterval() == before
