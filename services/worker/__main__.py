@@ -26,6 +26,7 @@ from services.worker.engine_link import EngineLink
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.host_tier import HostTier
 from services.worker.link import BlockingEnd
+from services.worker.model_spec import load_spec
 from services.worker.residency import ResidencyFeed
 from services.worker.servicer import WorkerServicer
 from services.worker.warmup import Warmup
@@ -68,11 +69,14 @@ async def main_async(cfg: WorkerConfig) -> int:
     compile_watch.install(lambda kernel: metrics.count_compile(kernel, log))
     if engine_options(cfg).device == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
-    built = await asyncio.to_thread(build_engine, cfg.model, engine_options(cfg))
+    opts = engine_options(cfg)
+    # the host tier is page-locked (seconds for GiBs) while the model loads
+    built, host = await asyncio.gather(
+        asyncio.to_thread(build_engine, cfg.model, opts),
+        asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
+                          opts.device.startswith("cuda"), load_spec(cfg.model)))
     store = StoreClient(sync_channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key),
                         shm_dir=cfg.store_shm_dir or None)
-    host = await asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
-                                   built.device.type == "cuda", built.spec)
     await asyncio.to_thread(built.pool.warm_up)
     if cfg.warmup == "on" or (cfg.warmup == "auto" and built.device.type == "cuda"):
         warm = Warmup(built.engine, built.pool, built.spec, cfg.max_batch_tokens,

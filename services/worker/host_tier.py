@@ -154,7 +154,9 @@ def _arena(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
     start = time.monotonic()
     mapping = mmap.mmap(-1, max(nbytes, 1))
     arena = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8, count=nbytes))
-    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
+    # portable (flag 1): pinned for every device's context, not only the calling thread's
+    # current device (a worker on cuda:1 registers it from a thread whose device is 0)
+    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 1)
     if int(getattr(err, "value", err)) != 0:
         raise RuntimeError(f"cudaHostRegister of the {nbytes}-byte host tier failed ({err})")
     log.info("host tier: %.1f GiB of pinned memory in %.1fs", nbytes / 2**30,
