@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
 from services.worker.factory import EngineOptions, assemble  # noqa: E402
+from services.worker.perf_config import PerfConfig  # noqa: E402
 from services.worker.model_spec import ModelSpec  # noqa: E402
 from services.worker.sequence import Sequence, Stopping  # noqa: E402
 
@@ -103,9 +104,11 @@ def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, s
             "steps": len(steps)}
 
 
-ENV0 = {k: os.environ.get(k) for k in ("LORAFLEET_WEIGHT_LAYOUT", "LORAFLEET_SGMV_SPLIT",
-                                        "LORAFLEET_BLAS", "LORAFLEET_LORA_COLUMNS",
-                                        "LORAFLEET_FOLD_NORMS")}
+# a variant's keys -> the PerfConfig variables they set (over this process's own, ENV0)
+VARIANT_ENV = {"layout": "LORAFLEET_WEIGHT_LAYOUT", "blas": "LORAFLEET_BLAS",
+               "cols": "LORAFLEET_LORA_COLUMNS", "fold": "LORAFLEET_FOLD_NORMS",
+               "pdl": "LORAFLEET_PDL"}
+ENV0 = {k: os.environ.get(k) for k in (*VARIANT_ENV.values(), "LORAFLEET_SGMV_SPLIT")}
 
 
 def _launch0() -> dict:
@@ -117,7 +120,7 @@ def _launch0() -> dict:
 LAUNCH0 = _launch0()            # the defaults of kernels.fused's launch shapes
 
 
-def apply_variant(variant: str) -> int:
+def apply_variant(variant: str) -> tuple[int, "PerfConfig"]:
     """A build variant, "pdl=0,layout=nk" style: PDL on or off (kernels.pdl), the decode GEMMs'
     weight layout (LORAFLEET_WEIGHT_LAYOUT, read when the model is built), the largest rank the
     graphs serve (grank; default: the worker's EngineOptions.graph_max_rank), torch's BLAS
@@ -128,7 +131,8 @@ def apply_variant(variant: str) -> int:
     default on), the rope + KV write and SiLU launch shapes (rope_parts, rope_warps,
     silu_block, silu_warps: kernels.fused.ROPE_LAUNCH / SILU_LAUNCH), and fields of the split
     SGMV's config (kernels.sgmv_split.SplitConfig, e.g. k_chunk=512,progs_per_sm=2:
-    LORAFLEET_SGMV_SPLIT). Empty: the defaults. Returns the graphs' largest rank."""
+    LORAFLEET_SGMV_SPLIT). Empty: the defaults. Returns the graphs' largest rank and the
+    PerfConfig to build the engine with."""
     import dataclasses
     from kernels import fused, pdl
     from kernels.sgmv_split import SplitConfig
@@ -146,20 +150,14 @@ def apply_variant(variant: str) -> int:
                          f"{', '.join(sorted(split_fields))})")
     for key, (table, field) in launch.items():
         table[field] = int(opts.get(key, LAUNCH0[key]))
-    os.environ["LORAFLEET_FOLD_NORMS"] = opts.get("fold", ENV0["LORAFLEET_FOLD_NORMS"] or "1")
-    cols = opts.get("cols", ENV0["LORAFLEET_LORA_COLUMNS"])
-    if cols is None:
-        os.environ.pop("LORAFLEET_LORA_COLUMNS", None)      # the worker's default
-    else:
-        os.environ["LORAFLEET_LORA_COLUMNS"] = cols
-    os.environ["LORAFLEET_BLAS"] = opts.get("blas", ENV0["LORAFLEET_BLAS"] or "cublaslt")
-    pdl.set_enabled(opts.get("pdl", os.environ.get("LORAFLEET_PDL", "1")) != "0")
-    os.environ["LORAFLEET_WEIGHT_LAYOUT"] = opts.get(
-        "layout", ENV0["LORAFLEET_WEIGHT_LAYOUT"] or "kn")
+    env = {**{k: v for k, v in ENV0.items() if v is not None},
+           **{name: opts[key] for key, name in VARIANT_ENV.items() if key in opts}}
     split = [f"{k}={v}" for k, v in opts.items() if k in split_fields]
-    os.environ["LORAFLEET_SGMV_SPLIT"] = ",".join(
-        filter(None, [ENV0["LORAFLEET_SGMV_SPLIT"] or "", *split]))
-    return int(opts.get("grank", EngineOptions.graph_max_rank))
+    env["LORAFLEET_SGMV_SPLIT"] = ",".join(filter(None, [ENV0["LORAFLEET_SGMV_SPLIT"] or "",
+                                                          *split]))
+    perf = PerfConfig.from_env(env)
+    pdl.set_enabled(perf.pdl)
+    return int(opts.get("grank", EngineOptions.graph_max_rank)), perf
 
 
 def _decode_launches(batches) -> dict:
@@ -169,14 +167,14 @@ def _decode_launches(batches) -> dict:
 
 
 def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:
-    grank = apply_variant(variant)
+    grank, perf = apply_variant(variant)
     spec = llama7b_spec(args.layers)
     weights = random_weights(spec, device, torch.bfloat16)
     wbytes = weight_bytes(weights)
     opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=args.kv_gib << 30,
                          block_size=16, max_batch_tokens=8192, max_running=128,
                          pool_bytes=args.pool_gib << 30, pool_slots=160, max_model_len=1024,
-                         graph_max_rank=grank)
+                         graph_max_rank=grank, perf=perf)
     built = assemble(spec, weights, _NullTokenizer(), opts, device, torch.bfloat16)
     n_adapters = max(args.distinct)
     slots = [built.pool.place(f"a{i}", staged_from_tensors(

@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 import services.worker.graph_runner as graph_runner_mod  # noqa: E402
 from services.worker.adapter_layout import staged_from_peft_dir  # noqa: E402
 from services.worker.factory import EngineOptions, build_engine  # noqa: E402
+from services.worker.perf_config import PerfConfig  # noqa: E402
 from services.worker.graph_runner import GraphRunner  # noqa: E402
 from services.worker.scheduler import Scheduled  # noqa: E402
 from services.worker.sequence import Sampling, Sequence, Stopping  # noqa: E402
@@ -160,7 +161,7 @@ def build(model_dir: pathlib.Path, batch: int, prompt_len: int, new: int, clock:
                          kv_cache_bytes=64 << 20, block_size=16,
                          max_batch_tokens=max(1024, batch * prompt_len), max_running=batch,
                          pool_bytes=64 << 20, pool_slots=8, max_model_len=prompt_len + new + 16,
-                         cuda_graphs=False)
+                         cuda_graphs=False, perf=PerfConfig.from_env(os.environ))
     built = build_engine(model_dir, opts)
     adapters = model_dir.parent / "adapters"
     slots = [built.pool.place(n, staged_from_peft_dir(adapters / n, built.spec))

@@ -10,6 +10,7 @@ metrics apply.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 
@@ -52,7 +53,9 @@ def run(params: dict) -> dict:
     import torch
     from services.worker.adapter_layout import staged_from_peft_dir
     from services.worker.factory import EngineOptions, build_engine
-    opts = EngineOptions(**params["options"])
+    from services.worker.perf_config import PerfConfig
+    # the worker's own performance choices (it reads LORAFLEET_* in its config)
+    opts = EngineOptions(**params["options"], perf=PerfConfig.from_env(os.environ))
     threads = params.get("cpu_threads", 1)          # as the worker's --cpu-threads default
     if opts.device == "cpu" and threads > 0:
         torch.set_num_threads(threads)

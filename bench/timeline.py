@@ -116,6 +116,7 @@ def print_rows(title: str, rows: list[dict], span: float) -> None:
 
 
 def sgmv_main(a) -> None:
+    from kernels import sgmv_split
     from bench.kernel_bench import (TOL, capture_graph, impl_fn, load_vllm, make_problem,
                                     make_weights, reference)
     dev = torch.device("cuda")
@@ -133,7 +134,7 @@ def sgmv_main(a) -> None:
         runs += [("ours_split", cfg) for cfg in a.configs.split(";") if a.configs]
         ref = reference(probs[0])
         for impl, cfg in runs:
-            os.environ["LORAFLEET_SGMV_SPLIT"] = "" if cfg == "base" else cfg
+            sgmv_split.set_overrides("" if cfg == "base" else cfg)
             y = probs[0]["y0"].clone()
             impl_fn(impl, probs[0], y, vllm)()
             err = ((y.float() - ref).abs() / (1 + ref.abs())).max().item()
@@ -147,7 +148,7 @@ def sgmv_main(a) -> None:
             print_rows(f"r{rank} T{t} n{n} {impl} {cfg} ({ok}, err {err:.1e}), per call of a "
                        f"chain of {a.chain}", rows, span)
             del graph
-        os.environ["LORAFLEET_SGMV_SPLIT"] = ""
+        sgmv_split.set_overrides(os.environ.get("LORAFLEET_SGMV_SPLIT", ""))
         del weights, probs
         torch.cuda.empty_cache()
 
@@ -162,13 +163,15 @@ def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
                                      random_weights)
     from services.worker.adapter_layout import staged_from_tensors
     from services.worker.factory import EngineOptions, assemble
+    from services.worker.perf_config import PerfConfig
     from services.worker.sequence import Sequence, Stopping
     dev = torch.device(device)
     spec = llama7b_spec(layers)
     extra = {} if graph_max_rank is None else {"graph_max_rank": graph_max_rank}
     opts = EngineOptions(device=device, dtype="bfloat16", kv_cache_bytes=4 << 30,
                          max_batch_tokens=8192, max_running=128, pool_bytes=2 << 30,
-                         pool_slots=64, max_model_len=1024, cuda_graphs=cuda_graphs, **extra)
+                         pool_slots=64, max_model_len=1024, cuda_graphs=cuda_graphs,
+                         perf=PerfConfig.from_env(os.environ), **extra)
     built = assemble(spec, random_weights(spec, dev, torch.bfloat16), _NullTokenizer(), opts,
                      dev, torch.bfloat16)
     slots = [built.pool.place(f"a{i}", staged_from_tensors(

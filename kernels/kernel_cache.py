@@ -7,7 +7,6 @@ and renamed into place, so processes may share a directory.
 """
 from __future__ import annotations
 
-import os
 import pathlib
 
 
@@ -16,9 +15,6 @@ def use(directory: str) -> int:
     missing). Returns how many cached kernels are already there."""
     path = pathlib.Path(directory).resolve()
     path.mkdir(parents=True, exist_ok=True)
-    try:
-        from triton import knobs
-        knobs.cache.dir = str(path)
-    except (ImportError, AttributeError):            # a Triton without knobs reads the env
-        os.environ["TRITON_CACHE_DIR"] = str(path)
+    from triton import knobs
+    knobs.cache.dir = str(path)
     return sum(1 for entry in path.iterdir() if entry.is_dir())

@@ -20,25 +20,26 @@ The contract each kernel launched with `launch_pdl=True` keeps (see `wait_then_r
 Kernels that are not ours (cuBLAS, torch) launch normally and wait for full completion of
 whatever precedes them.
 
-`enabled(device)`: PDL on sm_90+ CUDA devices, with a Triton that has gdc_wait, unless
-LORAFLEET_PDL=0 (or `set_enabled(False)`, for benchmarks that compare both). The flag is read
-at each launch; a captured CUDA graph keeps what it was captured with.
+`enabled(device)`: PDL on sm_90+ CUDA devices, with a Triton that has gdc_wait, unless turned
+off (`set_enabled(False)`: the engine's build sets its PerfConfig.pdl, LORAFLEET_PDL=0 for a
+worker). The flag is read at each launch; a captured CUDA graph keeps what it was captured
+with.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-_ON = os.environ.get("LORAFLEET_PDL", "1") != "0"
+_ON = True
 
 
 def set_enabled(on: bool) -> None:
-    """Turn PDL on or off for later launches (benchmarks; the default is LORAFLEET_PDL)."""
+    """Turn PDL on or off for later launches (the engine's build sets its PerfConfig.pdl; on
+    by default)."""
     global _ON
     _ON = bool(on)
 
@@ -54,9 +55,15 @@ def disabled():
         _ON = was
 
 
+def _interpreting() -> bool:
+    """Triton runs kernels in its interpreter (TRITON_INTERPRET=1, as Triton itself reads)."""
+    from triton import knobs
+    return bool(knobs.runtime.interpret)
+
+
 @functools.lru_cache(maxsize=None)
 def _capable(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _interpreting():
         return False
     try:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401

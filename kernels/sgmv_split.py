@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -73,22 +72,21 @@ class SplitConfig:
     align: int = 0
 
 
-def _overrides() -> dict:
-    """LORAFLEET_SGMV_SPLIT="k_chunk=512,progs_per_sm=2": fields of SplitConfig set over
-    what pick_split_config chooses (for A/B runs; read at each pick, parsed once)."""
-    return _parse_overrides(os.environ.get("LORAFLEET_SGMV_SPLIT", ""))
+_OVERRIDES: dict = {}        # set_overrides: the engine's PerfConfig.sgmv_split
 
 
-def check_overrides() -> None:
-    """Raise ValueError now if LORAFLEET_SGMV_SPLIT is malformed (an engine calls it at build)."""
-    _overrides()
+def set_overrides(text: str) -> None:
+    """Fields of SplitConfig set over what pick_split_config chooses, "k_chunk=512,
+    progs_per_sm=2" (the engine's build sets its PerfConfig.sgmv_split; A/B runs)."""
+    global _OVERRIDES
+    _OVERRIDES = parse_overrides(text)
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @functools.lru_cache(maxsize=8)
-def _parse_overrides(text: str) -> dict:
+def parse_overrides(text: str) -> dict:
     fields = {f.name: f.type for f in dataclasses.fields(SplitConfig)}
     out = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -114,13 +112,13 @@ REDUCE_MAX_SEGS = 16     # rank 64+ decode calls with at most this many segments
 
 
 def pick_split_config(t_rows: int, max_rank: int, pdl_on: bool = True,
-                      n_segs: int | None = None) -> SplitConfig:
-    """The config for T rows and this rank tile (_pick), with LORAFLEET_SGMV_SPLIT over it.
-    pdl_on: whether the two-launch form would launch with programmatic dependent launch.
-    n_segs: the length of the call's segment table (live, base-only and padded segments: a
-    bound on the adapters present), when the caller knows it."""
+                      n_segs: int | None = None, overrides: dict | None = None) -> SplitConfig:
+    """The config for T rows and this rank tile (_pick), with the overrides over it (default:
+    set_overrides'). pdl_on: whether the two-launch form would launch with programmatic
+    dependent launch. n_segs: the length of the call's segment table (live, base-only and
+    padded segments: a bound on the adapters present), when the caller knows it."""
     cfg = _pick(t_rows, max_rank, pdl_on, n_segs)
-    over = _overrides()
+    over = _OVERRIDES if overrides is None else overrides
     return dataclasses.replace(cfg, **over) if over else cfg
 
 

@@ -203,21 +203,20 @@ def test_column_blocks_hold_each_adapters_a_rows_in_either_weight_layout(kn):
     assert cols.col_host[third] == 0 and int(cols.col_slot[third]) == 0
 
 
-def test_column_blocks_default_on_cuda_only(monkeypatch):
-    """LORAFLEET_LORA_COLUMNS unset: a CUDA model keeps CUDA_DEFAULT blocks, a CPU model none;
+def test_column_blocks_default_on_cuda_only():
+    """LORAFLEET_LORA_COLUMNS unset: a CUDA model keeps CUDA_COLUMNS blocks, a CPU model none;
     set, it wins on both; a value that is not a count is an error."""
-    from services.worker.lora_columns import CUDA_DEFAULT, column_slots
-    monkeypatch.delenv("LORAFLEET_LORA_COLUMNS", raising=False)
-    assert CUDA_DEFAULT > 0
-    assert column_slots(torch.device("cuda")) == CUDA_DEFAULT
-    assert column_slots(torch.device("cpu")) == 0
-    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "0")
-    assert column_slots(torch.device("cuda")) == 0
-    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "5")
-    assert column_slots(torch.device("cpu")) == 5
-    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "-1")
+    from services.worker.perf_config import CUDA_COLUMNS, PerfConfig
+    unset = PerfConfig.from_env({})
+    assert CUDA_COLUMNS > 0
+    assert unset.columns_for(cuda=True) == CUDA_COLUMNS and unset.columns_for(cuda=False) == 0
+    assert PerfConfig.from_env({"LORAFLEET_LORA_COLUMNS": "0"}).columns_for(cuda=True) == 0
+    assert PerfConfig.from_env({"LORAFLEET_LORA_COLUMNS": "5"}).columns_for(cuda=False) == 5
+    for bad in ("-1", "x"):
+        with pytest.raises(ValueError, match="LORAFLEET_LORA_COLUMNS"):
+            PerfConfig.from_env({"LORAFLEET_LORA_COLUMNS": bad})
     with pytest.raises(ValueError, match="LORAFLEET_LORA_COLUMNS"):
-        column_slots(torch.device("cuda"))
+        PerfConfig(lora_columns=-1)
 
 
 def test_a_placement_runs_with_a_short_switch_interval_and_restores_it(monkeypatch):

@@ -9,6 +9,7 @@ import torch
 
 from services.worker.adapter_layout import staged_from_peft_dir
 from services.worker.factory import EngineOptions, build_engine
+from services.worker.perf_config import PerfConfig
 from services.worker.sequence import Sequence, Stopping
 from tests.hf_fixtures import ADAPTER_SPECS
 
@@ -20,6 +21,7 @@ def ckpt(hf_ckpt):
 
 
 def _engine(root: pathlib.Path, **kw):
+    kw.setdefault("perf", PerfConfig())
     opts = EngineOptions(device="cpu", dtype="float32", kv_cache_bytes=kw.pop("kv", 4 << 20),
                          block_size=kw.pop("block_size", 4), max_batch_tokens=64, **kw)
     built = build_engine(root / "base", opts)
@@ -58,11 +60,10 @@ def hf_greedy(model, prompt, n):
 def test_mixed_batch_matches_peft_greedy(ckpt, monkeypatch, fold):
     """Every adapter (q/k/v, o and MLP targets; ranks 1-64) and base rows in one batch give
     PEFT's greedy tokens, with the in-layer norms folded into the GEMMs (the default) and
-    without (LORAFLEET_FOLD_NORMS=0). The checkpoint's norm weights are not 1, so a norm
+    without (PerfConfig.fold_norms off). The checkpoint's norm weights are not 1, so a norm
     weight the fold left out (of a GEMM or of an adapter's A) changes the tokens."""
-    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", fold)
     root = ckpt[0]
-    built, slots = _engine(root)
+    built, slots = _engine(root, perf=PerfConfig(fold_norms=fold == "1"))
     assert (built.engine.runner.model.norm_fold is not None) == (fold == "1")
     g = torch.Generator().manual_seed(7)
     names = [*ADAPTER_SPECS, None, *ADAPTER_SPECS, None]
@@ -86,10 +87,9 @@ def mixed_requests(names, slots, ckpt, g, prompt: tuple[int, int], new: int):
 
 
 @pytest.mark.parametrize("fold", ["1", "0"])
-def test_prefill_logits_match_peft(ckpt, monkeypatch, fold):
-    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", fold)
+def test_prefill_logits_match_peft(ckpt, fold):
     root, base, peft_models = ckpt
-    built, slots = _engine(root)
+    built, slots = _engine(root, perf=PerfConfig(fold_norms=fold == "1"))
     from services.worker.scheduler import Scheduled
     from services.worker.step_inputs import build
     prompts = {n: list(range(5 + i, 17 + 2 * i)) for i, n in enumerate(ADAPTER_SPECS)}
@@ -116,7 +116,6 @@ def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
     gate/up A matrices g * A (o's and down's as written)."""
     from services.worker import model as model_mod
     from services.worker.adapter_layout import staged_from_peft_dir
-    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", "1")
     calls = {"rms_norm": 0, "add_rms_norm": 0}
     for name in calls:
         real = getattr(model_mod, name)
@@ -126,7 +125,7 @@ def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
             return _real(*a, **kw)
         monkeypatch.setattr(model_mod, name, counting)
     root = ckpt[0]
-    built, slots = _engine(root)
+    built, slots = _engine(root, perf=PerfConfig(fold_norms=True))
     seqs, expected = mixed_requests(["r64-all", None], slots, ckpt, torch.Generator(),
                                     prompt=(4, 2), new=3)
     got, _ = run_all(built.engine, seqs)
@@ -156,21 +155,18 @@ def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
         torch.testing.assert_close(got, want)
 
 
-def test_fold_norms_setting(ckpt, monkeypatch):
+def test_fold_norms_setting(ckpt):
     """LORAFLEET_FOLD_NORMS: on by default, 0 turns it off, anything else is an error; a model
     with a q/k/v bias never folds (the norm factor must not scale the bias)."""
     import dataclasses
     from services.worker.model import fold_norms
     from services.worker.model_spec import load_spec
     spec = load_spec(ckpt[0] / "base")
-    monkeypatch.delenv("LORAFLEET_FOLD_NORMS", raising=False)
-    assert fold_norms(spec)
-    assert not fold_norms(dataclasses.replace(spec, qkv_bias=True))
-    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", "0")
-    assert not fold_norms(spec)
-    monkeypatch.setenv("LORAFLEET_FOLD_NORMS", "yes")
+    assert fold_norms(spec, PerfConfig.from_env({}))
+    assert not fold_norms(dataclasses.replace(spec, qkv_bias=True), PerfConfig())
+    assert not fold_norms(spec, PerfConfig.from_env({"LORAFLEET_FOLD_NORMS": "0"}))
     with pytest.raises(ValueError, match="LORAFLEET_FOLD_NORMS"):
-        fold_norms(spec)
+        PerfConfig.from_env({"LORAFLEET_FOLD_NORMS": "yes"})
 
 
 def test_pool_host_tables_mirror_the_device_tables(ckpt):
@@ -240,7 +236,6 @@ def test_column_lora_matches_peft_greedy(ckpt, monkeypatch):
     of those two and base rows takes the column path; with r64-all in it the split SGMV runs.
     Both give every request PEFT's greedy tokens."""
     from services.worker import model as model_mod
-    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "2")
     calls = {"columns": 0}
     plain = model_mod.LlamaModel._qkv_columns
 
@@ -250,7 +245,7 @@ def test_column_lora_matches_peft_greedy(ckpt, monkeypatch):
 
     monkeypatch.setattr(model_mod.LlamaModel, "_qkv_columns", counting)
     root = ckpt[0]
-    built, slots = _engine(root)
+    built, slots = _engine(root, perf=PerfConfig(lora_columns=2))
     cols = built.engine.runner.model.columns
     blocks = {n: int(cols.col_host[s]) for n, s in slots.items()}
     assert sorted(b for b in blocks.values() if b >= 0) == [0, 1] and blocks["r64-all"] == -1

@@ -9,6 +9,7 @@ import torch
 
 from services.worker.adapter_layout import staged_from_peft_dir
 from services.worker.factory import EngineOptions, build_engine
+from services.worker.perf_config import PerfConfig
 from services.worker.sequence import Sequence, Stopping
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_DIR, DEMO_ADAPTERS = ROOT / "models" / "tiny-llama", ROOT / "models" / "adapters"
@@ -18,10 +19,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def greedy_tokens(device: str, dtype: str, graphs: bool = True,
-                  overlap: bool = True) -> dict[str, list[int]]:
+                  overlap: bool = True, perf: PerfConfig = PerfConfig()) -> dict[str, list[int]]:
     opts = EngineOptions(device=device, dtype=dtype, kv_cache_bytes=16 << 20, block_size=16,
                          max_batch_tokens=512, max_running=32, cuda_graphs=graphs,
-                         overlap=overlap)
+                         overlap=overlap, perf=perf)
     built = build_engine(MODEL_DIR, opts)
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
     slots = {n: built.pool.place(n, staged_from_peft_dir(DEMO_ADAPTERS / n, built.spec))
@@ -74,18 +75,17 @@ def test_gpu_pdl_gives_the_tokens_of_plain_launches():
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("no programmatic dependent launch on this device")
     with_pdl = greedy_tokens("cuda", "bfloat16")
-    with pdl.disabled():
-        plain = greedy_tokens("cuda", "bfloat16")
+    with pdl.disabled():                    # the setting before it comes back after
+        plain = greedy_tokens("cuda", "bfloat16", perf=PerfConfig(pdl=False))
     assert with_pdl == plain
 
 
 @needs_cuda
-def test_gpu_column_lora_matches_cpu_fp32(monkeypatch):
+def test_gpu_column_lora_matches_cpu_fp32():
     """Column LoRA on (a block for each demo adapter: q/k/v A rows beside the base weight,
     decode graphs captured for it on first use) gives the CPU path's tokens."""
     cpu = greedy_tokens("cpu", "float32")
-    monkeypatch.setenv("LORAFLEET_LORA_COLUMNS", "4")
-    assert greedy_tokens("cuda", "float32") == cpu
+    assert greedy_tokens("cuda", "float32", perf=PerfConfig(lora_columns=4)) == cpu
 
 
 @needs_cuda

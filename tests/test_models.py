@@ -192,12 +192,13 @@ def test_stray_tensors_are_refused(tmp_path):
         engine_for(tmp_path)
 
 
-def test_blas_backend_switch_is_checked(monkeypatch):
+def test_blas_backend_switch_is_checked():
     """LORAFLEET_BLAS names torch's BLAS backend for a CUDA model; a typo is an error even on
     CPU, where nothing is set."""
     from services.worker.model import choose_blas
-    monkeypatch.setenv("LORAFLEET_BLAS", "cublas")
-    choose_blas(torch.device("cpu"))
-    monkeypatch.setenv("LORAFLEET_BLAS", "cuBLAS-lt")
+    from services.worker.perf_config import PerfConfig
+    choose_blas(torch.device("cpu"), PerfConfig.from_env({"LORAFLEET_BLAS": "cublas"}).blas)
     with pytest.raises(ValueError, match="LORAFLEET_BLAS"):
-        choose_blas(torch.device("cpu"))
+        PerfConfig.from_env({"LORAFLEET_BLAS": "cuBLAS-lt"})
+    with pytest.raises(ValueError, match="LORAFLEET_BLAS"):
+        choose_blas(torch.device("cpu"), "cuBLAS-lt")

@@ -349,16 +349,16 @@ def _ptxas_usage(kernel) -> tuple[int, int]:
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize("rank", [16, 32, 64, 128])
-def test_decode_grids_fit_on_the_sms_at_once(rank, monkeypatch):
+def test_decode_grids_fit_on_the_sms_at_once(rank):
     """The split SGMV's decode grids (pick_split_config's programs an SM, with PDL) fit in an
     SM's registers and shared memory at once, as ptxas compiles them for sm_90: a grid that
     does not runs in two waves (on the H200 the rank-16 expand with 256-wide steps held 159
     registers a thread, three programs an SM, and took 12.9 us against 10.3)."""
     from kernels.sgmv_split import pick_split_config
-    monkeypatch.delenv("LORAFLEET_SGMV_SPLIT", raising=False)
     # with few segments: `reduce` (and at 256 rows, 32-row tiles)
     for t_rows, n_segs in ((64, None), (64, 9), (256, 9), (256, 16)):
-        _check_fits(pick_split_config(t_rows, rank, pdl_on=True, n_segs=n_segs), rank)
+        _check_fits(pick_split_config(t_rows, rank, pdl_on=True, n_segs=n_segs, overrides={}),
+                    rank)
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")

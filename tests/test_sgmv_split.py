@@ -153,13 +153,13 @@ if __name__ == "__main__":
         print("ok columns", T, K, err, err_ref)
 
 
-def test_pick_takes_one_launch_only_for_big_ranks_without_pdl(monkeypatch):
+def test_pick_takes_one_launch_only_for_big_ranks_without_pdl():
     """Rank 64 above 16 rows: the grid-barrier form only where the two launches would go
-    without programmatic dependent launch; LORAFLEET_SGMV_SPLIT overrides picked fields, and
-    names no field that does not exist."""
+    without programmatic dependent launch; overrides (PerfConfig.sgmv_split, LORAFLEET_SGMV_SPLIT
+    for a worker) set picked fields, and name no field that does not exist."""
     import pytest
-    from kernels.sgmv_split import pick_split_config
-    monkeypatch.delenv("LORAFLEET_SGMV_SPLIT", raising=False)
+    from kernels.sgmv_split import parse_overrides, pick_split_config, set_overrides
+    set_overrides("")
     assert not pick_split_config(64, 64, pdl_on=True).one_launch
     assert pick_split_config(64, 64, pdl_on=False).one_launch
     assert not pick_split_config(16, 64, pdl_on=False).one_launch
@@ -178,15 +178,20 @@ def test_pick_takes_one_launch_only_for_big_ranks_without_pdl(monkeypatch):
     assert not pick_split_config(64, 64).reduce
     assert not pick_split_config(64, 16, n_segs=9).reduce
     assert not pick_split_config(1024, 64, n_segs=9).reduce
-    monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", "one_launch=0,k_chunk=512,progs_per_sm=2")
-    cfg = pick_split_config(64, 64, pdl_on=False)
+    over = parse_overrides("one_launch=0,k_chunk=512,progs_per_sm=2")
+    cfg = pick_split_config(64, 64, pdl_on=False, overrides=over)
     assert (cfg.one_launch, cfg.k_chunk, cfg.progs_per_sm, cfg.block_n) == (False, 512, 2, 128)
-    monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", " one_launch = off , block_n=64 ")
-    cfg = pick_split_config(64, 64, pdl_on=False)
+    cfg = pick_split_config(64, 64, pdl_on=False,
+                            overrides=parse_overrides(" one_launch = off , block_n=64 "))
     assert (cfg.one_launch, cfg.block_n) == (False, 64)
-    monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", "one_launch=True")
-    assert pick_split_config(64, 64).one_launch
+    set_overrides("one_launch=True")                          # the engine's build sets these
+    try:
+        assert pick_split_config(64, 64).one_launch
+    finally:
+        set_overrides("")
     for bad in ("blockn=64", "one_launch=maybe", "one_launch", "k_chunk=big"):
-        monkeypatch.setenv("LORAFLEET_SGMV_SPLIT", bad)
         with pytest.raises(ValueError, match=bad.split("=")[0]):
-            pick_split_config(64, 16)
+            parse_overrides(bad)
+        from services.worker.perf_config import PerfConfig
+        with pytest.raises(ValueError, match="LORAFLEET_SGMV_SPLIT"):
+            PerfConfig.from_env({"LORAFLEET_SGMV_SPLIT": bad})

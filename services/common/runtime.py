@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -55,7 +56,7 @@ def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> No
     parser.add_argument("--grace", type=float, default=grace,
                         help=f"seconds to drain in-flight calls on SIGTERM ({grace:g})")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (INFO)")
-    parser.add_argument("--otlp-endpoint", default=None,
+    parser.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
                         help="OTLP gRPC endpoint for traces (env OTEL_EXPORTER_OTLP_ENDPOINT)")
     parser.add_argument("--trace-file", default=None,
                         help="also write finished spans as JSON lines to this file")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from typing import Iterable, Sequence
 
@@ -58,7 +57,7 @@ def span_record(span: ReadableSpan) -> dict:
 def setup_tracing(service: str, otlp_endpoint: str | None, trace_file: str | None) -> None:
     """Install a TracerProvider for this process with the configured exporters."""
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
-    endpoint = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    endpoint = otlp_endpoint         # the flag's default is OTEL_EXPORTER_OTLP_ENDPOINT
     if endpoint:
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

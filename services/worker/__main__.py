@@ -47,7 +47,8 @@ def engine_options(cfg: WorkerConfig) -> EngineOptions:
     return EngineOptions(device=device, dtype=cfg.dtype, kv_cache_bytes=cfg.kv_cache_bytes,
                          block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens,
                          max_running=cfg.max_running, pool_bytes=cfg.gpu_pool_bytes,
-                         pool_slots=cfg.pool_slots, max_model_len=cfg.max_model_len)
+                         pool_slots=cfg.pool_slots, max_model_len=cfg.max_model_len,
+                         perf=cfg.perf)
 
 
 def load_fn(engine):

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
+from services.worker.perf_config import PerfConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class WorkerConfig:
     kernel_cache: str = ""              # compiled kernels kept here across restarts ("": Triton's)
     warmup: str = "auto"                # run every eager step shape before SERVING (auto: GPU)
     warmup_max_rank: int = 128          # the largest adapter rank the warm-up prepares for
+    perf: PerfConfig = field(default_factory=PerfConfig)   # LORAFLEET_* (perf_config.py)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -119,7 +121,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--warmup-max-rank", type=int, default=128,
                    help="largest adapter rank the warm-up prepares for (the store's --max-rank)")
     a = p.parse_args(argv)
-    return WorkerConfig(
+    perf = PerfConfig.from_env(os.environ)
+    return WorkerConfig(perf=perf, 
         listen=a.listen, model=a.model, store=a.store, device=a.device, dtype=a.dtype,
         kv_cache_bytes=a.kv_cache_bytes, gpu_pool_bytes=a.gpu_pool_bytes,
         pool_slots=a.pool_slots, host_pool_bytes=a.host_pool_bytes, block_size=a.block_size,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Tokenizer
@@ -15,6 +15,7 @@ from services.worker.engine import Engine
 from services.worker.loader import DTYPES, load_weights
 from services.worker.model import LlamaModel
 from services.worker.model_spec import ModelSpec, load_spec
+from services.worker.perf_config import PerfConfig
 from services.worker.runner import ModelRunner, kv_blocks_for_budget
 from services.worker.scheduler import Scheduler
 
@@ -35,6 +36,7 @@ class EngineOptions:
     cuda_graphs: bool = True            # capture decode steps on CUDA
     graph_max_rank: int = 64            # largest LoRA rank the graphs serve (tiles 16 .. this)
     overlap: bool = True                # launch decode step N+1 before post-processing N
+    perf: PerfConfig = field(default_factory=PerfConfig)   # forms of the same math
 
 
 @dataclass
@@ -73,10 +75,11 @@ def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions) -> Built:
 def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
              device: torch.device, dtype: torch.dtype) -> Built:
     """Model, KV cache, scheduler, adapter pool and engine around already-loaded weights."""
-    if device.type == "cuda":           # a bad LORAFLEET_SGMV_SPLIT fails here, not in a step
-        from kernels.sgmv_split import check_overrides
-        check_overrides()
-    model = LlamaModel(spec, weights, device, dtype)
+    if device.type == "cuda":           # the kernels' process-wide launch choices
+        from kernels import pdl, sgmv_split
+        pdl.set_enabled(opts.perf.pdl)
+        sgmv_split.set_overrides(opts.perf.sgmv_split)
+    model = LlamaModel(spec, weights, device, dtype, opts.perf)
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,

@@ -23,7 +23,6 @@ whose `col_slot` entry is set, which happens after the block is written.
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -33,21 +32,8 @@ GROUP = "qkv"
 RANK_TILE = 16
 
 
-# Blocks a CUDA worker keeps by default. On the H200 (Llama-2-7B shape, batch 64, 32 rank-16
-# adapters, bench/results/ab/e2e-cols-h200.md) 32 blocks took 6.31-6.35 -> 6.22-6.26 ms a
-# decode step at 64 new tokens; one adapter 5.93 -> 5.96, base-only unchanged. They cost
-# n_cols x 48 rows x K of q/k/v weight a layer (403 MB for that model). On the CPU none.
-CUDA_DEFAULT = 32
-
-
-def column_slots(device: torch.device | None = None) -> int:
-    """LORAFLEET_LORA_COLUMNS: how many adapters keep q/k/v A rows beside the base weight
-    (unset: CUDA_DEFAULT on a CUDA device, else 0; 0: none)."""
-    default = CUDA_DEFAULT if device is not None and device.type == "cuda" else 0
-    val = os.environ.get("LORAFLEET_LORA_COLUMNS", str(default))
-    if not val.isdigit():
-        raise ValueError(f"LORAFLEET_LORA_COLUMNS must be a count >= 0, got {val!r}")
-    return int(val)
+# How many adapters a model keeps blocks for: PerfConfig.lora_columns (services/worker/
+# perf_config.py; 32 on CUDA by default, the measurements in bench/PERF_NOTES.md).
 
 
 class LoraColumns:

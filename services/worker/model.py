@@ -7,7 +7,6 @@ replace the torch references on GPU without touching this file.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +16,8 @@ import torch.nn.functional as F
 from kernels.attention import paged_attention
 from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
 from kernels.sgmv import HostSegments, sgmv, sgmv_expand_columns
-from services.worker.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns, column_slots
+from services.worker.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns
+from services.worker.perf_config import BLAS_BACKENDS, PerfConfig
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, GROUPS, ModelSpec
 
 # A LoRA mask bit beside the groups': the step's q/k/v adapters all have column blocks
@@ -102,13 +102,11 @@ KN_GEMMS = ("qkv", "o", "gate_up")
 # interleaved runs each (bench/results/ab/gemm-blas-h200.json, e2e-blas-h200.*).
 # LORAFLEET_BLAS=cublas keeps torch's default. The choice is the process's: a worker runs one
 # engine.
-BLAS_BACKENDS = ("cublas", "cublaslt")
 
 
-def choose_blas(device: torch.device) -> None:
-    """Set torch's preferred BLAS backend for CUDA GEMMs (LORAFLEET_BLAS, default cublaslt).
-    A bad value is an error on any device, so a typo shows on a CPU run too."""
-    name = os.environ.get("LORAFLEET_BLAS", "cublaslt")
+def choose_blas(device: torch.device, name: str) -> None:
+    """Set torch's preferred BLAS backend for CUDA GEMMs (PerfConfig.blas). A bad value is an
+    error on any device, so a typo shows on a CPU run too."""
     if name not in BLAS_BACKENDS:
         raise ValueError(f"LORAFLEET_BLAS must be one of {BLAS_BACKENDS}, got {name!r}")
     if device.type == "cuda":
@@ -122,14 +120,11 @@ def choose_blas(device: torch.device) -> None:
 NORM_OF = {"qkv": "in_norm", "gate_up": "post_norm"}
 
 
-def fold_norms(spec: ModelSpec) -> bool:
-    """LORAFLEET_FOLD_NORMS (default on): fold the in-layer RMSNorms into the GEMMs after them,
-    so a decoder layer launches no norm kernel (the residual adds go into the o and down
+def fold_norms(spec: ModelSpec, perf: PerfConfig) -> bool:
+    """PerfConfig.fold_norms (default on): fold the in-layer RMSNorms into the GEMMs after
+    them, so a decoder layer launches no norm kernel (the residual adds go into the o and down
     GEMMs' epilogues). Off for a model with a q/k/v bias, which the factor must not scale."""
-    val = os.environ.get("LORAFLEET_FOLD_NORMS", "1")
-    if val not in ("0", "1"):
-        raise ValueError(f"LORAFLEET_FOLD_NORMS must be 0 or 1, got {val!r}")
-    return val == "1" and not spec.qkv_bias
+    return perf.fold_norms and not spec.qkv_bias
 
 
 def fold_norm_weights(weights: dict) -> dict[str, torch.Tensor]:
@@ -159,12 +154,13 @@ def to_kn_layout(weights: dict) -> None:
 class LlamaModel:
     """Forward pass over fused weights (services.worker.loader.fuse_layers)."""
 
-    def __init__(self, spec: ModelSpec, weights: dict, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, weights: dict, device: torch.device, dtype: torch.dtype,
+                 perf: PerfConfig = PerfConfig()):
         # group -> [L, K] norm weights folded into its GEMM (None: norms run as kernels)
-        self.norm_fold = fold_norm_weights(weights) if fold_norms(spec) else None
-        if device.type == "cuda" and os.environ.get("LORAFLEET_WEIGHT_LAYOUT", "kn") != "nk":
+        self.norm_fold = fold_norm_weights(weights) if fold_norms(spec, perf) else None
+        if device.type == "cuda" and perf.weight_layout == "kn":
             to_kn_layout(weights)
-        choose_blas(device)
+        choose_blas(device, perf.blas)
         self.spec, self.w, self.device, self.dtype = spec, weights, device, dtype
         inv = rope_inv_freq(spec).to(device)
         t = torch.arange(spec.max_position, device=device, dtype=torch.float32)
@@ -176,7 +172,7 @@ class LlamaModel:
         # run only the first N layers (the warm-up: every layer runs the same kernels on the
         # same shapes, so one layer meets every specialization a step needs); None: all
         self.layer_limit: int | None = None
-        n_cols = column_slots(device)
+        n_cols = perf.columns_for(device.type == "cuda")
         self.column_impl = "auto"      # sgmv_expand_columns: the kernel on CUDA, else torch
         self.columns = LoraColumns(weights, len(self.slices["qkv"]) - 1, n_cols, device) \
             if n_cols else None
