@@ -7,7 +7,7 @@ GEN      := services/common/gen
 MODEL    := models/tiny-llama
 TORCH    ?= torch==2.13.0
 
-.PHONY: venv stubs model run test test-fast bench clean k8s
+.PHONY: venv stubs model run test test-policy test-fast bench clean k8s
 
 venv: $(STAMP) stubs
 
@@ -34,6 +34,11 @@ run: venv model
 
 test: venv model
 	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+# the torch-free tests, run with torch unimportable (tests/no_torch.py)
+POLICY_TESTS = $(shell grep -l "^pytestmark = pytest.mark.policy" tests/test_*.py)
+test-policy: venv
+	$(VPY) -m pytest -q -p tests.no_torch -m policy $(POLICY_TESTS)
 
 test-fast: venv
 	$(VPY) -m pytest -q -m "not slow" tests

@@ -1,4 +1,7 @@
-"""Shared fixtures: a random HF checkpoint with PEFT adapters, and the stack on loopback."""
+"""Shared fixtures: a random HF checkpoint with PEFT adapters, and the stack on loopback.
+
+torch, transformers and peft are imported inside the fixtures that need them, so the
+torch-free tests (policies, scenarios, configs) run where torch is not installed."""
 from __future__ import annotations
 
 import json
@@ -6,12 +9,12 @@ import pathlib
 
 import pytest
 
-from tests.hf_fixtures import ADAPTER_SPECS, make_adapter, make_base
 
 
 @pytest.fixture(scope="session")
 def hf_ckpt(tmp_path_factory):
     """(root, base model, {name: peft model}); root/base and root/adapters/<name> on disk."""
+    from tests.hf_fixtures import ADAPTER_SPECS, make_adapter, make_base
     root = tmp_path_factory.mktemp("hf")
     base = make_base(root / "base")
     peft_models = {n: make_adapter(base, root / "adapters", n, seed=i + 1)
@@ -53,6 +56,7 @@ def write_lora(path: pathlib.Path, base_config: dict, rank: int = 4, seed: int =
 @pytest.fixture(scope="session")
 def lora_fleet(tmp_path_factory):
     """(base dir, adapters dir): the tiny random Llama and 50 rank-4 adapters a00..a49."""
+    from tests.hf_fixtures import make_base
     root = tmp_path_factory.mktemp("fleet")
     make_base(root / "base")
     config = json.loads((root / "base" / "config.json").read_text())
@@ -65,6 +69,7 @@ def lora_fleet(tmp_path_factory):
 def long_context(tmp_path_factory):
     """(base dir, adapters dir): a tiny base with a 4096-token context (long generations) and
     adapters "long" and "other"."""
+    from tests.hf_fixtures import make_base
     root = tmp_path_factory.mktemp("longctx")
     make_base(root / "base", max_position_embeddings=4096)
     config = json.loads((root / "base" / "config.json").read_text())

@@ -8,6 +8,8 @@ import pytest
 
 from services.common.cache_policy import CachePolicy, NoRoom
 
+pytestmark = pytest.mark.policy     # torch-free: `make test-policy`
+
 
 def _fill(policy: CachePolicy, tenant: str, keys: list[str], nbytes: int = 1) -> None:
     for key in keys:

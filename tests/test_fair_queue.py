@@ -8,6 +8,8 @@ import pytest
 
 from services.router.fair_queue import FairGate, VirtualTokenCounter
 
+pytestmark = pytest.mark.policy     # torch-free: `make test-policy`
+
 
 def test_pops_smallest_counter_and_charges_input() -> None:
     vtc = VirtualTokenCounter(w_in=1.0, w_out=2.0)

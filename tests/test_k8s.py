@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+pytestmark = pytest.mark.policy     # torch-free: `make test-policy`
+
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 

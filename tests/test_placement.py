@@ -13,6 +13,8 @@ import pytest
 from services.router.placement import (NoWorker, WorkerView, choose_worker, load_bound,
                                        needs_two, rendezvous_order, rendezvous_score)
 
+pytestmark = pytest.mark.policy     # torch-free: `make test-policy`
+
 
 def _idle(n: int) -> dict[str, WorkerView]:
     return {f"w{i}": WorkerView() for i in range(n)}

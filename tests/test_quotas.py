@@ -5,6 +5,8 @@ import pytest
 
 from services.router.quotas import QuotaConfig, Quotas, TenantQuota, TokenBucket
 
+pytestmark = pytest.mark.policy     # torch-free: `make test-policy`
+
 
 class FakeClock:
     def __init__(self) -> None:

@@ -12,6 +12,8 @@ from services.worker.block_manager import BlockManager
 from services.worker.scheduler import Scheduler
 from services.worker.sequence import Sequence, Status, Stopping
 
+pytestmark = pytest.mark.policy     # torch-free: `make test-policy`
+
 
 def seq(rid: str, n_prompt: int, arrival: float, max_new: int = 4) -> Sequence:
     return Sequence(rid, list(range(2, 2 + n_prompt)), arrival=arrival,

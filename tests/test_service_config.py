@@ -85,3 +85,31 @@ def test_the_worker_refuses_a_bad_kernel_cache_warmup_or_frontend(flags, named):
                            *flags], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_only_config_and_main_modules_read_the_environment():
+    """Configuration is read once, in a service's config or main (issue 24): no module below
+    them reads os.environ; they pass values down (the worker's PerfConfig among them)."""
+    allowed = {"config.py", "__main__.py", "runtime.py", "cli.py"}
+    readers = []
+    for path in [*(ROOT / "services").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]:
+        if "gen" in path.relative_to(ROOT).parts or path.name in allowed:
+            continue
+        text = path.read_text()
+        if "os.environ" in text or "os.getenv" in text:
+            readers.append(str(path.relative_to(ROOT)))
+    assert readers == []
+
+
+def test_the_policy_tests_run_without_torch():
+    """The tests marked `policy` (cache policy, fair queue, quotas, placement, scheduler, k8s)
+    import nothing of torch, triton, transformers or peft: `make test-policy` runs them with
+    those unimportable (tests/no_torch.py), as a control-plane-only install would."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                   if "\npytestmark = pytest.mark.policy" in p.read_text())
+    assert len(files) >= 6
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                           "tests.no_torch", "-m", "policy", *files], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in proc.stdout and "error" not in proc.stdout.splitlines()[-1]
