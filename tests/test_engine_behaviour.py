@@ -302,11 +302,10 @@ def test_incremental_detokenization_equals_full_decode():
     multi-byte characters split across tokens included (byte-level BPE of the demo model)."""
     import random
     from tokenizers import Tokenizer
-    from services.worker.engine import Engine
+    from services.worker.detokenizer import Detokenizer
     from tests.support import MODEL_DIR
     tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
-    engine = Engine.__new__(Engine)
-    engine.tokenizer = tok
+    detok = Detokenizer(tok)
     text = "Héllo wörld, naïve café — 東京 🌧️ rain! " * 3
     ids = tok.encode(text, add_special_tokens=False).ids
     rng = random.Random(0)
@@ -314,5 +313,5 @@ def test_incremental_detokenization_equals_full_decode():
     seq = Sequence("r", [1, 2, 3])
     for i, t in enumerate(ids):
         seq.tokens.append(t)
-        engine._decoded(seq, final=i == len(ids) - 1)
+        detok.decoded(seq, final=i == len(ids) - 1)
     assert seq.decoded == tok.decode(ids, skip_special_tokens=True)

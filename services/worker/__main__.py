@@ -85,11 +85,9 @@ async def main_async(cfg: WorkerConfig) -> int:
         report = await asyncio.to_thread(warm.run)
         log.info("warm-up: %d steps, %d sequences in %.1fs; %d kernel specializations so far",
                  report.steps, report.sequences, report.seconds,
-                 metrics.KERNEL_COMPILES.labels("start")._value.get())
-    feed_ref: list[ResidencyFeed] = []
+                 metrics.compiles("start"))
     manager = AdapterManager(built.pool, built.spec, host, store,
                              tenant_share=cfg.tenant_share or None,
-                             on_change=lambda key: feed_ref[0].mark(key),
                              loader_threads=cfg.loader_threads)
     base_load = load_fn(built.engine)
     def load():
@@ -100,7 +98,7 @@ async def main_async(cfg: WorkerConfig) -> int:
         out.draining = servicer.draining
         return out
     feed = ResidencyFeed(manager, load, worker_id)
-    feed_ref.append(feed)
+    manager.on_change = feed.mark
     feed.bind(asyncio.get_running_loop())
     servicer = WorkerServicer(cfg, built, manager, feed, worker_id)
     stop = threading.Event()
@@ -126,7 +124,7 @@ async def main_async(cfg: WorkerConfig) -> int:
 
     def drain():
         servicer.draining = True
-        feed._publish([])           # routers see draining at once
+        feed.publish_load()         # routers see draining at once
         feed.close()
         if front is not None:
             front.link.drain()

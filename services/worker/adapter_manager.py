@@ -112,7 +112,7 @@ class AdapterManager:
         self._freed = asyncio.Condition()
         self._gpu_lock = threading.Lock()      # policy + pool steps that must go together
         self._loader = ThreadPoolExecutor(max(1, loader_threads), "adapter-load")
-        self._on_change = on_change
+        self.on_change = on_change            # key -> None: residency changed (the feed)
         self.log = ColdLoadLog()
         self.cold_loads: dict[int, list[float]] = {}   # tier -> recent seconds
         self.cold_load_count: dict[int, int] = {}
@@ -158,7 +158,7 @@ class AdapterManager:
 
     def _use(self, key: str, delta: int) -> None:
         self.info[key].users += delta
-        self._on_change(key)
+        self.on_change(key)
 
     async def _stage(self, key, adapter_id, version, tenant, deadline) -> int:
         """Bring key into the device pool pinned for this caller; return the source tier."""
@@ -185,7 +185,7 @@ class AdapterManager:
     async def _load(self, key, adapter_id, version, tenant, deadline) -> int:
         info = self.info.setdefault(key, Residency(adapter_id, version, tenant, 0))
         info.loading = True
-        self._on_change(key)
+        self.on_change(key)
         start = time.monotonic()
         job = _Job(key, adapter_id, version, tenant, deadline, wpb.ColdLoadRecord(
             adapter_id=adapter_id, tier=common_pb2.WORKER_HOST))
@@ -325,14 +325,14 @@ class AdapterManager:
         if job.host_added:
             info.host = True
             job.host_added = False
-        self._on_change(job.key)
+        self.on_change(job.key)
 
     def _mark(self, key: str, **flags) -> None:
         info = self.info.get(key)
         if info is not None:
             for name, value in flags.items():
                 setattr(info, name, value)
-            self._on_change(key)
+            self.on_change(key)
 
     async def _wait_for_room(self, deadline, key) -> None:
         """Wait (at most a second) for an adapter to be freed. Gives up ROOM_MARGIN_S before the

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from services.common.errors import InvalidArgument
+from services.worker.detokenizer import Detokenizer
 from services.worker.runner import ModelRunner
 from services.worker.scheduler import Scheduled, Scheduler
 from services.worker.sequence import Sequence, Status, Stop
@@ -52,6 +53,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer,
                  eos_token_ids: tuple[int, ...], max_model_len: int, overlap: bool = True):
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.detok = Detokenizer(tokenizer)
         # launch steps ahead of their post-processing when the runner can (see module doc)
         self.overlap = overlap
         self._pending = None                           # a launched step not yet collected
@@ -241,11 +243,11 @@ class Engine:
         else:
             stop = _NO_STOP
         if stopping.stops or len(seq.text) != len(seq.decoded):
-            delta, matched = self._detokenize(seq, final=stop is not _NO_STOP)
+            delta, matched = self.detok.detokenize(seq, final=stop is not _NO_STOP)
             if matched is not _NO_STOP:
                 stop = matched
         else:              # no stop sequences: nothing is held back, all decoded text is sent
-            delta = self._decode_new(seq, final=stop is not _NO_STOP)
+            delta = self.detok.decode_new(seq, final=stop is not _NO_STOP)
             if delta is None:
                 delta = ""                           # a partial UTF-8 character: wait
             else:
@@ -254,72 +256,6 @@ class Engine:
             entry[1](TokenEvent([token], delta))
         else:
             self._finish(seq, stop, last=([token], delta))
-
-    def _detokenize(self, seq: Sequence, final: bool) -> tuple[str, Stop]:
-        """Text safe to emit since the last emit; STOP_SEQUENCE (text cut before it) if one
-        matched. Until final, the last len(longest stop) - 1 characters are held back, since
-        they may be the start of a stop sequence that the output must not contain."""
-        full = self._decoded(seq, final)
-        if full is None:
-            return "", _NO_STOP           # a partial UTF-8 character: wait for the rest
-        text, stopping = seq.text, seq.stopping
-        stop, end = _NO_STOP, len(full)
-        for s in stopping.stops:
-            at = full.find(s, max(0, len(text) - len(s) + 1))
-            if 0 <= at < end:
-                stop, end = Stop.STOP_SEQUENCE, at
-        if stop is _NO_STOP and not final:
-            end -= stopping.held_back
-        if not full.startswith(text):
-            return "", stop               # the tokenizer rewrote emitted text: nothing new
-        delta = full[len(text):max(end, len(text))]
-        seq.text = text + delta
-        return delta, stop
-
-    def _decoded(self, seq: Sequence, final: bool) -> str | None:
-        """All output text so far (see _decode_new); None while the newest bytes end inside a
-        UTF-8 character (unless final)."""
-        return None if self._decode_new(seq, final) is None else seq.decoded
-
-    def _decode_new(self, seq: Sequence, final: bool) -> str | None:
-        """Decode the newest output tokens and append their text to seq.decoded; returns that
-        text, or None while the newest bytes end inside a UTF-8 character (unless final).
-
-        Only a window of the newest tokens is decoded (the text of out[prefix:] minus that of
-        out[prefix:read]), so a step costs O(1) per row, not O(n). In a decode step
-        out[prefix:read] is the previous step's one token, whose text is memoised."""
-        start, prefix = len(seq.prompt), seq.detok_prefix
-        window = seq.tokens[start + prefix:]
-        read = seq.detok_read - prefix
-        if read == 1:
-            before = self._token_text(window[0])
-        else:
-            before = self.tokenizer.decode(window[:read], skip_special_tokens=True) if read else ""
-        now = self.tokenizer.decode(window, skip_special_tokens=True)
-        if now.endswith("\ufffd") and not final:
-            return None
-        piece = now[len(before):]
-        seq.decoded += piece
-        seq.detok_prefix, seq.detok_read = seq.detok_read, len(seq.tokens) - start
-        return piece
-
-    # the text of single tokens, memoised per tokenizer (class defaults: tests make bare Engines)
-    _token_texts: dict[int, str] | None = None
-    _token_texts_of = None
-    _TOKEN_TEXTS_MAX = 1 << 18
-
-    def _token_text(self, token: int) -> str:
-        """tokenizer.decode([token], skip_special_tokens=True), memoised."""
-        texts = self._token_texts
-        if texts is None or self._token_texts_of is not self.tokenizer:
-            texts, self._token_texts_of = {}, self.tokenizer
-            self._token_texts = texts
-        text = texts.get(token)
-        if text is None:
-            text = self.tokenizer.decode([token], skip_special_tokens=True)
-            if len(texts) < self._TOKEN_TEXTS_MAX:
-                texts[token] = text
-        return text
 
     def _finish(self, seq: Sequence, stop: Stop, last=None, error: str = "") -> None:
         """End a request: free its row and blocks, send the final event (with any text held
@@ -331,7 +267,7 @@ class Engine:
         if entry is None:
             return
         if last is None:
-            last = ([], self._detokenize(seq, final=True)[0] if seq.num_output else "")
+            last = ([], self.detok.detokenize(seq, final=True)[0] if seq.num_output else "")
         now = time.monotonic()
         start = seq.first_scheduled or now
         entry[1](TokenEvent(

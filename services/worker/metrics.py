@@ -46,6 +46,11 @@ def count_compile(kernel: str, log=None) -> None:
         log.warning("kernel specialization first needed while serving: %s", kernel)
 
 
+def compiles(phase: str) -> int:
+    """Kernel specializations counted so far in a phase."""
+    return int(KERNEL_COMPILES.labels(phase)._value.get())
+
+
 def count_capture() -> None:
     GRAPH_CAPTURES.labels(Phase.name).inc()
 

@@ -73,6 +73,10 @@ class ResidencyFeed:
         for q in self._watchers:
             q.put_nowait(update)
 
+    def publish_load(self) -> None:
+        """A load-only delta now (e.g. draining, which routers must see at once)."""
+        self._publish([])
+
     async def tick(self, period: float = 0.5) -> None:
         """Periodic load-only deltas."""
         while True:
