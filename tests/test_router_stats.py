@@ -1,5 +1,5 @@
 """`lorafleet stats --json` (the real CLI, as a subprocess) after a known run shows every field of
-DESIGN.md's operator contract, with values that agree with what was sent: requests and tokens per
+the README's operator contract, with values that agree with what was sent: requests and tokens per
 tenant, one cold load per source tier as staged, hits and misses per tier, adapter counts; the
 router's /metrics carries the same signals. Requests refused at admission (quota, bad argument,
 unknown adapter) count among their tenant's requests, under their status. With the store down,

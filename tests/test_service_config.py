@@ -113,3 +113,19 @@ def test_the_policy_tests_run_without_torch():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout and "error" not in proc.stdout.splitlines()[-1]
+
+
+def test_the_docs_name_only_files_that_exist():
+    """Every repository path the README and docs/ARCHITECTURE.md name in backticks exists (the
+    README once sent readers to a design document outside the repository)."""
+    import re
+    missing = []
+    for doc in ("README.md", "docs/ARCHITECTURE.md"):
+        for ref in re.findall(r"`([^`\s]+)`", (ROOT / doc).read_text()):
+            path = ref.split(":")[0].rstrip(",.")
+            if ("/" not in path or not re.fullmatch(r"[a-z0-9_.\-/]+", path)
+                    or path.startswith(("/", "s3", "http", "file", "unix", "--"))):
+                continue                 # flags, URLs, placeholders (DIR/NAME), globs
+            if not (ROOT / path).exists() and not (ROOT / doc).parent.joinpath(path).exists():
+                missing.append(f"{doc}: {path}")
+    assert missing == []

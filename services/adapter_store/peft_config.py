@@ -1,4 +1,4 @@
-"""The field policy for a PEFT adapter_config.json (DESIGN.md, "Adapters").
+"""The field policy for a PEFT adapter_config.json (the store applies it at registration; README: adapter-store).
 
 Every field a LoRA config may carry (PEFT 0.21) falls in one of three groups:
 - checked: `peft_type` (LORA), `r` (1..max_rank), `lora_alpha` (> 0), `use_rslora`,

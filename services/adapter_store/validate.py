@@ -1,6 +1,6 @@
 """PEFT LoRA adapter validation against the served base model (numpy only, no torch).
 
-`validate(config_bytes, blob, base, max_rank)` applies the field policy of DESIGN.md to
+`validate(config_bytes, blob, base, max_rank)` applies the field policy of peft_config.py to
 adapter_config.json, checks the safetensors container (safetensors_parse), maps every tensor to a
 (layer, module, A|B) of the base and checks its shape, and refuses NaN/Inf. Every refusal is a
 Refusal (INVALID_ARGUMENT) naming the field or tensor and the reason. Shapes, per projection:

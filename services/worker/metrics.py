@@ -1,4 +1,4 @@
-"""The worker's Prometheus metrics (the health signals DESIGN.md names, from this worker)."""
+"""The worker's Prometheus metrics (the health signals docs/ARCHITECTURE.md names, from this worker)."""
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
