@@ -75,7 +75,7 @@ def adapter_tensors(spec: ModelSpec, rank: int, seed: int, device) -> dict:
 
 def copy_bandwidth(device) -> float:
     """Device-to-device copy, bytes read + written per second: 2 GiB each way, as the peers' anchors
-    measures the card (4.27 TB/s on the H200). Until the thirteenth session this copied 1 GiB,
+    measures the card (4.27 TB/s on the H200). Until the 2026-12-01 late-morning session this copied 1 GiB,
     which read 1-3% lower (4.12-4.19 TB/s) and so gave a 1-3% lower floor ratio."""
     from bench.kernel_bench import copy_tbps
     return copy_tbps(device, 2.0, 25, 100) * 1e12

@@ -252,7 +252,7 @@ FEWEST_PROGRAMS_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 MANY_PROGRAMS = 1024
 # Below 512 programs a program's loop over the context is the critical path of every launch
 # above (0.2-2.8 TB/s of KV), so the context is cut into parts, a program each, and a second
-# launch combines their softmaxes (flash-decoding). From the thirteenth session's scan
+# launch combines their softmaxes (flash-decoding). From the 2026-12-01 late-morning session's scan
 # (bench/results/ab/attn-launch-scan-splits-h200.md; us at 192 / 1024 tokens, against the
 # unsplit pick): 129-511 programs, one-block tiles in 4 parts (MHA batch 8: 11.0 -> 8.7 and
 # 50.4 -> 36.5; 8 KV heads, batch 32: 11.0 -> 9.4, 50.5 -> 38.2); 65-128, 64-key tiles in 4

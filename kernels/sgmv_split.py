@@ -123,7 +123,7 @@ def pick_split_config(t_rows: int, max_rank: int, pdl_on: bool = True,
 
 
 def _pick(t_rows: int, max_rank: int, pdl_on: bool, n_segs: int | None = None) -> SplitConfig:
-    """From the H200 runs (bench/results/sgmv-sweep-h200.json, and the fifth session's
+    """From the H200 runs (bench/results/sgmv-sweep-h200.json, and the 2026-11-30 evening session's
     bench/results/ab/timeline-*.txt; chained calls). Up to 256 rows: 16-row tiles, 256-wide K
     chunks and 128-column expand steps (256 made the rank-16 expand hold 144-165 registers a
     thread, three programs an SM, so a grid of four an SM ran in two waves: 64 rows x 32

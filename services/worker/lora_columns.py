@@ -6,7 +6,7 @@ is latency-bound at decode sizes. Here each of up to `n_cols` adapters with rank
 keeps its q/k/v A matrices as extra rows of the layer's q/k/v weight, [N + n_cols * 3 * 16, K]:
 one GEMM then yields y and every resident adapter's x @ A.T, and only the expand remains
 (kernels.sgmv.sgmv_expand_columns reads v from those output columns). The premise, on the H200
-at batch 64 with 32 rank-16 adapters (bench/shrink_in_gemm.py, seventh session): q/k/v 50.7 ->
+at batch 64 with 32 rank-16 adapters (bench/shrink_in_gemm.py, 2026-11-30 night session): q/k/v 50.7 ->
 43.5 us a layer; the o projection gained nothing (cuBLAS slowed at N = 4608), so only q/k/v.
 
 Layout: slot c's block is rows N + c * n_slices * 16 .. + n_slices * 16 of the extended weight;
