@@ -5,13 +5,10 @@ import asyncio
 import logging
 import os
 import pathlib
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -22,10 +19,9 @@ from services.common.server import create_server, serve, server_credentials, syn
 from services.worker import metrics
 from services.worker.adapter_manager import AdapterManager
 from services.worker.config import WorkerConfig, parse_args
-from services.worker.engine_link import EngineLink
-from services.worker.factory import EngineOptions, build_engine
+from services.worker.frontend_process import Front, FrontendFailed
+from services.worker.factory import Built, EngineOptions, build_engine
 from services.worker.host_tier import HostTier
-from services.worker.link import BlockingEnd
 from services.worker.model_spec import load_spec
 from services.worker.residency import ResidencyFeed
 from services.worker.servicer import WorkerServicer
@@ -61,8 +57,9 @@ def load_fn(engine):
     return load
 
 
-async def main_async(cfg: WorkerConfig) -> int:
-    worker_id = cfg.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+def setup_process(cfg: WorkerConfig) -> None:
+    """Process-wide settings, before anything is built: the GIL switch interval, the kernel
+    cache, the compile watch, torch's CPU threads."""
     sys.setswitchinterval(GIL_SWITCH_S)
     if cfg.kernel_cache:
         cached = kernel_cache.use(cfg.kernel_cache)
@@ -70,8 +67,22 @@ async def main_async(cfg: WorkerConfig) -> int:
     compile_watch.install(lambda kernel: metrics.count_compile(kernel, log))
     if engine_options(cfg).device == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
+
+
+@dataclass
+class Core:
+    """What the core process serves from: the engine, the adapter tiers, the residency feed and
+    the servicer over them."""
+    built: Built
+    manager: AdapterManager
+    feed: ResidencyFeed
+    servicer: WorkerServicer
+
+
+async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
+    """Load the model (the host tier is page-locked meanwhile), warm the pool and the kernels,
+    and wire the adapter manager, the residency feed and the servicer."""
     opts = engine_options(cfg)
-    # the host tier is page-locked (seconds for GiBs) while the model loads
     built, host = await asyncio.gather(
         asyncio.to_thread(build_engine, cfg.model, opts),
         asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
@@ -84,13 +95,13 @@ async def main_async(cfg: WorkerConfig) -> int:
                       max_rank=cfg.warmup_max_rank, max_running=cfg.max_running)
         report = await asyncio.to_thread(warm.run)
         log.info("warm-up: %d steps, %d sequences in %.1fs; %d kernel specializations so far",
-                 report.steps, report.sequences, report.seconds,
-                 metrics.compiles("start"))
+                 report.steps, report.sequences, report.seconds, metrics.compiles("start"))
     manager = AdapterManager(built.pool, built.spec, host, store,
                              tenant_share=cfg.tenant_share or None,
                              loader_threads=cfg.loader_threads)
     base_load = load_fn(built.engine)
-    def load():
+
+    def load() -> wpb.WorkerLoad:
         out = base_load()
         out.gpu_pool_free_bytes = built.pool.free_bytes
         out.gpu_pool_total_bytes = built.pool.capacity_bytes
@@ -101,11 +112,20 @@ async def main_async(cfg: WorkerConfig) -> int:
     manager.on_change = feed.mark
     feed.bind(asyncio.get_running_loop())
     servicer = WorkerServicer(cfg, built, manager, feed, worker_id)
+    return Core(built, manager, feed, servicer)
+
+
+async def main_async(cfg: WorkerConfig) -> int:
+    worker_id = cfg.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+    setup_process(cfg)
+    core = await build_core(cfg, worker_id)
+    built, servicer, feed = core.built, core.servicer, core.feed
     stop = threading.Event()
     thread = threading.Thread(target=built.engine.run, args=(stop,), name="engine", daemon=True)
     thread.start()
     loop = asyncio.get_running_loop()
-    front = Front(cfg, servicer, loop) if cfg.frontend == "process" else None
+    front = (Front(cfg, servicer, loop, ROOT, dict(os.environ)) if cfg.frontend == "process"
+             else None)
     server, port, health = create_server(
         front.core_address if front else cfg.listen,
         lambda s: (worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
@@ -139,76 +159,11 @@ async def main_async(cfg: WorkerConfig) -> int:
         ticker.cancel()
         if front is not None:
             await front.close(cfg.grace + 5)
-        manager.close()
+        core.manager.close()
         stop.set()
         built.engine.wake()
         thread.join(5)
     return 1 if front is not None and front.failed else 0
-
-
-class FrontendFailed(RuntimeError):
-    """The front end process could not start (its own error is in the log above)."""
-
-
-class Front:
-    """The worker's front end process (services.worker.frontend) and the link to it: it binds
-    the public port; this process serves it on a private socket and runs the engine."""
-
-    def __init__(self, cfg: WorkerConfig, servicer: WorkerServicer,
-                 loop: asyncio.AbstractEventLoop):
-        self.cfg, self.servicer, self.loop = cfg, servicer, loop
-        self._dir = tempfile.mkdtemp(prefix="lorafleet-worker-")
-        self.core_address = f"unix:{self._dir}/core.sock"
-        self.proc: subprocess.Popen | None = None
-        self.link: EngineLink | None = None
-        self.failed = False
-
-    async def start(self, stopped: asyncio.Event) -> int:
-        """Start the front end; returns the public port once it is bound. When it exits
-        before the worker drains, `stopped` is set (the worker stops too, exit 1)."""
-        ours, theirs = socket.socketpair()
-        cfg = self.cfg
-        argv = [sys.executable, "-m", "services.worker.frontend", "--listen", cfg.listen,
-                "--core", self.core_address, "--link-fd", str(theirs.fileno()),
-                "--grace", str(cfg.grace), "--log-level", cfg.log_level]
-        for flag, value in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key),
-                            ("--tls-ca", cfg.tls_ca)):
-            if value:
-                argv += [flag, value]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
-        theirs.close()
-        self.link = EngineLink(BlockingEnd(ours), self.servicer, self.loop)
-        self.link.start()
-        port = await self.link.front_port
-        if port is None:
-            raise FrontendFailed(f"the front end could not serve {cfg.listen} (exit "
-                                 f"{self.proc.wait()})")
-
-        async def watch():
-            await self.link.closed.wait()
-            if not self.servicer.draining:
-                log.error("the front end exited (%s): stopping", self.proc.poll())
-                self.failed = True
-                stopped.set()
-        self._watch = self.loop.create_task(watch())
-        return port
-
-    async def close(self, timeout: float) -> None:
-        """After the drain: wait for the front end's bye (its calls done), then end it."""
-        if self.link is not None:
-            try:
-                await asyncio.wait_for(self.link.closed.wait(), timeout)
-            except asyncio.TimeoutError:
-                log.warning("the front end did not finish its drain in %.0fs", timeout)
-            self.link.close()
-        if self.proc is not None:
-            try:
-                await asyncio.to_thread(self.proc.wait, 5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

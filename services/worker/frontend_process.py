@@ -1,0 +1,87 @@
+"""The worker's front end as a child process of its core (services.worker.frontend), and the
+core's end of the link to it (services.worker.engine_link)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+from services.worker.config import WorkerConfig
+from services.worker.engine_link import EngineLink
+from services.worker.link import BlockingEnd
+
+log = logging.getLogger("lorafleet.worker")
+
+
+class FrontendFailed(RuntimeError):
+    """The front end process could not start (its own error is in the log above)."""
+
+
+class Front:
+    """The worker's front end process (services.worker.frontend) and the link to it: it binds
+    the public port; this process serves it on a private socket and runs the engine."""
+
+    def __init__(self, cfg: WorkerConfig, servicer, loop: asyncio.AbstractEventLoop,
+                 root: pathlib.Path, env: dict[str, str]):
+        """root: the project (on the child's PYTHONPATH); env: the child's environment."""
+        self.cfg, self.servicer, self.loop, self.root = cfg, servicer, loop, root
+        self.env = env
+        self._dir = tempfile.mkdtemp(prefix="lorafleet-worker-")
+        self.core_address = f"unix:{self._dir}/core.sock"
+        self.proc: subprocess.Popen | None = None
+        self.link: EngineLink | None = None
+        self.failed = False
+
+    async def start(self, stopped: asyncio.Event) -> int:
+        """Start the front end; returns the public port once it is bound. When it exits
+        before the worker drains, `stopped` is set (the worker stops too, exit 1)."""
+        ours, theirs = socket.socketpair()
+        cfg = self.cfg
+        argv = [sys.executable, "-m", "services.worker.frontend", "--listen", cfg.listen,
+                "--core", self.core_address, "--link-fd", str(theirs.fileno()),
+                "--grace", str(cfg.grace), "--log-level", cfg.log_level]
+        for flag, value in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key),
+                            ("--tls-ca", cfg.tls_ca)):
+            if value:
+                argv += [flag, value]
+        env = dict(self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH"))
+                                            if p)
+        self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self.link = EngineLink(BlockingEnd(ours), self.servicer, self.loop)
+        self.link.start()
+        port = await self.link.front_port
+        if port is None:
+            raise FrontendFailed(f"the front end could not serve {cfg.listen} (exit "
+                                 f"{self.proc.wait()})")
+
+        async def watch():
+            await self.link.closed.wait()
+            if not self.servicer.draining:
+                log.error("the front end exited (%s): stopping", self.proc.poll())
+                self.failed = True
+                stopped.set()
+        self._watch = self.loop.create_task(watch())
+        return port
+
+    async def close(self, timeout: float) -> None:
+        """After the drain: wait for the front end's bye (its calls done), then end it."""
+        if self.link is not None:
+            try:
+                await asyncio.wait_for(self.link.closed.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("the front end did not finish its drain in %.0fs", timeout)
+            self.link.close()
+        if self.proc is not None:
+            try:
+                await asyncio.to_thread(self.proc.wait, 5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
