@@ -229,37 +229,22 @@ def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
         raise ValueError("q_seq, q_pos [T] and block_tables [S, MB] expected")
 
 
-# Launch shape of decode steps (one row per sequence): key tile, warps, pipeline stages.
-# bench/attn_tune.py measures the alternatives on a GPU. One warp a program: Nsight Compute
-# showed the kernel issue-bound (8.2 cycles a warp between issues, 2.9 of them waiting on
-# memory), and with one warp the softmax's reductions over the key tile need no barrier. On the
-# H200 at 181 MB of KV: 59.4 -> 55.5 us; e2e batch 64, 64 new tokens: 6.81 -> 6.60 ms with 32
-# adapters, 6.01 -> 5.80 base-only (bench/results/ab/attn-one-warp-h200.txt).
-# block_n equal to the engine's block size (16) makes a tile one KV block (ALIGNED): 55.7 ->
-# 49.9 us, 181 MB of KV at 3.63 TB/s (bench/results/ab/attn-aligned-h200.txt).
+# Launch shape of decode steps (one row per sequence): key tile, warps, pipeline stages. One
+# warp a program (the softmax's reductions over the key tile need no barrier), and a key tile
+# of one KV block (block_n = the engine's block size: ALIGNED). bench/attn_tune.py measures the
+# alternatives; why these: bench/PERF_NOTES.md, "Why the defaults".
 DECODE_CONFIG = {"block_n": 16, "num_warps": 1, "num_stages": 2}
-# That launch needs many programs (a step's rows x KV heads) to fill the card. With fewer, each
-# program's loop over the context is the critical path, and wider tiles on four warps win:
-# bench/results/ab/attn-launch-scan-h200.md (32 query heads of 128, contexts 192 and 1024, batch
-# 8-128; us a call). At 1024+ programs the one-warp launch is fastest everywhere (MHA batch
-# 32: 26.8 against 32.1 at 192 tokens). At 512 programs 32-key tiles on four warps are (MHA
-# batch 16: 16.5 against 17.7 and 74.3 against 87.0 at 1024 tokens; 8 KV heads, batch 64:
-# 16.8 against 17.3 and 74.7 against 83.1), except with groups of 8+ query heads a KV head,
-# whose query tile is fuller: there 64-key tiles (at 256 programs, before the parts below:
-# 4 KV heads, batch 64: 10.1 against 13.4 and 47.7 against 78.7).
+# That launch needs many programs (a step's rows x KV heads) to fill the card: from
+# MANY_PROGRAMS on it is used; with fewer, each program's loop over the context is the critical
+# path and wider tiles on four warps win (64-key tiles for groups of 8+ query heads a KV head,
+# whose query tile is fuller). The scan: bench/PERF_NOTES.md, "Why the defaults".
 FEW_PROGRAMS_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}
 FEWEST_PROGRAMS_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 MANY_PROGRAMS = 1024
-# Below 512 programs a program's loop over the context is the critical path of every launch
-# above (0.2-2.8 TB/s of KV), so the context is cut into parts, a program each, and a second
-# launch combines their softmaxes (flash-decoding). From the 2026-12-01 late-morning session's scan
-# (bench/results/ab/attn-launch-scan-splits-h200.md; us at 192 / 1024 tokens, against the
-# unsplit pick): 129-511 programs, one-block tiles in 4 parts (MHA batch 8: 11.0 -> 8.7 and
-# 50.4 -> 36.5; 8 KV heads, batch 32: 11.0 -> 9.4, 50.5 -> 38.2); 65-128, 64-key tiles in 4
-# parts (MHA batch 4: 8.2 -> 8.4, 39.2 -> 24.5); 64 or fewer, 64-key tiles in 8 parts (MHA
-# batch 1: 7.9 -> 6.0, 30.8 -> 9.6; 8 KV heads, batch 8: 7.7 -> 7.9, 32.3 -> 13.3). At 512
-# programs parts gain nothing (MHA batch 16: 16.9 / 75.5 unsplit, 17.5 / 76.2 in 4 parts), at
-# 1024 they lose (MHA batch 32: 26.4 -> 32.5 at 192 tokens).
+# Below 512 programs the context is cut into parts, a program each, and a second launch
+# combines their softmaxes (flash-decoding): 129-511 programs, one-block tiles in 4 parts;
+# 65-128, 64-key tiles in 4 parts; 64 or fewer, 64-key tiles in 8 parts. The scan behind it:
+# bench/PERF_NOTES.md, "Why the defaults".
 SPLIT_ONE_BLOCK_CONFIG = {**DECODE_CONFIG, "splits": 4}
 SPLIT4_CONFIG = {**FEWEST_PROGRAMS_CONFIG, "splits": 4}
 SPLIT8_CONFIG = {**FEWEST_PROGRAMS_CONFIG, "splits": 8}

@@ -86,10 +86,8 @@ def launch_args(device: torch.device, wanted: bool = True) -> dict:
     return {"USE_PDL": on, "launch_pdl": on}
 
 
-# SGMV calls launch with PDL up to this many rows. On the H200 (chained, "no PDL" column of
-# bench/results/ab/kernels-pdl-early-h200.md and of kernels-h200.md as of 48a7b30) PDL cut decode-sized calls by 20-40% at rank 16 (64 rows, 8
-# adapters: 9.8 -> 6.5 us) and cost up to 18% on prefill-sized ones (rank 64, 1024 rows, 8
-# adapters: 31.2 -> 36.8 us; rank 16, 1024 rows, 128 adapters: 32.1 -> 35.8).
+# SGMV calls launch with PDL up to this many rows: it pays at decode sizes and costs on
+# prefill-sized calls (bench/PERF_NOTES.md, "Why the defaults").
 SGMV_MAX_ROWS = 256
 
 

@@ -21,12 +21,10 @@ import numpy as np
 
 from kernels.sgmv_ref import sgmv_ref
 
-# Which kernel, from the H200 runs (bench/results/kernels-h200.md, its fused and split columns;
-# bench/results/sgmv-sweep-h200.json). The split-K kernel wins at decode sizes and whenever
-# segments are long; the fused one when many adapters each cover few rows of a large batch (it
-# reads each adapter's A and B once per row tile, where the split kernel's expand re-reads
-# partials per column block): at 1024 rows and 128 adapters 32.6 us against 47.7 (rank 16),
-# 50.6 against 106 (rank 64); and above SPLIT_MAX_ROWS.
+# Which kernel: the split-K one at decode sizes and whenever segments are long; the fused one
+# when many adapters each cover few rows of a large batch (it reads each adapter's A and B once
+# per row tile, where the split kernel's expand re-reads partials per column block), and above
+# SPLIT_MAX_ROWS. The measurements: bench/PERF_NOTES.md, "Why the defaults".
 SPLIT_MAX_ROWS = 2048
 MIN_ROWS_PER_SEGMENT = 32    # 256 < T <= SPLIT_MAX_ROWS: split only with segments this long
 

@@ -123,31 +123,14 @@ def pick_split_config(t_rows: int, max_rank: int, pdl_on: bool = True,
 
 
 def _pick(t_rows: int, max_rank: int, pdl_on: bool, n_segs: int | None = None) -> SplitConfig:
-    """From the H200 runs (bench/results/sgmv-sweep-h200.json, and the 2026-11-30 evening session's
-    bench/results/ab/timeline-*.txt; chained calls). Up to 256 rows: 16-row tiles, 256-wide K
-    chunks and 128-column expand steps (256 made the rank-16 expand hold 144-165 registers a
-    thread, three programs an SM, so a grid of four an SM ran in two waves: 64 rows x 32
-    adapters 12.9 us against 10.3). Grids take as many programs an SM as the registers leave
-    resident (tests/test_sgmv.py checks it with ptxas): four at rank 16, three at 32 (not
-    measured on the GPU), two at 64+ (256 rows x 32 adapters 29.3 us against 24.1), and, above
-    16 rows, the one-launch form only where the two launches would go without programmatic
-    dependent launch (there it is 10-12% faster at 32 adapters, 9% slower with one); with PDL
-    two launches win at every decode shape (64 rows x 8 adapters 13.6 us against 17.5).
-    At rank 64+ the shrink cuts the rank tile in items of 32 rows of A, on a grid of four
-    programs an SM (its registers allow it; the expand's do not): more, shorter chains (seventh
-    session, chained, 8 adapters: 16 rows 12.8 -> 11.0 us, 64 rows 13.0 -> 11.3, 256 rows
-    16.4 -> 14.9; 256 rows x 32 adapters 24.0 -> 22.0). Items of 16 rows were slower at 32+
-    adapters; rank 32 gained from neither (bench/results/ab/timeline-sgmv-rank-split*-h200.txt).
-    With few segments (at most REDUCE_MAX_SEGS) the shrink also sums the partials (`reduce`):
-    8 adapters, 16 / 64 / 256 rows 11.1 -> 10.5 / 11.3 -> 10.6 / 15.0 -> 14.4 us, with 16-row
-    items up to 64 rows and 32-row ones (164 registers: three programs an SM) above; with 32
-    adapters it lost 3 us (bench/results/ab/timeline-sgmv-reduce-split-h200.txt). A captured
-    decode graph's segment table is as long as its batch: graphs of up to 16 rows take it.
-    There, segments of 24+ rows on average take 32-row tiles (each adapter's Bt read once, not
-    twice: 256 rows x 8 adapters 14.5 -> 13.3 us; with 8-row segments 21.9 -> 30.0,
-    bench/results/ab/timeline-sgmv-tiles32-h200.txt).
-    Above 256 rows: 64-row tiles, 512-wide K chunks, two launches (at 1024 rows and one adapter
-    19.4 us against the fused kernel's 24.0 at rank 16, 27.7 against 33.8 at rank 64)."""
+    """The launch shape for T rows at this rank tile. Up to 256 rows: 16-row tiles, 256-wide K
+    chunks and 128-column expand steps; grids of as many programs an SM as the registers leave
+    resident (tests/test_sgmv.py checks it with ptxas): four at rank 16, three at 32, two at
+    64+; above 16 rows the one-launch form only where two launches would go without PDL. At
+    rank 64+ the shrink cuts the rank tile in items of 32 rows of A on a grid of four programs
+    an SM; with at most REDUCE_MAX_SEGS segments it also sums the partials (`reduce`), and
+    segments of 24+ rows on average take 32-row tiles. Above 256 rows: 64-row tiles, 512-wide K
+    chunks, two launches. The measurements: bench/PERF_NOTES.md, "Why the defaults"."""
     big_rank = max_rank > 32
     if t_rows > 256:                 # prefill-sized: 64-row tiles, K in 512-wide chunks
         return SplitConfig(block_m=64, block_n=128 if big_rank else 256, k_chunk=512)
@@ -178,8 +161,7 @@ def _shrink_chunk(x_ptr, pool_ptr, a_o, rank, rows, row_ok, k_lo, k_hi, K, strid
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr):
     """x[rows, k_lo:k_hi] @ A[:, k_lo:k_hi].T in fp32 [BLOCK_M, RANK_BLOCK]; K loop pipelined.
-    (Loading A's first blocks before the PDL wait was measured slower: 13.0 -> 13.4-17.6 us at
-    rank 16, 64 rows, 32 adapters, chained.)"""
+    (A's first blocks are not loaded before the PDL wait: slower, bench/PERF_NOTES.md.)"""
     rk = tl.arange(0, BLOCK_K)
     rr = tl.arange(0, RANK_BLOCK)
     acc = tl.zeros((BLOCK_M, RANK_BLOCK), dtype=tl.float32)
@@ -687,8 +669,8 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     block_n override its fields. align: the caller's promise that every offset in a_off and
     b_off (>= 0) is a multiple of this many elements (the worker's pool: 8). The kernels then
     load A and Bt in 16-byte vectors; without it the compiler, which cannot see the alignment
-    of an offset read from memory, loads them an element at a time (H200, batch 64 with 32
-    rank-16 adapters: the LoRA 34.3 -> 26.8 us a layer, the step 7.03 -> 6.76 ms).
+    of an offset read from memory, loads them an element at a time (bench/PERF_NOTES.md,
+    "Why the defaults").
     """
     t_rows, k = x.shape
     n_segs = seg_slot.shape[0]

@@ -90,17 +90,13 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 
 # Decode GEMMs whose weights a CUDA model keeps as [K, N] in memory (still [N, K]-shaped
-# tensors, column-major): cuBLAS streams them 2-7% faster at 32-128 rows on the H200 (qkv 31.3
-# -> 29.2 us at 64 rows, gate_up 51.7 -> 49.4, lm_head 72.0 -> 69.2; down is 2% slower, so it
-# stays; bench/results/gemm-layouts-h200.json). LORAFLEET_WEIGHT_LAYOUT=nk keeps them all [N, K].
+# tensors, column-major); PerfConfig.weight_layout "nk" keeps them all [N, K]. Why these:
+# bench/PERF_NOTES.md, "Why the defaults".
 KN_GEMMS = ("qkv", "o", "gate_up")
 
 
-# torch's BLAS backend for a CUDA model's GEMMs. cuBLASLt picks other kernels for some decode
-# shapes (down at 64 rows, [K, N]: 32.6 -> 27.7 us; the others within 1%), and end to end at
-# batch 64 the step went 7.12 -> 7.02 ms with 32 adapters, 6.04 -> 5.95 base-only, in two
-# interleaved runs each (bench/results/ab/gemm-blas-h200.json, e2e-blas-h200.*).
-# LORAFLEET_BLAS=cublas keeps torch's default. The choice is the process's: a worker runs one
+# torch's BLAS backend for a CUDA model's GEMMs (PerfConfig.blas; cuBLASLt by default, why:
+# bench/PERF_NOTES.md, "Why the defaults"). The choice is the process's: a worker runs one
 # engine.
 
 
