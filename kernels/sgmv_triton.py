@@ -133,7 +133,7 @@ def _lora_tile(y_ptr, x_ptr, pool_ptr, a_o, b_o, row0, m_len, K, width, col0, nb
         tl.store(y_ptrs + nb * BLOCK_N, new, mask=io_ok)
 
 
-@triton.jit(do_not_specialize=("n_segs",))   # per step: see sgmv_split.PER_STEP
+@triton.jit(do_not_specialize=("n_segs",))   # per step: see sgmv_split_kernels.PER_STEP
 def _sgmv_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, scales_ptr,
                  seg_start_ptr, seg_slot_ptr, K, n_slots, n_segs, max_col_blocks,
                  stride_x, stride_y, s0, s1, s2, s3, s4,
