@@ -245,8 +245,10 @@ def test_a_verified_file_is_read_again_without_hashing_only_while_unchanged(tmp_
     of the same file skip the hash; any write to the file changes it, and the read hashes."""
     from services.adapter_store import sources
     shutil.copytree(ADAPTER, tmp_path / "pirate")
-    reader = sources.SourceReader(tmp_path, None, 1 << 30)
     ref = sources.parse_source("file://pirate", None)
+    fresh = sources.SourceReader(tmp_path, None, 1 << 30)            # settled after 2 s
+    assert fresh.read(ref, landing=sources.Destination).identity is None    # just copied
+    reader = sources.SourceReader(tmp_path, None, 1 << 30, settled_s=0)
     first = reader.read(ref, landing=sources.Destination)
     assert first.sha256 == hashlib.sha256(BLOB).hexdigest() and first.identity
     again = reader.read(ref, landing=sources.Destination, trusted=first.identity)

@@ -14,6 +14,7 @@ import os
 import pathlib
 import re
 import stat
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,8 +53,12 @@ class RawAdapter:
     trusted: bool = False                    # read unhashed: its identity was the one given
 
 
+SETTLED_S = 2.0      # a file's identity is kept once its mtime and ctime are this old
+
+
 def identity_of(info: os.stat_result) -> tuple:
-    """What changes whenever a file's bytes do (any write moves ctime, which no call sets)."""
+    """What changes whenever a file's bytes do (any write moves ctime, which no call sets),
+    as long as the write lands in a later timestamp tick (SourceReader._identity)."""
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
@@ -142,10 +147,25 @@ class SourceReader:
     """Reads adapters from the local root and from S3 with size caps and bounded timeouts."""
 
     def __init__(self, root: pathlib.Path | None, s3_client: s3.S3Clients | None,
-                 max_bytes: int):
+                 max_bytes: int, settled_s: float = SETTLED_S):
+        """settled_s: how old a file's mtime and ctime must be for its identity to be kept
+        (see identity_of)."""
         self._root = root.resolve() if root is not None else None
         self._s3 = s3_client
         self._max = max_bytes
+        self._settled_ns = int(settled_s * 1e9)
+
+    def _identity(self, info: os.stat_result, same: bool) -> tuple | None:
+        """The file's identity if it held for the whole read and is settled: a write in the
+        same timestamp tick as the read that saw the identity would not change it (a filesystem
+        with coarse timestamps), so a file touched in the last settled_s gets none (is hashed
+        again next time)."""
+        if not same:
+            return None
+        now = time.time_ns()
+        if now - max(info.st_mtime_ns, info.st_ctime_ns) < self._settled_ns:
+            return None
+        return identity_of(info)
 
     def read(self, ref: SourceRef, timeout: float | None = None,
              check_config: Callable[[bytes], object] | None = None,
@@ -197,7 +217,7 @@ class SourceReader:
             data = f.read(cap + 1)
             same = identity_of(os.fstat(f.fileno())) == identity_of(info)
         _check_size(path.name, len(data), cap)
-        return data, "", None, identity_of(info) if same else None
+        return data, "", None, self._identity(info, same)
 
     def _file_into(self, path: pathlib.Path, ref: SourceRef, cap: int,
                    landing: Callable[[int], Destination], trusted: tuple | None
@@ -221,7 +241,7 @@ class SourceReader:
             except BaseException:
                 dest.drop()
                 raise
-        return dest.view, digest, dest, before if same else None, not digest
+        return dest.view, digest, dest, self._identity(info, same), not digest
 
     @contextlib.contextmanager
     def _open(self, path: pathlib.Path, ref: SourceRef, cap: int):

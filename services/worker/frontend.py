@@ -36,6 +36,10 @@ SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"]
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _ERROR = int(Stop.ERROR)
 _DROP = (":", "grpc-")                   # metadata the transport sets, not the caller
+# the channel to the core's unix socket: large messages, no keepalive pings (a local socket
+# does not go half-dead, and the server would answer idle pings with GOAWAY too_many_pings)
+CORE_OPTIONS = [(k, v) for k, v in CLIENT_OPTIONS if "keepalive" not in k
+                and k != "grpc.http2.max_pings_without_data"]
 
 
 def forwarded(context: grpc.aio.ServicerContext) -> tuple:
@@ -169,7 +173,7 @@ class Frontend:
 async def main_async(args) -> int:
     sock = socket.socket(fileno=args.link_fd)
     reader, writer = await asyncio.open_unix_connection(sock=sock)
-    core = grpc.aio.insecure_channel(args.core, options=CLIENT_OPTIONS)
+    core = grpc.aio.insecure_channel(args.core, options=CORE_OPTIONS)
     front = Frontend(writer, core)
     server, port, health = create_server(
         args.listen, lambda s: (s.add_generic_rpc_handlers((front.handler(),)),
