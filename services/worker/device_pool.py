@@ -20,7 +20,7 @@ import torch
 from kernels import adapter_scatter as sc
 from services.worker.adapter_layout import OFFSET_ALIGN, SRC_ALIGN, StagedAdapter
 from services.worker.lora_columns import LoraColumns
-from services.worker.model import LoraTables
+from services.worker.lora_tables import LoraTables
 from services.worker.model_spec import GROUPS, ModelSpec
 from services.worker.range_alloc import ALIGN as BLOB_ALIGN, RangeAllocator
 

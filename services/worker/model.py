@@ -7,7 +7,7 @@ replace the torch references on GPU without touching this file.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from kernels.attention import paged_attention
 from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
 from kernels.sgmv import HostSegments, sgmv, sgmv_expand_columns
 from services.worker.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns
+from services.worker.lora_tables import LoraTables
 from services.worker.perf_config import BLAS_BACKENDS, PerfConfig
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, GROUPS, ModelSpec
 
@@ -43,27 +44,6 @@ class StepContext:
     # host: (first row, end row, slot) of the only segment with an adapter, from the host's copy
     # of the segment table (eager steps; None with none or several, and in captured graphs)
     host_single: tuple[int, int, int] | None = None
-
-
-@dataclass
-class LoraTables:
-    """Device view of the adapter pool that the SGMV kernel reads (see kernels.sgmv_ref)."""
-    pool: torch.Tensor                 # [P] flat adapter storage
-    a_off: dict[str, torch.Tensor]     # group -> int64 [L, n_slices, n_slots]
-    b_off: dict[str, torch.Tensor]
-    ranks: torch.Tensor                # int32 [n_slots]
-    scales: torch.Tensor               # float32 [n_slots]
-    max_rank: int
-    # every offset (>= 0) in a_off and b_off is a multiple of this many elements (the device
-    # pool's layout keeps 8): the SGMV kernels then load adapter weights in 16-byte vectors
-    align: int = 1
-    # host: GROUP_BIT mask of the groups each slot's adapter targets (0 = empty slot)
-    slot_groups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    # host mirrors of a_off, b_off, ranks and scales (what the pool wrote to the device copies)
-    a_off_host: dict[str, np.ndarray] = field(default_factory=dict)
-    b_off_host: dict[str, np.ndarray] = field(default_factory=dict)
-    ranks_host: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    scales_host: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
