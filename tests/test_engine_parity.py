@@ -159,7 +159,7 @@ def test_fold_norms_setting(ckpt):
     """LORAFLEET_FOLD_NORMS: on by default, 0 turns it off, anything else is an error; a model
     with a q/k/v bias never folds (the norm factor must not scale the bias)."""
     import dataclasses
-    from services.worker.model import fold_norms
+    from services.worker.weight_transforms import fold_norms
     from services.worker.model_spec import load_spec
     spec = load_spec(ckpt[0] / "base")
     assert fold_norms(spec, PerfConfig.from_env({}))
@@ -211,7 +211,7 @@ def test_kn_layout_keeps_the_values_and_the_linear():
     """to_kn_layout (what a CUDA model does to its decode GEMMs' weights) stores them
     column-major with the same shape and values, so F.linear gives the same product; a tied
     lm_head stays the row-major embedding table it is gathered from."""
-    from services.worker.model import KN_GEMMS, to_kn_layout
+    from services.worker.weight_transforms import KN_GEMMS, to_kn_layout
     g = torch.Generator().manual_seed(0)
     layer = {n: torch.randn(48, 32, generator=g) for n in (*KN_GEMMS, "down")}
     before = {n: t.clone() for n, t in layer.items()}

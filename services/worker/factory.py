@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
+from services.worker import weight_transforms
 from services.worker.block_manager import BlockManager
 from services.worker.device_pool import DevicePool
 from services.worker.engine import Engine
@@ -79,7 +80,9 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
         from kernels import pdl, sgmv_split
         pdl.set_enabled(opts.perf.pdl)
         sgmv_split.set_overrides(opts.perf.sgmv_split)
-    model = LlamaModel(spec, weights, device, dtype, opts.perf)
+    norm_fold = weight_transforms.apply(weights, spec, device, opts.perf)
+    model = LlamaModel(spec, weights, device, dtype, norm_fold,
+                       opts.perf.columns_for(device.type == "cuda"))
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,

@@ -18,7 +18,6 @@ from kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
 from kernels.sgmv import HostSegments, sgmv, sgmv_expand_columns
 from services.worker.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns
 from services.worker.lora_tables import LoraTables
-from services.worker.perf_config import BLAS_BACKENDS, PerfConfig
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT, GROUPS, ModelSpec
 
 # A LoRA mask bit beside the groups': the step's q/k/v adapters all have column blocks
@@ -69,74 +68,15 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return inv
 
 
-# Decode GEMMs whose weights a CUDA model keeps as [K, N] in memory (still [N, K]-shaped
-# tensors, column-major); PerfConfig.weight_layout "nk" keeps them all [N, K]. Why these:
-# bench/PERF_NOTES.md, "Why the defaults".
-KN_GEMMS = ("qkv", "o", "gate_up")
-
-
-# torch's BLAS backend for a CUDA model's GEMMs (PerfConfig.blas; cuBLASLt by default, why:
-# bench/PERF_NOTES.md, "Why the defaults"). The choice is the process's: a worker runs one
-# engine.
-
-
-def choose_blas(device: torch.device, name: str) -> None:
-    """Set torch's preferred BLAS backend for CUDA GEMMs (PerfConfig.blas). A bad value is an
-    error on any device, so a typo shows on a CPU run too."""
-    if name not in BLAS_BACKENDS:
-        raise ValueError(f"LORAFLEET_BLAS must be one of {BLAS_BACKENDS}, got {name!r}")
-    if device.type == "cuda":
-        torch.backends.cuda.preferred_blas_library(name)
-
-
-# The GEMMs whose input is a norm's output, and that norm: with folded norms (fold_norms) each
-# keeps g * W (the norm weight g folded into its input columns) and gets the residual h itself;
-# the consumer of its output scales rows by the norm's factor (kernels/fused.py), and the
-# adapter pool folds g into these groups' LoRA A (services.worker.device_pool).
-NORM_OF = {"qkv": "in_norm", "gate_up": "post_norm"}
-
-
-def fold_norms(spec: ModelSpec, perf: PerfConfig) -> bool:
-    """PerfConfig.fold_norms (default on): fold the in-layer RMSNorms into the GEMMs after
-    them, so a decoder layer launches no norm kernel (the residual adds go into the o and down
-    GEMMs' epilogues). Off for a model with a q/k/v bias, which the factor must not scale."""
-    return perf.fold_norms and not spec.qkv_bias
-
-
-def fold_norm_weights(weights: dict) -> dict[str, torch.Tensor]:
-    """In place: each layer's q/k/v and gate/up weight [N, K] times its norm's weight over K.
-    Returns group -> [L, K] of the norm weights folded (the pool folds them into LoRA A)."""
-    folded = {}
-    for group, norm in NORM_OF.items():
-        for layer in weights["layers"]:
-            layer[group].mul_(layer[norm])
-        folded[group] = torch.stack([layer[norm] for layer in weights["layers"]])
-    return folded
-
-
-def to_kn_layout(weights: dict) -> None:
-    """In place: the KN_GEMMS of each layer (and an untied lm_head) stored column-major, one
-    tensor at a time (the old storage is freed as each is replaced). F.linear then hands cuBLAS
-    a contiguous [K, N] operand."""
-    def kn(t: torch.Tensor) -> torch.Tensor:
-        return t if t.stride(0) == 1 else t.t().contiguous().t()
-    for layer in weights["layers"]:
-        for name in KN_GEMMS:
-            layer[name] = kn(layer[name])
-    if weights["lm_head"] is not weights["embed"]:   # a tied table stays row-major: gathered
-        weights["lm_head"] = kn(weights["lm_head"])
-
-
 class LlamaModel:
     """Forward pass over fused weights (services.worker.loader.fuse_layers)."""
 
     def __init__(self, spec: ModelSpec, weights: dict, device: torch.device, dtype: torch.dtype,
-                 perf: PerfConfig = PerfConfig()):
-        # group -> [L, K] norm weights folded into its GEMM (None: norms run as kernels)
-        self.norm_fold = fold_norm_weights(weights) if fold_norms(spec, perf) else None
-        if device.type == "cuda" and perf.weight_layout == "kn":
-            to_kn_layout(weights)
-        choose_blas(device, perf.blas)
+                 norm_fold: dict[str, torch.Tensor] | None = None, n_cols: int = 0):
+        """weights as services.worker.weight_transforms left them. norm_fold: group -> [L, K]
+        norm weights folded into that group's GEMM (None: the norms run as kernels); n_cols:
+        LoRA column blocks to keep (services.worker.lora_columns)."""
+        self.norm_fold = norm_fold
         self.spec, self.w, self.device, self.dtype = spec, weights, device, dtype
         inv = rope_inv_freq(spec).to(device)
         t = torch.arange(spec.max_position, device=device, dtype=torch.float32)
@@ -148,7 +88,6 @@ class LlamaModel:
         # run only the first N layers (the warm-up: every layer runs the same kernels on the
         # same shapes, so one layer meets every specialization a step needs); None: all
         self.layer_limit: int | None = None
-        n_cols = perf.columns_for(device.type == "cuda")
         self.column_impl = "auto"      # sgmv_expand_columns: the kernel on CUDA, else torch
         self.columns = LoraColumns(weights, len(self.slices["qkv"]) - 1, n_cols, device) \
             if n_cols else None
