@@ -78,8 +78,10 @@ class Warmup:
                  max_rank: int, max_running: int, decode_rows: tuple[int, ...] = (7, 15)):
         self.engine, self.pool, self.spec = engine, pool, spec
         self.tokens = token_counts(max_batch_tokens)
-        self.segment_tokens = [n for n in (1, 16, 17, 64, 65, 256, 257, 1024, 1025)
-                               if n <= max_batch_tokens]
+        # prompt lengths beside the decode rows of many adapters: each side of the sizes where
+        # the SGMV implementation and its tiles change, and the whole token budget
+        self.segment_tokens = [n for n in (1, 16, 17, 64, 65, 256, 257, 1024, 1025, 2048, 2049)
+                               if n < max_batch_tokens] + [max_batch_tokens]
         self.max_running = max_running
         self.max_distinct = min(pool.max_slots, max_running + 1)
         self._rank1_staged = None
@@ -178,8 +180,8 @@ class Warmup:
         holds and the rows a step may have): segment tables are sized by powers of two."""
         most = min(len(slots) - 1, self.max_running - 1)
         for k in [k for k in token_counts(most) if k <= most]:
-            for n in self.segment_tokens:
-                if n + k > self.tokens[-1]:
+            for n in sorted({min(n, self.tokens[-1] - k) for n in self.segment_tokens}):
+                if n < 1:
                     continue
                 decoding = [self._seq(3, slots[j], 3, j) for j in range(k)]
                 self._drain(decoding, stop_after=1)
