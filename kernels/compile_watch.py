@@ -10,9 +10,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-_installed: list[Callable[[str], None]] = []
-
-
 def describe(fn, compile: dict) -> str:
     """A kernel's name, its constexpr values and its arguments' specializations (which integer
     arguments are 1 or divide by 16): what tells one specialization from another."""
@@ -51,5 +48,4 @@ def install(on_new: Callable[[str], None]) -> bool:
                             already_compiled=already_compiled)
         return None                                  # None: compile as usual
     runtime.jit_cache_hook = hook
-    _installed.append(on_new)
     return True

@@ -227,7 +227,7 @@ def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
         assert store.terminate() == 0
 
 
-def test_read_hashed_hashes_what_it_reads_chunk_by_chunk(tmp_path, monkeypatch):
+def test_read_into_hashes_what_it_reads_chunk_by_chunk(tmp_path, monkeypatch):
     from services.adapter_store import sources
     monkeypatch.setattr(sources, "CHUNK", 4096)
     data = os.urandom(4096 * 5 + 123)
@@ -236,7 +236,7 @@ def test_read_hashed_hashes_what_it_reads_chunk_by_chunk(tmp_path, monkeypatch):
     for size in (len(data), len(data) + 1000):                    # the file shorter than said
         dest = sources.Destination(size)
         with open(path, "rb") as f:
-            digest = sources.read_hashed(f, size, dest)
+            digest = sources.read_into(f, size, dest)
         assert bytes(dest.view) == data and digest == hashlib.sha256(data).hexdigest()
 
 

@@ -7,7 +7,6 @@ thread (asyncio.to_thread) so the event loop never waits on a disk or a socket.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -80,41 +79,24 @@ class Destination:
         """The bytes will not be kept (a failed read or a digest mismatch)."""
 
 
-_HASHERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="hash")
 CHUNK = 4 << 20
 
 
-def read_plain(f, size: int, dest: Destination) -> None:
-    """Read up to size bytes of f into dest.view (truncated to what was read)."""
+def read_into(f, size: int, dest: Destination, hashed: bool = True) -> str:
+    """Read up to size bytes of f into dest.view (truncated to what was read) in CHUNK pieces;
+    returns their SHA-256 (hashed as each piece lands), or "" when not hashed."""
+    h = hashlib.sha256() if hashed else None
     view, off = dest.view, 0
     while off < size:
         n = f.readinto(view[off:min(size, off + CHUNK)])
         if not n:
             break
+        if h is not None:
+            h.update(view[off:off + n])
         off += n
-    if off < size:
-        dest.truncate(off)
-
-
-def read_hashed(f, size: int, dest: Destination) -> str:
-    """Read up to size bytes of f into dest.view (truncated to what was read) and return
-    their SHA-256. A second thread hashes each chunk while the next one is read: file reads and
-    hashlib both release the GIL, so a read costs about the longer of the two, not their sum."""
-    h = hashlib.sha256()
-    view, off, pending = dest.view, 0, None
-    while off < size:
-        n = f.readinto(view[off:min(size, off + CHUNK)])
-        if not n:
-            break
-        if pending is not None:
-            pending.result()
-        pending = _HASHERS.submit(h.update, view[off:off + n])
-        off += n
-    if pending is not None:
-        pending.result()
     if off < size:
         dest.truncate(off)          # the file shrank since its stat: the digest will differ
-    return h.hexdigest()
+    return h.hexdigest() if h is not None else ""
 
 
 def parse_source(uri: str, default_bucket: str | None) -> SourceRef:
@@ -227,17 +209,14 @@ class SourceReader:
             before = identity_of(info)
             dest = landing(info.st_size)
             try:
-                digest = ""
-                if trusted is None or before != trusted:
-                    digest = read_hashed(f, info.st_size, dest)
-                else:
-                    read_plain(f, info.st_size, dest)
+                digest = read_into(f, info.st_size, dest,
+                                   hashed=trusted is None or before != trusted)
                 same = identity_of(os.fstat(f.fileno())) == before
                 if not digest and not same:     # it changed while read unhashed: hash it
                     dest.drop()
                     dest = landing(info.st_size)
                     f.seek(0)
-                    digest = read_hashed(f, info.st_size, dest)
+                    digest = read_into(f, info.st_size, dest)
             except BaseException:
                 dest.drop()
                 raise

@@ -121,8 +121,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return 4 * max((len(piece) for piece in vocab), default=1)
 
     async def Generate(self, request, context):
-        if self.draining:
-            raise Unavailable("worker is draining")
         with _tracer.start_as_current_span(
                 "worker.generate", context=incoming_context(context.invocation_metadata())) as sp:
             sp.set_attributes({"gen_ai.request.id": request.request_id,
