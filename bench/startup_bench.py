@@ -64,6 +64,14 @@ def counter(port: int, name: str, phase: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def late_compiles(log: pathlib.Path) -> list[str]:
+    """What the worker said it first needed while serving (its log's warnings: the kernel and
+    its specialization), so a run that counts some also says which."""
+    mark = "kernel specialization first needed while serving: "
+    return [line.split(mark, 1)[1] for line in log.read_text(errors="replace").splitlines()
+            if mark in line]
+
+
 def start(bench: Bench, work: pathlib.Path, kcache: pathlib.Path, metrics: int) -> float:
     """Start the stack with the worker on `kcache`; the worker's seconds from start to SERVING."""
     bench.args.worker_flag = [f for f in bench.base_flags] + [f"--kernel-cache={kcache}",
@@ -106,6 +114,7 @@ def main(argv=None) -> int:
             metrics, "lorafleet_worker_graph_captures_total", "serving"))
         result["compiles_at_start"] = int(counter(
             metrics, "lorafleet_worker_kernel_compiles_total", "start"))
+        result["late_compiles"] = late_compiles(bench.stack.worker.log_path)
         bench.stop()
         result["warm_start_s"] = round(start(bench, work, kcache, free_port()), 2)
     finally:

@@ -200,6 +200,7 @@ def test_the_startup_bench_quick_run_writes_its_figures(tmp_path):
     for key in ("cold_start_s", "warm_start_s", "first_run_tok_s", "second_run_tok_s"):
         assert isinstance(doc[key], float) and doc[key] > 0, key
     assert doc["compiles_after_serving"] == 0 and doc["captures_after_serving"] == 0
+    assert doc["late_compiles"] == []             # what the worker logged it needed late
     names = [r["scenario"] for r in doc["rows"]]
     assert names[:2] == ["startup-2", "startup-2-again"] and "varied-r8" in names
     assert not any(r["errors"] for r in doc["rows"])
