@@ -32,6 +32,10 @@ import sys
 import time
 import warnings
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:          # services.worker.chat_template renders the chats
+    sys.path.insert(0, str(ROOT))
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # this script must never touch the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -185,6 +189,23 @@ def train_tokenizer(texts: list[str]):
     return tok
 
 
+# The chat template the tiny model ships (tokenizer_config.json's chat_template, Jinja, with
+# transformers' conventions): Zephyr-style turns, each ended with the EOS token, so that `make
+# run` shows a chat rendered the way instruct checkpoints render theirs.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant') }}"
+    "{% endif %}"
+    "{% if loop.index0 == 0 and message['role'] == 'assistant' %}"
+    "{{ raise_exception('the chat opens with a system or user message') }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 def save_tokenizer(tok, model_dir: pathlib.Path) -> None:
     tok.save(str(model_dir / "tokenizer.json"))
     special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
@@ -193,7 +214,8 @@ def save_tokenizer(tok, model_dir: pathlib.Path) -> None:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
               "add_bos_token": True, "add_eos_token": False, "add_prefix_space": False,
               "clean_up_tokenization_spaces": False, "model_max_length": 512,
-              "padding_side": "left", "added_tokens_decoder": added}
+              "padding_side": "left", "added_tokens_decoder": added,
+              "chat_template": CHAT_TEMPLATE}
     _write_json(model_dir / "tokenizer_config.json", config)
     _write_json(model_dir / "special_tokens_map.json", special)
 
@@ -235,14 +257,28 @@ def _step(opt, loss) -> None:
     opt.step()
 
 
+def chat_prompt(prompt: str) -> str:
+    """The prompt as a one-message chat, rendered with CHAT_TEMPLATE as the worker renders it
+    (services.worker.chat_template, transformers' conventions)."""
+    from services.worker.chat_template import ChatTemplate
+
+    template = ChatTemplate(CHAT_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
+    return template.render([{"role": "user", "content": prompt}])
+
+
 def sft_batch(tok, pairs: dict[str, str]):
-    """Right-padded [N, S] ids and labels; loss only on ` completion </s>`."""
+    """Right-padded [N, S] ids and labels; loss only on ` completion </s>`. Each pair twice:
+    as a plain prompt and as a chat (the template's user turn, then the assistant's), so the
+    adapters answer through /v1/chat/completions in their style too."""
     import torch
 
     rows = []
     for prompt, completion in sorted(pairs.items()):
         p = tok.encode(prompt).ids
         c = tok.encode(" " + completion, add_special_tokens=False).ids + [EOS_ID]
+        rows.append((p + c, [-100] * len(p) + c))
+        p = tok.encode(chat_prompt(prompt), add_special_tokens=False).ids
+        c = tok.encode(completion, add_special_tokens=False).ids + [EOS_ID]
         rows.append((p + c, [-100] * len(p) + c))
     width = max(len(ids) for ids, _ in rows)
     ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r, _ in rows])

@@ -5,7 +5,7 @@ from typing import Iterator, Sequence
 
 import grpc
 
-from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
+from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb, router_pb2_grpc
 
 
 class LorafleetClient:
@@ -42,9 +42,12 @@ class LorafleetClient:
                 max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 0.0, seed: int = 0, repetition_penalty: float = 0.0,
                 stop: Sequence[str] = (), time_limit_ms: int = 0, ignore_eos: bool = False,
-                request_id: str = "") -> rpb.GenerateRequest:
+                request_id: str = "", messages: Sequence[dict] = ()) -> rpb.GenerateRequest:
+        """messages: a chat ({"role", "content"} dicts) instead of the prompt, rendered with
+        the model's chat template by the worker."""
         req = rpb.GenerateRequest(adapter_id=adapter, text=prompt,
-                                  prompt_token_ids=list(prompt_ids), request_id=request_id)
+                                  prompt_token_ids=list(prompt_ids), request_id=request_id,
+                                  messages=chat_messages(messages))
         req.sampling.temperature, req.sampling.top_k, req.sampling.top_p = temperature, top_k, top_p
         req.sampling.seed, req.sampling.repetition_penalty = seed, repetition_penalty
         req.stopping.max_new_tokens = max_new_tokens
@@ -84,9 +87,18 @@ class LorafleetClient:
         return self._stub.ModelInfo(rpb.ModelInfoRequest(), timeout=self.timeout,
                                     metadata=self._metadata)
 
-    def tokenize(self, text: str) -> rpb.TokenizeResponse:
-        return self._stub.Tokenize(rpb.TokenizeRequest(text=text), timeout=self.timeout,
-                                   metadata=self._metadata)
+    def tokenize(self, text: str = "", messages: Sequence[dict] = ()) -> rpb.TokenizeResponse:
+        return self._stub.Tokenize(rpb.TokenizeRequest(text=text,
+                                                       messages=chat_messages(messages)),
+                                   timeout=self.timeout, metadata=self._metadata)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self._stub.Detokenize(rpb.DetokenizeRequest(token_ids=list(token_ids)),
+                                     timeout=self.timeout, metadata=self._metadata).text
+
+
+def chat_messages(messages: Sequence[dict]) -> list[common_pb2.ChatMessage]:
+    return [common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
 
 
 def _read(path: str | None) -> bytes | None:

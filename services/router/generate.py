@@ -51,8 +51,10 @@ def validate(req: router_pb2.GenerateRequest) -> None:
     message = name_error("adapter_id", req.adapter_id, allow_empty=True)
     if message is not None:
         raise InvalidArgument(message)
-    if not req.text and not req.prompt_token_ids:
-        raise InvalidArgument("text: empty prompt (give text or prompt_token_ids)")
+    if req.messages and (req.text or req.prompt_token_ids):
+        raise InvalidArgument("messages: give messages, text or prompt_token_ids, not several")
+    if not req.text and not req.prompt_token_ids and not req.messages:
+        raise InvalidArgument("text: empty prompt (give text, prompt_token_ids or messages)")
     if not 0 <= s.temperature <= 100:
         raise InvalidArgument("sampling.temperature: must be within [0, 100]")
     if not 0 <= s.top_p <= 1:
@@ -92,7 +94,8 @@ class RequestPath:
         if req.adapter_id:
             adapter = await app.resolver.resolve(req.adapter_id, caller.tenant, timeout)
             app.stats.saw_adapter(adapter.id)
-        prompt = len(req.prompt_token_ids) or max(1, len(req.text) // 4)
+        chars = len(req.text) + sum(len(m.content) + 8 for m in req.messages)
+        prompt = len(req.prompt_token_ids) or max(1, chars // 4)
         est = prompt + (req.stopping.max_new_tokens or DEFAULT_NEW_TOKENS)
         wait = app.quotas.check(caller.tenant, est)
         if wait is not None:
@@ -167,7 +170,8 @@ class RequestPath:
     def _worker_request(self, req, adm: Admitted) -> wpb.WorkerGenerateRequest:
         wreq = wpb.WorkerGenerateRequest(
             request_id=adm.request_id, prompt_token_ids=req.prompt_token_ids, text=req.text,
-            sampling=req.sampling, stopping=req.stopping, tenant=adm.caller.tenant)
+            sampling=req.sampling, stopping=req.stopping, tenant=adm.caller.tenant,
+            messages=req.messages)
         if adm.adapter is not None:
             wreq.adapter.CopyFrom(self._ref(adm))
         return wreq

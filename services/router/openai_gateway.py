@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP gateway: /v1/completions, /v1/chat/completions (SSE with "stream"),
-/v1/models. `model` names the adapter (the base model's name, or "", is the base). Each route
-maps 1:1 onto a GenerationService call, made in-process on the router's own servicer, so auth
-(the same bearer token), quotas, fair queuing and placement apply unchanged; a client that
+/v1/models, and vLLM's /health, /tokenize and /detokenize. `model` names the adapter (the base
+model's name, or "", is the base); each body field is honoured or refused by name
+(services.router.openai_fields), and errors are OpenAI's error objects. Each route maps 1:1
+onto a GenerationService call, made in-process on the router's own servicer, so auth (the
+same bearer token), quotas, fair queuing and placement apply unchanged; a client that
 disconnects cancels the request down to the worker.
 """
 from __future__ import annotations
@@ -13,8 +15,9 @@ import uuid
 
 from aiohttp import web
 
-from services.common.errors import InvalidArgument, LorafleetError, NotFound
+from services.common.errors import InvalidArgument, LorafleetError, NotFound, Unavailable
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
+from services.router.openai_fields import BodyError, build_request, chat_messages, token_ids
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
@@ -46,130 +49,54 @@ HTTP_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
                "sampling.repetition_penalty": "repetition_penalty",
                "stopping.stop_sequences": "stop", "stopping.max_new_tokens": "max_tokens",
                "prompt_token_ids": "prompt", "request_id": "user_request_id"}
+# gRPC status -> OpenAI's error type
+ERROR_TYPES = {"INVALID_ARGUMENT": "invalid_request_error",
+               "FAILED_PRECONDITION": "invalid_request_error",
+               "OUT_OF_RANGE": "invalid_request_error", "ALREADY_EXISTS": "invalid_request_error",
+               "CANCELLED": "invalid_request_error", "UNAUTHENTICATED": "authentication_error",
+               "PERMISSION_DENIED": "permission_error", "NOT_FOUND": "not_found_error",
+               "RESOURCE_EXHAUSTED": "rate_limit_error"}
+# gRPC status -> OpenAI's code, where OpenAI has one for it
+ERROR_CODES = {"UNAUTHENTICATED": "invalid_api_key", "NOT_FOUND": "model_not_found",
+               "RESOURCE_EXHAUSTED": "rate_limit_exceeded"}
 
 
-def _http_message(message: str, chat: bool) -> str:
-    """A refusal that names a GenerateRequest field, reworded with the body's key."""
+def _http_message(message: str, chat: bool) -> tuple[str, str | None]:
+    """A refusal that names a GenerateRequest field, reworded with the body's key; and that
+    key (the error's param)."""
     field, sep, rest = message.partition(":")
-    if not sep:
-        return message
-    if field == "text":
-        return ("messages" if chat else "prompt") + sep + rest
-    if chat and field == "stopping.max_new_tokens":
-        return "max_completion_tokens / max_tokens" + sep + rest
-    return HTTP_FIELDS.get(field, field) + sep + rest
+    if not sep or " " in field:
+        return message, None
+    if field in ("text", "prompt"):
+        key = "messages" if chat else "prompt"
+    elif chat and field == "stopping.max_new_tokens":
+        return "max_completion_tokens / max_tokens" + sep + rest, "max_tokens"
+    else:
+        key = HTTP_FIELDS.get(field, field)
+    return key + sep + rest, key
+
+
+def error_body(err: LorafleetError, chat: bool = False) -> tuple[dict, int]:
+    """OpenAI's error object for a refusal: message, type, param, code (and the gRPC status
+    it came from as grpc_code); and the HTTP status."""
+    name = err.code.name
+    message, param, code = err.message, None, ERROR_CODES.get(name)
+    if name == "INVALID_ARGUMENT":
+        message, param = _http_message(err.message, chat)
+        code = "invalid_value"
+        if "exceeds the model's" in message or "cannot fit the model's" in message:
+            code = "context_length_exceeded"
+    if isinstance(err, BodyError):
+        param, code = err.param, err.openai_code
+    status = HTTP_STATUS.get(name, 500)
+    return {"error": {"message": message, "type": ERROR_TYPES.get(name, "server_error"),
+                      "param": param, "code": code or name.lower(), "grpc_code": name}}, status
 
 
 def _error(err: LorafleetError, chat: bool = False) -> web.Response:
-    name = err.code.name
     headers = {"Retry-After": f"{max(1, round(err.retry_after))}"} if err.retry_after else None
-    message = _http_message(err.message, chat) if name == "INVALID_ARGUMENT" else err.message
-    body = {"error": {"message": message, "type": name.lower(), "code": name}}
-    return web.json_response(body, status=HTTP_STATUS.get(name, 500), headers=headers)
-
-
-U32 = (1 << 32) - 1
-
-
-def _float(body: dict, key: str, default: float) -> float:
-    """A JSON number (the range checks are the servicer's, which name the field too)."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(f"{key}: expected a number, got {value!r}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise InvalidArgument(f"{key}: {value} is out of range") from None
-
-
-def _int(body: dict, key: str, default: int, lo: int = 0, hi: int = U32) -> int:
-    """A JSON integer in [lo, hi] (2.0 is 2; 2.7, "2" and true are refused)."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{key}: expected an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise InvalidArgument(f"{key}: {value} is out of range [{lo}, {hi}]")
-    return value
-
-
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(x, str) for x in stop):
-        return stop
-    raise InvalidArgument(f"stop: a string or a list of strings, got {stop!r}")
-
-
-def token_ids(prompt: list) -> list[int]:
-    """A prompt given as token ids: integers in [0, 2^32) (the vocabulary check is the
-    servicer's)."""
-    for t in prompt:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= U32:
-            raise InvalidArgument(f"prompt: token ids are non-negative integers, got {t!r}")
-    return prompt
-
-
-def build_request(body: dict, prompt_text: str = "", prompt_ids=(),
-                  chat: bool = False) -> rpb.GenerateRequest:
-    """The GenerateRequest an OpenAI body asks for (unsupported options are refused, and so
-    are values of the wrong type). The reply's cap: `max_tokens` (chat: `max_completion_tokens`
-    first); without one, 16 tokens for a completion (OpenAI's default) and the worker's
-    default for a chat."""
-    if _int(body, "n", 1) != 1 or body.get("best_of", 1) not in (1, None):
-        raise InvalidArgument("n / best_of: only 1 is supported")
-    if body.get("logprobs") or body.get("echo"):
-        raise InvalidArgument("logprobs / echo: not supported")
-    if not isinstance(body.get("stream", False), (bool, type(None))):
-        raise InvalidArgument(f"stream: true or false, got {body['stream']!r}")
-    req = rpb.GenerateRequest(adapter_id=str(body.get("model") or ""), text=prompt_text,
-                              prompt_token_ids=list(prompt_ids),
-                              request_id=str(body.get("user_request_id", "")))
-    s = req.sampling
-    s.temperature = _float(body, "temperature", 1.0)
-    s.top_p = _float(body, "top_p", 1.0)
-    s.top_k = _int(body, "top_k", 0)
-    s.seed = _int(body, "seed", 0, -(1 << 63), (1 << 64) - 1) & ((1 << 64) - 1)
-    s.repetition_penalty = _float(body, "repetition_penalty", 0.0)
-    cap_key = "max_completion_tokens" if chat and body.get(
-        "max_completion_tokens") is not None else "max_tokens"
-    req.stopping.max_new_tokens = _int(body, cap_key, 0 if chat else 16)
-    req.stopping.stop_sequences.extend(_stop(body))
-    return req
-
-
-def _content(i: int, content) -> str:
-    """A message's text: a string, null (""), or a list of text parts (joined)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
-            raise InvalidArgument(f"messages[{i}].content: only text parts are supported")
-        return "".join(p["text"] for p in content)
-    raise InvalidArgument(f"messages[{i}].content: a string or a list of text parts")
-
-
-def chat_prompt(messages) -> str:
-    """A plain role-prefixed transcript ending with the assistant's turn (the served models
-    carry no chat template)."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidArgument("messages: a non-empty list is required")
-    lines = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "content" not in m:
-            raise InvalidArgument("messages: each needs a role and content")
-        lines.append(f"{m.get('role', 'user')}: {_content(i, m['content'])}")
-    return "\n".join(lines) + "\nassistant:"
+    body, status = error_body(err, chat)
+    return web.json_response(body, status=status, headers=headers)
 
 
 @web.middleware
@@ -182,15 +109,17 @@ async def _json_errors(request: web.Request, handler):
         if exc.status < 400:
             raise
         body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}",
-                          "type": "invalid_request_error",
-                          "code": exc.reason.upper().replace(" ", "_")}}
+                          "type": "not_found_error" if exc.status == 404 else
+                          "invalid_request_error", "param": None,
+                          "code": exc.reason.lower().replace(" ", "_")}}
         return web.json_response(body, status=exc.status)
     except LorafleetError as err:
         return _error(err)
     except Exception:  # noqa: BLE001 - a bug must not reach the client as a bare 500 page
         log.exception("HTTP gateway: %s %s failed", request.method, request.path)
-        return web.json_response({"error": {"message": "internal error", "type": "internal",
-                                            "code": "INTERNAL"}}, status=500)
+        return web.json_response({"error": {"message": "internal error", "type": "server_error",
+                                            "param": None, "code": "internal_error",
+                                            "grpc_code": "INTERNAL"}}, status=500)
 
 
 class OpenAIGateway:
@@ -206,7 +135,10 @@ class OpenAIGateway:
         self.app.add_routes([web.get("/v1/models", self.models),
                              web.get("/v1/models/{model}", self.model),
                              web.post("/v1/completions", self.completions),
-                             web.post("/v1/chat/completions", self.chat)])
+                             web.post("/v1/chat/completions", self.chat),
+                             web.get("/health", self.health),
+                             web.post("/tokenize", self.tokenize),
+                             web.post("/detokenize", self.detokenize)])
         self._runner: web.AppRunner | None = None
 
     async def start(self, listen: str) -> int:
@@ -237,9 +169,9 @@ class OpenAIGateway:
                                                   _Context(request, 30))
         now, base = int(time.time()), await self._base()
         data = [{"id": base or "base", "object": "model", "created": now,
-                 "owned_by": "lorafleet"}]
-        data += [{"id": a.id, "object": "model", "created": now, "parent": base,
-                  "owned_by": a.owner or "shared"} for a in listed.adapters
+                 "owned_by": "lorafleet", "root": base or "base", "parent": None}]
+        data += [{"id": a.id, "object": "model", "created": now, "root": a.id,
+                  "parent": base, "owned_by": a.owner or "shared"} for a in listed.adapters
                  if a.state == "READY"]
         return data
 
@@ -254,6 +186,45 @@ class OpenAIGateway:
                 return web.json_response(m)
         raise NotFound(f"model {name!r} not found")
 
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while some worker is ready to serve (what a load balancer's probe asks), else
+        503."""
+        live = len(self.servicer.app.workers.live())
+        if not live:
+            return _error(Unavailable("no worker is ready"))
+        return web.json_response({"status": "ok", "workers": live})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (rendered with the chat
+        template, as a chat completion's prompt is) -> {"tokens", "count", "max_model_len"}."""
+        body = await self._body(request)
+        extra = set(body) - {"model", "prompt", "messages", "add_special_tokens"}
+        if extra:
+            key = sorted(extra)[0]
+            raise BodyError(f"{key}: unknown parameter", key, "unknown_parameter")
+        ctx = _Context(request, 30)
+        if "messages" in body:
+            req = rpb.TokenizeRequest(messages=chat_messages(body["messages"]))
+        elif isinstance(body.get("prompt"), str):
+            req = rpb.TokenizeRequest(text=body["prompt"])
+        else:
+            raise BodyError("prompt: a string (or give messages)", "prompt", "invalid_type")
+        resp = await self.servicer.Tokenize(req, ctx)
+        info = await self.servicer.ModelInfo(rpb.ModelInfoRequest(), ctx)
+        return web.json_response({"tokens": list(resp.token_ids), "count": len(resp.token_ids),
+                                  "max_model_len": info.max_sequence_length})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        body = await self._body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise BodyError("tokens: a list of token ids", "tokens", "invalid_type")
+        resp = await self.servicer.Detokenize(
+            rpb.DetokenizeRequest(token_ids=token_ids(tokens, "tokens")),
+            _Context(request, 30))
+        return web.json_response({"prompt": resp.text})
+
     async def _body(self, request: web.Request) -> dict:
         try:
             body = await request.json()
@@ -263,7 +234,10 @@ class OpenAIGateway:
             raise InvalidArgument("body: nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidArgument("body: a JSON object is required")
-        body["model"] = await self._adapter(str(body.get("model") or ""))
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise BodyError(f"model: expected a string, got {model!r}", "model", "invalid_type")
+        body["model"] = await self._adapter(model or "")
         return body
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -277,7 +251,8 @@ class OpenAIGateway:
             elif isinstance(prompt, str):
                 req = build_request(body, prompt_text=prompt)
             else:
-                raise InvalidArgument("prompt: a string or a list of token ids")
+                raise BodyError("prompt: a string or a list of token ids", "prompt",
+                                "invalid_type")
         except LorafleetError as err:
             return _error(err)
         return await self._run(request, req, body, chat=False)
@@ -285,7 +260,7 @@ class OpenAIGateway:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            req = build_request(body, prompt_text=chat_prompt(body.get("messages")), chat=True)
+            req = build_request(body, messages=chat_messages(body.get("messages")), chat=True)
         except LorafleetError as err:
             return _error(err, chat=True)
         return await self._run(request, req, body, chat=True)

@@ -110,9 +110,15 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def Tokenize(self, request, context):
         self._caller(context)
         w = self._any_worker()
-        resp = await _store_call(w.stub.Tokenize(wpb.WorkerTokenizeRequest(text=request.text),
-                                                 timeout=10))
+        resp = await _store_call(w.stub.Tokenize(wpb.WorkerTokenizeRequest(
+            text=request.text, messages=request.messages), timeout=10))
         return rpb.TokenizeResponse(token_ids=resp.token_ids, tokens=resp.tokens)
+
+    async def Detokenize(self, request, context):
+        self._caller(context)
+        resp = await _store_call(self._any_worker().stub.Detokenize(
+            wpb.WorkerDetokenizeRequest(token_ids=request.token_ids), timeout=10))
+        return rpb.DetokenizeResponse(text=resp.text)
 
     async def base_model_name(self) -> str:
         """The served model's name, from any worker (no caller: the HTTP gateway's own use)."""
@@ -131,7 +137,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             vocab_size=info.vocab_size, max_sequence_length=info.max_sequence_length,
             hidden_size=info.hidden_size, num_layers=info.num_layers, dtype=info.dtype,
             max_lora_rank=(store.max_rank if store is not None else 0) or info.max_lora_rank,
-            num_workers=len(self.app.workers.live()))
+            num_workers=len(self.app.workers.live()), has_chat_template=info.has_chat_template)
 
     async def ListAdapters(self, request, context):
         caller = self._caller(context)

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 
 from services.worker import weight_transforms
 from services.worker.block_manager import BlockManager
+from services.worker.chat_template import ChatTemplate
 from services.worker.device_pool import DevicePool
 from services.worker.engine import Engine
 from services.worker.loader import DTYPES, load_weights
@@ -48,6 +49,7 @@ class Built:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
+    chat_template: ChatTemplate | None = None    # the checkpoint's (None: the fallback)
 
 
 def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
@@ -69,6 +71,9 @@ def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions) -> Built:
     weights = load_weights(model_dir, spec, dtype, device)
     tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
     built = assemble(spec, weights, tok, opts, device, dtype)
+    built.chat_template = ChatTemplate.from_model_dir(model_dir)
+    log.info("chat template: %s", "the checkpoint's" if built.chat_template else
+             "none (chats are rendered as 'role: content' lines)")
     log.info("engine ready in %.1fs", time.monotonic() - start)
     return built
 

@@ -10,7 +10,6 @@ import random
 import threading
 import time
 
-import grpc
 
 from services.common.errors import InvalidArgument, LorafleetError, Unavailable
 from services.common.names import name_error
@@ -18,8 +17,9 @@ from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, work
 from services.common.telemetry import incoming_context, tracer
 from services.worker import metrics
 from services.worker.adapter_manager import Acquired, AdapterManager
+from services.worker.chat_template import check_messages, fallback as chat_fallback
 from services.worker.config import WorkerConfig
-from services.worker.engine import Engine, TokenEvent
+from services.worker.engine import TokenEvent
 from services.worker.factory import Built
 from services.worker.sequence import Sampling, Sequence, Stop, Stopping
 
@@ -97,21 +97,42 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise InvalidArgument(f"prompt_token_ids: id {max(ids)} is outside the "
                                       f"vocabulary ({self.built.spec.vocab_size})")
             return ids
+        if request.messages:
+            if request.text:
+                raise InvalidArgument("messages: give messages or text, not both")
+            return (await self._encode_chat(request.messages)).ids
         if not request.text:
             raise InvalidArgument("text: empty prompt (give text or prompt_token_ids)")
         return (await self._encode(request.text)).ids
 
-    async def _encode(self, text: str):
-        """A text's encoding, off the event loop when it is long (a long text took seconds, and
-        every other stream of this worker waited); a text too long to fit the model whatever
-        its tokens is refused without encoding it."""
+    async def _encode(self, text: str, special: bool = True, field: str = "text"):
+        """A text's encoding (special: with the tokenizer's own special tokens, BOS), off the
+        event loop when it is long (a long text took seconds, and every other stream of this
+        worker waited); a text too long to fit the model whatever its tokens is refused
+        without encoding it."""
         limit = self.engine.max_model_len * self._chars_per_token
         if len(text) > limit:
-            raise InvalidArgument(f"text: {len(text)} characters cannot fit the model's "
+            raise InvalidArgument(f"{field}: {len(text)} characters cannot fit the model's "
                                   f"{self.engine.max_model_len} tokens")
         if len(text) <= 4096:
-            return self.built.tokenizer.encode(text)
-        return await asyncio.to_thread(self.built.tokenizer.encode, text)
+            return self.built.tokenizer.encode(text, add_special_tokens=special)
+        return await asyncio.to_thread(self.built.tokenizer.encode, text,
+                                       add_special_tokens=special)
+
+    async def _encode_chat(self, messages):
+        """A chat rendered with the checkpoint's template (services.worker.chat_template) and
+        encoded as apply_chat_template does; without a template, the fallback transcript."""
+        chat = check_messages(messages)
+        size = sum(len(m["content"]) for m in chat)
+        if size > self.engine.max_model_len * self._chars_per_token:
+            raise InvalidArgument(f"messages: {size} characters cannot fit the model's "
+                                  f"{self.engine.max_model_len} tokens")
+        template = self.built.chat_template
+        if template is None:
+            return await self._encode(chat_fallback(chat), field="messages")
+        text = template.render(chat) if size <= 4096 else \
+            await asyncio.to_thread(template.render, chat)
+        return await self._encode(text, special=False, field="messages")
 
     @functools.cached_property
     def _chars_per_token(self) -> int:
@@ -241,8 +262,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield update
 
     async def Tokenize(self, request, context):
-        enc = await self._encode(request.text)
+        if request.messages and request.text:
+            raise InvalidArgument("messages: give messages or text, not both")
+        enc = await (self._encode_chat(request.messages) if request.messages
+                     else self._encode(request.text))
         return wpb.WorkerTokenizeResponse(token_ids=enc.ids, tokens=enc.tokens)
+
+    async def Detokenize(self, request, context):
+        ids = list(request.token_ids)
+        if ids and max(ids) >= self.built.spec.vocab_size:
+            raise InvalidArgument(f"token_ids: id {max(ids)} is outside the vocabulary "
+                                  f"({self.built.spec.vocab_size})")
+        text = self.built.tokenizer.decode(ids, skip_special_tokens=False) if len(ids) <= 4096 \
+            else await asyncio.to_thread(self.built.tokenizer.decode, ids, False)
+        return wpb.WorkerDetokenizeResponse(text=text)
 
     async def Info(self, request, context):
         s, m = self.built.spec, self.manager
@@ -259,6 +292,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             gpu_resident=sum(1 for i in m.info.values() if i.gpu),
             host_resident=len(m.host), device=str(self.built.device),
             eos_token_id=s.eos_token_ids[0] if s.eos_token_ids else 0,
+            has_chat_template=self.built.chat_template is not None,
             cold_load_records=(m.log.since(request.cold_loads_since)
                                if request.cold_load_records else []),
             cold_load_seq=m.log.seq)
