@@ -133,3 +133,45 @@ def test_the_docs_name_only_files_that_exist():
             if not (ROOT / path).exists() and not (ROOT / doc).parent.joinpath(path).exists():
                 missing.append(f"{doc}: {path}")
     assert missing == []
+
+
+def _wait_listening(port: int, host: str, timeout: float = 30.0) -> None:
+    import socket
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listening on {host}:{port}")
+
+
+def test_metrics_listen_on_the_listen_host_unless_told_otherwise(tmp_path):
+    """A store on --listen 127.0.0.1 serves /metrics on 127.0.0.1 only (not on every
+    interface: 127.0.0.2, another loopback address, is refused); --metrics-host widens it."""
+    import socket
+    from services.common.runtime import metrics_host
+    from tests.support import free_port
+
+    class Cfg:
+        listen, metrics_host = "[::1]:7001", ""
+    assert metrics_host(Cfg) == "::1"
+    Cfg.listen, Cfg.metrics_host = ":7001", ""
+    assert metrics_host(Cfg) == "0.0.0.0"
+    for extra, reach in (([], False), (["--metrics-host", "0.0.0.0"], True)):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.adapter_store", "--model", str(MODEL_DIR),
+             "--listen", f"127.0.0.1:{free_port()}", "--metrics-port", str(port),
+             "--db", ":memory:", *extra], cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_listening(port, "127.0.0.1")
+            with socket.socket() as s:
+                s.settimeout(2)
+                assert (s.connect_ex(("127.0.0.2", port)) == 0) is reach
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)

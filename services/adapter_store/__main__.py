@@ -8,7 +8,7 @@ import sys
 
 from services.adapter_store import config as store_config
 from services.adapter_store.server import build_store, create_server
-from services.common.runtime import setup_logging, start_metrics
+from services.common.runtime import metrics_host, setup_logging, start_metrics
 from services.common.server import serve
 from services.common.telemetry import setup_tracing
 
@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad configuration: %s", exc)
         return 2
     setup_tracing("adapter-store", config.otlp_endpoint, config.trace_file)
-    metrics_port = start_metrics(config.metrics_port)
+    host = metrics_host(config)
+    metrics_port = start_metrics(config.metrics_port, host)
     if metrics_port:
-        log.info("metrics on :%d/metrics", metrics_port)
+        log.info("metrics on %s:%d/metrics", host, metrics_port)
     asyncio.run(_run(config))
     return 0
 

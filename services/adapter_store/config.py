@@ -39,6 +39,7 @@ class StoreConfig:
     s3_connect_timeout: float = 5.0
     s3_read_timeout: float = 30.0
     metrics_port: int = 9103
+    metrics_host: str = ""             # "" = the --listen host
     grace: float = 10.0
     log_level: str = "INFO"
     otlp_endpoint: str | None = None

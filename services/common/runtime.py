@@ -13,8 +13,15 @@ def setup_logging(service: str, level: str = "INFO") -> None:
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s", force=True)
 
 
-def start_metrics(port: int, host: str = "0.0.0.0") -> int:
-    """Serve Prometheus /metrics on `port` (0 = off). Returns the port actually bound."""
+def metrics_host(cfg) -> str:
+    """Where /metrics listens: --metrics-host, else the --listen host (so a service kept on
+    loopback does not expose its metrics on every interface)."""
+    host = cfg.metrics_host or cfg.listen.rpartition(":")[0]
+    return host.strip("[]") or "0.0.0.0"
+
+
+def start_metrics(port: int, host: str) -> int:
+    """Serve Prometheus /metrics on host:port (port 0 = off). Returns the port bound."""
     if port <= 0:
         return 0
     from prometheus_client import start_http_server
@@ -24,7 +31,7 @@ def start_metrics(port: int, host: str = "0.0.0.0") -> int:
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-COMMON_FIELDS = ("metrics_port", "grace", "log_level", "otlp_endpoint", "trace_file",
+COMMON_FIELDS = ("metrics_port", "metrics_host", "grace", "log_level", "otlp_endpoint", "trace_file",
                  "tls_cert", "tls_key", "tls_ca")
 
 
@@ -53,6 +60,8 @@ def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> No
     parser.add_argument("--listen", default=listen, help=f"host:port to serve gRPC on ({listen})")
     parser.add_argument("--metrics-port", type=int, default=metrics_port,
                         help=f"Prometheus /metrics port, 0 = off ({metrics_port})")
+    parser.add_argument("--metrics-host", default="",
+                        help="host to serve /metrics on (the --listen host)")
     parser.add_argument("--grace", type=float, default=grace,
                         help=f"seconds to drain in-flight calls on SIGTERM ({grace:g})")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (INFO)")
@@ -95,5 +104,5 @@ def run_service(service: str, parse, main_async) -> int:
         return 2
     setup_logging(service, cfg.log_level)
     setup_tracing(f"lorafleet-{service}", cfg.otlp_endpoint, cfg.trace_file)
-    start_metrics(cfg.metrics_port)
+    start_metrics(cfg.metrics_port, metrics_host(cfg))
     return asyncio.run(main_async(cfg)) or 0

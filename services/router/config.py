@@ -23,6 +23,7 @@ class RouterConfig:
     retry_delay: float = 0.5
     dns_period: float = 10.0
     metrics_port: int = 9101
+    metrics_host: str = ""             # "" = the --listen host
     grace: float = 10.0
     log_level: str = "INFO"
     otlp_endpoint: str | None = None

@@ -28,6 +28,7 @@ class WorkerConfig:
     max_new_tokens_limit: int = 4096
     tenant_share: float = 0.5           # per-tenant cap of each adapter tier; 0 = caps off
     metrics_port: int = 9102
+    metrics_host: str = ""             # "" = the --listen host
     grace: float = 10.0
     log_level: str = "INFO"
     otlp_endpoint: str | None = None
