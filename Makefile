@@ -29,8 +29,13 @@ model: $(MODEL)/.complete
 $(MODEL)/.complete: venv tools/make_tiny_model.py
 	$(VPY) tools/make_tiny_model.py --out models
 
+# make run HOST=0.0.0.0 PORT_BASE=7101 HTTP_PORT=8180 METRICS_BASE=9201 (defaults: 127.0.0.1,
+# gRPC 7001-7003, HTTP 8080, /metrics 9101-9103; METRICS_BASE=0 turns them off)
+RUN_ARGS = $(if $(HOST),--host $(HOST)) $(if $(PORT_BASE),--port-base $(PORT_BASE)) \
+           $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) \
+           $(if $(METRICS_BASE),--metrics-base $(METRICS_BASE))
 run: venv model
-	$(VPY) -m services.devstack
+	$(VPY) -m services.devstack $(RUN_ARGS)
 
 test: venv model
 	$(VPY) -m pytest -q -p no:cacheprovider tests

@@ -34,27 +34,51 @@ def wait_serving(addr: str, proc: subprocess.Popen, timeout: float) -> None:
     raise SystemExit(f"{addr} did not become SERVING within {timeout}s")
 
 
-def main() -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description="run the whole lorafleet stack locally")
     p.add_argument("--model", default="models/tiny-llama")
     p.add_argument("--adapters-dir", default="models/adapters")
-    p.add_argument("--host", default="127.0.0.1")
-    a = p.parse_args()
-    h = a.host
-    py = sys.executable
-    shm = shm_dir()
-    specs = [
-        ("adapter-store", [py, "-m", "services.adapter_store", "--listen", f"{h}:7003",
-                           "--adapters-dir", a.adapters_dir, "--model", a.model,
-                           "--db", "state/adapter_store.sqlite",
-                           *(["--shm-dir", shm] if shm else [])], f"{h}:7003"),
-        ("worker", [py, "-m", "services.worker", "--listen", f"{h}:7002", "--model", a.model,
-                    "--store", f"{h}:7003", *(["--store-shm-dir", shm] if shm else [])],
-         f"{h}:7002"),
-        ("router", [py, "-m", "services.router", "--listen", f"{h}:7001", "--http-listen",
-                    f"{h}:8080", "--store", f"{h}:7003",
-                    "--worker", f"{h}:7002"], f"{h}:7001"),
+    p.add_argument("--host", default="127.0.0.1", help="where every service listens (127.0.0.1)")
+    p.add_argument("--port-base", type=int, default=7001,
+                   help="gRPC ports: router this, worker +1, store +2 (7001)")
+    p.add_argument("--http-port", type=int, default=8080,
+                   help="the router's OpenAI-compatible HTTP port (8080)")
+    p.add_argument("--metrics-base", type=int, default=9101,
+                   help="/metrics ports: router this, worker +1, store +2; 0 = off (9101)")
+    p.add_argument("--db", default="state/adapter_store.sqlite", help="the store's registry")
+    a = p.parse_args(argv)
+    for name in ("port_base", "http_port", "metrics_base"):
+        value = getattr(a, name)
+        if not (name == "metrics_base" and value == 0) and not 0 < value <= 65533:
+            p.error(f"--{name.replace('_', '-')}: {value} is not a port")
+    return a
+
+
+def service_specs(a, py: str, shm: str | None) -> list[tuple[str, list[str], str]]:
+    """(name, command, gRPC address) of the store, the worker and the router."""
+    h, base = a.host, a.port_base
+    router, worker, store = (f"{h}:{base + i}" for i in range(3))
+
+    def metrics(i: int) -> list[str]:
+        return ["--metrics-port", str(a.metrics_base + i if a.metrics_base else 0)]
+    return [
+        ("adapter-store", [py, "-m", "services.adapter_store", "--listen", store,
+                           "--adapters-dir", a.adapters_dir, "--model", a.model, "--db", a.db,
+                           *metrics(2), *(["--shm-dir", shm] if shm else [])], store),
+        ("worker", [py, "-m", "services.worker", "--listen", worker, "--model", a.model,
+                    "--store", store, *metrics(1), *(["--store-shm-dir", shm] if shm else [])],
+         worker),
+        ("router", [py, "-m", "services.router", "--listen", router, "--http-listen",
+                    f"{h}:{a.http_port}", "--store", store, "--worker", worker, *metrics(0)],
+         router),
     ]
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    h = a.host
+    shm = shm_dir(a.port_base)
+    specs = service_specs(a, sys.executable, shm)
     procs = []
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -64,13 +88,16 @@ def main() -> int:
             procs.append(proc)
             wait_serving(addr, proc, timeout=180)
             print(f"{name} SERVING on {addr}", flush=True)
+        cli = ".venv/bin/lorafleet" + ("" if a.port_base == 7001 and h == "127.0.0.1"
+                                       else f" --router {h}:{a.port_base}")
         print("\nlorafleet is serving. Try:\n"
-              "  .venv/bin/lorafleet adapters\n"
-              "  .venv/bin/lorafleet generate --adapter pirate --max-new-tokens 24 "
+              f"  {cli} adapters\n"
+              f"  {cli} generate --adapter pirate --max-new-tokens 24 "
               "'Tell me about the weather.'\n"
-              "  .venv/bin/lorafleet stats\n"
-              "  curl -s 127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' "
-              "-d '{\"model\": \"poet\", \"prompt\": \"Hello!\", \"max_tokens\": 24}'\n"
+              f"  {cli} stats\n"
+              f"  curl -s {h}:{a.http_port}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"model\": \"poet\", \"messages\": [{\"role\": \"user\", \"content\": "
+              "\"Hello!\"}], \"max_tokens\": 24}'\n"
               "Ctrl-C stops all three.\n", flush=True)
         while all(pr.poll() is None for pr in procs):
             time.sleep(0.5)
@@ -92,11 +119,12 @@ def main() -> int:
             shutil.rmtree(shm, ignore_errors=True)
 
 
-def shm_dir() -> str | None:
-    """A directory of this user's on /dev/shm for the store's host tier, or None without one."""
+def shm_dir(port_base: int) -> str | None:
+    """A directory of this user's on /dev/shm for the store's host tier (one a stack, by its
+    port base), or None without one."""
     if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
         return None
-    path = f"/dev/shm/lorafleet-devstack-{os.getuid()}"
+    path = f"/dev/shm/lorafleet-devstack-{os.getuid()}-{port_base}"
     os.makedirs(path, exist_ok=True)
     return path
 
