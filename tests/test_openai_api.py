@@ -23,13 +23,27 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Tell me about the weather."}]
 
 
+METRICS = free_port()
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     port = free_port()
     stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path_factory.mktemp("api"),
-                  router_args=["--http-listen", f"127.0.0.1:{port}"])
+                  router_args=["--http-listen", f"127.0.0.1:{port}",
+                               "--metrics-port", str(METRICS)])
     yield stack, f"http://127.0.0.1:{port}"
     stack.terminate()
+
+
+def requests_by_status() -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS}/metrics", timeout=10).read()
+    out: dict[str, float] = {}
+    for line in text.decode().splitlines():
+        if line.startswith("lorafleet_router_requests_total{"):
+            status = line.split('status="', 1)[1].split('"', 1)[0]
+            out[status] = out.get(status, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +110,19 @@ def test_streaming_chat_with_usage_through_the_sdk(sdk):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_streamed_http_requests_count_as_ok_not_cancelled(sdk):
+    """A stream the gateway read to its last message is a success in the router's request
+    counts (it was counted CANCELLED: the gateway stopped reading at the last message)."""
+    before = requests_by_status()
+    for _ in range(3):
+        list(sdk.chat.completions.create(model="poet", messages=CHAT, max_tokens=4,
+                                         stream=True))
+        list(sdk.completions.create(model="poet", prompt="Hello!", max_tokens=4, stream=True))
+    after = requests_by_status()
+    assert after.get("OK", 0) - before.get("OK", 0) == 6, (before, after)
+    assert after.get("CANCELLED", 0) == before.get("CANCELLED", 0)
 
 
 def test_completions_through_the_sdk_match_grpc(gateway, sdk):

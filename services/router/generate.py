@@ -114,6 +114,7 @@ class RequestPath:
         tokens = prompt_tokens = 0
         status = "OK"
         ticket = None
+        finished = False                # the last message (stop_reason set) was handed on
         try:
             if app.gate.would_wait(adm.caller.tenant):
                 self._prefetch(adm)     # it will queue: let the worker stage meanwhile
@@ -125,12 +126,16 @@ class RequestPath:
                     prompt_tokens = resp.usage.prompt_tokens
                     resp.timings.queue_s += ticket.queue_seconds
                     app.stats.cold_load(resp.timings)
+                finished = resp.stop_reason != 0
                 yield resp
         except LorafleetError as err:
             status = err.code.name
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            status = _ended(context)
+            # a consumer that stops once it has the last message (the HTTP gateway) closes
+            # the stream: that request succeeded
+            if not finished:
+                status = _ended(context)
             raise
         finally:
             if ticket is not None:

@@ -320,8 +320,9 @@ class OpenAIGateway:
         except StopAsyncIteration:
             pass
         except LorafleetError as err:                   # mid-stream: an error event, then end
-            await out.write(b"data: " + json.dumps({"error": {
-                "message": err.message, "code": err.code.name}}).encode() + b"\n\n")
+            await out.write(b"data: " + json.dumps(error_body(err, chat)[0]).encode() + b"\n\n")
+        finally:
+            await stream.aclose()       # settle the request (status, quota, fair share) now
         if include_usage and usage is not None:
             await out.write(chunk(None, None, usage=usage))
         await out.write(b"data: [DONE]\n\n")
