@@ -40,6 +40,7 @@ class StoreConfig:
     s3_read_timeout: float = 30.0
     metrics_port: int = 9103
     metrics_host: str = ""             # "" = the --listen host
+    keepalive_s: float = 20.0          # ping interval of channels to peers
     grace: float = 10.0
     log_level: str = "INFO"
     otlp_endpoint: str | None = None

@@ -19,22 +19,42 @@ from services.common.errors import LorafleetError
 log = logging.getLogger(__name__)
 
 # Large enough for adapter chunks and long prompts; keepalives so dead peers are noticed.
+KEEPALIVE_S = 20.0                    # a client's ping interval (--keepalive-s)
+MIN_KEEPALIVE_S = 1.0                 # the shortest --keepalive-s takes
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
-# A service's channels to its peers: after an outage, reconnect within ~2 s of the peer being
-# back (gRPC's default backoff grows to 120 s: a worker down for two minutes was found again
-# a minute after it returned).
-CLIENT_OPTIONS = CHANNEL_OPTIONS + [
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+# A server accepts a peer's pings on an idle connection as often as every half of the
+# shortest client interval. gRPC's default, one every 5 minutes, makes a server answer a client
+# that pings every 20 s with GOAWAY too_many_pings after three pings. gRPC 1.85's server reads
+# the bound from min_ping_interval_without_data_ms (tests/test_keepalive.py); older releases
+# from min_recv_ping_interval_without_data_ms: both are set.
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 500)),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 500)),
+    ("grpc.http2.max_ping_strikes", 2),
 ]
+
+
+def client_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple]:
+    """A service's channels to its peers: pings every keepalive_s; after an outage, reconnect
+    within ~2 s of the peer being back (gRPC's default backoff grows to 120 s: a worker down
+    for two minutes was found again a minute after it returned)."""
+    options = [(k, v) for k, v in CHANNEL_OPTIONS if k != "grpc.keepalive_time_ms"]
+    return options + [
+        ("grpc.keepalive_time_ms", int(max(keepalive_s, MIN_KEEPALIVE_S) * 1000)),
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+
+
+CLIENT_OPTIONS = client_options()
 
 
 def status_for(err: LorafleetError) -> status_pb2.Status:
@@ -112,7 +132,7 @@ def create_server(listen: str, register: Callable[[grpc.aio.Server], Iterable[st
     are reported SERVING by grpc.health.v1 once the server starts. Returns (server, port, health).
     """
     server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()],
-                             options=CHANNEL_OPTIONS)
+                             options=SERVER_OPTIONS)
     names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -173,21 +193,22 @@ def server_credentials(cert: str | None, key: str | None, client_ca: str | None)
 
 
 def channel(target: str, ca: str | None = None, cert: str | None = None,
-            key: str | None = None) -> grpc.aio.Channel:
+            key: str | None = None, keepalive_s: float = KEEPALIVE_S) -> grpc.aio.Channel:
     """An aio channel to another lorafleet service (TLS when a CA is given)."""
+    options = client_options(keepalive_s)
     if ca:
-        return grpc.aio.secure_channel(target, _credentials(ca, cert, key),
-                                       options=CLIENT_OPTIONS)
-    return grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
+        return grpc.aio.secure_channel(target, _credentials(ca, cert, key), options=options)
+    return grpc.aio.insecure_channel(target, options=options)
 
 
 def sync_channel(target: str, ca: str | None = None, cert: str | None = None,
-                 key: str | None = None) -> grpc.Channel:
+                 key: str | None = None, keepalive_s: float = KEEPALIVE_S) -> grpc.Channel:
     """A blocking channel to another lorafleet service, for calls made from worker threads
     (the worker's adapter fetches), with the same options and TLS as `channel`."""
+    options = client_options(keepalive_s)
     if ca:
-        return grpc.secure_channel(target, _credentials(ca, cert, key), options=CLIENT_OPTIONS)
-    return grpc.insecure_channel(target, options=CLIENT_OPTIONS)
+        return grpc.secure_channel(target, _credentials(ca, cert, key), options=options)
+    return grpc.insecure_channel(target, options=options)
 
 
 def _credentials(ca: str, cert: str | None, key: str | None) -> grpc.ChannelCredentials:

@@ -30,8 +30,8 @@ async def main_async(cfg: RouterConfig) -> None:
         log.warning("no --tenants file: DEV MODE — the bearer token is taken as the tenant "
                     "name (no token: tenant 'dev') and any tenant may register adapters")
     tls = (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
-    store_chan = channel(cfg.store, *tls)
-    workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period)
+    store_chan = channel(cfg.store, *tls, keepalive_s=cfg.keepalive_s)
+    workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period, keepalive_s=cfg.keepalive_s)
     stats = RouterStats()
     REGISTRY.register(FleetCollector(workers, stats))
     app = RouterApp(

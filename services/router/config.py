@@ -24,6 +24,7 @@ class RouterConfig:
     dns_period: float = 10.0
     metrics_port: int = 9101
     metrics_host: str = ""             # "" = the --listen host
+    keepalive_s: float = 20.0          # ping interval of channels to peers
     grace: float = 10.0
     log_level: str = "INFO"
     otlp_endpoint: str | None = None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
-from services.common.server import channel
+from services.common.server import KEEPALIVE_S, channel
 from services.router.placement import WorkerView
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,9 @@ class WorkerState:
 
 class WorkerSet:
     def __init__(self, targets: list[str], tls: tuple = (None, None, None),
-                 resolve_period: float = 10.0):
+                 resolve_period: float = 10.0, keepalive_s: float = KEEPALIVE_S):
         self.targets = targets
-        self.tls = tls
+        self.tls, self.keepalive_s = tls, keepalive_s
         self.resolve_period = resolve_period
         self.workers: dict[str, WorkerState] = {}
         self._tasks: list[asyncio.Task] = []
@@ -120,7 +120,7 @@ class WorkerSet:
     def _add(self, addr: str) -> None:
         if addr in self.workers:
             return
-        chan = channel(addr, *self.tls)
+        chan = channel(addr, *self.tls, keepalive_s=self.keepalive_s)
         state = WorkerState(addr, worker_pb2_grpc.WorkerStub(chan), chan)
         state.task = asyncio.get_running_loop().create_task(self._watch(state))
         self.workers[addr] = state

@@ -87,7 +87,8 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
         asyncio.to_thread(build_engine, cfg.model, opts),
         asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
                           opts.device.startswith("cuda"), load_spec(cfg.model)))
-    store = StoreClient(sync_channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key),
+    store = StoreClient(sync_channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
+                                     keepalive_s=cfg.keepalive_s),
                         shm_dir=cfg.store_shm_dir or None)
     await asyncio.to_thread(built.pool.warm_up)
     if cfg.warmup == "on" or (cfg.warmup == "auto" and built.device.type == "cuda"):

@@ -29,6 +29,7 @@ class WorkerConfig:
     tenant_share: float = 0.5           # per-tenant cap of each adapter tier; 0 = caps off
     metrics_port: int = 9102
     metrics_host: str = ""             # "" = the --listen host
+    keepalive_s: float = 20.0          # ping interval of channels to peers
     grace: float = 10.0
     log_level: str = "INFO"
     otlp_endpoint: str | None = None
