@@ -73,7 +73,9 @@ BAD = {
     "missing-field": ({k: v for k, v in peft_config().items() if k != "r"}, lora_tensors(), None,
                       "missing required field 'r'"),
     "unknown-field": (peft_config(frobnicate=True), lora_tensors(), None,
-                      "unknown field 'frobnicate'"),
+                      "unknown field 'frobnicate' set to true"),
+    "unknown-zero": (peft_config(frobnicate=0), lora_tensors(), None,
+                     "unknown field 'frobnicate' set to 0"),
     "rank-too-big": (peft_config(r=200), lora_tensors(), None, "r: 200"),
     "dora": (peft_config(use_dora=True), lora_tensors(), None, "use_dora"),
     "modules-to-save": (peft_config(modules_to_save=["lm_head"]), lora_tensors(), None,
@@ -103,6 +105,9 @@ GOOD = {
     "one-layer": (peft_config(layers_to_transform=1, use_rslora=True),
                   lora_tensors(layers=(1,)), None),
     "bf16": (peft_config(), None, bf16_blob(lora_tensors())),
+    # a newer PEFT's fields, left at their "off" values: accepted (and logged)
+    "newer-peft": (peft_config(frobnicate=None, use_future_lora=False, future_modules=[],
+                               future_pattern={}), lora_tensors(), None),
 }
 
 
@@ -147,6 +152,8 @@ def test_directory_with_bad_adapters_starts(env):
     log = store.log()
     assert "adapters dir: 'dora' FAILED: use_dora" in log
     assert "adapters dir: registered 'good-a'" in log
+    assert ("newer-peft: adapter_config.json fields unknown to this store, left unset, "
+            "ignored: frobnicate, use_future_lora, future_modules, future_pattern") in log
 
 
 def test_accepted_variants(env):

@@ -7,7 +7,10 @@ Every field a LoRA config may carry (PEFT 0.21) falls in one of three groups:
 - features we do not serve, accepted only at their "off" value (`use_dora`, `modules_to_save`,
   `bias`, `rank_pattern`, ...): anything else is refused naming the field;
 - metadata that does not change the math (`task_type`, `lora_dropout`, ...).
-An unknown field is refused: it may change what the adapter computes.
+A field this list does not know (a newer PEFT's) is accepted when it is left at an "off" value
+(null, false, "", [] or {}: what PEFT writes for a feature not used) and listed in
+LoraFields.ignored, which the store logs; set to anything else it is refused, since it may
+change what the adapter computes.
 """
 from __future__ import annotations
 
@@ -25,6 +28,13 @@ CHECKED = {"use_rslora", "layers_to_transform", "layers_pattern", "init_lora_wei
 
 def _off(value: object) -> bool:
     return value in (None, False, "", [], {}, ())
+
+
+def _unset(value: object) -> bool:
+    """null, false or empty: how PEFT writes a feature that is not used (0 is not: for an
+    unknown field it may be a setting)."""
+    return value is None or value is False or (isinstance(value, (str, list, dict))
+                                               and not value)
 
 
 # field -> (predicate for its "off" value, why it is refused otherwise)
@@ -67,15 +77,21 @@ class LoraFields:
     target_modules: str | tuple[str, ...]
     target_regex: re.Pattern | None
     layers: frozenset[int] | None
+    ignored: tuple[str, ...] = ()     # unknown fields left at their "off" values
 
 
 def check_config(raw: bytes, n_layers: int, max_rank: int) -> LoraFields:
     """Parse and check adapter_config.json; raises Refusal naming the field."""
     cfg = _parse(raw)
+    ignored = []
     for key in cfg:
-        if key not in METADATA and key not in CHECKED and key not in UNSUPPORTED \
-                and key not in REQUIRED:
-            raise Refusal("config_field", f"adapter_config.json: unknown field {key!r}")
+        if key in METADATA or key in CHECKED or key in UNSUPPORTED or key in REQUIRED:
+            continue
+        if not _unset(cfg[key]):
+            raise Refusal("config_field", f"adapter_config.json: unknown field {key!r} set to "
+                                          f"{json.dumps(cfg[key])[:80]} (it may change what "
+                                          "the adapter computes)")
+        ignored.append(key)
     for key in REQUIRED:
         if key not in cfg:
             raise Refusal("config_field", f"adapter_config.json: missing required field "
@@ -94,7 +110,8 @@ def check_config(raw: bytes, n_layers: int, max_rank: int) -> LoraFields:
     return LoraFields(r=_rank(cfg["r"], max_rank), alpha=_alpha(cfg["lora_alpha"]),
                       rslora=_flag(cfg.get("use_rslora", False), "use_rslora"),
                       target_modules=targets, target_regex=regex,
-                      layers=_layers(cfg.get("layers_to_transform"), n_layers))
+                      layers=_layers(cfg.get("layers_to_transform"), n_layers),
+                      ignored=tuple(ignored))
 
 
 def _parse(raw: bytes) -> dict:

@@ -143,7 +143,11 @@ class AdapterStore:
             except MissingFile as exc:
                 raise Refusal("missing_file", exc.message) from None
             span.set_attribute("lora.bytes", len(raw.blob))
-            return validate(raw.config, raw.blob, self._base, self._max_rank), raw.identity
+            summary = validate(raw.config, raw.blob, self._base, self._max_rank)
+            if summary.ignored:
+                log.info("%s: adapter_config.json fields unknown to this store, left unset, "
+                         "ignored: %s", ref.uri, ", ".join(summary.ignored))
+            return summary, raw.identity
 
     def resolve(self, name: str, tenant: str) -> AdapterRecord:
         """The adapter `name` (id or alias) as `tenant` sees it; NOT_FOUND if invisible."""

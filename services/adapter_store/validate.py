@@ -80,6 +80,7 @@ class AdapterSummary:
     config_json: str
     version: str
     sha256: str
+    ignored: tuple[str, ...] = ()     # config fields unknown to the store, left "off"
 
 
 def canonical_json(config: dict) -> str:
@@ -118,7 +119,8 @@ def validate(config_bytes: bytes, blob: bytes, base: BaseShapes, max_rank: int
         rank=fields.r, alpha=fields.alpha, rslora=fields.rslora,
         targets=tuple(m for m in MODULES if any(m == pm for _, pm in expected)),
         layers=tuple(sorted({layer for layer, _ in expected})), tensors=tuple(tensors),
-        total_bytes=len(blob), config_json=config_json, version=version, sha256=sha)
+        total_bytes=len(blob), config_json=config_json, version=version, sha256=sha,
+        ignored=fields.ignored)
 
 
 def base_module_names(base: BaseShapes) -> list[str]:
