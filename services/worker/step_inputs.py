@@ -142,7 +142,7 @@ class StepBuilder:
         plan = self.plan(batch, graph=False)
         n = len(plan.batch)
         lens = np.fromiter((b.num_tokens for b in plan.batch), dtype=np.int64, count=n)
-        decode = bool(n) and int(lens.sum()) == n
+        decode = bool(n) and bool((lens == 1).all())          # the one-row-a-sequence form
         t, ends, g = self.fill(plan, buf.views, None if decode else lens)
         samples = np.fromiter((b.samples for b in plan.batch), dtype=bool, count=n)
         sampled = [b for b, x in zip(plan.batch, samples) if x]
