@@ -6,10 +6,10 @@
     python bench/host_overhead_bench.py --device cuda --out /tmp/x      # real graphs, on a GPU
 
 On a GPU a graph decode step is: schedule, order the rows, fill the graph's static input buffers
-(GraphRunner._fill / _segments), replay the graph, build the sampling parameters
-(step_inputs.sampling_batch), sample, copy the tokens back (tolist), then per row the stop checks,
-incremental detokenization and the sink callback (Engine._append). Everything but the replay is
-host work that the GPU waits for. This bench runs that very path on the CPU: a real engine is
+(GraphRunner._fill: services.worker.step_inputs.StepBuilder.fill), replay the graph, build the
+sampling parameters (step_inputs.sampling_batch), sample, copy the tokens back (tolist), then per
+row the stop checks, incremental detokenization and the sink callback (Engine._append).
+Everything but the replay is host work that the GPU waits for. This bench runs that very path on the CPU: a real engine is
 built from the tiny model (its byte-level BPE tokenizer, so detokenization is real work) with the
 three demo adapters placed, and wrapped in a GraphRunner whose "graphs" are stand-ins replayed on
 its static buffers, timing themselves. A step's host time is its wall time minus that replay.
@@ -28,8 +28,9 @@ that never match), the median over the full-batch decode steps of the best of --
 - host: step wall time minus the replay, in microseconds;
 - sample: the sample() call; on the CPU this is the sampling math itself (on a GPU it is a few
   kernel launches), so host - sample is the part that stays host work on any device;
-- the phases: schedule, fill (GraphRunner._fill), sampling_batch, other run (row order, decode
-  checks, tolist) and post (num_computed updates, Engine._append for every row, inbox/expiry).
+- the phases: schedule, fill (GraphRunner._fill), sampling_batch, other run (decode checks,
+  the step plan: row order, slots and LoRA choices; tolist) and post (num_computed updates,
+  Engine._append for every row, inbox/expiry).
 
 A second part times GraphRunner._fill alone on synthetic decode batches (context ~200 tokens,
 rows on the base model only, on 8 adapters, or each on its own adapter): best of 5 rounds of
@@ -60,6 +61,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -72,6 +74,7 @@ from services.worker.perf_config import PerfConfig  # noqa: E402
 from services.worker.graph_runner import GraphRunner  # noqa: E402
 from services.worker.scheduler import Scheduled  # noqa: E402
 from services.worker.sequence import Sampling, Sequence, Stopping  # noqa: E402
+from services.worker.step_inputs import StepPlan  # noqa: E402
 
 ADAPTERS = ("acme-support", "pirate", "poet")
 PROMPTS = ("Tell me about the weather.", "Can you help me?", "Hello!", "How are you?",
@@ -281,13 +284,17 @@ def fill_bench(model_dir: pathlib.Path, batch: int, layout: str, forward: str = 
         assert blocks.ensure(seq, len(seq.tokens))
         seq.num_computed = len(seq.tokens) - 1
         seqs.append(seq)
+    # the step's plan (row order, slots; the LoRA choices, which a launch makes before it fills
+    # to pick the graph, left out: the synthetic slots name no adapter in the pool)
     ordered = sorted((Scheduled(s, 1) for s in seqs),
                      key=lambda x: (x.seq.slot < 0, x.seq.slot, x.seq.arrival))
+    plan = StepPlan(ordered, [x.seq for x in ordered],
+                    np.array([x.seq.slot for x in ordered], dtype=np.int64), 0, 0, False)
     rounds = []
     for _ in range(5):
         t0 = time.perf_counter_ns()
         for _ in range(iters):
-            gr._fill(ordered, batch)
+            gr._fill(plan, batch)
         rounds.append((time.perf_counter_ns() - t0) / iters / 1e3)
     return round(min(rounds), 1)
 

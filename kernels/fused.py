@@ -4,7 +4,7 @@ CUDA each is one Triton launch; elsewhere the torch expressions below, which are
 semantics.
 
 Folded norms (`rms=(h, eps)` on rope_write_kv_ and silu_mul): a model whose norm weights are
-folded into the next GEMM's weight (services.worker.model) feeds that GEMM the residual h itself
+folded into the next GEMM's weight (services.worker.norms) feeds that GEMM the residual h itself
 and leaves the row factor 1 / sqrt(mean(h^2) + eps) to the consumer, since norm(h) @ W = factor
 * (h @ (g * W)) row by row. The consumer computes the factor from h's row and scales its input
 by it (rounded to the input's dtype, as a GEMM output would be) before its own work, so a

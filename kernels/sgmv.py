@@ -1,16 +1,20 @@
 """SGMV LoRA: apply each segment's adapter to its rows of a mixed batch in one call.
 
-`sgmv` has the semantics and signature of `kernels.sgmv_ref.sgmv_ref` (read its docstring for the
-pool layout). On CUDA tensors it runs a Triton kernel (split-K or fused, as `use_split` picks
-from the shape); elsewhere the torch reference. `impl="triton"` forces the fused kernel and `impl="split"`
-the split one (tests run them under TRITON_INTERPRET=1 on CPU); `impl="torch"` the reference.
+The model hands one projection's LoRA over as a `LoraArgs` (the pool, that layer's and group's
+offset tables, ranks, scales, slice starts, the step's segments, the rank bound, the offsets'
+alignment) to `lora` (and `lora_expand_columns` for column LoRA); the kernels below work on the
+tensors inside it. `sgmv` takes the same fields as arguments, with the semantics of
+`kernels.sgmv_ref.sgmv_ref` (read its docstring for the pool layout); tests and benchmarks call it.
 
-A caller that also has the segment and offset tables on the host (an eager engine step: it
-wrote them) passes them as `host=HostSegments(...)`. Then one live segment of a rank-64+
-adapter runs as cuBLAS GEMM pairs on views of the pool (`impl="cublas"` forces that path):
-on the H200 a cuBLAS pair beats our kernels there at every row count (rank 64, 1024 rows:
-17.6 us against 28.9), and the kernels need no host tables. Captured decode graphs have no
-host tables and always run the kernels (a view of one adapter's weights would be baked in).
+Which kernel runs a call is decided in one place, `choose_kernel`: on CUDA tensors a Triton
+kernel (split-K or fused, as `use_split` picks from the shape), or, when the caller has the
+segment and offset tables on the host (an eager engine step: it wrote them, `HostSegments`) and
+one live segment of a rank-33+ adapter, cuBLAS GEMM pairs on views of the pool (they beat our
+kernels there at every row count; bench/PERF_NOTES.md); elsewhere the torch reference.
+`impl="triton"` forces the fused kernel and `impl="split"` the split one (tests run them under
+TRITON_INTERPRET=1 on CPU); `impl="torch"` the reference, `impl="cublas"` the GEMM pairs.
+Captured decode graphs have no host tables and always run the kernels (a view of one adapter's
+weights would be baked in).
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
-from kernels.sgmv_ref import sgmv_ref
+from kernels.sgmv_ref import expand_columns_ref, sgmv_ref
 
 # Which kernel: the split-K one at decode sizes and whenever segments are long; the fused one
 # when many adapters each cover few rows of a large batch (it reads each adapter's A and B once
@@ -27,16 +32,8 @@ from kernels.sgmv_ref import sgmv_ref
 # SPLIT_MAX_ROWS. The measurements: bench/PERF_NOTES.md, "Why the defaults".
 SPLIT_MAX_ROWS = 2048
 MIN_ROWS_PER_SEGMENT = 32    # 256 < T <= SPLIT_MAX_ROWS: split only with segments this long
-
-
-def use_split(t_rows: int, n_segs: int, max_rank: int) -> bool:
-    """The split-K kernel for T rows in n_segs segments (padded ones included), else fused."""
-    if t_rows <= 256:           # decode: split, but rank 64 with ~2 rows an adapter goes fused
-        return not (max_rank > 32 and t_rows >= 256 and n_segs > t_rows // 4)
-    return t_rows <= SPLIT_MAX_ROWS and t_rows // max(n_segs, 1) >= MIN_ROWS_PER_SEGMENT
-
-
 CUBLAS_MIN_RANK = 33          # a single live segment at this rank or more: cuBLAS pairs
+IMPLS = ("auto", "triton", "split", "torch", "cublas")
 
 
 @dataclass(frozen=True)
@@ -49,6 +46,39 @@ class HostSegments:
     b_off: np.ndarray
     ranks: np.ndarray            # [n_slots]
     scales: np.ndarray           # [n_slots]
+
+
+@dataclass(slots=True)
+class LoraArgs:
+    """One projection's LoRA for one call, as the model passes it to the kernels (shapes and
+    semantics: kernels.sgmv_ref.sgmv_ref). align: the caller's promise that every offset (>= 0)
+    in a_off and b_off is a multiple of this many elements (the worker's pool keeps 8); the
+    split kernel then loads adapter weights in 16-byte vectors. host: the same tables on the
+    host (optional; see the module docstring)."""
+    pool: torch.Tensor           # [P] flat adapter storage
+    a_off: torch.Tensor          # int64 [n_slices, n_slots]
+    b_off: torch.Tensor          # int64 [n_slices, n_slots]
+    ranks: torch.Tensor          # int32 [n_slots]
+    scales: torch.Tensor         # float32 [n_slots]
+    slice_starts: Sequence[int]  # host ints, the output's column slices
+    seg_start: torch.Tensor      # int32 [S+1]
+    seg_slot: torch.Tensor       # int32 [S], -1 = base only
+    max_rank: int                # bound on every slot's rank (the kernels' rank tile)
+    align: int = 1
+    host: HostSegments | None = None
+
+    def tensors(self) -> tuple:
+        """(pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot): the
+        kernels' positional arguments, in their order."""
+        return (self.pool, self.a_off, self.b_off, self.ranks, self.scales, self.slice_starts,
+                self.seg_start, self.seg_slot)
+
+
+def use_split(t_rows: int, n_segs: int, max_rank: int) -> bool:
+    """The split-K kernel for T rows in n_segs segments (padded ones included), else fused."""
+    if t_rows <= 256:           # decode: split, but rank 64 with ~2 rows an adapter goes fused
+        return not (max_rank > 32 and t_rows >= 256 and n_segs > t_rows // 4)
+    return t_rows <= SPLIT_MAX_ROWS and t_rows // max(n_segs, 1) >= MIN_ROWS_PER_SEGMENT
 
 
 def only_live_segment(starts, slots) -> tuple[int, int, int] | None:
@@ -70,66 +100,84 @@ def cublas_segment(host: HostSegments | None) -> tuple[int, int, int] | None:
     return host.live
 
 
-def _cublas(y, x, pool, slice_starts, host: HostSegments, lo: int, hi: int, s: int):
+def choose_kernel(t_rows: int, n_segs: int, max_rank: int, on_cuda: bool,
+                  host: HostSegments | None = None, impl: str = "auto") -> str:
+    """The kernel of one SGMV call: "cublas" (GEMM pairs on the only live segment), "split",
+    "fused" or "torch". impl other than "auto" forces one ("triton": the fused kernel)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "cublas" or (impl == "auto" and on_cuda):
+        if cublas_segment(host) is not None:
+            return "cublas"
+        if impl == "cublas":
+            raise ValueError("impl='cublas' needs host tables with one live segment of rank "
+                             f">= {CUBLAS_MIN_RANK}")
+    if impl == "auto":
+        if not on_cuda:
+            return "torch"
+        return "split" if use_split(t_rows, n_segs, max_rank) else "fused"
+    return {"triton": "fused"}.get(impl, impl)
+
+
+def _cublas(y, x, a: LoraArgs, lo: int, hi: int, s: int):
     """One segment's delta as two GEMMs per targeted slice, on views of the pool."""
+    host, pool, starts = a.host, a.pool, a.slice_starts
     r, k = int(host.ranks[s]), x.shape[1]
     xs = x[lo:hi]
-    for j in range(len(slice_starts) - 1):
+    for j in range(len(starts) - 1):
         ao, bo = int(host.a_off[j, s]), int(host.b_off[j, s])
         if ao < 0 or bo < 0:
             continue
-        c0, c1 = slice_starts[j], slice_starts[j + 1]
-        a = pool[ao:ao + r * k].view(r, k)
+        c0, c1 = starts[j], starts[j + 1]
+        at = pool[ao:ao + r * k].view(r, k)
         bt = pool[bo:bo + r * (c1 - c0)].view(r, c1 - c0)
-        y[lo:hi, c0:c1].addmm_(xs @ a.T, bt, alpha=float(host.scales[s]))
+        y[lo:hi, c0:c1].addmm_(xs @ at.T, bt, alpha=float(host.scales[s]))
     return y
+
+
+def lora(y, x, a: LoraArgs, impl: str = "auto"):
+    """y[rows of segment i, slice j] += scale_i * (x @ A_ij.T) @ Bt_ij, in place (see
+    sgmv_ref), by the kernel choose_kernel picks; returns y."""
+    kind = choose_kernel(x.shape[0], a.seg_slot.shape[0], a.max_rank, y.is_cuda, a.host, impl)
+    if kind == "cublas":
+        return _cublas(y, x, a, *a.host.live)
+    if kind == "split":
+        from kernels.sgmv_split import sgmv_split  # deferred: CPU-only engines skip triton
+        from kernels.sgmv_triton import _check
+        _check(y, x, *a.tensors())
+        return sgmv_split(y, x, *a.tensors(), a.max_rank, align=a.align)
+    if kind == "fused":
+        from kernels.sgmv_triton import sgmv_triton
+        return sgmv_triton(y, x, *a.tensors(), a.max_rank)
+    return sgmv_ref(y, x, *a.tensors(), a.max_rank)
+
+
+def lora_expand_columns(y, v_cols, col_slot, a: LoraArgs, impl: str = "auto"):
+    """The LoRA expand with v read from columns of the base GEMM's output (column LoRA, see
+    services.worker.lora_columns and kernels.sgmv_ref.expand_columns_ref for the semantics;
+    a.a_off is not read): the split expand kernel on CUDA (impl="split" forces it, for the
+    interpreter), else the torch reference."""
+    if impl not in ("auto", "split", "torch"):
+        raise ValueError(f"impl must be auto, split or torch, got {impl!r}")
+    args = (y, v_cols, col_slot, a.pool, a.b_off, a.ranks, a.scales, a.slice_starts,
+            a.seg_start, a.seg_slot, a.max_rank)
+    if impl == "split" or (impl == "auto" and y.is_cuda):
+        from kernels.sgmv_split import expand_columns
+        return expand_columns(*args, align=a.align)
+    return expand_columns_ref(*args)
 
 
 def sgmv(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot, max_rank,
          impl: str = "auto", host: HostSegments | None = None, align: int = 1):
-    """y[rows of segment i, slice j] += scale_i * (x @ A_ij.T) @ Bt_ij; see sgmv_ref.
-    host: the same tables on the host (see the module docstring); optional.
-    align: the caller's promise that every offset (>= 0) in a_off and b_off is a multiple of
-    this many elements (the worker's pool keeps 8); the split kernel then loads adapter weights
-    in 16-byte vectors (see kernels.sgmv_split.sgmv_split). The fused kernel checks each
-    offset itself."""
-    if impl not in ("auto", "triton", "split", "torch", "cublas"):
-        raise ValueError(f"impl must be auto, triton, split, torch or cublas, got {impl!r}")
-    if impl == "cublas" or (impl == "auto" and y.is_cuda):
-        seg = cublas_segment(host)
-        if seg is not None:
-            return _cublas(y, x, pool, slice_starts, host, *seg)
-        if impl == "cublas":
-            raise ValueError("impl='cublas' needs host tables with one live segment of rank "
-                             f">= {CUBLAS_MIN_RANK}")
-    split = impl == "split" or (impl == "auto" and y.is_cuda and use_split(
-        x.shape[0], seg_slot.shape[0], max_rank))
-    if split:
-        from kernels.sgmv_split import sgmv_split  # deferred: CPU-only engines skip triton
-        from kernels.sgmv_triton import _check
-        _check(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot)
-        return sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
-                          seg_slot, max_rank, align=align)
-    if impl == "triton" or (impl == "auto" and y.is_cuda):
-        from kernels.sgmv_triton import sgmv_triton
-        return sgmv_triton(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
-                           seg_slot, max_rank)
-    return sgmv_ref(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot,
-                    max_rank)
+    """`lora` with LoraArgs' fields as arguments (sgmv_ref's, then impl, host, align)."""
+    return lora(y, x, LoraArgs(pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
+                               seg_slot, max_rank, align, host), impl)
 
 
 def sgmv_expand_columns(y, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts,
                         seg_start, seg_slot, max_rank, impl: str = "auto", align: int = 1):
-    """The LoRA expand with v read from columns of the base GEMM's output (column LoRA, see
-    services.worker.lora_columns and kernels.sgmv_ref.expand_columns_ref for the semantics):
-    the split expand kernel on CUDA (impl="split" forces it, for the interpreter), else the
-    torch reference."""
-    if impl not in ("auto", "split", "torch"):
-        raise ValueError(f"impl must be auto, split or torch, got {impl!r}")
-    if impl == "split" or (impl == "auto" and y.is_cuda):
-        from kernels.sgmv_split import expand_columns
-        return expand_columns(y, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts,
-                              seg_start, seg_slot, max_rank, align=align)
-    from kernels.sgmv_ref import expand_columns_ref
-    return expand_columns_ref(y, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts,
-                              seg_start, seg_slot, max_rank)
+    """`lora_expand_columns` with LoraArgs' fields as arguments (a_off unused)."""
+    return lora_expand_columns(y, v_cols, col_slot, LoraArgs(
+        pool, b_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot, max_rank, align),
+        impl)
+

@@ -64,7 +64,7 @@ def test_mixed_batch_matches_peft_greedy(ckpt, monkeypatch, fold):
     weight the fold left out (of a GEMM or of an adapter's A) changes the tokens."""
     root = ckpt[0]
     built, slots = _engine(root, perf=PerfConfig(fold_norms=fold == "1"))
-    assert (built.engine.runner.model.norm_fold is not None) == (fold == "1")
+    assert built.engine.runner.model.norms.folded == (fold == "1")
     g = torch.Generator().manual_seed(7)
     names = [*ADAPTER_SPECS, None, *ADAPTER_SPECS, None]
     seqs, expected = mixed_requests(names, slots, ckpt, g, prompt=(3, 5), new=8)
@@ -91,17 +91,17 @@ def test_prefill_logits_match_peft(ckpt, fold):
     root, base, peft_models = ckpt
     built, slots = _engine(root, perf=PerfConfig(fold_norms=fold == "1"))
     from services.worker.scheduler import Scheduled
-    from services.worker.step_inputs import build
     prompts = {n: list(range(5 + i, 17 + 2 * i)) for i, n in enumerate(ADAPTER_SPECS)}
     seqs = [Sequence(n, p, slot=slots[n]) for n, p in prompts.items()]
     runner = built.engine.runner
     for s in seqs:
         assert built.engine.scheduler.blocks.ensure(s, len(s.tokens))
-    inputs = build([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers, runner.block_size)
+    inputs = runner.steps.eager([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers)
     # the eager step knows on the host whether one adapter has all the LoRA rows (it has not)
-    assert inputs.ctx.host_single is None
-    one = build([Scheduled(seqs[0], len(seqs[0].tokens))], runner.buffers, runner.block_size)
-    assert one.ctx.host_single == (0, len(seqs[0].tokens), slots[seqs[0].request_id])
+    assert inputs.ctx.lora.host_single is None
+    one = runner.steps.eager([Scheduled(seqs[0], len(seqs[0].tokens))], runner.buffers)
+    assert one.ctx.lora.host_single == (0, len(seqs[0].tokens), slots[seqs[0].request_id])
+    inputs = runner.steps.eager([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers)
     logits = runner.model.forward(inputs.input_ids, inputs.ctx, runner.kv_cache)
     for row, entry in enumerate(inputs.sampled):
         name = entry.seq.request_id
@@ -114,16 +114,16 @@ def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
     """With folded norms a forward pass runs one norm (the final one, before lm_head) and no
     residual add + norm; the q/k/v and gate/up weights hold g * W, and the pool's q/k/v and
     gate/up A matrices g * A (o's and down's as written)."""
-    from services.worker import model as model_mod
+    from services.worker import norms as norms_mod
     from services.worker.adapter_layout import staged_from_peft_dir
     calls = {"rms_norm": 0, "add_rms_norm": 0}
     for name in calls:
-        real = getattr(model_mod, name)
+        real = getattr(norms_mod, name)
 
         def counting(*a, _real=real, _name=name, **kw):
             calls[_name] += 1
             return _real(*a, **kw)
-        monkeypatch.setattr(model_mod, name, counting)
+        monkeypatch.setattr(norms_mod, name, counting)
     root = ckpt[0]
     built, slots = _engine(root, perf=PerfConfig(fold_norms=True))
     seqs, expected = mixed_requests(["r64-all", None], slots, ckpt, torch.Generator(),
@@ -237,13 +237,13 @@ def test_column_lora_matches_peft_greedy(ckpt, monkeypatch):
     Both give every request PEFT's greedy tokens."""
     from services.worker import model as model_mod
     calls = {"columns": 0}
-    plain = model_mod.LlamaModel._qkv_columns
+    plain = model_mod.lora_expand_columns
 
-    def counting(self, *args):
+    def counting(*args, **kw):
         calls["columns"] += 1
-        return plain(self, *args)
+        return plain(*args, **kw)
 
-    monkeypatch.setattr(model_mod.LlamaModel, "_qkv_columns", counting)
+    monkeypatch.setattr(model_mod, "lora_expand_columns", counting)
     root = ckpt[0]
     built, slots = _engine(root, perf=PerfConfig(lora_columns=2))
     cols = built.engine.runner.model.columns

@@ -92,7 +92,6 @@ def test_gpu_column_lora_matches_cpu_fp32():
 def test_gpu_prefill_logits_match_cpu_fp32():
     """Prefill logits for every demo adapter (and the base), GPU kernels against the CPU path."""
     from services.worker.scheduler import Scheduled
-    from services.worker.step_inputs import build
     logits = {}
     for device in ("cpu", "cuda"):
         built = build_engine(MODEL_DIR, EngineOptions(device=device, dtype="float32",
@@ -107,8 +106,7 @@ def test_gpu_prefill_logits_match_cpu_fp32():
         runner = built.engine.runner
         for s in seqs:
             assert built.engine.scheduler.blocks.ensure(s, len(s.tokens))
-        inp = build([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers,
-                    runner.block_size)
+        inp = runner.steps.eager([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers)
         out = runner.model.forward(inp.input_ids, inp.ctx, runner.kv_cache)
         logits[device] = {e.seq.request_id: out[i].cpu() for i, e in enumerate(inp.sampled)}
     for name, ref in logits["cpu"].items():

@@ -3,13 +3,14 @@ writes for the live rows is exactly what the eager step builder computes, and th
 are inert (no KV slot, no attention, no LoRA segment)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from services.worker.graph_runner import GraphRunner
+from services.worker.lora_meta import choose
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
 from services.worker.scheduler import Scheduled
 from services.worker.sequence import Sequence
-from services.worker.step_inputs import build
 from tests.test_engine_parity import _engine
 
 
@@ -26,10 +27,9 @@ def test_graph_fill_matches_eager_build(hf_ckpt):
         seq.num_computed = len(seq.tokens) - 1                        # decoding
         seqs.append(seq)
     batch = [Scheduled(s, 1) for s in seqs]
-    eager = build(batch, runner.buffers, runner.block_size)
+    eager = runner.steps.eager(batch, runner.buffers)
     g = GraphRunner(runner, sizes=(8,))
-    ordered = sorted(batch, key=lambda x: (x.seq.slot < 0, x.seq.slot, x.seq.arrival))
-    g._fill(ordered, 8)
+    g._fill(g.steps.plan(batch, graph=True), 8)
     n = len(seqs)
     ctx = g._ctx(8, ALL_GROUPS)
     assert torch.equal(g.ids[:n], eager.input_ids)
@@ -38,11 +38,17 @@ def test_graph_fill_matches_eager_build(hf_ckpt):
     assert torch.equal(ctx.q_seq[:n].long(), torch.arange(n))
     mb = eager.ctx.block_tables.shape[1]
     assert torch.equal(ctx.block_tables[:n, :mb], eager.ctx.block_tables)
-    g_segs = eager.ctx.seg_slot.shape[0]
-    assert torch.equal(ctx.seg_slot[:g_segs], eager.ctx.seg_slot)
-    assert torch.equal(ctx.seg_start[:g_segs + 1], eager.ctx.seg_start)
+    lora, eager_lora = ctx.lora, eager.ctx.lora
+    g_segs = eager_lora.seg_slot.shape[0]
+    assert torch.equal(lora.seg_slot[:g_segs], eager_lora.seg_slot)
+    assert torch.equal(lora.seg_start[:g_segs + 1], eager_lora.seg_start)
     assert (ctx.slot_mapping[n:] == -1).all() and (ctx.q_seq[n:] == -1).all()
-    assert (ctx.seg_slot[g_segs:] == -1).all() and (ctx.seg_start[g_segs:] == n).all()
+    assert (lora.seg_slot[g_segs:] == -1).all() and (lora.seg_start[g_segs:] == n).all()
+    # the same choices, but the graph's rank tile against the pool's largest rank
+    plan, graph_plan = runner.steps.plan(batch, graph=False), g.steps.plan(batch, graph=True)
+    assert (plan.mask, plan.columns) == (eager_lora.mask, eager_lora.columns) == (
+        graph_plan.mask, graph_plan.columns)
+    assert eager_lora.rank == built.pool.tables.max_rank == 64 and graph_plan.rank == 64
 
 
 def test_lora_mask_names_the_groups_the_batch_targets(hf_ckpt):
@@ -50,12 +56,19 @@ def test_lora_mask_names_the_groups_the_batch_targets(hf_ckpt):
     mask follows placement and removal."""
     root, _, _ = hf_ckpt
     built, slots = _engine(root)
-    model, bit = built.engine.runner.model, GROUP_BIT
-    assert model.lora_mask([]) == model.lora_mask([-1, -1]) == 0
-    assert model.lora_mask([slots["r1-attn"]]) == bit["qkv"]
-    assert model.lora_mask([slots["r8-rslora"], -1]) == bit["qkv"] | bit["o"]
-    assert model.lora_mask([slots["r16-layers"]]) == (bit["qkv"] | bit["o"] | bit["gate_up"]
-                                                       | bit["down"])
-    assert model.lora_mask([slots["r1-attn"], slots["r64-all"]]) == ALL_GROUPS
+    steps, bit = built.engine.runner.steps, GROUP_BIT
+
+    def lora_mask(slots):
+        return choose(steps.tables, steps.columns, np.array(slots, dtype=np.int64), False)[0]
+    assert lora_mask([]) == lora_mask([-1, -1]) == 0
+    assert lora_mask([slots["r1-attn"]]) == bit["qkv"]
+    assert lora_mask([slots["r8-rslora"], -1]) == bit["qkv"] | bit["o"]
+    assert lora_mask([slots["r16-layers"]]) == (bit["qkv"] | bit["o"] | bit["gate_up"]
+                                                | bit["down"])
+    assert lora_mask([slots["r1-attn"], slots["r64-all"]]) == ALL_GROUPS
     built.pool.remove("r1-attn")
-    assert model.lora_mask([slots["r1-attn"]]) == 0
+    assert lora_mask([slots["r1-attn"]]) == 0
+    # the rank tiles a graph step takes: that of the largest rank among its own adapters
+    graph = [choose(steps.tables, steps.columns, np.array(s, dtype=np.int64), True)[1]
+             for s in ([-1], [slots["r8-rslora"]], [slots["r8-rslora"], slots["r64-all"]])]
+    assert graph == [0, 16, 64]

@@ -8,6 +8,7 @@ that run the model eagerly) must give every request what the eager path gives.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,12 +16,14 @@ from bench.host_overhead_bench import StandIns      # every key captured, made o
 from services.worker.graph_runner import GraphRunner
 from services.worker.scheduler import Scheduled
 from services.worker.sequence import Sampling, Sequence, Stop, Stopping
+from services.worker.step_inputs import StepPlan
 from tests.test_engine_parity import _engine
 
 
 class _StandIn:
     """A captured graph's stand-in: replay() runs the model on the runner's static buffers into
-    its static output. key: the runner's graph key (batch size, LoRA mask, rank tile)."""
+    its static output. key: the runner's graph key (batch size, LoRA mask, rank tile,
+    column LoRA)."""
 
     def __init__(self, runner: GraphRunner, key):
         self.runner, self.key = runner, key
@@ -71,7 +74,8 @@ def test_fill_keeps_block_tables_exact_across_steps(hf_ckpt):
         for q in rows:                                  # one more token, blocks for it
             assert blocks.ensure(q, len(q.tokens))
             q.num_computed = len(q.tokens) - 1
-        g._fill([Scheduled(q, 1) for q in rows], 8)
+        slots = np.array([q.slot for q in rows], dtype=np.int64)      # rows as given
+        g._fill(StepPlan([Scheduled(q, 1) for q in rows], rows, slots, 0, 0, False), 8)
         _check_buffers(g, rows, 8)
 
     decode_step(seqs)
@@ -255,9 +259,9 @@ def test_overlap_cancel_and_time_limit_mid_flight(hf_ckpt):
 
 
 def _start_graphs(g: GraphRunner, keys=None) -> dict:
-    """Stand-ins for what capture() makes at start (every batch size, start_keys' pairs)."""
-    pairs = keys if keys is not None else g.start_keys()
-    return {(b, m, t): _StandIn(g, (b, m, t)) for b in g.sizes for m, t in pairs}
+    """Stand-ins for what capture() makes at start (every batch size, start_keys' triples)."""
+    triples = keys if keys is not None else g.start_keys()
+    return {(b, *k): _StandIn(g, (b, *k)) for b in g.sizes for k in triples}
 
 
 def test_a_step_without_its_own_graph_replays_the_smallest_captured_superset(hf_ckpt):
@@ -267,27 +271,29 @@ def test_a_step_without_its_own_graph_replays_the_smallest_captured_superset(hf_
     blocks; none at all (a rank above the graphs') means eager; and every request still gets
     the eager path's output."""
     from services.worker.graph_runner import ATTENTION
-    from services.worker.model import COLUMNS_BIT as COLS
     from services.worker.model_spec import ALL_GROUPS, GROUP_BIT as bit
     root, _, _ = hf_ckpt
     built, slots = _engine(root)
     g = _graph_runner(built)
-    g.graphs = _start_graphs(g, [(ALL_GROUPS, 64), (ALL_GROUPS, 16), (ATTENTION, 16),
-                                 (ALL_GROUPS | COLS, 16), (ATTENTION | COLS, 16), (0, 0)])
-    assert g._graph_key(4, bit["qkv"], 16) == (4, ATTENTION, 16)
-    assert g._graph_key(4, bit["qkv"] | COLS, 16) == (4, ATTENTION | COLS, 16)
-    assert g._graph_key(4, bit["o"] | bit["down"], 16) == (4, ALL_GROUPS, 16)
-    assert g._graph_key(4, bit["o"] | bit["down"] | COLS, 16) == (4, ALL_GROUPS | COLS, 16)
-    assert g._graph_key(4, bit["qkv"], 32) == (4, ALL_GROUPS, 64)     # no tile-32 graph
-    assert g._graph_key(8, 0, 0) == (8, 0, 0)
+    g.graphs = _start_graphs(g, [(ALL_GROUPS, 64, False), (ALL_GROUPS, 16, False),
+                                 (ATTENTION, 16, False), (ALL_GROUPS, 16, True),
+                                 (ATTENTION, 16, True), (0, 0, False)])
+    assert g._graph_key(4, bit["qkv"], 16) == (4, ATTENTION, 16, False)
+    assert g._graph_key(4, bit["qkv"], 16, True) == (4, ATTENTION, 16, True)
+    assert g._graph_key(4, bit["o"] | bit["down"], 16) == (4, ALL_GROUPS, 16, False)
+    assert g._graph_key(4, bit["o"] | bit["down"], 16, True) == (4, ALL_GROUPS, 16, True)
+    assert g._graph_key(4, bit["qkv"], 32) == (4, ALL_GROUPS, 64, False)  # no tile-32 graph
+    assert g._graph_key(4, bit["qkv"], 32, True) == (4, ALL_GROUPS, 64, False)
+    assert g._graph_key(8, 0, 0) == (8, 0, 0, False)
     assert g._graph_key(4, bit["qkv"], 128) is None                   # above the graphs: eager
-    g.graphs, g._choice = _start_graphs(g, [(ALL_GROUPS | COLS, 16), (0, 0)]), {}
+    g.graphs, g._choice = _start_graphs(g, [(ALL_GROUPS, 16, True), (0, 0, False)]), {}
     assert g._graph_key(4, bit["qkv"], 16) is None                    # a columns graph never
     eager_built, eager_slots = _engine(root)                          # serves a plain step
     eager = _serve(eager_built, eager_slots)
     built, slots = _engine(root)
     g = _graph_runner(built)
-    g.graphs = _start_graphs(g, [(ALL_GROUPS, 16), (ALL_GROUPS, 64), (0, 0)])
+    g.graphs = _start_graphs(g, [(ALL_GROUPS, 16, False), (ALL_GROUPS, 64, False),
+                                 (0, 0, False)])
     assert _serve(built, slots, g) == eager
     assert g.replays > 10
 

@@ -13,7 +13,6 @@ from services.worker.factory import EngineOptions, build_engine
 from services.worker.model_spec import UnsupportedModel, load_spec
 from services.worker.scheduler import Scheduled
 from services.worker.sequence import Sequence, Stopping
-from services.worker.step_inputs import build
 from tests.hf_fixtures import make_family
 from tests.test_engine_parity import hf_greedy, run_all
 
@@ -45,7 +44,7 @@ def prefill_logits(built, prompts) -> list[torch.Tensor]:
     seqs = [Sequence(str(i), p) for i, p in enumerate(prompts)]
     for s in seqs:
         assert built.engine.scheduler.blocks.ensure(s, len(s.tokens))
-    inputs = build([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers, runner.block_size)
+    inputs = runner.steps.eager([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers)
     logits = runner.model.forward(inputs.input_ids, inputs.ctx, runner.kv_cache)
     by_id = {e.seq.request_id: logits[row] for row, e in enumerate(inputs.sampled)}
     for s in seqs:

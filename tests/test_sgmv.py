@@ -223,6 +223,30 @@ def test_dispatch_picks_the_kernel_by_shape():
     assert not use_split(4096, 2, 16)
 
 
+def test_choose_kernel_is_the_one_per_call_choice():
+    """The kernel of a call: cuBLAS pairs only with host tables naming one live rank-33+
+    segment (on CUDA, or forced), the split or fused kernel on CUDA as use_split says, the
+    torch reference elsewhere; impl forces one, and a bad impl is an error."""
+    import numpy as np
+
+    from kernels.sgmv import HostSegments, choose_kernel
+    ranks = np.array([64, 8])
+    one = HostSegments((0, 5, 0), np.zeros((1, 2)), np.zeros((1, 2)), ranks, np.ones(2))
+    low = HostSegments((0, 5, 1), np.zeros((1, 2)), np.zeros((1, 2)), ranks, np.ones(2))
+    assert choose_kernel(5, 2, 64, True, one) == "cublas"
+    assert choose_kernel(5, 2, 64, False, one) == "torch"
+    assert choose_kernel(5, 2, 64, False, one, impl="cublas") == "cublas"
+    assert choose_kernel(5, 2, 64, True, low) == "split" == choose_kernel(5, 2, 64, True)
+    assert choose_kernel(4096, 2, 16, True) == "fused"
+    assert choose_kernel(4096, 2, 16, False) == "torch"
+    assert [choose_kernel(1, 1, 16, False, impl=i) for i in ("triton", "split", "torch")] == [
+        "fused", "split", "torch"]
+    with pytest.raises(ValueError):
+        choose_kernel(5, 2, 64, True, low, impl="cublas")
+    with pytest.raises(ValueError):
+        choose_kernel(5, 2, 64, True, impl="cuda")
+
+
 def host_tables(c):
     from kernels.sgmv import HostSegments, only_live_segment
     return HostSegments(only_live_segment(c["seg_start"].tolist(), c["seg_slot"].tolist()),

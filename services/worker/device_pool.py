@@ -36,9 +36,10 @@ class DevicePool:
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                  capacity_bytes: int, max_slots: int, columns: LoraColumns | None = None,
                  norm_fold: dict[str, torch.Tensor] | None = None):
-        """columns: the model's column LoRA (services.worker.lora_columns), whose blocks the
-        pool assigns and frees with its slots; None: no column LoRA. norm_fold: group -> [L, K]
-        norm weights the model folded into that group's GEMM (LlamaModel.norm_fold); the pool
+        """columns: the column LoRA blocks (services.worker.lora_columns; the factory gives the
+        same object to the model), which the pool assigns, writes and frees with its slots;
+        None: no column LoRA. norm_fold: group -> [L, K] norm weights folded into that group's
+        GEMM (services.worker.weight_transforms.apply returns them); the pool
         folds them into the group's LoRA A as it places an adapter, since the model feeds
         those LoRAs the residual, not the normed rows."""
         elem = torch.tensor([], dtype=dtype).element_size()

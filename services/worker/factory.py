@@ -15,8 +15,10 @@ from services.worker.chat_template import ChatTemplate
 from services.worker.device_pool import DevicePool
 from services.worker.engine import Engine
 from services.worker.loader import DTYPES, load_weights
+from services.worker.lora_columns import LoraColumns
 from services.worker.model import LlamaModel
 from services.worker.model_spec import ModelSpec, load_spec
+from services.worker.norms import norms_for
 from services.worker.perf_config import PerfConfig
 from services.worker.runner import ModelRunner, kv_blocks_for_budget
 from services.worker.scheduler import Scheduler
@@ -85,18 +87,23 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
         from kernels import pdl, sgmv_split
         pdl.set_enabled(opts.perf.pdl)
         sgmv_split.set_overrides(opts.perf.sgmv_split)
+    # one way: weights -> model; the pool -> its tables, which the step builder reads and
+    # hands to the model with each step; the column blocks (extra rows of the q/k/v weights)
+    # given to the model (its GEMMs) and to the pool (which writes them)
     norm_fold = weight_transforms.apply(weights, spec, device, opts.perf)
-    model = LlamaModel(spec, weights, device, dtype, norm_fold,
-                       opts.perf.columns_for(device.type == "cuda"))
+    n_cols = opts.perf.columns_for(device.type == "cuda")
+    columns = LoraColumns(weights, len(spec.slice_starts("qkv")) - 1, n_cols, device) \
+        if n_cols else None
+    model = LlamaModel(spec, weights, device, dtype,
+                       norms_for(norm_fold is not None, spec.rms_norm_eps), columns)
+    pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots,
+                      columns=columns, norm_fold=norm_fold)
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
-                         opts.max_running, max_len)
+                         opts.max_running, max_len, lora=pool.tables, columns=columns)
     scheduler = Scheduler(BlockManager(blocks, opts.block_size), opts.max_batch_tokens,
                           opts.max_running)
-    pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots,
-                      columns=model.columns, norm_fold=model.norm_fold)
-    model.lora = pool.tables
     if device.type == "cuda" and opts.cuda_graphs:
         from services.worker.graph_runner import GraphRunner
         runner = GraphRunner(runner)

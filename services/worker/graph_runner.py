@@ -8,23 +8,25 @@ q_seq -1 (no attention) and a base-only LoRA segment.
 
 A graph holds LoRA launches only for the projection groups that the step's adapters target
 (services.worker.model_spec.GROUP_BIT): a base-only step replays a graph with none, a batch of
-q/k/v/o adapters one without the MLP's. A graph also bakes in the SGMV rank tile
-(StepContext.lora_rank: the kernels' RANK_BLOCK and launch shape), so graphs are keyed by
-(batch, mask, tile) and a step replays the one for the largest rank among its own adapters, not
-the pool's: rank-16 adapters run rank-16 kernels even while a rank-64 adapter is resident (on the
-H200, batch 64 with 32 rank-16 adapters spends 38 us a layer in LoRA with the 16 tile against 83
-with the 64 one).
+q/k/v/o adapters one without the MLP's. A graph also bakes in the SGMV rank tile (LoraMeta.rank: the
+kernels' RANK_BLOCK and launch shape) and whether q/k/v run as column LoRA (LoraMeta.columns), so
+graphs are keyed by (batch, mask, tile, columns); the step-input builder makes these choices
+(services.worker.lora_meta.choose), and a step replays the graph for the largest rank among its own
+adapters, not the pool's: rank-16 adapters run rank-16 kernels even while a rank-64 adapter is
+resident (on the H200, batch 64 with 32 rank-16 adapters spends 38 us a layer in LoRA with the 16
+tile against 83 with the 64 one).
 
-Every graph is captured at start, before the worker serves: for each batch size, none (base
-only), all groups at each start tile (16 and the largest, capture's max_rank), and at tile 16
-q/k/v/o (the common attention-only adapters), the tile-16 ones also with column LoRA
-(COLUMNS_BIT). Nothing is captured while serving (a capture stalls every row in flight): a
-step whose (mask, tile) has no graph of its own replays the captured graph of its batch size
-with the fewest groups that include its groups and the smallest tile that holds its rank
-(correct for any mask: a group no adapter in the step targets has no offsets, so adds nothing;
-a column-LoRA graph only for a step whose q/k/v adapters all have blocks), and a step with no
-such graph (an adapter above max_rank's tile) runs eagerly. Capture never touches the pool's
-tables, which the adapter manager updates from its own thread.
+Every graph is captured at start, before the worker serves: for each batch size, none (base only),
+all groups at each start tile (16 and the largest, capture's max_rank), and at tile 16 q/k/v/o (the
+common attention-only adapters), the tile-16 ones also with column LoRA. Nothing is captured while
+serving (a capture stalls every row in flight): a step whose (mask, tile) has no graph of its own
+replays the captured graph of its batch size with the fewest groups that include its groups and the
+smallest tile that holds its rank (correct for any mask: a group no adapter in the step targets has
+no offsets, so adds nothing; a column-LoRA graph only for a step whose q/k/v adapters all have
+blocks), and a step with no such graph (an adapter above max_rank's tile) runs eagerly. Capture
+never touches the pool's tables, which the adapter manager updates from its own thread. The static
+buffers are filled by the same step-input builder as eager steps
+(services.worker.step_inputs.StepBuilder.fill).
 
 Overlap. `launch` starts a decode step and returns at once (the sampled tokens come back through
 a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
@@ -43,12 +45,13 @@ import torch
 
 from kernels.sgmv_ref import rank_tile
 from services.worker import metrics
-from services.worker.model import COLUMNS_BIT, StepContext
+from services.worker.lora_meta import LoraMeta
+from services.worker.model import StepContext
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
 from services.worker.runner import ModelRunner
 from services.worker.sampling import sample
 from services.worker.scheduler import Scheduled
-from services.worker.step_inputs import sampling_batch
+from services.worker.step_inputs import HostViews, StepPlan, sampling_batch
 
 log = logging.getLogger(__name__)
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448,
@@ -59,16 +62,17 @@ ATTENTION = GROUP_BIT["qkv"] | GROUP_BIT["o"]          # q/k/v/o adapters: a sta
 class _HostSet:
     """Pinned staging buffers for one step: host64 [4, top] (ids, positions, slots, gather
     index), host32 (q_seq, q_pos, seg_start, seg_slot, block tables), the sampled tokens' copy
-    target; numpy views of them, and which block-table list (and how much of it) each row of
-    host32 holds (see GraphRunner._sync_tables)."""
+    target; the step builder's views of them (services.worker.step_inputs.HostViews)."""
 
     def __init__(self, top: int, mb: int, pin: bool):
         self.host64 = torch.zeros(4, top, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(4 * top + 1 + top * mb, dtype=torch.int32, pin_memory=pin)
         self.tokens = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
-        self.views = (self.host64.numpy(), *(
-            t.numpy() for t in GraphRunner._split32(self.host32, top, mb)))
-        self.held = ([None] * top, [0] * top)
+        h = self.host64.numpy()
+        q_seq, q_pos, seg_start, seg_slot, tables = (
+            t.numpy() for t in GraphRunner._split32(self.host32, top, mb))
+        self.views = HostViews(h[0], h[1], h[2], q_seq, seg_start, seg_slot, tables,
+                               q_pos=q_pos, src=h[3])
 
 
 @dataclass
@@ -84,6 +88,7 @@ class GraphRunner:
     def __init__(self, runner: ModelRunner, sizes=DEFAULT_SIZES):
         self.runner = runner
         self.model = runner.model
+        self.steps = runner.steps                 # the step-input builder, eager steps' too
         dev = self.model.device
         # the sizes up to the engine's row limit, and the limit itself (else a full batch of,
         # say, 100 rows would find no graph between 96 and 128 and run eagerly)
@@ -106,24 +111,25 @@ class GraphRunner:
         self.ids, self.pos, self.slots = self.dev64[0], self.dev64[1], self.dev64[2]
         self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = self._split32(
             self.dev32, top, mb)
-        # (batch, LoRA mask, rank tile; 0 without LoRA) -> graph
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
+        # (batch, LoRA mask, rank tile (0 without LoRA), column LoRA) -> graph
+        self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, int, bool], torch.Tensor] = {}
         self.pool = None                                                 # graphs share one
         self.captured: set[int] = set()          # batch sizes captured at start
-        self._choice: dict[tuple[int, int, int], tuple[int, int, int] | None] = {}
+        self._choice: dict[tuple, tuple[int, int, int, bool] | None] = {}
         self.replays = 0
         self.rank = 0                            # capture's max_rank (its tile: the largest)
         self.start_tiles: tuple[int, ...] = ()   # tiles captured at start for all groups
         self.timings: list | None = None     # set to a list to record (batch, start, end) events
 
-    def _ctx(self, b: int, mask: int, tile: int = 0) -> StepContext:
+    def _ctx(self, b: int, mask: int, tile: int = 0, columns: bool = False) -> StepContext:
+        """The static buffers' context for batch b, with a graph's LoRA choices."""
+        lora = LoraMeta(self.seg_start[:b + 1], self.seg_slot[:b], mask, tile or self.rank,
+                        columns, self.steps.tables)
         return StepContext(positions=self.pos[:b], slot_mapping=self.slots[:b],
                            block_tables=self.tables[:b], q_seq=self.q_seq[:b],
                            q_pos=self.q_pos[:b], sample_rows=None,   # every row samples
-                           seg_start=self.seg_start[:b + 1], seg_slot=self.seg_slot[:b],
-                           max_context=self.max_blocks * self.block_size, has_lora=mask != 0,
-                           lora_mask=mask, lora_rank=tile or self.rank)
+                           max_context=self.max_blocks * self.block_size, lora=lora)
 
     def capture(self, max_rank: int = 64) -> None:
         """Capture every decode graph (see the module docstring), largest batch first, sharing
@@ -136,13 +142,13 @@ class GraphRunner:
         self.rank = max_rank
         self.start_tiles = tuple(sorted({rank_tile(min(16, max_rank)), rank_tile(max_rank)}))
         keys = self.start_keys()
-        for i, (mask, tile) in enumerate(keys):
+        for i, (mask, tile, columns) in enumerate(keys):
             t = time.monotonic()
             for b in reversed(self.sizes):
-                self._capture_one(b, mask, tile)
-            log.info("captured LoRA groups %s, rank tile %d for %d batch sizes in %.1fs "
-                     "(%d of %d)", bin(mask), tile, len(self.sizes), time.monotonic() - t,
-                     i + 1, len(keys))
+                self._capture_one(b, mask, tile, columns)
+            log.info("captured LoRA groups %s, rank tile %d%s for %d batch sizes in %.1fs "
+                     "(%d of %d)", bin(mask), tile, ", column LoRA" if columns else "",
+                     len(self.sizes), time.monotonic() - t, i + 1, len(keys))
         self.captured = set(self.sizes)
         from kernels.sgmv_split import barrier_timeouts
         if barrier_timeouts(self.model.device):
@@ -151,41 +157,36 @@ class GraphRunner:
                  len(self.graphs), ",".join(map(str, self.sizes)),
                  ",".join(map(str, self.start_tiles)) or "-", time.monotonic() - start)
 
-    def start_keys(self) -> list[tuple[int, int]]:
-        """The (LoRA mask, rank tile) pairs captured for every batch size."""
-        if self.model.lora is None:
-            return [(0, 0)]
-        keys = [(ALL_GROUPS, t) for t in reversed(self.start_tiles)]
+    def start_keys(self) -> list[tuple[int, int, bool]]:
+        """The (LoRA mask, rank tile, column LoRA) triples captured for every batch size."""
+        if self.steps.tables is None:
+            return [(0, 0, False)]
+        keys = [(ALL_GROUPS, t, False) for t in reversed(self.start_tiles)]
         small = self.start_tiles[0]
-        keys.append((ATTENTION, small))
-        if self.model.columns is not None and self.model.columns.n_cols and small <= 16:
-            keys += [(ALL_GROUPS | COLUMNS_BIT, small), (ATTENTION | COLUMNS_BIT, small)]
-        return keys + [(0, 0)]
+        keys.append((ATTENTION, small, False))
+        cols = self.steps.columns
+        if cols is not None and cols.n_cols and small <= 16:
+            keys += [(ALL_GROUPS, small, True), (ATTENTION, small, True)]
+        return keys + [(0, 0, False)]
 
-    def _capture_one(self, b: int, mask: int, tile: int = 0) -> None:
-        """Capture the decode graph for batch size b, LoRA group mask and rank tile (inputs:
-        whatever the static buffers hold; the warm-up passes rewrite the same KV slots with the
-        same values)."""
+    def _capture_one(self, b: int, mask: int, tile: int = 0, columns: bool = False) -> None:
+        """Capture the decode graph for batch size b and these LoRA choices (inputs: whatever
+        the static buffers hold; the warm-up passes rewrite the same KV slots with the same
+        values)."""
+        key = (b, mask, tile, columns)
         kv = self.runner.kv_cache
-        ctx = self._ctx(b, mask, tile)
+        ctx = self._ctx(*key)
         for _ in range(2):                                     # warm up (Triton compiles etc.)
             self.model.forward(self.ids[:b], ctx, kv)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the adapter manager's loader threads may copy while a capture runs
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.outputs[(b, mask, tile)] = self.model.forward(self.ids[:b], ctx, kv)
+            self.outputs[key] = self.model.forward(self.ids[:b], ctx, kv)
         self.pool = graph.pool()
-        self.graphs[(b, mask, tile)] = graph
+        self.graphs[key] = graph
         metrics.count_capture()
         torch.cuda.synchronize()
-
-    def _step_tile(self, slots: np.ndarray) -> int:
-        """The rank tile for a step's adapter slots (-1 = base only): that of its largest rank."""
-        live = slots[slots >= 0]
-        if not len(live):
-            return 0
-        return rank_tile(int(self.model.lora.ranks_host[live].max()))
 
     def _bucket(self, n: int) -> int | None:
         for b in self.sizes:
@@ -215,23 +216,20 @@ class GraphRunner:
         penalized = any(x.seq.sampling.repetition_penalty not in (0.0, 1.0) for x in batch)
         if b is None or not decode or penalized or b not in self.captured:
             return None
-        slots = np.fromiter((x.seq.slot for x in batch), np.int64, len(batch))
-        mask = self.model.lora_mask(slots)
-        tile = self._step_tile(slots) if mask else 0
-        if tile > rank_tile(self.rank) or self._graph_key(b, mask, tile) is None:
-            return None                              # an adapter above the graphs' ranks
-        batch = sorted(batch, key=lambda x: (x.seq.slot < 0, x.seq.slot, x.seq.arrival))
+        plan = self.steps.plan(batch, graph=True)
+        key = None if plan.rank > rank_tile(self.rank) else self._graph_key(
+            b, plan.mask, plan.rank, plan.columns)
+        if key is None:
+            return None                  # an adapter above the graphs' ranks, or no graph
+        batch = plan.batch
         src = None
         if prev is not None:
             where = {id(x.seq): i for i, x in enumerate(prev.batch)}
             src = np.fromiter((where[id(x.seq)] for x in batch), np.int64, len(batch))
-        self._fill(batch, b, src)
+        self._fill(plan, b, src)
         if src is not None:
             n = len(batch)
             torch.index_select(prev.tokens, 0, self.dev64[3, :n], out=self.ids[:n])
-        key = self._graph_key(b, mask, tile)
-        if key is None:
-            return None
         if self.timings is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -252,19 +250,19 @@ class GraphRunner:
             done.record()
         return PendingStep(batch, tokens, host, done)
 
-    def _graph_key(self, b: int, mask: int, tile: int) -> tuple[int, int, int] | None:
-        """The graph a decode step replays (see the module docstring): its own (b, mask, tile),
-        else the captured one of batch b with the fewest groups that cover mask's and the
-        smallest tile >= tile (column LoRA's only if the step has COLUMNS_BIT, and preferred
-        then); None: no graph serves it (the step runs eagerly). Memoised."""
-        key = (b, mask, tile)
+    def _graph_key(self, b: int, mask: int, tile: int, columns: bool = False
+                   ) -> tuple[int, int, int, bool] | None:
+        """The graph a decode step replays (see the module docstring): its own key, else the
+        captured one of batch b with the fewest groups that cover mask's and the smallest tile
+        >= tile (a column-LoRA one only for a step with column LoRA, and preferred then); None:
+        no graph serves it (the step runs eagerly). Memoised."""
+        key = (b, mask, tile, columns)
         if key in self.graphs:
             return key
         if key not in self._choice:
-            groups = mask & ~COLUMNS_BIT
-            fits = [(bin(m & ~COLUMNS_BIT).count("1"), t, not m & COLUMNS_BIT, (bb, m, t))
-                    for bb, m, t in self.graphs if bb == b and t >= tile and m & groups == groups
-                    and (mask & COLUMNS_BIT or not m & COLUMNS_BIT)]
+            fits = [(bin(m).count("1"), t, not c, (bb, m, t, c))
+                    for bb, m, t, c in self.graphs if bb == b and t >= tile and m & mask == mask
+                    and (columns or not c)]
             self._choice[key] = min(fits)[3] if fits else None
         return self._choice[key]
 
@@ -283,74 +281,13 @@ class GraphRunner:
         seg_start, seg_slot = buf[2 * top:3 * top + 1], buf[3 * top + 1:4 * top + 1]
         return q_seq, q_pos, seg_start, seg_slot, buf[4 * top + 1:].view(top, mb)
 
-    def _fill(self, batch: list[Scheduled], b: int, src: np.ndarray | None = None) -> None:
-        """Write a decode step's metadata for batch size b (padding rows inert), two copies.
-        src: for a step launched from one in flight, where each row's input token is in that
-        step's sampled tokens (the ids are then gathered on the device, not written here).
-
-        Per row only attribute reads; the arithmetic is vectorized, and a row's block table is
-        rewritten only when it changed since the last fill (_sync_tables)."""
-        n, bs = len(batch), self.block_size
+    def _fill(self, plan: StepPlan, b: int, src: np.ndarray | None = None) -> None:
+        """Write a decode step's inputs for batch size b into the next set of pinned buffers
+        (the step builder: padding rows inert), then two host-to-device copies. src: for a step
+        launched from one in flight, where each row's input token is in that step's sampled
+        tokens (the ids are then gathered on the device)."""
         hs = self._filled = self._sets[self._flip]
         self._flip ^= 1
-        h, q_seq, q_pos, seg_start, seg_slot, tables = hs.views
-        seqs = [x.seq for x in batch]
-        pos_of = [q.num_computed for q in seqs]
-        if src is None:
-            h[0, :n] = [q.tokens[p] for q, p in zip(seqs, pos_of)]
-        else:
-            h[3, :n] = src
-        pos = h[1, :n]
-        pos[:] = pos_of
-        self._sync_tables(seqs, b, hs)
-        h[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
-        h[:3, n:b] = np.array([[0], [0], [-1]])    # padding rows: token 0, no KV write
-        q_seq[:b] = np.arange(b)
-        q_seq[n:b] = -1                            # padding rows: no attention
-        q_pos[:b] = h[1, :b]
-        self._segments(np.array([q.slot for q in seqs], dtype=np.int64), seg_start, seg_slot)
+        self.steps.fill(plan, hs.views, pad=b, src=src)
         self.dev64.copy_(hs.host64, non_blocking=True)
         self.dev32.copy_(hs.host32, non_blocking=True)
-
-    @staticmethod
-    def _segments(slots_of: np.ndarray, seg_start: np.ndarray, seg_slot: np.ndarray) -> None:
-        """Contiguous runs of equal slots; padded segments are empty (start = n), base-only."""
-        n = len(slots_of)
-        starts = np.flatnonzero(slots_of[1:] != slots_of[:-1])
-        starts += 1
-        g = len(starts) + 1
-        seg_start[0] = 0
-        seg_start[1:g] = starts
-        seg_start[g:] = n
-        seg_slot[0] = slots_of[0]
-        seg_slot[1:g] = slots_of[starts]
-        seg_slot[g:] = -1
-
-    def _sync_tables(self, seqs: list, b: int, hs: _HostSet) -> None:
-        """Rows 0..b-1 of the host block tables: row i holds seqs[i]'s table then zeros, padding
-        rows hold zeros.
-
-        Each buffer set keeps what its last fill wrote, and which list (and how much of it) each row
-        holds; a row is rewritten only when its sequence's table is another list or has grown.
-        That is exact because BlockManager only appends to a table and, on freeing, gives the
-        sequence a new list: the same list at the same length holds the same blocks."""
-        tables = hs.views[5]
-        lists, lens = hs.held
-        for i, q in enumerate(seqs):
-            t = q.block_table
-            k, old = len(t), lens[i]
-            if t is lists[i]:
-                if k == old:
-                    continue
-                if k > old:                           # grown: write the new blocks only
-                    tables[i, old:k] = t[old:]
-                    lens[i] = k
-                    continue
-            tables[i, :k] = t
-            if old > k:
-                tables[i, k:old] = 0
-            lists[i], lens[i] = t, k
-        for i in range(len(seqs), b):                 # padding rows
-            if lens[i]:
-                tables[i, :lens[i]] = 0
-            lists[i], lens[i] = None, 0

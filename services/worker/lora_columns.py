@@ -15,11 +15,11 @@ base weight's memory layout (row- or column-major); the model's `layer["qkv"]` b
 of its first N rows, so steps without column LoRA stream only the base weight.
 
 Which adapters get a block: the pool assigns one when it places an adapter of rank <= 16 that
-targets q/k/v and a block is free (`assign`), and frees it with the slot (`release`). A step
-takes the column path only when every q/k/v adapter in it has a block (LlamaModel.lora_mask's
-COLUMNS_BIT); otherwise the split SGMV runs. Blocks are written on the pool's copy stream while
-graphs may replay: a replay computes every block's columns, but reads only those of slots
-whose `col_slot` entry is set, which happens after the block is written.
+targets q/k/v and a block is free (`assign`), and frees it with the slot (`release`). A step takes
+the column path only when every q/k/v adapter in it has a block (LoraMeta.columns, chosen by
+services.worker.lora_meta.choose); otherwise the split SGMV runs. Blocks are written on the pool's
+copy stream while graphs may replay: a replay computes every block's columns, but reads only those
+of slots whose `col_slot` entry is set, which happens after the block is written.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The device view of the adapter pool that the model's LoRA kernels read: the pool owns and
-writes it (services.worker.device_pool), the model reads it (services.worker.model)."""
+writes it (services.worker.device_pool); the step-input builder hands it to the model with each
+step (services.worker.lora_meta.LoraMeta)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,3 +28,9 @@ class LoraTables:
     b_off_host: dict[str, np.ndarray] = field(default_factory=dict)
     ranks_host: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     scales_host: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+
+    def __post_init__(self):
+        # each layer's [n_slices, n_slots] offset views, made once (the model's LoRA calls
+        # read them every step)
+        self.a_layers = {g: list(t.unbind(0)) for g, t in self.a_off.items()}
+        self.b_layers = {g: list(t.unbind(0)) for g, t in self.b_off.items()}

@@ -5,11 +5,13 @@ import logging
 
 import torch
 
+from services.worker.lora_columns import LoraColumns
+from services.worker.lora_tables import LoraTables
 from services.worker.model import LlamaModel
 from services.worker.model_spec import ModelSpec
 from services.worker.sampling import sample
 from services.worker.scheduler import Scheduled
-from services.worker.step_inputs import InputBuffers, build
+from services.worker.step_inputs import InputBuffers, StepBuilder
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +26,13 @@ def kv_blocks_for_budget(spec: ModelSpec, budget_bytes: int, block_size: int,
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 max_batch_tokens: int, max_running: int, max_model_len: int):
+                 max_batch_tokens: int, max_running: int, max_model_len: int,
+                 lora: LoraTables | None = None, columns: LoraColumns | None = None):
+        """lora: the adapter pool's tables (services.worker.device_pool), columns: its column
+        blocks; the step builder reads them and hands them to the model with each step."""
         spec, dev, dt = model.spec, model.device, model.dtype
         self.model, self.block_size = model, block_size
+        self.steps = StepBuilder(block_size, lora, columns)
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_cache = [(torch.zeros(shape, dtype=dt, device=dev),
                           torch.zeros(shape, dtype=dt, device=dev))
@@ -39,8 +45,7 @@ class ModelRunner:
 
     def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int]]:
         """One forward pass; returns the entries that sampled and their new token ids."""
-        inputs = build(batch, self.buffers, self.block_size)
-        inputs.ctx.lora_mask = self.model.lora_mask(b.seq.slot for b in batch)
+        inputs = self.steps.eager(batch, self.buffers)
         logits = self.model.forward(inputs.input_ids, inputs.ctx, self.kv_cache)
         if not inputs.sampled:
             return [], []

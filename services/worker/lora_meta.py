@@ -1,0 +1,79 @@
+"""One step's LoRA metadata (`LoraMeta`), and the one place that picks a step's LoRA choices
+(`choose`: which projection groups run LoRA, the rank tile, column LoRA or not).
+
+The step-input builder (services.worker.step_inputs) makes one LoraMeta a step, over its own
+segment tables (eager) or the graph runner's static ones (captured decode graphs); the model
+reads the pool's tables through it (`args`) and passes each projection's LoRA to the kernels
+as a kernels.sgmv.LoraArgs. The pool owns and writes the tables (services.worker.device_pool).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kernels.sgmv import HostSegments, LoraArgs
+from kernels.sgmv_ref import rank_tile
+from services.worker.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns
+from services.worker.lora_tables import LoraTables
+from services.worker.model_spec import GROUP_BIT
+
+
+@dataclass
+class LoraMeta:
+    """A step's LoRA: its segments over the rows (sorted by adapter slot), what runs, and the
+    pool's tables it reads. mask 0: no LoRA launch at all (base rows only, or no pool)."""
+    seg_start: torch.Tensor          # int32 [G+1] segment bounds over rows
+    seg_slot: torch.Tensor           # int32 [G]   adapter slot per segment, -1 = base only
+    mask: int = 0                    # GROUP_BIT of each group some row's adapter targets
+    rank: int = 0                    # the SGMV rank bound: a graph's rank tile, else the pool's
+    columns: bool = False            # q/k/v as column LoRA (services.worker.lora_columns)
+    tables: LoraTables | None = None
+    # (first row, end row, slot) of the only segment with an adapter, from the host's copy of
+    # the segment table (eager steps; None with none or several, and in captured graphs)
+    host_single: tuple[int, int, int] | None = None
+
+    def runs(self, group: str) -> bool:
+        """Whether this step launches the LoRA of projection group `group`."""
+        return bool(self.mask & GROUP_BIT[group])
+
+    def args(self, group: str, layer: int, slices: Sequence[int]) -> LoraArgs:
+        """What the kernels read for group's LoRA in this layer (see kernels.sgmv.LoraArgs)."""
+        t = self.tables
+        host = None
+        if self.host_single is not None and group in t.a_off_host:
+            host = HostSegments(self.host_single, t.a_off_host[group][layer],
+                                t.b_off_host[group][layer], t.ranks_host, t.scales_host)
+        return LoraArgs(t.pool, t.a_layers[group][layer], t.b_layers[group][layer], t.ranks,
+                        t.scales, slices, self.seg_start, self.seg_slot, self.rank, t.align,
+                        host)
+
+    def column_args(self, layer: int, slices: Sequence[int]) -> LoraArgs:
+        """The q/k/v expand's arguments for column LoRA (rank tile: the blocks' RANK_TILE)."""
+        t = self.tables
+        qkv = t.b_layers["qkv"][layer]
+        return LoraArgs(t.pool, qkv, qkv, t.ranks, t.scales, slices, self.seg_start,
+                        self.seg_slot, COLUMN_RANK_TILE, t.align)
+
+
+def choose(tables: LoraTables | None, columns: LoraColumns | None, slots: np.ndarray,
+           graph: bool) -> tuple[int, int, bool]:
+    """A step's LoRA choices from its rows' adapter slots (-1 = base only): (group mask, rank
+    bound, column LoRA). The rank bound of a graph step is the rank tile of the largest rank
+    among its own adapters (graphs are captured per tile); an eager step's is the pool's
+    largest rank. Column LoRA when every q/k/v adapter among them has a column block."""
+    if tables is None:
+        return 0, 0, False
+    live = slots[slots >= 0]
+    if not len(live):
+        return 0, 0, False
+    groups = tables.slot_groups[live]
+    mask = int(np.bitwise_or.reduce(groups))
+    if not mask:
+        return 0, 0, False
+    qkv = live[(groups & GROUP_BIT["qkv"]) != 0]
+    cols = columns is not None and columns.covers(qkv)
+    rank = rank_tile(int(tables.ranks_host[live].max())) if graph else tables.max_rank
+    return mask, rank, cols
