@@ -86,17 +86,29 @@ class Stack:
     def __init__(self, model: pathlib.Path, adapters: pathlib.Path, log_dir: pathlib.Path,
                  workers: int = 1, worker_args=(), router_args=(), store_args=(), env=None):
         from tests.support import Service      # lazily: GPU-only runs lack grpc_health
-        self.store = Service("adapter_store", ["--adapters-dir", str(adapters), "--model",
-                                               str(model), "--db", ":memory:", *store_args],
-                             log_dir, env=env).wait()
-        self.workers = [Service("worker", ["--model", str(model), "--store", self.store.addr,
-                                           "--device", "cpu", *worker_args], log_dir, env=env)
-                        for _ in range(workers)]
-        for w in self.workers:
-            w.wait()
-        wflags = [x for w in self.workers for x in ("--worker", w.addr)]
-        self.router = Service("router", ["--store", self.store.addr, *wflags, *router_args],
-                              log_dir, env=env).wait()
+        started = []                            # stopped again if a later one fails to start
+        try:
+            self.store = Service("adapter_store", ["--adapters-dir", str(adapters), "--model",
+                                                   str(model), "--db", ":memory:", *store_args],
+                                 log_dir, env=env)
+            started.append(self.store)
+            self.store.wait()
+            self.workers = [Service("worker", ["--model", str(model), "--store",
+                                               self.store.addr, "--device", "cpu",
+                                               *worker_args], log_dir, env=env)
+                            for _ in range(workers)]
+            started += self.workers
+            for w in self.workers:
+                w.wait()
+            wflags = [x for w in self.workers for x in ("--worker", w.addr)]
+            self.router = Service("router", ["--store", self.store.addr, *wflags,
+                                             *router_args], log_dir, env=env)
+            started.append(self.router)
+            self.router.wait()
+        except BaseException:
+            for service in reversed(started):
+                service.kill()
+            raise
 
     @property
     def services(self):

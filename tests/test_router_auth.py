@@ -124,9 +124,16 @@ def test_alias_move_is_seen_at_once(stack):
     with client(stack, "tok-ops") as ops, client(stack, "tok-acme") as acme:
         ops.register("acme-v1", "file://a02", tenant="acme", aliases=["acme-chat"])
         assert acme.generate(adapter="acme-chat", **PROMPT).adapter_id == "acme-v1"
-        ops.register("acme-v2", "file://a03", tenant="acme", aliases=["acme-chat"])
+        with pytest.raises(grpc.RpcError) as err:          # the alias is taken
+            ops.register("acme-v2", "file://a03", tenant="acme", aliases=["acme-chat"])
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        ops.register("acme-v2", "file://a03", tenant="acme", aliases=["acme-chat"],
+                     replace=True)                          # ... and moves, told to
         assert acme.generate(adapter="acme-chat", **PROMPT).adapter_id == "acme-v2"
-        old = ops.register("acme-v1", "file://a04", tenant="acme")      # a new version
+        with pytest.raises(grpc.RpcError) as err:          # the id exists
+            ops.register("acme-v1", "file://a04", tenant="acme")
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        old = ops.register("acme-v1", "file://a04", tenant="acme", replace=True)  # new version
         resp = acme.generate(adapter="acme-v1", **PROMPT)
         assert (resp.adapter_id, resp.adapter_version) == ("acme-v1", old.version)
 

@@ -97,8 +97,8 @@ def test_failed_replace_changes_nothing(env):
     c.register("globex-bot", "file://v1", owner="globex", aliases=["globex"])
     before = c.resolve("acme-chat", tenant="acme")
     code, details = c.error(c.register, "acme-chat", "file://v1", owner="acme", replace=True,
-                            aliases=["acme", "globex"])
-    assert code == grpc.StatusCode.ALREADY_EXISTS and "globex" in details
+                            aliases=["acme", "globex-bot"])
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "globex-bot" in details
     after = c.resolve("acme-chat", tenant="acme")
     assert (after.version, list(after.aliases)) == (before.version, list(before.aliases))
     assert c.resolve("globex", tenant="globex").id == "globex-bot"
@@ -109,6 +109,67 @@ def test_failed_replace_changes_nothing(env):
     assert list(moved.aliases) == ["acme"]  # same owner: the alias moves, atomically
     assert c.resolve("acme", tenant="acme").id == "acme-chat-b"
     assert list(c.resolve("acme-chat", tenant="acme").aliases) == ["acme-task-2"]
+
+
+def test_aliases_are_scoped_by_tenant(env):
+    """Each tenant's aliases are its own: the same alias for two tenants and a shared one
+    resolve apart, a collision names only the caller's own adapter, and another tenant's
+    adapter id does not hide a tenant's alias."""
+    c = env["client"]
+    c.register("t1-bot", "file://v1", owner="t1", aliases=["bot"])
+    c.register("t2-bot", "file://v1", owner="t2", aliases=["bot", "helper"])
+    c.register("open-bot", "file://v1", aliases=["bot"])
+    assert [c.resolve("bot", tenant=t).id for t in ("t1", "t2", "t3")] == [
+        "t1-bot", "t2-bot", "open-bot"]
+    code, details = c.error(c.register, "t1-bot-2", "file://v1", owner="t1", aliases=["bot"])
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "'t1-bot'" in details
+    assert "t2" not in details and "open-bot" not in details
+    c.register("helper", "file://v1", owner="t1")       # t1's adapter id, t2's alias
+    assert c.resolve("helper", tenant="t2").id == "t2-bot"
+    assert c.resolve("helper", tenant="t1").id == "helper"
+    assert c.error(c.resolve, "helper", tenant="t3")[0] == NOT_FOUND
+
+
+def test_register_refuses_an_existing_id_and_a_new_owner(env):
+    c = env["client"]
+    first = c.register("keep-me", "file://v1", owner="t1")
+    code, details = c.error(c.register, "keep-me", "file://v2", owner="t1")
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "replace" in details
+    code, details = c.error(c.register, "keep-me", "file://v2", owner="t9", replace=True)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "owner" in details
+    after = c.resolve("keep-me", tenant="t1")
+    assert (after.version, after.owner) == (first.version, "t1")
+
+
+def test_a_registry_with_global_aliases_moves_them_to_their_owners(tmp_path):
+    """A --db written before aliases were scoped opens with each alias in its adapter's
+    owner's scope."""
+    import sqlite3
+    from services.adapter_store.registry import Registry
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE adapters (id TEXT PRIMARY KEY, version TEXT NOT NULL, sha256 TEXT NOT NULL,
+            owner TEXT NOT NULL, source TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL,
+            rank INTEGER NOT NULL, alpha REAL NOT NULL, rslora INTEGER NOT NULL,
+            targets TEXT NOT NULL, bytes INTEGER NOT NULL, config_json TEXT NOT NULL,
+            detail TEXT NOT NULL, created REAL NOT NULL);
+        CREATE TABLE aliases (alias TEXT PRIMARY KEY,
+            adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE);
+        CREATE INDEX aliases_by_adapter ON aliases(adapter_id);""")
+    detail = '{"layers": [], "tensors": []}'
+    for id_, owner in (("a", "acme"), ("s", "")):
+        db.execute("INSERT INTO adapters VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                   (id_, "v", "h", owner, "file://x", "READY", "", 4, 8.0, 0, "[]", 1, "{}",
+                    detail, 0.0))
+    db.executemany("INSERT INTO aliases VALUES (?, ?)", [("acme-alias", "a"), ("all", "s")])
+    db.commit()
+    db.close()
+    reg = Registry(str(path))
+    assert reg.lookup("acme-alias", "acme").id == "a"
+    assert reg.lookup("acme-alias", "globex") is None
+    assert reg.lookup("all", "globex").id == "s" and reg.get("a").aliases == ("acme-alias",)
+    reg.close()
 
 
 def test_failed_adapter_from_directory(env):

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field, replace as dc_replace
 
 from services.common.safetensors_parse import RawTensor
-from services.common.errors import AlreadyExists, unknown_adapter
+from services.common.errors import AlreadyExists, FailedPrecondition, unknown_adapter
 
 READY, REGISTERED, FAILED = "READY", "REGISTERED", "FAILED"
 _SCHEMA = """
@@ -24,9 +24,24 @@ CREATE TABLE IF NOT EXISTS adapters (
     alpha REAL NOT NULL, rslora INTEGER NOT NULL, targets TEXT NOT NULL, bytes INTEGER NOT NULL,
     config_json TEXT NOT NULL, detail TEXT NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS aliases (
-    alias TEXT PRIMARY KEY,
-    adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE);
+    owner TEXT NOT NULL, alias TEXT NOT NULL,
+    adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE,
+    PRIMARY KEY (owner, alias));
 CREATE INDEX IF NOT EXISTS aliases_by_adapter ON aliases(adapter_id);
+"""
+# A registry written before aliases were scoped by owner (alias TEXT PRIMARY KEY): its aliases
+# move to their adapters' owners' scopes.
+_MIGRATE_ALIASES = """
+ALTER TABLE aliases RENAME TO aliases_global;
+DROP INDEX IF EXISTS aliases_by_adapter;
+CREATE TABLE aliases (
+    owner TEXT NOT NULL, alias TEXT NOT NULL,
+    adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE,
+    PRIMARY KEY (owner, alias));
+INSERT INTO aliases SELECT a.owner, g.alias, g.adapter_id FROM aliases_global g
+    JOIN adapters a ON a.id = g.adapter_id;
+DROP TABLE aliases_global;
+CREATE INDEX aliases_by_adapter ON aliases(adapter_id);
 """
 
 
@@ -74,6 +89,9 @@ class Registry:
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(aliases)")}
+            if columns and "owner" not in columns:
+                self._db.executescript("BEGIN;" + _MIGRATE_ALIASES + "COMMIT;")
             self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
@@ -86,14 +104,19 @@ class Registry:
             row = self._db.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
             return self._record(row) if row else None
 
-    def lookup(self, name: str) -> AdapterRecord | None:
-        """The adapter whose id, or one of whose aliases, is `name`; None if neither."""
+    def lookup(self, name: str, tenant: str) -> AdapterRecord | None:
+        """The adapter `name` names for `tenant`: the one with that id if the tenant sees it,
+        else the one with that alias among the tenant's own, else among the shared ones; None
+        if none. (Aliases are scoped by owner: one tenant's never hides or reveals another's,
+        and another tenant's adapter id does not hide a tenant's alias.)"""
         with self._lock:
             row = self._db.execute(
-                "SELECT * FROM adapters WHERE id = ? UNION ALL SELECT a.* FROM adapters a "
-                "JOIN aliases s ON s.adapter_id = a.id WHERE s.alias = ? LIMIT 1",
-                (name, name)).fetchone()
-            return self._record(row) if row else None
+                "SELECT a.*, 0 AS o FROM adapters a WHERE a.id = ? AND a.owner IN ('', ?) "
+                "UNION ALL "
+                "SELECT a.*, CASE s.owner WHEN '' THEN 2 ELSE 1 END AS o FROM adapters a "
+                "JOIN aliases s ON s.adapter_id = a.id WHERE s.alias = ? AND s.owner IN ('', ?) "
+                "ORDER BY o LIMIT 1", (name, tenant, name, tenant)).fetchone()
+            return self._record(row[:-1]) if row else None
 
     def list(self, tenant: str | None) -> list[AdapterRecord]:
         """Adapters visible to tenant (shared + its own), or all of them when tenant is None."""
@@ -119,8 +142,10 @@ class Registry:
     def put(self, rec: AdapterRecord, replace: bool) -> tuple[AdapterRecord, AdapterRecord | None]:
         """Insert rec, or (replace) swap it in with its aliases atomically.
 
-        rec.aliases empty on a replace keeps the adapter's current aliases. An alias held by
-        another adapter moves only on a replace and only between adapters of the same owner.
+        An existing id is ALREADY_EXISTS unless replace; a replace keeps the owner
+        (FAILED_PRECONDITION otherwise: delete the adapter to give the id to another tenant).
+        rec.aliases empty on a replace keeps the adapter's current aliases. Aliases live in the
+        owner's scope; one held by another adapter of the same owner moves only on a replace.
         Returns (the stored record, the record it replaced or None).
         """
         with self._lock:
@@ -130,6 +155,10 @@ class Registry:
                 if old is not None and not replace:
                     raise AlreadyExists(f"id: adapter {rec.id!r} already exists (set replace "
                                         "to register a new version)")
+                if old is not None and old.owner != rec.owner:
+                    raise FailedPrecondition(
+                        f"owner: adapter {rec.id!r} has another owner; a new version keeps "
+                        "its owner (delete the adapter to register the id for another)")
                 aliases = rec.aliases if rec.aliases or old is None else old.aliases
                 self._check_names(rec, aliases, replace)
                 stored = dc_replace(rec, aliases=tuple(aliases),
@@ -159,18 +188,20 @@ class Registry:
         return self._record(row) if row else None
 
     def _check_names(self, rec: AdapterRecord, aliases: tuple[str, ...], replace: bool) -> None:
-        """The id is nobody's alias; each alias is no adapter's id and free (or movable)."""
-        if self._db.execute("SELECT 1 FROM aliases WHERE alias = ?", (rec.id,)).fetchone():
+        """The id is no alias in the owner's scope or the shared one (it would hide it); each
+        alias is no adapter's id and free in the owner's scope (or movable there). Other
+        tenants' aliases are neither checked nor named."""
+        if self._db.execute("SELECT 1 FROM aliases WHERE alias = ? AND owner IN ('', ?)",
+                            (rec.id, rec.owner)).fetchone():
             raise AlreadyExists(f"id: {rec.id!r} is already an alias")
         for alias in aliases:
             if alias == rec.id or self._db.execute(
                     "SELECT 1 FROM adapters WHERE id = ?", (alias,)).fetchone():
                 raise AlreadyExists(f"aliases: {alias!r} is already an adapter id")
-            row = self._db.execute(
-                "SELECT a.id, a.owner FROM aliases s JOIN adapters a ON a.id = s.adapter_id "
-                "WHERE s.alias = ?", (alias,)).fetchone()
-            if row and row[0] != rec.id and not (replace and row[1] == rec.owner):
-                raise AlreadyExists(f"aliases: {alias!r} already names another adapter")
+            row = self._db.execute("SELECT adapter_id FROM aliases WHERE owner = ? AND alias = ?",
+                                   (rec.owner, alias)).fetchone()
+            if row and row[0] != rec.id and not replace:
+                raise AlreadyExists(f"aliases: {alias!r} already names adapter {row[0]!r}")
 
     def _write(self, rec: AdapterRecord) -> None:
         detail = json.dumps({"layers": list(rec.layers),
@@ -183,8 +214,8 @@ class Registry:
              rec.rank, rec.alpha, int(rec.rslora), json.dumps(list(rec.targets)), rec.bytes,
              rec.config_json, detail, rec.created))
         # An alias another adapter held moves here (put() checked that it may).
-        self._db.executemany("INSERT OR REPLACE INTO aliases VALUES (?, ?)",
-                             [(a, rec.id) for a in rec.aliases])
+        self._db.executemany("INSERT OR REPLACE INTO aliases VALUES (?, ?, ?)",
+                             [(rec.owner, a, rec.id) for a in rec.aliases])
 
     def _record(self, row: tuple) -> AdapterRecord:
         (id_, version, sha, owner, source, state, reason, rank, alpha, rslora, targets, nbytes,

@@ -153,7 +153,7 @@ class AdapterStore:
         """The adapter `name` (id or alias) as `tenant` sees it; NOT_FOUND if invisible."""
         check_name("name", name)
         check_name("tenant", tenant, allow_empty=True)
-        record = self._registry.lookup(name)
+        record = self._registry.lookup(name, tenant)
         if record is None or not record.visible_to(tenant):
             raise unknown_adapter(name)
         if record.state == FAILED:

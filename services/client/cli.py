@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--source", required=True, help="file://REL or s3://BUCKET/PREFIX")
     r.add_argument("--tenant", default="", help="owner tenant (empty = shared)")
     r.add_argument("--alias", action="append", default=[], help="alias, repeatable")
+    r.add_argument("--replace", action="store_true",
+                   help="register a new version of an existing id (its aliases move to it)")
     r.add_argument("--json", action="store_true")
     d = sub.add_parser("delete", help="delete an adapter (admin)")
     d.add_argument("--id", required=True)
@@ -152,7 +154,7 @@ def run(args) -> int:
         if args.cmd == "generate":
             return _generate(c, args)
         if args.cmd == "register":
-            info = c.register(args.id, args.source, args.tenant, args.alias)
+            info = c.register(args.id, args.source, args.tenant, args.alias, args.replace)
             print(json.dumps(adapter_dict(info)) if args.json else
                   f"registered {info.id} version {info.version} ({info.state})")
         elif args.cmd == "delete":

@@ -65,9 +65,10 @@ class LorafleetClient:
                                          metadata=self._metadata)
 
     def register(self, adapter_id: str, source: str, tenant: str = "",
-                 aliases: Sequence[str] = ()) -> rpb.AdapterInfo:
+                 aliases: Sequence[str] = (), replace: bool = False) -> rpb.AdapterInfo:
+        """replace: register a new version of an existing id (else ALREADY_EXISTS)."""
         req = rpb.RegisterAdapterRequest(id=adapter_id, source=source, tenant=tenant,
-                                         aliases=list(aliases))
+                                         aliases=list(aliases), replace=replace)
         return self._stub.RegisterAdapter(req, timeout=self.timeout,
                                           metadata=self._metadata).adapter
 

@@ -1,6 +1,7 @@
 """The public GenerationService: thin methods over the router's parts (RouterApp)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -55,8 +56,12 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         return self.app.tenants.authenticate(context.invocation_metadata())
 
     async def GenerateStream(self, request, context):
-        async for resp in self._generate(request, context, unary=False):
-            yield resp
+        # aclosing: a consumer that stops reading (the HTTP gateway, at the last message)
+        # closes the whole chain at once, so the request is settled then, not when the
+        # inner generators are collected
+        async with contextlib.aclosing(self._generate(request, context, unary=False)) as gen:
+            async for resp in gen:
+                yield resp
 
     async def _generate(self, request, context, unary: bool):
         """Admit, then stream from a worker; unary (Generate) sends the client nothing before
@@ -73,9 +78,11 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             adm = await self.path.admit(request, caller, context.time_remaining())
             span.set_attribute("gen_ai.request.id", adm.request_id)
             usage = None
-            async for resp in self.path.stream(request, adm, context, unary):
-                usage = resp.usage if resp.HasField("usage") else usage
-                yield resp
+            async with contextlib.aclosing(self.path.stream(request, adm, context,
+                                                            unary)) as stream:
+                async for resp in stream:
+                    usage = resp.usage if resp.HasField("usage") else usage
+                    yield resp
             if usage is not None:
                 span.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
                                      "gen_ai.usage.output_tokens": usage.generated_tokens})
@@ -158,11 +165,11 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         with _tracer.start_as_current_span("router.register", context=parent) as span:
             span.set_attributes({"lora.tenant": caller.tenant, "lora.adapter_id": request.id,
                                  "lora.owner": request.tenant, "lora.source": request.source})
-            # replace=True: registering an existing id makes a new version, and the aliases
-            # given move to it (the store moves them atomically): cached resolutions are stale.
+            # replace: a new version of an existing id, the aliases given moving to it (the
+            # store moves them atomically): cached resolutions are stale after it.
             resp = await _store_call(self.app.store.Register(
                 spb.RegisterRequest(id=request.id, source=request.source, owner=request.tenant,
-                                    aliases=request.aliases, replace=True),
+                                    aliases=request.aliases, replace=request.replace),
                 timeout=context.time_remaining() or 60, metadata=outgoing_metadata()))
         self.app.resolver.invalidate()
         log.info("tenant %s registered adapter %s from %s", caller.tenant, request.id,
