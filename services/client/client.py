@@ -42,12 +42,22 @@ class LorafleetClient:
                 max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 0.0, seed: int = 0, repetition_penalty: float = 0.0,
                 stop: Sequence[str] = (), time_limit_ms: int = 0, ignore_eos: bool = False,
-                request_id: str = "", messages: Sequence[dict] = ()) -> rpb.GenerateRequest:
+                request_id: str = "", messages: Sequence[dict] = (),
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                logit_bias: dict[int, float] | None = None, min_new_tokens: int = 0,
+                logprobs: bool = False, top_n_tokens: int = 0) -> rpb.GenerateRequest:
         """messages: a chat ({"role", "content"} dicts) instead of the prompt, rendered with
-        the model's chat template by the worker."""
+        the model's chat template by the worker; logprobs / top_n_tokens: each token's
+        log-probability (and the n likeliest alternatives) in the responses' `tokens`."""
         req = rpb.GenerateRequest(adapter_id=adapter, text=prompt,
                                   prompt_token_ids=list(prompt_ids), request_id=request_id,
                                   messages=chat_messages(messages))
+        req.sampling.presence_penalty = presence_penalty
+        req.sampling.frequency_penalty = frequency_penalty
+        for token, bias in (logit_bias or {}).items():
+            req.sampling.logit_bias[token] = bias
+        req.stopping.min_new_tokens = min_new_tokens
+        req.response.token_logprobs, req.response.top_n_tokens = logprobs, top_n_tokens
         req.sampling.temperature, req.sampling.top_k, req.sampling.top_p = temperature, top_k, top_p
         req.sampling.seed, req.sampling.repetition_penalty = seed, repetition_penalty
         req.stopping.max_new_tokens = max_new_tokens

@@ -176,7 +176,7 @@ class RequestPath:
         wreq = wpb.WorkerGenerateRequest(
             request_id=adm.request_id, prompt_token_ids=req.prompt_token_ids, text=req.text,
             sampling=req.sampling, stopping=req.stopping, tenant=adm.caller.tenant,
-            messages=req.messages)
+            messages=req.messages, response=req.response)
         if adm.adapter is not None:
             wreq.adapter.CopyFrom(self._ref(adm))
         return wreq
@@ -286,7 +286,7 @@ class RequestPath:
 
     @staticmethod
     def _response(w: wpb.WorkerGenerateResponse, adm: Admitted) -> router_pb2.GenerateResponse:
-        out = router_pb2.GenerateResponse(token_ids=w.token_ids, text=w.text,
+        out = router_pb2.GenerateResponse(token_ids=w.token_ids, text=w.text, tokens=w.tokens,
                                           stop_reason=w.stop_reason, request_id=adm.request_id)
         if w.HasField("usage"):
             out.usage.CopyFrom(w.usage)

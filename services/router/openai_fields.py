@@ -30,15 +30,17 @@ class BodyError(InvalidArgument):
 
 # The fields of both endpoints, honoured
 SAMPLING = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
-            "seed", "top_k", "repetition_penalty", "ignore_eos", "user_request_id")
+            "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+            "top_k", "repetition_penalty", "ignore_eos", "min_tokens", "user_request_id")
+MAX_LOGIT_BIAS = 1024          # tokens a request may bias
+TOP_LOGPROBS = {False: 5, True: 20}   # the most alternatives: completions' logprobs, chat's
 # accepted, with no effect on the output (as in OpenAI: abuse tracking, stored-completion tags,
 # the billing tier)
 NO_EFFECT = ("user", "metadata", "service_tier")
 # defined by OpenAI, refused unless left at the value that turns them off
 OFF_VALUES = {
-    "n": (None, 1), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty":
-    (None, 0), "logit_bias": (None, {}), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "echo": (None, False), "suffix": (None, ""), "min_tokens": (None, 0),
+    "n": (None, 1), "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None, ""),
     "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False), "modalities": (None, ["text"]),
@@ -46,10 +48,7 @@ OFF_VALUES = {
     "web_search_options": (None,), "verbosity": (None,), "store": (None, False),
 }
 WHY = {"n": "only one choice per request", "best_of": "only one choice per request",
-       "presence_penalty": "not supported yet", "frequency_penalty": "not supported yet",
-       "logit_bias": "not supported yet", "logprobs": "not supported yet",
-       "top_logprobs": "not supported yet", "echo": "not supported yet",
-       "min_tokens": "not supported yet", "suffix": "insertion is not supported",
+       "echo": "not supported yet", "suffix": "insertion is not supported",
        "response_format": "only {\"type\": \"text\"} (structured output is not supported)",
        "tools": "tool calling is not supported", "tool_choice": "tool calling is not supported",
        "functions": "function calling is not supported",
@@ -176,7 +175,68 @@ def build_request(body: dict, prompt_text: str = "", prompt_ids=(), messages=(),
     req.stopping.max_new_tokens = integer(body, cap_key, 0 if chat else 16, 1)
     req.stopping.stop_sequences.extend(_stop(body))
     req.stopping.ignore_eos = _bool(body, "ignore_eos")
+    req.stopping.min_new_tokens = integer(body, "min_tokens", 0)
+    s.presence_penalty = number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    s.frequency_penalty = number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    for token, bias in _logit_bias(body).items():
+        s.logit_bias[token] = bias
+    _logprobs(body, chat, req.response)
     return req
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """{"token id": bias in [-100, 100]} (OpenAI's keys are the ids as strings)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise BodyError(f"logit_bias: an object of at most {MAX_LOGIT_BIAS} token ids",
+                        "logit_bias", "invalid_type")
+    out = {}
+    for key in value:
+        if not (isinstance(key, str) and key.isdigit() and int(key) <= U32):
+            raise BodyError(f"logit_bias: {key!r} is not a token id", "logit_bias",
+                            "invalid_value")
+        bias = value[key]
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+                not -100 <= bias <= 100:
+            raise BodyError(f"logit_bias: {key}: {bias!r} is not a number in [-100, 100]",
+                            "logit_bias", "invalid_value")
+        out[int(key)] = float(bias)
+    return out
+
+
+def _logprobs(body: dict, chat: bool, response) -> None:
+    """Completions: `logprobs: k` (0-5) -> each token's logprob and the k likeliest; chat:
+    `logprobs: true` and `top_logprobs: k` (0-20, only with logprobs)."""
+    if chat:
+        asked = _bool(body, "logprobs")
+        top = integer(body, "top_logprobs", 0, 0, TOP_LOGPROBS[True])
+        if top and not asked:
+            raise BodyError("top_logprobs: only with logprobs true", "top_logprobs",
+                            "invalid_value")
+    else:
+        value = body.get("logprobs")
+        asked = value is not None and value is not False
+        top = integer(body, "logprobs", 0, 0, TOP_LOGPROBS[False]) if asked else 0
+    response.token_logprobs, response.top_n_tokens = asked, top
+
+
+def logprobs_json(tokens, chat: bool, top: int) -> dict | None:
+    """The choice's (or a chunk's) `logprobs` object for these TokenInfo messages, in the
+    endpoint's shape; None when none were asked for."""
+    if chat:
+        def entry(t):
+            return {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+        return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t.top_tokens]}
+                            for t in tokens], "refusal": None}
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{a.text: a.logprob for a in t.top_tokens} for t in tokens]
+            if top else None, "text_offset": offsets}
 
 
 def _content(i: int, content) -> str:

@@ -17,7 +17,8 @@ from aiohttp import web
 
 from services.common.errors import InvalidArgument, LorafleetError, NotFound, Unavailable
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
-from services.router.openai_fields import BodyError, build_request, chat_messages, token_ids
+from services.router.openai_fields import (BodyError, build_request, chat_messages,
+                                           logprobs_json, token_ids)
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
@@ -281,9 +282,10 @@ class OpenAIGateway:
         except LorafleetError as err:
             return _error(err, chat)
         finish = FINISH.get(resp.stop_reason, "stop")
+        lp = _logprobs(resp.tokens, req, chat)
         choice = ({"index": 0, "message": {"role": "assistant", "content": resp.text},
-                   "finish_reason": finish} if chat else
-                  {"index": 0, "text": resp.text, "finish_reason": finish, "logprobs": None})
+                   "logprobs": lp, "finish_reason": finish} if chat else
+                  {"index": 0, "text": resp.text, "finish_reason": finish, "logprobs": lp})
         u = resp.usage
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -315,7 +317,8 @@ class OpenAIGateway:
                 if resp.HasField("usage"):
                     usage = resp.usage
                 finish = FINISH.get(resp.stop_reason, "stop") if resp.stop_reason else None
-                await out.write(chunk(resp.text, finish))
+                await out.write(chunk(resp.text, finish, logprobs=_logprobs(resp.tokens, req,
+                                                                             chat)))
                 resp = await stream.__anext__() if finish is None else None
         except StopAsyncIteration:
             pass
@@ -330,10 +333,17 @@ class OpenAIGateway:
         return out
 
 
+def _logprobs(tokens, req, chat: bool) -> dict | None:
+    """The OpenAI logprobs object of these tokens, when the request asked for them."""
+    if not req.response.token_logprobs:
+        return None
+    return logprobs_json(tokens, chat, req.response.top_n_tokens)
+
+
 def _chunker(rid: str, model: str, chat: bool):
     created = int(time.time())
 
-    def chunk(text, finish, role: bool = False, usage=None) -> bytes:
+    def chunk(text, finish, role: bool = False, usage=None, logprobs=None) -> bytes:
         if usage is not None:                      # the usage chunk: no choices
             data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created, "model": model, "choices": [],
@@ -343,10 +353,11 @@ def _chunker(rid: str, model: str, chat: bool):
             return b"data: " + json.dumps(data).encode() + b"\n\n"
         if chat:
             delta = {"role": "assistant"} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish,
+                      "logprobs": logprobs}
             obj = "text_completion"
         data = {"id": rid, "object": obj, "created": created, "model": model,
                 "choices": [choice]}

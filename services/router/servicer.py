@@ -92,6 +92,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         text = []
         async for resp in self._generate(request, context, unary=True):
             out.token_ids.extend(resp.token_ids)
+            out.tokens.extend(resp.tokens)
             text.append(resp.text)
             if resp.stop_reason:
                 out.stop_reason = resp.stop_reason

@@ -44,6 +44,8 @@ class TokenEvent:
     ttft_s: float = 0.0
     total_s: float = 0.0
     error: str = ""
+    # with Sampling.logprobs >= 0: per token, (its logprob, ((id, logprob), ...) the top ones)
+    logprobs: list | None = None
 
 
 Sink = Callable[[TokenEvent], None]
@@ -128,7 +130,7 @@ class Engine:
         try:
             pending = launch(batch) if launch is not None else None
             if pending is None:
-                sampled, tokens = self.runner.run(batch)
+                sampled, tokens, lps = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the worker
             self._fail(batch, exc, now)
             return True
@@ -140,15 +142,19 @@ class Engine:
         if pending is not None:
             self._pending = pending
             return True
-        self._post(sampled, tokens)
+        self._post(sampled, tokens, lps)
         return True
 
-    def _post(self, sampled: list[Scheduled], tokens: list[int]) -> None:
+    def _post(self, sampled: list[Scheduled], tokens: list[int], lps: list | None) -> None:
         self.steps += 1
         self.tokens_generated += len(tokens)
         append = self._append
-        for b, tok in zip(sampled, tokens):
-            append(b, tok)
+        if lps is None:
+            for b, tok in zip(sampled, tokens):
+                append(b, tok)
+        else:
+            for b, tok, lp in zip(sampled, tokens, lps):
+                append(b, tok, lp)
 
     def _fail(self, batch: list[Scheduled], exc: Exception, now: float) -> None:
         log.error("step failed; failing its %d requests", len(batch), exc_info=exc)
@@ -171,11 +177,11 @@ class Engine:
                 for b in rows:
                     b.seq.num_computed += 1
         try:
-            sampled, tokens = self.runner.collect(done)
+            sampled, tokens, lps = self.runner.collect(done)
         except Exception as exc:  # noqa: BLE001
             self._fail(done.batch, exc, time.monotonic())
             return
-        self._post(sampled, tokens)
+        self._post(sampled, tokens, lps)
 
     def _continuation(self, batch: list[Scheduled]) -> list[Scheduled] | None:
         """The next decode step of a step in flight, or None when the scheduler must decide:
@@ -224,7 +230,7 @@ class Engine:
             if seq.first_scheduled and now - seq.first_scheduled >= limit:
                 self._finish(seq, Stop.TIME_LIMIT)
 
-    def _append(self, b: Scheduled, token: int) -> None:
+    def _append(self, b: Scheduled, token: int, lp: tuple | None = None) -> None:
         """A sampled token: add it to its sequence, then send its text or finish the request.
         Runs for every row of every step, so it is kept flat: attribute reads, one tokenizer
         call (_decode_new), and no stop-sequence work for sequences without stop sequences."""
@@ -236,7 +242,8 @@ class Engine:
         tokens.append(token)
         if seq.first_token is None:
             seq.first_token = time.monotonic()
-        if token in self.eos and not stopping.ignore_eos:
+        if token in self.eos and not stopping.ignore_eos and seq.num_output >= \
+                seq.sampling.min_tokens:
             stop = Stop.EOS_TOKEN
         elif len(tokens) - len(seq.prompt) >= stopping.max_new_tokens:     # seq.num_output
             stop = Stop.MAX_TOKENS
@@ -252,10 +259,11 @@ class Engine:
                 delta = ""                           # a partial UTF-8 character: wait
             else:
                 seq.text = seq.decoded
+        lps = None if lp is None else [lp]
         if stop is _NO_STOP:
-            entry[1](TokenEvent([token], delta))
+            entry[1](TokenEvent([token], delta, logprobs=lps))
         else:
-            self._finish(seq, stop, last=([token], delta))
+            self._finish(seq, stop, last=([token], delta, lps))
 
     def _finish(self, seq: Sequence, stop: Stop, last=None, error: str = "") -> None:
         """End a request: free its row and blocks, send the final event (with any text held
@@ -267,11 +275,12 @@ class Engine:
         if entry is None:
             return
         if last is None:
-            last = ([], self.detok.detokenize(seq, final=True)[0] if seq.num_output else "")
+            last = ([], self.detok.detokenize(seq, final=True)[0] if seq.num_output else "",
+                    None)
         now = time.monotonic()
         start = seq.first_scheduled or now
         entry[1](TokenEvent(
             last[0], last[1], stop, prompt_tokens=len(seq.prompt),
             generated_tokens=seq.num_output, queue_s=start - seq.arrival,
             ttft_s=(seq.first_token or now) - seq.arrival, total_s=now - seq.arrival,
-            error=error))
+            error=error, logprobs=last[2]))

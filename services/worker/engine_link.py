@@ -21,7 +21,7 @@ from services.common.errors import LorafleetError
 from services.common.server import status_for
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import incoming_context, tracer
-from services.worker import metrics
+from services.worker import metrics, token_info
 from services.worker.engine import TokenEvent
 from services.worker.link import BlockingEnd
 from services.worker.sequence import Stop
@@ -69,14 +69,17 @@ class EngineLink:
 
     def _sink(self, h: int, call: _Call, cold_s: float, tier: int):
         out_of, loop, finished = self, self.loop, self._finished
+        texts = self.servicer.token_texts
 
         def sink(ev: TokenEvent) -> None:
+            details = None if ev.logprobs is None else token_info.payload(
+                ev.token_ids, ev.logprobs, texts)
             if ev.stop is _NONE:
-                out_of._out.append((h, ev.token_ids, ev.text))
+                out_of._out.append((h, ev.token_ids, ev.text, details))
                 return
             out_of._out.append((h, ev.token_ids, ev.text, int(ev.stop), ev.prompt_tokens,
                                 ev.generated_tokens, ev.queue_s, ev.ttft_s, ev.total_s,
-                                ev.error, cold_s, tier))
+                                ev.error, cold_s, tier, details))
             loop.call_soon_threadsafe(finished, h, ev.stop, ev.generated_tokens)
         return sink
 

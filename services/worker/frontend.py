@@ -28,6 +28,7 @@ from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
 from services.common.runtime import setup_logging
 from services.common.server import (CLIENT_OPTIONS, create_server, server_credentials,
                                     set_serving)
+from services.worker import token_info
 from services.worker.link import encode, read_message
 from services.worker.sequence import Stop
 
@@ -106,17 +107,19 @@ class Frontend:
             while True:
                 item = await q.get()
                 n = len(item)
-                if n == 3:
-                    yield wpb.WorkerGenerateResponse(token_ids=item[1], text=item[2])
+                if n == 4:                  # (h, token ids, text, token details)
+                    yield wpb.WorkerGenerateResponse(token_ids=item[1], text=item[2],
+                                                     tokens=token_info.protos(item[3]))
                     continue
                 done = True
                 if n == 2:
                     await abort_with_status(context, status_pb2.Status.FromString(item[1]))
                 (_, tokens, text, stop, prompt_tokens, generated, queue_s, ttft_s, total_s,
-                 error, cold_s, tier) = item
+                 error, cold_s, tier, details) = item
                 if stop == _ERROR:
                     await context.abort(LorafleetError.code, f"generation failed: {error}")
-                out = wpb.WorkerGenerateResponse(token_ids=tokens, text=text, stop_reason=stop)
+                out = wpb.WorkerGenerateResponse(token_ids=tokens, text=text, stop_reason=stop,
+                                                 tokens=token_info.protos(details))
                 out.usage.prompt_tokens, out.usage.generated_tokens = prompt_tokens, generated
                 t = out.timings
                 t.queue_s, t.time_to_first_token_s, t.total_s = queue_s, ttft_s, total_s

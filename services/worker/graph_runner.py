@@ -49,7 +49,7 @@ from services.worker.lora_meta import LoraMeta
 from services.worker.model import StepContext
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
 from services.worker.runner import ModelRunner
-from services.worker.sampling import sample
+from services.worker.sampling import pack_logprobs, sample, unpack_logprobs
 from services.worker.scheduler import Scheduled
 from services.worker.step_inputs import HostViews, StepPlan, sampling_batch
 
@@ -82,6 +82,7 @@ class PendingStep:
     tokens: torch.Tensor                 # int64 [n] on the device
     host: torch.Tensor                   # int64 [n], pinned: the copy's destination
     done: torch.cuda.Event | None        # recorded after the copy (None on CPU)
+    logprobs: torch.Tensor | None = None  # pack_logprobs' rows, host (pinned): when asked
 
 
 class GraphRunner:
@@ -89,6 +90,7 @@ class GraphRunner:
         self.runner = runner
         self.model = runner.model
         self.steps = runner.steps                 # the step-input builder, eager steps' too
+        self.eos = runner.steps.eos
         dev = self.model.device
         # the sizes up to the engine's row limit, and the limit itself (else a full batch of,
         # say, 100 rows would find no graph between 96 and 128 and run eagerly)
@@ -194,9 +196,9 @@ class GraphRunner:
                 return b
         return None
 
-    def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int]]:
+    def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int], list | None]:
         """One step, waited for: from a graph when it is a decode step that has one, else
-        eagerly; returns the rows that sampled and their tokens."""
+        eagerly; returns the rows that sampled, their tokens and logprobs (ModelRunner.run)."""
         pending = self.launch(batch)
         if pending is None:
             return self.runner.run(batch)
@@ -213,7 +215,8 @@ class GraphRunner:
         b = self._bucket(len(batch))
         decode = all(x.num_tokens == 1 for x in batch) and (
             prev is not None or all(x.samples for x in batch))
-        penalized = any(x.seq.sampling.repetition_penalty not in (0.0, 1.0) for x in batch)
+        # a penalty reads the tokens so far, the one in flight included: such steps run eagerly
+        penalized = any(x.seq.sampling.history for x in batch)
         if b is None or not decode or penalized or b not in self.captured:
             return None
         plan = self.steps.plan(batch, graph=True)
@@ -240,15 +243,21 @@ class GraphRunner:
             self.graphs[key].replay()
         self.replays += 1
         logits = self.outputs[key][:len(batch)]
-        tokens = sample(logits, sampling_batch(batch, self.model.device,
-                                               ahead=0 if prev is None else 1))
+        params = sampling_batch(batch, self.model.device, ahead=0 if prev is None else 1,
+                                eos=self.eos)
+        tokens = sample(logits, params)
         host = self._filled.tokens[:len(batch)]
         host.copy_(tokens, non_blocking=True)
+        lp = None
+        if params.logprobs >= 0:         # asked for: their copy rides the same event
+            packed = pack_logprobs(logits, tokens, params.logprobs)
+            lp = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=tokens.is_cuda)
+            lp.copy_(packed, non_blocking=True)
         done = None
         if tokens.is_cuda:
             done = torch.cuda.Event()
             done.record()
-        return PendingStep(batch, tokens, host, done)
+        return PendingStep(batch, tokens, host, done, lp)
 
     def _graph_key(self, b: int, mask: int, tile: int, columns: bool = False
                    ) -> tuple[int, int, int, bool] | None:
@@ -267,11 +276,16 @@ class GraphRunner:
         return self._choice[key]
 
     @staticmethod
-    def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int]]:
-        """Wait for a launched step's tokens: (its rows, their new token ids)."""
+    def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int], list | None]:
+        """Wait for a launched step's tokens: (its rows, their new token ids, their logprobs
+        or None, as ModelRunner.run)."""
         if pending.done is not None:
             pending.done.synchronize()
-        return pending.batch, pending.host.tolist()
+        lps = None
+        if pending.logprobs is not None:
+            lps = unpack_logprobs(pending.logprobs.tolist(),
+                                  [b.seq.sampling.logprobs for b in pending.batch])
+        return pending.batch, pending.host.tolist(), lps
 
     @staticmethod
     def _split32(buf: torch.Tensor, top: int, mb: int):

@@ -9,7 +9,7 @@ from services.worker.lora_columns import LoraColumns
 from services.worker.lora_tables import LoraTables
 from services.worker.model import LlamaModel
 from services.worker.model_spec import ModelSpec
-from services.worker.sampling import sample
+from services.worker.sampling import pack_logprobs, sample, unpack_logprobs
 from services.worker.scheduler import Scheduled
 from services.worker.step_inputs import InputBuffers, StepBuilder
 
@@ -32,7 +32,7 @@ class ModelRunner:
         blocks; the step builder reads them and hands them to the model with each step."""
         spec, dev, dt = model.spec, model.device, model.dtype
         self.model, self.block_size = model, block_size
-        self.steps = StepBuilder(block_size, lora, columns)
+        self.steps = StepBuilder(block_size, lora, columns, eos=tuple(spec.eos_token_ids))
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_cache = [(torch.zeros(shape, dtype=dt, device=dev),
                           torch.zeros(shape, dtype=dt, device=dev))
@@ -43,11 +43,17 @@ class ModelRunner:
                  2 * spec.num_layers * self.kv_cache[0][0].numel()
                  * self.kv_cache[0][0].element_size() / 2**20, dev)
 
-    def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int]]:
-        """One forward pass; returns the entries that sampled and their new token ids."""
+    def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int], list | None]:
+        """One forward pass; returns the entries that sampled, their new token ids, and their
+        logprobs when some row asked (see sampling.unpack_logprobs; else None)."""
         inputs = self.steps.eager(batch, self.buffers)
         logits = self.model.forward(inputs.input_ids, inputs.ctx, self.kv_cache)
         if not inputs.sampled:
-            return [], []
+            return [], [], None
         tokens = sample(logits, inputs.sampling)
-        return inputs.sampled, tokens.tolist()      # the step's one host sync
+        k = inputs.sampling.logprobs
+        if k < 0:
+            return inputs.sampled, tokens.tolist(), None    # the step's one host sync
+        rows = pack_logprobs(logits, tokens, k).tolist()      # ... with the logprobs in it
+        return (inputs.sampled, [int(r[0]) for r in rows],
+                unpack_logprobs(rows, [b.seq.sampling.logprobs for b in inputs.sampled]))

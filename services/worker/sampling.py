@@ -1,4 +1,11 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, repetition penalty, per-request seeds.
+"""Batched sampling: greedy, temperature, top-k, top-p, the repetition penalty, OpenAI's
+presence and frequency penalties, logit biases, min_tokens, per-request seeds; and the tokens'
+log-probabilities (`pack_logprobs`).
+
+The logits go through, in order: logit biases, the EOS ban of rows short of min_tokens, the
+repetition penalty, the presence and frequency penalties, then temperature, top-k and top-p.
+Log-probabilities are the model's own (log-softmax of the raw logits), as vLLM reports them
+by default.
 
 Randomness is counter-based: row i draws u = hash(seed_i, n_i) where n_i is the index of the
 token being sampled, so a request with a seed gets the same tokens whatever else is in the
@@ -40,6 +47,20 @@ class SamplingBatch:
     penalty: torch.Tensor | None   # float32 [R] repetition penalty, None when all rows are 1
     history: torch.Tensor | None   # int64 [R, L] prompt + output ids, padded with -1
     all_greedy: bool
+    presence: torch.Tensor | None = None    # float32 [R] (None: every row 0, and frequency)
+    frequency: torch.Tensor | None = None   # float32 [R]
+    output: torch.Tensor | None = None      # int64 [R, L] output ids so far, padded with -1
+    bias_ids: torch.Tensor | None = None    # int64 [R, B] logit-bias tokens (padding: 0 ...
+    bias: torch.Tensor | None = None        # float32 [R, B] ... with bias 0)
+    eos_ban: torch.Tensor | None = None     # bool [R] rows short of min_tokens
+    eos_ids: torch.Tensor | None = None     # int64 [E] the model's end tokens
+    logprobs: int = -1                      # the most alternatives a row asks for; -1: none
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor runs (else greedy rows take the raw argmax)."""
+        return (self.penalty is not None or self.presence is not None
+                or self.bias_ids is not None or self.eos_ban is not None)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor,
@@ -56,15 +77,62 @@ def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor,
     return logits.scatter(1, idx, adjusted)
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """logits [R, V] (any float dtype) -> token ids int64 [R]. An all-greedy batch without a
-    penalty takes the argmax of the logits as they are (bf16 values order as their fp32
-    copies); everything else computes on fp32 copies."""
-    if b.all_greedy and b.penalty is None:
-        return logits.argmax(dim=-1)
+def apply_openai_penalties(logits: torch.Tensor, presence: torch.Tensor,
+                           frequency: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """logits - frequency * count - presence * (count > 0), count = each token's occurrences
+    in the row's output so far (padding -1 counts nowhere)."""
+    counts = torch.zeros_like(logits).scatter_add_(
+        1, output.clamp(min=0), (output >= 0).to(logits.dtype))
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def process(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The processed fp32 logits (the module docstring's order)."""
     logits = logits.float()
+    if b.bias_ids is not None:
+        logits = logits.scatter_add(1, b.bias_ids, b.bias)
+    if b.eos_ban is not None:
+        cols = logits.index_select(1, b.eos_ids)
+        logits = logits.index_copy(1, b.eos_ids,
+                                   cols.masked_fill(b.eos_ban[:, None], float("-inf")))
     if b.penalty is not None:
         logits = apply_repetition_penalty(logits, b.penalty, b.history)
+    if b.presence is not None:
+        logits = apply_openai_penalties(logits, b.presence, b.frequency, b.output)
+    return logits
+
+
+def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row: [token, its logprob, k top ids, their logprobs] as float64 [R, 2 + 2k] (one
+    tensor, so one copy to the host; ids are exact in float64). Logprobs of the raw logits."""
+    lp = logits.float().log_softmax(dim=-1)
+    parts = [tokens[:, None].double(), lp.gather(1, tokens[:, None]).double()]
+    if k > 0:
+        top = lp.topk(k, dim=-1)
+        parts += [top.indices.double(), top.values.double()]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_logprobs(rows: list[list[float]], asked: list[int]) -> list[tuple]:
+    """pack_logprobs' rows (as lists) -> per row (logprob, ((id, logprob), ...) its first
+    asked[i] alternatives), or None for a row that asked for none (asked -1)."""
+    out = []
+    for r, k in zip(rows, asked):
+        if k < 0:
+            out.append(None)
+            continue
+        width = (len(r) - 2) // 2
+        out.append((r[1], tuple((int(r[2 + j]), r[2 + width + j]) for j in range(k))))
+    return out
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """logits [R, V] (any float dtype) -> token ids int64 [R]. An all-greedy batch with no
+    logits processor takes the argmax of the logits as they are (bf16 values order as their
+    fp32 copies); everything else computes on fp32 copies."""
+    if b.all_greedy and not b.processed:
+        return logits.argmax(dim=-1)
+    logits = process(logits, b)
     greedy = logits.argmax(dim=-1)
     if b.all_greedy:
         return greedy

@@ -31,10 +31,27 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0     # OpenAI's, on the output so far (0 = off)
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), sorted by id
+    min_tokens: int = 0               # the EOS tokens are not sampled before this many
+    logprobs: int = -1                # -1: none; 0: the sampled token's; k: and the top k
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @cached_property
+    def history(self) -> bool:
+        """Whether sampling reads the tokens so far (a penalty is on)."""
+        return self.repetition_penalty not in (0.0, 1.0) or bool(
+            self.presence_penalty or self.frequency_penalty)
+
+    @cached_property
+    def plain(self) -> bool:
+        """Greedy argmax of the raw logits, nothing else asked: the batch's fast path."""
+        return (self.temperature <= 0.0 and not self.history and not self.logit_bias
+                and self.min_tokens == 0 and self.logprobs < 0)
 
 
 @dataclass(frozen=True)

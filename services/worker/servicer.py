@@ -17,7 +17,9 @@ from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, work
 from services.common.telemetry import incoming_context, tracer
 from services.worker import metrics
 from services.worker.adapter_manager import Acquired, AdapterManager
+from services.worker import token_info
 from services.worker.chat_template import check_messages, fallback as chat_fallback
+from services.worker.token_info import TokenTexts
 from services.worker.config import WorkerConfig
 from services.worker.engine import TokenEvent
 from services.worker.factory import Built
@@ -27,13 +29,37 @@ _tracer = tracer("lorafleet.worker")
 _ids = itertools.count()
 
 
-def sampling_from(p: common_pb2.SamplingParams) -> Sampling:
+MAX_TOP_N = 20                 # the most alternatives a token's details carry (as OpenAI's)
+
+
+def sampling_from(p: common_pb2.SamplingParams,
+                  stopping: common_pb2.StoppingCriteria | None = None,
+                  response: common_pb2.ResponseOptions | None = None,
+                  vocab: int = 1 << 32) -> Sampling:
+    """A request's Sampling (its min_new_tokens and token details included), checked."""
+    stopping = stopping or common_pb2.StoppingCriteria()
+    response = response or common_pb2.ResponseOptions()
     if not (math.isfinite(p.temperature) and p.temperature >= 0 and 0 <= p.top_p <= 1
             and math.isfinite(p.repetition_penalty) and p.repetition_penalty >= 0):
         raise InvalidArgument("sampling: finite temperature >= 0, 0 <= top_p <= 1 and finite "
                               "repetition_penalty >= 0 are required")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(p, name) <= 2:
+            raise InvalidArgument(f"sampling.{name}: must be within [-2, 2]")
+    for token, bias in p.logit_bias.items():
+        if token >= vocab or not -100 <= bias <= 100:
+            raise InvalidArgument(f"sampling.logit_bias: token {token} bias {bias}: tokens "
+                                  f"below {vocab}, biases within [-100, 100]")
+    if response.top_n_tokens > MAX_TOP_N:
+        raise InvalidArgument(f"response.top_n_tokens: at most {MAX_TOP_N}")
+    if stopping.min_new_tokens > (stopping.max_new_tokens or stopping.min_new_tokens):
+        raise InvalidArgument("stopping.min_new_tokens: above max_new_tokens")
+    logprobs = response.top_n_tokens if response.token_logprobs or response.top_n_tokens else -1
     seed = p.seed & ((1 << 63) - 1) if p.seed else random.getrandbits(62) + 1
-    return Sampling(p.temperature, p.top_k, p.top_p or 1.0, seed, p.repetition_penalty or 1.0)
+    return Sampling(p.temperature, p.top_k, p.top_p or 1.0, seed, p.repetition_penalty or 1.0,
+                    p.presence_penalty, p.frequency_penalty,
+                    tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
+                    stopping.min_new_tokens, logprobs)
 
 
 def stopping_from(s: common_pb2.StoppingCriteria, cfg: WorkerConfig) -> Stopping:
@@ -158,8 +184,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise Unavailable("worker is draining")
         deadline = arrival + remaining if remaining is not None else None
         prompt = await self._prompt(request)
-        sampling, stopping = sampling_from(request.sampling), stopping_from(request.stopping,
-                                                                           self.cfg)
+        sampling = sampling_from(request.sampling, request.stopping, request.response,
+                                 self.built.spec.vocab_size)
+        stopping = stopping_from(request.stopping, self.cfg)
         acq = None
         if request.adapter.id:
             acq = await self.manager.acquire(request.adapter.id, request.adapter.version,
@@ -209,9 +236,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise
         return events
 
+    @functools.cached_property
+    def token_texts(self) -> TokenTexts:
+        return TokenTexts(self.built.tokenizer)
+
     def _response(self, ev: TokenEvent, acq, arrival: float) -> wpb.WorkerGenerateResponse:
         out = wpb.WorkerGenerateResponse(token_ids=ev.token_ids, text=ev.text,
-                                         stop_reason=int(ev.stop))
+                                         stop_reason=int(ev.stop), tokens=token_info.protos(
+                                             token_info.payload(ev.token_ids, ev.logprobs,
+                                                                self.token_texts)))
         if ev.stop is not Stop.NONE:
             out.usage.prompt_tokens = ev.prompt_tokens
             out.usage.generated_tokens = ev.generated_tokens

@@ -13,7 +13,6 @@ KV write), q_seq -1 (no attention), and the segments past the live ones empty an
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +25,7 @@ from services.worker.lora_meta import LoraMeta
 from services.worker.lora_tables import LoraTables
 from services.worker.model import StepContext
 from services.worker.sampling import SamplingBatch
+from services.worker.sampling_inputs import sampling_batch
 from services.worker.scheduler import Scheduled
 
 
@@ -88,8 +88,10 @@ class StepBuilder:
     blocks) it reads for the LoRA choices and hands to the model in the step's LoraMeta."""
 
     def __init__(self, block_size: int, tables: LoraTables | None = None,
-                 columns: LoraColumns | None = None):
+                 columns: LoraColumns | None = None, eos: tuple[int, ...] = ()):
+        """eos: the model's end tokens (rows short of their min_tokens may not sample them)."""
         self.block_size, self.tables, self.columns = block_size, tables, columns
+        self.eos = eos
 
     def plan(self, batch: list[Scheduled], graph: bool) -> StepPlan:
         """Rows grouped by adapter slot (base rows last), in arrival order within a slot, and
@@ -150,8 +152,10 @@ class StepBuilder:
         buf.host_sample_rows[:len(sample_rows)] = sample_rows
         max_ctx = int(buf.views.pos[:t].max()) + 1 if t else 1      # positions + 1
         max_blocks = max(1, max(buf.views.held[1][:n], default=0))
-        return _to_device(buf, plan, self.tables, t, max_blocks, max_ctx, g, len(sample_rows),
-                          sampled)
+        inputs = _to_device(buf, plan, self.tables, t, max_blocks, max_ctx, g,
+                            len(sample_rows), sampled)
+        inputs.sampling = sampling_batch(sampled, buf.device, eos=self.eos)
+        return inputs
 
     @staticmethod
     def _segments(slots: np.ndarray, ends: np.ndarray | None, t: int, v: HostViews,
@@ -226,53 +230,4 @@ def _to_device(buf: InputBuffers, plan: StepPlan, tables: LoraTables | None, t_r
         positions=rows[1], slot_mapping=rows[2], block_tables=block_tables,
         q_seq=rows[3].to(torch.int32), q_pos=rows[1].to(torch.int32), sample_rows=srows,
         max_context=max_ctx, lora=lora)
-    return StepInputs(rows[0], ctx, sampling_batch(sampled, buf.device), sampled)
-
-
-def sampling_batch(sampled: list[Scheduled], device: torch.device,
-                   ahead: int = 0) -> SamplingBatch:
-    """The rows' sampling parameters as tensors on device; none when every row is greedy.
-    ahead: output tokens each row has beyond seq.tokens (sampled in a step still in flight),
-    so that the counter of the token drawn is its index in the output all the same.
-
-    The parameters go over in two packed copies (float32 and int64 rows), from pinned memory
-    and without waiting on CUDA: a graph decode step builds them while its graph runs."""
-    for b in sampled:                       # one pass, for the usual all-greedy batch
-        p = b.seq.sampling
-        if not p.temperature <= 0.0 or p.repetition_penalty not in (0.0, 1.0):
-            break                           # sampled (not p.greedy) or penalized
-    else:                                   # argmax needs no parameters
-        return SamplingBatch(None, None, None, None, None, None, None, all_greedy=True)
-    params = [b.seq.sampling for b in sampled]
-    penalized = any(p.repetition_penalty not in (0.0, 1.0) for p in params)
-    all_greedy = all(p.greedy for p in params)
-    floats = np.array([[p.temperature for p in params],
-                       [p.top_p if 0 < p.top_p < 1 else 1.0 for p in params],
-                       [p.repetition_penalty or 1.0 for p in params]], dtype=np.float32)
-    ints = np.array([[p.top_k for p in params], [p.seed for p in params],
-                     [b.seq.num_output + ahead for b in sampled]], dtype=np.int64)
-    history = None
-    if penalized:
-        history = _host_to_device(_history(sampled), device)
-    f32, i64 = _host_to_device(floats, device), _host_to_device(ints, device)
-    return SamplingBatch(temperature=f32[0], top_k=i64[0], top_p=f32[1], seed=i64[1],
-                         counter=i64[2], penalty=f32[2] if penalized else None, history=history,
-                         all_greedy=all_greedy)
-
-
-def _history(sampled: list[Scheduled]) -> np.ndarray:
-    """Prompt + output ids of each row, padded with -1 to the longest: int64 [R, L]."""
-    lens = np.fromiter((len(b.seq.tokens) for b in sampled), dtype=np.int64, count=len(sampled))
-    hist = np.full((len(sampled), int(lens.max())), -1, dtype=np.int64)
-    hist[np.arange(hist.shape[1]) < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(b.seq.tokens for b in sampled), dtype=np.int64,
-        count=int(lens.sum()))
-    return hist
-
-
-def _host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on device: on CUDA through pinned memory, without a host sync."""
-    t = torch.from_numpy(a)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return StepInputs(rows[0], ctx, None, sampled)
