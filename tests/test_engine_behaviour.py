@@ -315,3 +315,28 @@ def test_incremental_detokenization_equals_full_decode():
         seq.tokens.append(t)
         detok.decoded(seq, final=i == len(ids) - 1)
     assert seq.decoded == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_sequences_of_one_prefix_share_its_prompt_blocks(ckpt):
+    """A sequence admitted while another of the same prefix key holds its prompt's computed
+    blocks takes them instead of computing them, and still gets the tokens transformers + PEFT
+    give it alone; one of another key (another tenant or adapter) takes none."""
+    root, models = ckpt
+    built, slots = engine_for(root)
+    c = Collector(built.engine, slots)
+    blocks = built.engine.scheduler.blocks
+    p = prompt(7, 37)                                      # 9 full blocks of 4
+    expected = hf_greedy(models["r1-attn"], p, 8)
+    first = c.submit("first", p, "r1-attn")
+    first.prefix_key = b"tenant-a/r1-attn"
+    while not c.tokens["first"]:
+        c.step()
+    same = [c.submit(f"same{i}", p, "r1-attn") for i in range(2)]
+    other = c.submit("other", p, "r1-attn")
+    for q in same:
+        q.prefix_key = first.prefix_key
+    other.prefix_key = b"tenant-b/r1-attn"
+    c.run()
+    assert blocks.shared_blocks == 2 * 9
+    assert c.tokens == {rid: expected for rid in ("first", "same0", "same1", "other")}
+    assert blocks.free_blocks == blocks.num_blocks          # every hold given back

@@ -135,7 +135,7 @@ def test_completions_through_the_sdk_match_grpc(gateway, sdk):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"), ("modalities", ["text", "audio"]), ("store", True),
     ("reasoning_effort", "low"), ("not_an_openai_field", 1),
@@ -177,6 +177,7 @@ def test_fields_left_at_their_off_values_are_accepted(sdk):
     ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
     ({"min_tokens": -1}, "min_tokens", "invalid_value"),
+    ({"n": 0}, "n", "invalid_value"), ({"n": 17}, "n", "invalid_value"),
     ({"temperature": "hot"}, "temperature", "invalid_type"),
     ({"top_p": 1.5}, "top_p", "invalid_value"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),

@@ -85,7 +85,7 @@ def test_chat_completion_and_chat_stream(gateway):
 @pytest.mark.parametrize("body,status,field", [
     ({"model": "no-such-adapter", "prompt": "x"}, 404, None),
     ({"model": "pirate", "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"model": "pirate", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "pirate", "prompt": "x", "n": 0}, 400, "n"),
     ({"model": "pirate", "prompt": {"not": "a prompt"}}, 400, "prompt"),
     # wrong types and out-of-range numbers: 400 with the field's name, never a 500
     ({"model": "pirate", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),

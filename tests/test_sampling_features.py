@@ -210,3 +210,31 @@ def test_seeded_sampling_with_processors_ignores_the_batch(stack):
             mixed = pool.submit(c.generate, **kw)
             assert list(mixed.result().token_ids) == alone
             assert all(len(f.result().tokens) == 12 for f in others)
+
+
+def test_n_choices_are_reproducible_with_a_seed_whatever_the_batch(stack):
+    """n=3 with a seed: choice i samples with seed + i, so the three come back the same alone
+    and among other requests; streamed, each chunk names its choice."""
+    from concurrent.futures import ThreadPoolExecutor
+    sdk = openai.OpenAI(base_url=stack.http + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="poet", prompt=PROMPT * 6, max_tokens=10, temperature=1.0, seed=11, n=3)
+    alone = sdk.completions.create(**kw)
+    texts = [c.text for c in sorted(alone.choices, key=lambda c: c.index)]
+    assert len(texts) == 3 and len(set(texts)) > 1
+    single = sdk.completions.create(**{**kw, "n": 1})
+    assert alone.usage.prompt_tokens == single.usage.prompt_tokens       # the prompt once
+    assert alone.usage.completion_tokens > single.usage.completion_tokens
+    with LorafleetClient(stack.router.addr) as c, ThreadPoolExecutor(6) as pool:
+        noise = [pool.submit(c.generate, PROMPT, adapter=a, max_new_tokens=10,
+                             temperature=0.8, seed=i) for i, a in enumerate(["", "pirate"] * 3)]
+        again = pool.submit(sdk.completions.create, **kw)
+        assert [x.text for x in sorted(again.result().choices, key=lambda x: x.index)] == texts
+        assert all(f.result().token_ids for f in noise)
+    chunks = list(sdk.completions.create(**kw, stream=True))
+    streamed = ["".join(ch.choices[0].text for ch in chunks if ch.choices
+                        and ch.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    with LorafleetClient(stack.router.addr) as c:       # choice i is the request with seed+i
+        one = c.generate(PROMPT * 6, adapter="poet", max_new_tokens=10, temperature=1.0,
+                         seed=12)
+    assert one.text == texts[1]

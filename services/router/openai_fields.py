@@ -16,6 +16,7 @@ import math
 
 from services.common.errors import InvalidArgument
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
+from services.router.openai_choices import MAX_CHOICES
 
 U32 = (1 << 32) - 1
 
@@ -30,7 +31,7 @@ class BodyError(InvalidArgument):
 
 # The fields of both endpoints, honoured
 SAMPLING = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
-            "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+            "seed", "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
             "top_k", "repetition_penalty", "ignore_eos", "min_tokens", "user_request_id")
 MAX_LOGIT_BIAS = 1024          # tokens a request may bias
 TOP_LOGPROBS = {False: 5, True: 20}   # the most alternatives: completions' logprobs, chat's
@@ -39,7 +40,7 @@ TOP_LOGPROBS = {False: 5, True: 20}   # the most alternatives: completions' logp
 NO_EFFECT = ("user", "metadata", "service_tier")
 # defined by OpenAI, refused unless left at the value that turns them off
 OFF_VALUES = {
-    "n": (None, 1), "best_of": (None, 1),
+    "best_of": (None, 1),
     "echo": (None, False), "suffix": (None, ""),
     "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -47,7 +48,7 @@ OFF_VALUES = {
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "verbosity": (None,), "store": (None, False),
 }
-WHY = {"n": "only one choice per request", "best_of": "only one choice per request",
+WHY = {"best_of": "not supported (n choices are; best_of would rank them by logprob)",
        "echo": "not supported yet", "suffix": "insertion is not supported",
        "response_format": "only {\"type\": \"text\"} (structured output is not supported)",
        "tools": "tool calling is not supported", "tool_choice": "tool calling is not supported",
@@ -72,7 +73,7 @@ def check_fields(body: dict, chat: bool) -> None:
         if key not in known:
             raise BodyError(f"{key}: unknown parameter", key, "unknown_parameter")
         if key in OFF_VALUES and not any(_is(value, off) for off in OFF_VALUES[key]):
-            code = "unsupported_value" if key in ("n", "best_of", "response_format",
+            code = "unsupported_value" if key in ("best_of", "response_format",
                                                   "modalities") else "unsupported_parameter"
             raise BodyError(f"{key}: {WHY[key]} (got {value!r})", key, code)
     if body.get("stream_options") is not None and not body.get("stream"):
@@ -176,6 +177,7 @@ def build_request(body: dict, prompt_text: str = "", prompt_ids=(), messages=(),
     req.stopping.stop_sequences.extend(_stop(body))
     req.stopping.ignore_eos = _bool(body, "ignore_eos")
     req.stopping.min_new_tokens = integer(body, "min_tokens", 0)
+    integer(body, "n", 1, 1, MAX_CHOICES)
     s.presence_penalty = number(body, "presence_penalty", 0.0, -2.0, 2.0)
     s.frequency_penalty = number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     for token, bias in _logit_bias(body).items():

@@ -17,6 +17,8 @@ from aiohttp import web
 
 from services.common.errors import InvalidArgument, LorafleetError, NotFound, Unavailable
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
+from services.router.openai_choices import fan_out, gather as gather_choices
+from services.router.openai_choices import requests as choice_requests
 from services.router.openai_fields import (BodyError, build_request, chat_messages,
                                            logprobs_json, token_ids)
 
@@ -271,36 +273,46 @@ class OpenAIGateway:
         req.request_id = req.request_id or rid
         model = str(body.get("model") or await self._base())
         ctx = _Context(request, self.timeout)
+        n = int(body.get("n") or 1)                    # checked by build_request
+        reqs = [req] if n == 1 else choice_requests(req, n, body.get("seed") is not None)
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             if not isinstance(opts, dict):
                 return _error(InvalidArgument("stream_options: an object"))
-            return await self._stream(request, req, ctx, rid, model, chat,
+            return await self._stream(request, reqs, ctx, rid, model, chat,
                                       bool(opts.get("include_usage")))
         try:
-            resp = await self.servicer.Generate(req, ctx)
+            if n == 1:
+                resp = await self.servicer.Generate(req, ctx)
+                done = [{"text": resp.text, "tokens": resp.tokens, "stop": resp.stop_reason,
+                         "usage": resp.usage}]
+            else:
+                done = await gather_choices(self.servicer, reqs, ctx)
         except LorafleetError as err:
             return _error(err, chat)
-        finish = FINISH.get(resp.stop_reason, "stop")
-        lp = _logprobs(resp.tokens, req, chat)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": resp.text},
-                   "logprobs": lp, "finish_reason": finish} if chat else
-                  {"index": 0, "text": resp.text, "finish_reason": finish, "logprobs": lp})
-        u = resp.usage
+        choices = []
+        for i, c in enumerate(done):
+            finish, lp = FINISH.get(c["stop"], "stop"), _logprobs(c["tokens"], req, chat)
+            choices.append({"index": i, "message": {"role": "assistant", "content": c["text"]},
+                            "logprobs": lp, "finish_reason": finish} if chat else
+                           {"index": i, "text": c["text"], "finish_reason": finish,
+                            "logprobs": lp})
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
-                      "total_tokens": u.prompt_tokens + u.generated_tokens}})
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": _usage([c["usage"] for c in done])})
 
-    async def _stream(self, request, req, ctx, rid, model, chat,
+    async def _stream(self, request, reqs, ctx, rid, model, chat,
                       include_usage: bool = False) -> web.StreamResponse:
-        """SSE chunks; with stream_options.include_usage, a last chunk with no choices and the
-        usage, as OpenAI's."""
-        stream = self.servicer.GenerateStream(req, ctx)
+        """SSE chunks, each of one choice (its index); with stream_options.include_usage, a
+        last chunk with no choices and the usage, as OpenAI's."""
+        req = reqs[0]
+        source = _single(self.servicer.GenerateStream(req, ctx)) if len(reqs) == 1 else \
+            fan_out(self.servicer, reqs, ctx)
         try:
-            first = await stream.__anext__()          # errors before any byte: a plain status
+            first = await source.__anext__()          # errors before any byte: a plain status
         except LorafleetError as err:
+            await source.aclose()
             return _error(err, chat)
         except StopAsyncIteration:
             first = None
@@ -309,28 +321,47 @@ class OpenAIGateway:
         await out.prepare(request)
         chunk = _chunker(rid, model, chat)
         if chat:
-            await out.write(chunk(None, None, role=True))
-        usage = None
+            for i in range(len(reqs)):
+                await out.write(chunk(None, None, role=True, index=i))
+        usages = []
         try:
-            resp = first
-            while resp is not None:
+            item = first
+            while item is not None:
+                i, resp = item
                 if resp.HasField("usage"):
-                    usage = resp.usage
+                    usages.append(resp.usage)
                 finish = FINISH.get(resp.stop_reason, "stop") if resp.stop_reason else None
-                await out.write(chunk(resp.text, finish, logprobs=_logprobs(resp.tokens, req,
-                                                                             chat)))
-                resp = await stream.__anext__() if finish is None else None
+                await out.write(chunk(resp.text, finish, index=i,
+                                      logprobs=_logprobs(resp.tokens, req, chat)))
+                item = await source.__anext__()
         except StopAsyncIteration:
             pass
         except LorafleetError as err:                   # mid-stream: an error event, then end
             await out.write(b"data: " + json.dumps(error_body(err, chat)[0]).encode() + b"\n\n")
         finally:
-            await stream.aclose()       # settle the request (status, quota, fair share) now
-        if include_usage and usage is not None:
-            await out.write(chunk(None, None, usage=usage))
+            await source.aclose()       # settle the requests (status, quota, fair share) now
+        if include_usage and usages:
+            await out.write(chunk(None, None, usage=_usage(usages)))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
+
+
+async def _single(stream):
+    """One stream's messages as choice 0's."""
+    try:
+        async for resp in stream:
+            yield 0, resp
+    finally:
+        await stream.aclose()
+
+
+def _usage(usages) -> dict:
+    """OpenAI's usage of n choices: the prompt once, every choice's completion tokens."""
+    prompt = usages[0].prompt_tokens if usages else 0
+    completion = sum(u.generated_tokens for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def _logprobs(tokens, req, chat: bool) -> dict | None:
@@ -343,20 +374,19 @@ def _logprobs(tokens, req, chat: bool) -> dict | None:
 def _chunker(rid: str, model: str, chat: bool):
     created = int(time.time())
 
-    def chunk(text, finish, role: bool = False, usage=None, logprobs=None) -> bytes:
+    def chunk(text, finish, role: bool = False, usage=None, logprobs=None,
+              index: int = 0) -> bytes:
         if usage is not None:                      # the usage chunk: no choices
             data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": model, "choices": [],
-                    "usage": {"prompt_tokens": usage.prompt_tokens,
-                              "completion_tokens": usage.generated_tokens,
-                              "total_tokens": usage.prompt_tokens + usage.generated_tokens}}
+                    "created": created, "model": model, "choices": [], "usage": usage}
             return b"data: " + json.dumps(data).encode() + b"\n\n"
         if chat:
             delta = {"role": "assistant"} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish,
+            choice = {"index": index, "text": text or "", "finish_reason": finish,
                       "logprobs": logprobs}
             obj = "text_completion"
         data = {"id": rid, "object": obj, "created": created, "model": model,

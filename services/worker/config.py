@@ -45,6 +45,7 @@ class WorkerConfig:
     kernel_cache: str = ""              # compiled kernels kept here across restarts ("": Triton's)
     warmup: str = "auto"                # run every eager step shape before SERVING (auto: GPU)
     warmup_max_rank: int = 128          # the largest adapter rank the warm-up prepares for
+    share_prefixes: bool = True         # prompt blocks shared within a tenant and adapter
     perf: PerfConfig = field(default_factory=PerfConfig)   # LORAFLEET_* (perf_config.py)
 
     def __post_init__(self) -> None:
@@ -116,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--kernel-cache", default="",
                    help="directory that keeps compiled GPU kernels across restarts (created if "
                         "missing; default: Triton's own cache, ~/.triton/cache)")
+    p.add_argument("--share-prefixes", action=argparse.BooleanOptionalAction, default=True,
+                   help="a sequence takes the KV blocks of its prompt's start that a running "
+                        "one of the same tenant and adapter computed (on)")
     p.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
                    help="before SERVING, run each kind of eager step once (prompt lengths up "
                         "to --max-batch-tokens, beside decode rows, with adapters of each rank "
@@ -133,5 +137,6 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
         loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
+        share_prefixes=a.share_prefixes,
         kernel_cache=a.kernel_cache,
         warmup_max_rank=a.warmup_max_rank)

@@ -134,11 +134,14 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the worker
             self._fail(batch, exc, now)
             return True
+        publish = self.scheduler.blocks.publish
         for b in batch:
             seq = b.seq
             seq.num_computed += b.num_tokens
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
+            if seq.prefix_key and seq.num_computed - b.num_tokens < len(seq.prompt):
+                publish(seq)                          # a prompt chunk: its full blocks
         if pending is not None:
             self._pending = pending
             return True

@@ -40,6 +40,7 @@ class EngineOptions:
     cuda_graphs: bool = True            # capture decode steps on CUDA
     graph_max_rank: int = 64            # largest LoRA rank the graphs serve (tiles 16 .. this)
     overlap: bool = True                # launch decode step N+1 before post-processing N
+    share_prefixes: bool = True         # prompt blocks shared by sequences of one prefix
     perf: PerfConfig = field(default_factory=PerfConfig)   # forms of the same math
 
 
@@ -102,8 +103,8 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
                          opts.max_running, max_len, lora=pool.tables, columns=columns)
-    scheduler = Scheduler(BlockManager(blocks, opts.block_size), opts.max_batch_tokens,
-                          opts.max_running)
+    scheduler = Scheduler(BlockManager(blocks, opts.block_size, opts.share_prefixes),
+                          opts.max_batch_tokens, opts.max_running)
     if device.type == "cuda" and opts.cuda_graphs:
         from services.worker.graph_runner import GraphRunner
         runner = GraphRunner(runner)

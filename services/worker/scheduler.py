@@ -89,6 +89,8 @@ class Scheduler:
             budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            if not seq.num_computed and not seq.block_table:
+                self.blocks.share(seq)          # its prompt's start, if another computed it
             n = min(seq.remaining, budget)
             if not self.blocks.ensure(seq, seq.num_computed + n):
                 break

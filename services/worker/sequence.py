@@ -95,6 +95,10 @@ class Sequence:
     decoded: str = ""                    # all output decoded so far (emitted + held back)
     detok_prefix: int = 0                # incremental detokenization window over the output
     detok_read: int = 0
+    # what a prompt block's KV depends on besides its tokens (tenant, adapter version; see
+    # services.worker.block_manager); b"" shares nothing. Set by the servicer.
+    prefix_key: bytes = b""
+    prefix_digests: list | None = None   # BlockManager's, worked out once
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import hashlib
 import itertools
 import math
 import random
@@ -195,6 +196,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                        slot=acq.slot if acq else -1, adapter=acq.key if acq else "",
                        tenant=request.tenant, sampling=sampling, stopping=stopping,
                        arrival=arrival)
+        # prompt blocks are shared within a tenant and adapter version (block_manager)
+        seq.prefix_key = hashlib.blake2b(f"{request.tenant}\0{seq.adapter}".encode(),
+                                         digest_size=16).digest()
         return seq, acq
 
     async def _generate(self, request, context):
