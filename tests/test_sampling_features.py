@@ -238,3 +238,19 @@ def test_n_choices_are_reproducible_with_a_seed_whatever_the_batch(stack):
         one = c.generate(PROMPT * 6, adapter="poet", max_new_tokens=10, temperature=1.0,
                          seed=12)
     assert one.text == texts[1]
+
+
+def test_generate_batch_answers_each_request_in_order(stack):
+    import grpc
+    with LorafleetClient(stack.router.addr) as c:
+        reqs = [c.request(PROMPT, adapter=a, max_new_tokens=6, logprobs=i == 1)
+                for i, a in enumerate(["pirate", "", "poet", "pirate"])]
+        singles = [c._stub.Generate(r, timeout=60) for r in reqs]
+        batched = c.generate_batch(reqs)
+        assert [b.text for b in batched] == [s.text for s in singles]
+        assert len(batched[1].tokens) == len(batched[1].token_ids) and not batched[0].tokens
+        bad = [reqs[0], c.request(PROMPT, adapter="no-such-adapter", max_new_tokens=2)]
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate_batch(bad)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert err.value.details().startswith("requests[1]: ")

@@ -74,6 +74,13 @@ class LorafleetClient:
         return self._stub.GenerateStream(self.request(prompt, **kw), timeout=self.timeout,
                                          metadata=self._metadata)
 
+    def generate_batch(self, requests: Sequence[rpb.GenerateRequest]
+                       ) -> list[rpb.GenerateResponse]:
+        """Several completions in one call (build each with `request(...)`), in order."""
+        return list(self._stub.GenerateBatch(rpb.GenerateBatchRequest(requests=list(requests)),
+                                             timeout=self.timeout,
+                                             metadata=self._metadata).responses)
+
     def register(self, adapter_id: str, source: str, tenant: str = "",
                  aliases: Sequence[str] = (), replace: bool = False) -> rpb.AdapterInfo:
         """replace: register a new version of an existing id (else ALREADY_EXISTS)."""

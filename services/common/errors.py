@@ -86,6 +86,14 @@ _BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, 
                                       Unauthenticated, PermissionDenied, DataLoss)}
 
 
+def with_prefix(err: LorafleetError, prefix: str) -> LorafleetError:
+    """The same error (status, retry delay) with its message prefixed."""
+    cls = _BY_CODE.get(err.code, LorafleetError)
+    out = cls(prefix + err.message, retry_after=err.retry_after)
+    out.code = err.code
+    return out
+
+
 def from_rpc_error(err: grpc.RpcError) -> LorafleetError:
     """Turn a status received from another service back into the domain error (for relaying)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN

@@ -1,13 +1,15 @@
 """The public GenerationService: thin methods over the router's parts (RouterApp)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
 
 import grpc
 
-from services.common.errors import InvalidArgument, Unavailable, from_rpc_error
+from services.common.errors import (InvalidArgument, LorafleetError, Unavailable,
+                                    from_rpc_error, with_prefix)
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
@@ -24,6 +26,7 @@ from services.router.workers import WorkerSet
 
 log = logging.getLogger(__name__)
 _tracer = tracer("lorafleet.router")
+MAX_BATCH = 256                  # requests in one GenerateBatch call
 
 
 @dataclass
@@ -102,6 +105,24 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 out.adapter_id, out.adapter_version = resp.adapter_id, resp.adapter_version
         out.text = "".join(text)
         return out
+
+    async def GenerateBatch(self, request, context):
+        """Each request as its own Generate, concurrently; the responses in order. A refusal
+        names the request's index and cancels the others."""
+        if len(request.requests) > MAX_BATCH:
+            raise InvalidArgument(f"requests: at most {MAX_BATCH} a call")
+
+        async def one(i: int, req):
+            try:
+                return await self.Generate(req, context)
+            except LorafleetError as err:
+                raise with_prefix(err, f"requests[{i}]: ") from None
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(request.requests)]
+        try:
+            return rpb.GenerateBatchResponse(responses=await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
 
     def _resize_gate(self) -> None:
         live = max(1, len(self.app.workers.live()))
