@@ -150,7 +150,7 @@ def test_chat_fields_not_honoured_are_refused_by_name(sdk, field, value):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("suffix", "x"), ("echo", True), ("best_of", 3), ("metadata", {"a": "b"}),
+    ("suffix", "x"), ("best_of", 3), ("metadata", {"a": "b"}),
 ])
 def test_completion_fields_not_honoured_are_refused_by_name(sdk, field, value):
     with pytest.raises(openai.BadRequestError) as err:

@@ -254,3 +254,36 @@ def test_generate_batch_answers_each_request_in_order(stack):
             c.generate_batch(bad)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert err.value.details().startswith("requests[1]: ")
+
+
+def test_prompt_logprobs_and_echo_match_transformers(stack, hf):
+    """echo with logprobs: the prompt's tokens with their logprobs given the ones before (the
+    first none), then the completion's, as transformers' log-softmax gives them."""
+    tok, _ = hf
+    ids = tok(PROMPT)["input_ids"]
+    with LorafleetClient(stack.router.addr) as c:
+        resp = c.generate(prompt_ids=ids, adapter="pirate", max_new_tokens=3, ignore_eos=True,
+                          logprobs=True, top_n_tokens=2, prompt_logprobs=True)
+    assert [t.id for t in resp.prompt_tokens] == ids
+    ref = step_logprobs(hf, "pirate", ids[:1], ids[1:])       # position i predicts ids[i + 1]
+    assert resp.prompt_tokens[0].logprob != resp.prompt_tokens[0].logprob      # NaN: none
+    for i, t in enumerate(resp.prompt_tokens[1:]):
+        assert abs(t.logprob - ref[i, t.id].item()) < 1e-4, i
+        assert [a.id for a in t.top_tokens] == ref[i].topk(2).indices.tolist()
+    sdk = openai.OpenAI(base_url=stack.http + "/v1", api_key="x", max_retries=0)
+    comp = sdk.completions.create(model="pirate", prompt=PROMPT, max_tokens=3, temperature=0,
+                                  echo=True, logprobs=1)
+    lp = comp.choices[0].logprobs
+    assert comp.choices[0].text.startswith(PROMPT) and len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(
+        [t.logprob for t in resp.prompt_tokens[1:]], abs=1e-5)
+    plain = sdk.completions.create(model="pirate", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert comp.choices[0].text == PROMPT + plain.choices[0].text
+    echoed = sdk.completions.create(model="pirate", prompt=ids, max_tokens=3, temperature=0,
+                                    echo=True)
+    assert echoed.choices[0].text == tok.decode(ids) + plain.choices[0].text
+    chunks = list(sdk.completions.create(model="pirate", prompt=PROMPT, max_tokens=3,
+                                         temperature=0, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == \
+        comp.choices[0].text

@@ -45,7 +45,8 @@ class LorafleetClient:
                 request_id: str = "", messages: Sequence[dict] = (),
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                 logit_bias: dict[int, float] | None = None, min_new_tokens: int = 0,
-                logprobs: bool = False, top_n_tokens: int = 0) -> rpb.GenerateRequest:
+                logprobs: bool = False, top_n_tokens: int = 0,
+                prompt_logprobs: bool = False) -> rpb.GenerateRequest:
         """messages: a chat ({"role", "content"} dicts) instead of the prompt, rendered with
         the model's chat template by the worker; logprobs / top_n_tokens: each token's
         log-probability (and the n likeliest alternatives) in the responses' `tokens`."""
@@ -58,6 +59,7 @@ class LorafleetClient:
             req.sampling.logit_bias[token] = bias
         req.stopping.min_new_tokens = min_new_tokens
         req.response.token_logprobs, req.response.top_n_tokens = logprobs, top_n_tokens
+        req.response.prompt_logprobs = prompt_logprobs
         req.sampling.temperature, req.sampling.top_k, req.sampling.top_p = temperature, top_k, top_p
         req.sampling.seed, req.sampling.repetition_penalty = seed, repetition_penalty
         req.stopping.max_new_tokens = max_new_tokens

@@ -287,6 +287,7 @@ class RequestPath:
     @staticmethod
     def _response(w: wpb.WorkerGenerateResponse, adm: Admitted) -> router_pb2.GenerateResponse:
         out = router_pb2.GenerateResponse(token_ids=w.token_ids, text=w.text, tokens=w.tokens,
+                                          prompt_tokens=w.prompt_tokens,
                                           stop_reason=w.stop_reason, request_id=adm.request_id)
         if w.HasField("usage"):
             out.usage.CopyFrom(w.usage)

@@ -40,8 +40,7 @@ TOP_LOGPROBS = {False: 5, True: 20}   # the most alternatives: completions' logp
 NO_EFFECT = ("user", "metadata", "service_tier")
 # defined by OpenAI, refused unless left at the value that turns them off
 OFF_VALUES = {
-    "best_of": (None, 1),
-    "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "suffix": (None, ""),
     "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False), "modalities": (None, ["text"]),
@@ -49,7 +48,7 @@ OFF_VALUES = {
     "web_search_options": (None,), "verbosity": (None,), "store": (None, False),
 }
 WHY = {"best_of": "not supported (n choices are; best_of would rank them by logprob)",
-       "echo": "not supported yet", "suffix": "insertion is not supported",
+       "suffix": "insertion is not supported",
        "response_format": "only {\"type\": \"text\"} (structured output is not supported)",
        "tools": "tool calling is not supported", "tool_choice": "tool calling is not supported",
        "functions": "function calling is not supported",
@@ -221,24 +220,8 @@ def _logprobs(body: dict, chat: bool, response) -> None:
         value = body.get("logprobs")
         asked = value is not None and value is not False
         top = integer(body, "logprobs", 0, 0, TOP_LOGPROBS[False]) if asked else 0
+        response.prompt_logprobs = asked and _bool(body, "echo")
     response.token_logprobs, response.top_n_tokens = asked, top
-
-
-def logprobs_json(tokens, chat: bool, top: int) -> dict | None:
-    """The choice's (or a chunk's) `logprobs` object for these TokenInfo messages, in the
-    endpoint's shape; None when none were asked for."""
-    if chat:
-        def entry(t):
-            return {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
-        return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t.top_tokens]}
-                            for t in tokens], "refusal": None}
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t.text)
-    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{a.text: a.logprob for a in t.top_tokens} for t in tokens]
-            if top else None, "text_offset": offsets}
 
 
 def _content(i: int, content) -> str:

@@ -19,8 +19,8 @@ from services.common.errors import InvalidArgument, LorafleetError, NotFound, Un
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
 from services.router.openai_choices import fan_out, gather as gather_choices
 from services.router.openai_choices import requests as choice_requests
-from services.router.openai_fields import (BodyError, build_request, chat_messages,
-                                           logprobs_json, token_ids)
+from services.router.openai_fields import BodyError, build_request, chat_messages, token_ids
+from services.router.openai_format import chunker, logprobs, usage_json
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
@@ -280,19 +280,24 @@ class OpenAIGateway:
             if not isinstance(opts, dict):
                 return _error(InvalidArgument("stream_options: an object"))
             return await self._stream(request, reqs, ctx, rid, model, chat,
-                                      bool(opts.get("include_usage")))
+                                      bool(opts.get("include_usage")),
+                                      bool(body.get("echo")) and not chat)
         try:
             if n == 1:
                 resp = await self.servicer.Generate(req, ctx)
                 done = [{"text": resp.text, "tokens": resp.tokens, "stop": resp.stop_reason,
-                         "usage": resp.usage}]
+                         "usage": resp.usage, "prompt_tokens": resp.prompt_tokens}]
             else:
                 done = await gather_choices(self.servicer, reqs, ctx)
         except LorafleetError as err:
             return _error(err, chat)
+        echo = "" if chat or not body.get("echo") else await self._echo(req, ctx)
         choices = []
         for i, c in enumerate(done):
-            finish, lp = FINISH.get(c["stop"], "stop"), _logprobs(c["tokens"], req, chat)
+            if echo or req.response.prompt_logprobs:
+                c["text"] = echo + c["text"]
+                c["tokens"] = [*c.get("prompt_tokens", ()), *c["tokens"]]
+            finish, lp = FINISH.get(c["stop"], "stop"), logprobs(c["tokens"], req, chat)
             choices.append({"index": i, "message": {"role": "assistant", "content": c["text"]},
                             "logprobs": lp, "finish_reason": finish} if chat else
                            {"index": i, "text": c["text"], "finish_reason": finish,
@@ -300,10 +305,18 @@ class OpenAIGateway:
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices,
-            "usage": _usage([c["usage"] for c in done])})
+            "usage": usage_json([c["usage"] for c in done])})
+
+    async def _echo(self, req, ctx) -> str:
+        """A completion's prompt as text, for echo (a token-id prompt: detokenized)."""
+        if not req.prompt_token_ids:
+            return req.text
+        resp = await self.servicer.Detokenize(
+            rpb.DetokenizeRequest(token_ids=req.prompt_token_ids), ctx)
+        return resp.text
 
     async def _stream(self, request, reqs, ctx, rid, model, chat,
-                      include_usage: bool = False) -> web.StreamResponse:
+                      include_usage: bool = False, echo: bool = False) -> web.StreamResponse:
         """SSE chunks, each of one choice (its index); with stream_options.include_usage, a
         last chunk with no choices and the usage, as OpenAI's."""
         req = reqs[0]
@@ -319,11 +332,16 @@ class OpenAIGateway:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                           "Cache-Control": "no-cache"})
         await out.prepare(request)
-        chunk = _chunker(rid, model, chat)
+        chunk = chunker(rid, model, chat)
         if chat:
             for i in range(len(reqs)):
                 await out.write(chunk(None, None, role=True, index=i))
         usages = []
+        if echo and first is not None:                 # the prompt, before each choice
+            text = await self._echo(req, ctx)
+            for i in range(len(reqs)):
+                await out.write(chunk(text, None, index=i, logprobs=logprobs(
+                    first[1].prompt_tokens, req, chat)))
         try:
             item = first
             while item is not None:
@@ -332,7 +350,7 @@ class OpenAIGateway:
                     usages.append(resp.usage)
                 finish = FINISH.get(resp.stop_reason, "stop") if resp.stop_reason else None
                 await out.write(chunk(resp.text, finish, index=i,
-                                      logprobs=_logprobs(resp.tokens, req, chat)))
+                                      logprobs=logprobs(resp.tokens, req, chat)))
                 item = await source.__anext__()
         except StopAsyncIteration:
             pass
@@ -341,7 +359,7 @@ class OpenAIGateway:
         finally:
             await source.aclose()       # settle the requests (status, quota, fair share) now
         if include_usage and usages:
-            await out.write(chunk(None, None, usage=_usage(usages)))
+            await out.write(chunk(None, None, usage=usage_json(usages)))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
@@ -354,42 +372,3 @@ async def _single(stream):
             yield 0, resp
     finally:
         await stream.aclose()
-
-
-def _usage(usages) -> dict:
-    """OpenAI's usage of n choices: the prompt once, every choice's completion tokens."""
-    prompt = usages[0].prompt_tokens if usages else 0
-    completion = sum(u.generated_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
-def _logprobs(tokens, req, chat: bool) -> dict | None:
-    """The OpenAI logprobs object of these tokens, when the request asked for them."""
-    if not req.response.token_logprobs:
-        return None
-    return logprobs_json(tokens, chat, req.response.top_n_tokens)
-
-
-def _chunker(rid: str, model: str, chat: bool):
-    created = int(time.time())
-
-    def chunk(text, finish, role: bool = False, usage=None, logprobs=None,
-              index: int = 0) -> bytes:
-        if usage is not None:                      # the usage chunk: no choices
-            data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": model, "choices": [], "usage": usage}
-            return b"data: " + json.dumps(data).encode() + b"\n\n"
-        if chat:
-            delta = {"role": "assistant"} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": index, "text": text or "", "finish_reason": finish,
-                      "logprobs": logprobs}
-            obj = "text_completion"
-        data = {"id": rid, "object": obj, "created": created, "model": model,
-                "choices": [choice]}
-        return b"data: " + json.dumps(data).encode() + b"\n\n"
-    return chunk

@@ -96,6 +96,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         async for resp in self._generate(request, context, unary=True):
             out.token_ids.extend(resp.token_ids)
             out.tokens.extend(resp.tokens)
+            out.prompt_tokens.extend(resp.prompt_tokens)
             text.append(resp.text)
             if resp.stop_reason:
                 out.stop_reason = resp.stop_reason

@@ -81,8 +81,8 @@ class BlockManager:
         into its table (at most up to its last prompt token's block, exclusive) and mark them
         computed. Returns the number of blocks taken."""
         if not (self.share_prefixes and seq.prefix_key and self._published) or \
-                seq.block_table or seq.num_computed:
-            return 0
+                seq.block_table or seq.num_computed or seq.prompt_lps is not None:
+            return 0                    # (a sequence asking for prompt logprobs computes all)
         digests = self._digests(seq)
         limit = (len(seq.prompt) - 1) // self.block_size
         taken = 0

@@ -16,6 +16,7 @@ engine thread; it must only hand the event over, e.g. loop.call_soon_threadsafe)
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -46,6 +47,9 @@ class TokenEvent:
     error: str = ""
     # with Sampling.logprobs >= 0: per token, (its logprob, ((id, logprob), ...) the top ones)
     logprobs: list | None = None
+    # on the first token's event, with Sampling.prompt_logprobs >= 0: per prompt token from
+    # the second, (token, its logprob, ((id, logprob), ...))
+    prompt_logprobs: list | None = None
 
 
 Sink = Callable[[TokenEvent], None]
@@ -263,12 +267,16 @@ class Engine:
             else:
                 seq.text = seq.decoded
         lps = None if lp is None else [lp]
+        prompt_lps, seq.prompt_lps = seq.prompt_lps, None       # with the first token only
+        if prompt_lps is not None:                  # the first prompt token has no logprob
+            prompt_lps.insert(0, (seq.prompt[0], math.nan, ()))
         if stop is _NO_STOP:
-            entry[1](TokenEvent([token], delta, logprobs=lps))
+            entry[1](TokenEvent([token], delta, logprobs=lps, prompt_logprobs=prompt_lps))
         else:
-            self._finish(seq, stop, last=([token], delta, lps))
+            self._finish(seq, stop, last=([token], delta, lps), prompt_lps=prompt_lps)
 
-    def _finish(self, seq: Sequence, stop: Stop, last=None, error: str = "") -> None:
+    def _finish(self, seq: Sequence, stop: Stop, last=None, error: str = "",
+                prompt_lps: list | None = None) -> None:
         """End a request: free its row and blocks, send the final event (with any text held
         back for stop sequences)."""
         entry = self._sinks.pop(seq.request_id, None)
@@ -286,4 +294,4 @@ class Engine:
             last[0], last[1], stop, prompt_tokens=len(seq.prompt),
             generated_tokens=seq.num_output, queue_s=start - seq.arrival,
             ttft_s=(seq.first_token or now) - seq.arrival, total_s=now - seq.arrival,
-            error=error, logprobs=last[2]))
+            error=error, logprobs=last[2], prompt_logprobs=prompt_lps))

@@ -72,8 +72,9 @@ class EngineLink:
         texts = self.servicer.token_texts
 
         def sink(ev: TokenEvent) -> None:
-            details = None if ev.logprobs is None else token_info.payload(
-                ev.token_ids, ev.logprobs, texts)
+            details = None if ev.logprobs is None and ev.prompt_logprobs is None else (
+                token_info.payload(ev.token_ids, ev.logprobs, texts),
+                token_info.prompt_payload(ev.prompt_logprobs, texts))
             if ev.stop is _NONE:
                 out_of._out.append((h, ev.token_ids, ev.text, details))
                 return

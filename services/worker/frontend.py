@@ -108,8 +108,10 @@ class Frontend:
                 item = await q.get()
                 n = len(item)
                 if n == 4:                  # (h, token ids, text, token details)
+                    tokens, prompt = item[3] or (None, None)
                     yield wpb.WorkerGenerateResponse(token_ids=item[1], text=item[2],
-                                                     tokens=token_info.protos(item[3]))
+                                                     tokens=token_info.protos(tokens),
+                                                     prompt_tokens=token_info.protos(prompt))
                     continue
                 done = True
                 if n == 2:
@@ -118,8 +120,10 @@ class Frontend:
                  error, cold_s, tier, details) = item
                 if stop == _ERROR:
                     await context.abort(LorafleetError.code, f"generation failed: {error}")
+                details, prompt = details or (None, None)
                 out = wpb.WorkerGenerateResponse(token_ids=tokens, text=text, stop_reason=stop,
-                                                 tokens=token_info.protos(details))
+                                                 tokens=token_info.protos(details),
+                                                 prompt_tokens=token_info.protos(prompt))
                 out.usage.prompt_tokens, out.usage.generated_tokens = prompt_tokens, generated
                 t = out.timings
                 t.queue_s, t.time_to_first_token_s, t.total_s = queue_s, ttft_s, total_s

@@ -48,6 +48,10 @@ class ModelRunner:
         logprobs when some row asked (see sampling.unpack_logprobs; else None)."""
         inputs = self.steps.eager(batch, self.buffers)
         logits = self.model.forward(inputs.input_ids, inputs.ctx, self.kv_cache)
+        if inputs.prompt_rows is not None:           # the first rows: prompt logprobs
+            e = len(inputs.prompt_targets)
+            _prompt_logprobs(logits[:e], inputs.prompt_rows, inputs.prompt_targets)
+            logits = logits[e:]
         if not inputs.sampled:
             return [], [], None
         tokens = sample(logits, inputs.sampling)
@@ -57,3 +61,18 @@ class ModelRunner:
         rows = pack_logprobs(logits, tokens, k).tolist()      # ... with the logprobs in it
         return (inputs.sampled, [int(r[0]) for r in rows],
                 unpack_logprobs(rows, [b.seq.sampling.logprobs for b in inputs.sampled]))
+
+
+def _prompt_logprobs(logits: torch.Tensor, per: list[tuple], targets) -> None:
+    """Each asking sequence's prompt logprobs of this step's rows, appended to its prompt_lps
+    (the engine hands them on with its first token): per row (token, logprob, top)."""
+    k = max(seq.sampling.prompt_logprobs for seq, _ in per)
+    ids = torch.as_tensor(targets, device=logits.device)
+    rows = pack_logprobs(logits, ids, k).tolist()        # one host sync, asked for
+    at = 0
+    for seq, n in per:
+        for r, lp in zip(rows[at:at + n], unpack_logprobs(rows[at:at + n],
+                                                           [seq.sampling.prompt_logprobs] * n)):
+            seq.prompt_lps.append((int(r[0]), *lp))
+        at += n
+

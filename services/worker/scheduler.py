@@ -126,6 +126,8 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed = 0
+        if seq.prompt_lps:                      # recomputed: its prompt logprobs are again
+            seq.prompt_lps = []
         seq.preemptions += 1
         self.preemptions += 1
         seq.status = Status.WAITING

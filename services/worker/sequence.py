@@ -36,6 +36,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), sorted by id
     min_tokens: int = 0               # the EOS tokens are not sampled before this many
     logprobs: int = -1                # -1: none; 0: the sampled token's; k: and the top k
+    prompt_logprobs: int = -1         # the same for the prompt's tokens (echo)
 
     @property
     def greedy(self) -> bool:
@@ -99,9 +100,14 @@ class Sequence:
     # services.worker.block_manager); b"" shares nothing. Set by the servicer.
     prefix_key: bytes = b""
     prefix_digests: list | None = None   # BlockManager's, worked out once
+    # with sampling.prompt_logprobs >= 0: (token, logprob, top) of prompt tokens 1.., filled
+    # as the prompt is computed, handed on with the first token (then None)
+    prompt_lps: list | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
+        if self.sampling.prompt_logprobs >= 0:
+            self.prompt_lps = []
 
     @property
     def output(self) -> list[int]:

@@ -56,11 +56,12 @@ def sampling_from(p: common_pb2.SamplingParams,
     if stopping.min_new_tokens > (stopping.max_new_tokens or stopping.min_new_tokens):
         raise InvalidArgument("stopping.min_new_tokens: above max_new_tokens")
     logprobs = response.top_n_tokens if response.token_logprobs or response.top_n_tokens else -1
+    prompt_logprobs = response.top_n_tokens if response.prompt_logprobs else -1
     seed = p.seed & ((1 << 63) - 1) if p.seed else random.getrandbits(62) + 1
     return Sampling(p.temperature, p.top_k, p.top_p or 1.0, seed, p.repetition_penalty or 1.0,
                     p.presence_penalty, p.frequency_penalty,
                     tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
-                    stopping.min_new_tokens, logprobs)
+                    stopping.min_new_tokens, logprobs, prompt_logprobs)
 
 
 def stopping_from(s: common_pb2.StoppingCriteria, cfg: WorkerConfig) -> Stopping:
@@ -248,7 +249,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         out = wpb.WorkerGenerateResponse(token_ids=ev.token_ids, text=ev.text,
                                          stop_reason=int(ev.stop), tokens=token_info.protos(
                                              token_info.payload(ev.token_ids, ev.logprobs,
-                                                                self.token_texts)))
+                                                                self.token_texts)),
+                                         prompt_tokens=token_info.protos(
+                                             token_info.prompt_payload(ev.prompt_logprobs,
+                                                                       self.token_texts)))
         if ev.stop is not Stop.NONE:
             out.usage.prompt_tokens = ev.prompt_tokens
             out.usage.generated_tokens = ev.generated_tokens

@@ -35,6 +35,10 @@ class StepInputs:
     ctx: StepContext
     sampling: SamplingBatch
     sampled: list[Scheduled]          # the entries that produce a token, in sample-row order
+    # prompt logprobs: the first E logits rows are prompt rows; (sequence, rows) in order and
+    # the prompt token each of those rows predicts
+    prompt_rows: list[tuple] | None = None
+    prompt_targets: np.ndarray | None = None
 
 
 class HostViews:
@@ -64,7 +68,9 @@ class InputBuffers:
         self.rows = pair((4, max_tokens), torch.int64)
         self.tables = pair((max_seqs, max_blocks), torch.int32)
         self.segs = pair((2, max_seqs + 1), torch.int32)
-        self.sample_rows = pair((max_seqs,), torch.int64)
+        # the rows whose logits a step needs: prompt rows of sequences that asked for their
+        # prompt's logprobs (at most every row), then one a sampling sequence
+        self.sample_rows = pair((max_tokens + max_seqs,), torch.int64)
         rows, segs = self.rows[0].numpy(), self.segs[0].numpy()
         self.host_sample_rows = self.sample_rows[0].numpy()
         self.views = HostViews(rows[0], rows[1], rows[2], rows[3], segs[0], segs[1],
@@ -149,12 +155,18 @@ class StepBuilder:
         samples = np.fromiter((b.samples for b in plan.batch), dtype=bool, count=n)
         sampled = [b for b, x in zip(plan.batch, samples) if x]
         sample_rows = (np.arange(1, n + 1) if ends is None else ends)[samples] - 1
+        echo = _prompt_rows(plan, lens, ends) if any(
+            b.seq.prompt_lps is not None for b in plan.batch) else None
+        if echo is not None:
+            sample_rows = np.concatenate((echo[1], sample_rows))
         buf.host_sample_rows[:len(sample_rows)] = sample_rows
         max_ctx = int(buf.views.pos[:t].max()) + 1 if t else 1      # positions + 1
         max_blocks = max(1, max(buf.views.held[1][:n], default=0))
         inputs = _to_device(buf, plan, self.tables, t, max_blocks, max_ctx, g,
                             len(sample_rows), sampled)
         inputs.sampling = sampling_batch(sampled, buf.device, eos=self.eos)
+        if echo is not None:
+            inputs.prompt_rows, inputs.prompt_targets = echo[0], echo[2]
         return inputs
 
     @staticmethod
@@ -207,6 +219,28 @@ class StepBuilder:
             if lens[i]:
                 tables[i, :lens[i]] = 0
             lists[i], lens[i] = None, 0
+
+
+def _prompt_rows(plan: StepPlan, lens: np.ndarray, ends: np.ndarray | None):
+    """For sequences that asked for their prompt's logprobs: each one's rows this step whose
+    next token is a prompt token, and those tokens. ((seq, count) per sequence, row indices,
+    target ids); None when this step has none."""
+    per, rows, targets = [], [], []
+    for i, b in enumerate(plan.batch):
+        seq = b.seq
+        if seq.prompt_lps is None:
+            continue
+        first = seq.num_computed
+        k = min(int(lens[i]), len(seq.prompt) - 1 - first)        # rows predicting a prompt token
+        if k <= 0:
+            continue
+        lo = (int(ends[i]) if ends is not None else i + 1) - int(lens[i])
+        per.append((seq, k))
+        rows.append(np.arange(lo, lo + k))
+        targets.append(seq.prompt[first + 1:first + 1 + k])
+    if not per:
+        return None
+    return per, np.concatenate(rows), np.concatenate([np.asarray(t, np.int64) for t in targets])
 
 
 def _to_device(buf: InputBuffers, plan: StepPlan, tables: LoraTables | None, t_rows: int,

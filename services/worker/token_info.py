@@ -29,6 +29,13 @@ def payload(ids: list[int], logprobs: list | None, text: TokenTexts) -> list | N
             for t, lp in zip(ids, logprobs)]
 
 
+def prompt_payload(items: list | None, text: TokenTexts) -> list | None:
+    """The prompt's details (TokenEvent.prompt_logprobs) in payload's shape."""
+    if items is None:
+        return None
+    return [(t, text(t), lp, tuple((i, text(i), v) for i, v in top)) for t, lp, top in items]
+
+
 def protos(items: list | None) -> list[common_pb2.TokenInfo]:
     """payload's items as TokenInfo messages."""
     if not items:
