@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 SAMPLINGS = (Sampling(), Sampling(0.8, 0, 0.9, 7, 1.0), Sampling(1.0, 20, 1.0, 8, 1.1),
-             Sampling(0.7, 50, 0.95, 9, 1.0))
+             Sampling(0.7, 50, 0.95, 9, 1.0),
+             # OpenAI's penalties, a logit bias, min_tokens and logprobs with alternatives
+             Sampling(0.9, 0, 1.0, 10, 1.0, 0.5, 0.5, ((5, 1.0),), 2, 5))
 
 
 def token_counts(max_tokens: int) -> list[int]:
@@ -52,17 +54,19 @@ def token_counts(max_tokens: int) -> list[int]:
     return sorted(t for t in out if 1 <= t <= max_tokens)
 
 
-def zero_adapter(spec: ModelSpec, rank: int, modules=tuple(MODULES)):
-    """A PEFT adapter of zeros (its output is the base model's) on `modules` of every layer."""
+def zero_adapter(spec: ModelSpec, rank: int, modules=tuple(MODULES), layers=(0,)):
+    """A PEFT adapter of zeros (its output is the base model's) on `modules` of these layers:
+    the first only by default, the one the warm-up's eager steps run (a 7B model's adapters
+    of every layer were ~1.4 GB of zeros to make, stage and place for nothing)."""
     tensors = {}
-    for layer in range(spec.num_layers):
+    for layer in layers:
         for m in modules:
             k, n = spec.in_out(m)
             stem = f"base_model.model.model.layers.{layer}.{MODULES[m]}.{m}"
             tensors[f"{stem}.lora_A.weight"] = torch.zeros(rank, k, dtype=torch.bfloat16)
             tensors[f"{stem}.lora_B.weight"] = torch.zeros(n, rank, dtype=torch.bfloat16)
     config = {"r": rank, "lora_alpha": rank, "target_modules": list(modules),
-              "peft_type": "LORA", "bias": "none"}
+              "peft_type": "LORA", "bias": "none", "layers_to_transform": list(layers)}
     return staged_from_tensors(tensors, config, spec)
 
 
