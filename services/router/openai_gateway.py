@@ -18,6 +18,7 @@ from aiohttp import web
 from services.common.errors import InvalidArgument, LorafleetError, NotFound, Unavailable
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
 from services.router.openai_fields import BodyError, build_request, chat_messages, token_ids
+from services.router import status_page
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
@@ -138,7 +139,9 @@ class OpenAIGateway:
                              web.post("/v1/chat/completions", self.chat),
                              web.get("/health", self.health),
                              web.post("/tokenize", self.tokenize),
-                             web.post("/detokenize", self.detokenize)])
+                             web.post("/detokenize", self.detokenize),
+                             web.get("/status", status_page.page),
+                             web.get("/status.json", status_page.json_route(servicer))])
         self._runner: web.AppRunner | None = None
 
     async def start(self, listen: str) -> int:
