@@ -84,9 +84,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--resolve-ttl", type=float, default=1.0, help="adapter name cache seconds")
     p.add_argument("--dns-period", type=float, default=10.0,
                    help="seconds between re-resolving DNS worker names")
-    p.add_argument("--metrics-tenants", type=int, default=50,
-                   help="tenants that keep their own tenant label on /metrics, most requests "
-                        "first; the others' series are tenant=\"other\" (50)")
+    p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
+                   "tenant labels, most requests first; the rest are tenant=other (50)")
     a = p.parse_args(argv)
     return RouterConfig(
         listen=a.listen, http_listen=a.http_listen, store=a.store, workers=tuple(a.worker or ["127.0.0.1:7002"]),

@@ -140,8 +140,8 @@ function bars(el, items, fmt) {
   items.forEach((it, i) => {
     const h = H * it.value / max, x = 30 + i * (bw + 6);
     out.push(`<rect x="${x}" y="${H - h}" width="${bw}" height="${h}" fill="${COLORS[i % 6]}"/>`);
-    out.push(`<text x="${x}" y="${H + 12}" font-size="10">${esc(it.name)}</text>`);
-    out.push(`<text x="${x}" y="${Math.max(10, H - h - 2)}" font-size="10">` +
+    out.push(`<text x="${x}" y="${H + 12 + 10 * (i % 2)}" font-size="10">${esc(it.name)}</text>`);
+    if (it.value > 0) out.push(`<text x="${x}" y="${Math.max(10, H - h - 2)}" font-size="10">` +
       `${esc(fmt(it.value))}</text>`);
   });
   svg(el, out);

@@ -125,9 +125,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                         "tile) so no kernel compiles while serving; auto: on a GPU (auto)")
     p.add_argument("--warmup-max-rank", type=int, default=128,
                    help="largest adapter rank the warm-up prepares for (the store's --max-rank)")
-    p.add_argument("--metrics-tenants", type=int, default=50,
-                   help="tenants that keep their own tenant label on /metrics, most requests "
-                        "first; the others' series are tenant=\"other\" (50)")
+    p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
+                   "tenant labels, most requests first; the rest are tenant=other (50)")
     a = p.parse_args(argv)
     perf = PerfConfig.from_env(os.environ)
     return WorkerConfig(perf=perf, 
