@@ -7,7 +7,7 @@ GEN      := services/common/gen
 MODEL    := models/tiny-llama
 TORCH    ?= torch==2.13.0
 
-.PHONY: venv stubs model run test test-policy test-fast bench clean k8s
+.PHONY: venv stubs model run test test-policy test-fast bench clean k8s browser
 
 venv: $(STAMP) stubs
 
@@ -38,7 +38,16 @@ run: venv model
 	$(VPY) -m services.devstack $(RUN_ARGS)
 
 test: venv model
+	-@$(MAKE) -s browser
 	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+# headless Chromium for tests/test_status_page.py, from Debian's packages when it is missing and
+# apt-get can run (root); otherwise that one test is skipped and says why
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
+	  echo "browser: no Chromium and cannot install it (apt-get as root): the status page's browser test will be skipped"
 
 # the torch-free tests, run with torch unimportable (tests/no_torch.py)
 POLICY_TESTS = $(shell grep -l "^pytestmark = pytest.mark.policy" tests/test_*.py)

@@ -173,3 +173,13 @@ class ResidencyWatch:
     def close(self) -> None:
         self._call.cancel()
         self._chan.close()
+
+
+@pytest.fixture(scope="session")
+def observed(tmp_path_factory):
+    """tests/observed.py's Observed: one stack with /metrics, traces and the HTTP gateway,
+    after a small mixed run; shared by the metrics, dashboard, trace and status-page tests."""
+    from tests.observed import Observed
+    obs = Observed(tmp_path_factory.mktemp("observed"))
+    yield obs
+    assert all(code == 0 for code in obs.close())

@@ -49,7 +49,7 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
                   router_args=["--metrics-port", str(metrics_port)],
                   worker_args=["--metrics-port", str(worker_metrics_port)])
     try:
-        router = stack.router.addr
+        router, worker_addr = stack.router.addr, stack.workers[0].addr
         cli("--router", router, "--token", "ops", "register", "--id", "cold2",
             "--source", f"s3://{BUCKET}/shared/cold")
         run = {"t1": ["a00", "a01", "a02", "a00", "a01", "a02"], "t2": ["a00"] * 4,
@@ -121,11 +121,16 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
 
     for line in ('lorafleet_router_requests_total{status="OK",tenant="t1"} 6.0',
                  'lorafleet_tokens_served_total{tenant="t2"} 16.0',
-                 'lorafleet_fleet_cache_misses{tier="gpu"} 6.0',
+                 # counters, one series a worker (the store's tier: no worker)
+                 f'lorafleet_fleet_cache_misses_total{{tier="gpu",worker="{worker_addr}"}} 6.0',
+                 f'lorafleet_fleet_cache_hits_total{{tier="gpu",worker="{worker_addr}"}} '
+                 f'{with_adapter - 6}.0',
+                 'lorafleet_fleet_cache_hit_rate{tier="gpu"} '
+                 f'{(with_adapter - 6) / with_adapter}',
                  'lorafleet_router_cold_load_seconds_count{tier="source"} 4.0',
                  'lorafleet_fleet_adapters{tier="gpu"} 4.0', "lorafleet_jain_index ",
                  # the store's tier and count, from its last Stats reply
-                 'lorafleet_fleet_cache_misses{tier="store_host"} 4.0',
+                 'lorafleet_fleet_cache_misses_total{tier="store_host",worker=""} 4.0',
                  'lorafleet_fleet_adapters{tier="store_host"} 4.0',
                  "lorafleet_adapters_registered 51.0"):
         assert line in metrics, line

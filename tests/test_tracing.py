@@ -106,6 +106,7 @@ def test_cold_request_is_one_trace_across_the_services(lora_fleet, moto, tmp_pat
             info = c.register("acme-cold", f"s3://{BUCKET}/acme/cold", tenant="acme")
             resp = c.generate(adapter="acme-cold", prompt_ids=[4, 5, 6], max_new_tokens=4)
         assert resp.timings.adapter_tier == common_pb2.SOURCE and resp.timings.cold_load_s > 0
+        wait_for_span(files.values(), lambda s: s["name"] == "worker.generate")
         spans = wait_for_span(files.values(), lambda s: s["name"] == "router.generate")
     finally:
         assert all(code == 0 for code in stack.terminate())

@@ -21,8 +21,6 @@ from services.common import hit_rate
 TIER = "store_host"
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
-CACHE_HITS = Counter("lorafleet_cache_hits_total", "Adapter cache hits", ["tier"])
-CACHE_MISSES = Counter("lorafleet_cache_misses_total", "Adapter cache misses", ["tier"])
 CACHE_EVICTIONS = Counter("lorafleet_cache_evictions_total", "Adapter cache evictions", ["tier"])
 SOURCE_LOADS = Counter("lorafleet_store_source_loads_total",
                        "Adapter reads from a source at Fetch time", ["scheme", "outcome"])
@@ -35,14 +33,12 @@ REFUSALS = Counter("lorafleet_store_refusals_total", "Adapters refused at valida
                    ["reason"])
 
 
-for _family in (CACHE_HITS, CACHE_MISSES, CACHE_EVICTIONS):
-    _family.labels(TIER)            # the series exist (at 0) before the first lookup
-hit_rate.declare(TIER)
+CACHE_EVICTIONS.labels(TIER)        # the series exist (at 0) before the first lookup
+hit_rate.declare(TIER)              # lorafleet_cache_{hits,misses}_total, _hit_rate
 
 
 def count_lookup(hit: bool) -> None:
     """One host-tier lookup at Fetch time: its counter and the hit rate."""
-    (CACHE_HITS if hit else CACHE_MISSES).labels(TIER).inc()
     hit_rate.count(TIER, hit)
 
 

@@ -14,6 +14,7 @@ from services.adapter_store.registry import AdapterRecord
 from services.adapter_store.store import AdapterStore, Staged
 from services.common.gen.lorafleet.v1 import (adapter_store_pb2 as pb, adapter_store_pb2_grpc,
                                               common_pb2, router_pb2)
+from services.common import span_attrs
 from services.common.telemetry import incoming_context
 
 _tracer = trace.get_tracer(__name__)
@@ -58,7 +59,9 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
     async def Register(self, request, context):
         with _tracer.start_as_current_span(
                 "store.register", context=incoming_context(context.invocation_metadata()),
-                attributes={"lora.adapter_id": request.id}):
+                attributes={**span_attrs.rpc("AdapterStore", "Register"),
+                            "lora.adapter_id": request.id}) as span, \
+                span_attrs.grpc_status(span, context):
             rec = await self._store.register(request.id, request.source, request.owner,
                                              list(request.aliases), request.replace,
                                              remaining(context))
@@ -79,21 +82,23 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
     async def Fetch(self, request, context):
         span = _tracer.start_span("store.fetch",
                                   context=incoming_context(context.invocation_metadata()),
-                                  attributes={"lora.adapter_id": request.id})
+                                  attributes={**span_attrs.rpc("AdapterStore", "Fetch"),
+                                              "lora.adapter_id": request.id})
         try:
-            with trace.use_span(span, end_on_exit=False):
-                staged = await self._store.stage(request.id, request.version,
-                                                 remaining(context))
-            span.set_attributes({"lora.bytes": len(staged.blob), "lora.tier": staged.tier,
-                                 "lora.version": staged.record.version})
-            shm = request.shm and bool(staged.shm_file)
-            span.set_attribute("lora.shm", shm)
-            yield pb.FetchChunk(header=fetch_header(staged, shm))
-            if not shm:
-                view = memoryview(staged.blob)
-                for start in range(0, len(view), self._chunk):
-                    yield pb.FetchChunk(data=bytes(view[start:start + self._chunk]))
-            yield pb.FetchChunk(sha256=staged.record.sha256)
+            with span_attrs.grpc_status(span, context):
+                with trace.use_span(span, end_on_exit=False):
+                    staged = await self._store.stage(request.id, request.version,
+                                                     remaining(context))
+                span.set_attributes({"lora.bytes": len(staged.blob), "lora.tier": staged.tier,
+                                     "lora.version": staged.record.version})
+                shm = request.shm and bool(staged.shm_file)
+                span.set_attribute("lora.shm", shm)
+                yield pb.FetchChunk(header=fetch_header(staged, shm))
+                if not shm:
+                    view = memoryview(staged.blob)
+                    for start in range(0, len(view), self._chunk):
+                        yield pb.FetchChunk(data=bytes(view[start:start + self._chunk]))
+                yield pb.FetchChunk(sha256=staged.record.sha256)
         finally:
             span.end()
 

@@ -9,6 +9,7 @@ from prometheus_client import REGISTRY
 
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, router_pb2_grpc
 from services.common.runtime import run_service
+from services.common.tenant_labels import TenantLabels
 from services.common.server import channel, create_server, serve, server_credentials
 from services.router.auth import Tenants
 from services.router.config import RouterConfig, parse_args
@@ -32,7 +33,7 @@ async def main_async(cfg: RouterConfig) -> None:
     tls = (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
     store_chan = channel(cfg.store, *tls, keepalive_s=cfg.keepalive_s)
     workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period, keepalive_s=cfg.keepalive_s)
-    stats = RouterStats()
+    stats = RouterStats(tenants=TenantLabels(cfg.metrics_tenants))
     REGISTRY.register(FleetCollector(workers, stats))
     app = RouterApp(
         tenants=tenants, quotas=Quotas(tenants.quotas),

@@ -22,6 +22,7 @@ class RouterConfig:
     resolve_ttl: float = 1.0
     retry_delay: float = 0.5
     dns_period: float = 10.0
+    metrics_tenants: int = 50           # tenants named on /metrics; the rest are "other"
     metrics_port: int = 9101
     metrics_host: str = ""             # "" = the --listen host
     keepalive_s: float = 20.0          # ping interval of channels to peers
@@ -34,6 +35,8 @@ class RouterConfig:
     tls_ca: str | None = None
 
     def __post_init__(self) -> None:
+        if self.metrics_tenants < 0:
+            raise ValueError("--metrics-tenants must be >= 0")
         if not self.workers:
             raise ValueError("at least one --worker is required")
         if self.max_in_flight_per_worker < 1:
@@ -81,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--resolve-ttl", type=float, default=1.0, help="adapter name cache seconds")
     p.add_argument("--dns-period", type=float, default=10.0,
                    help="seconds between re-resolving DNS worker names")
+    p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
+                   "tenant labels, most requests first; the rest are tenant=other (50)")
     a = p.parse_args(argv)
     return RouterConfig(
         listen=a.listen, http_listen=a.http_listen, store=a.store, workers=tuple(a.worker or ["127.0.0.1:7002"]),
@@ -88,4 +93,4 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         max_in_flight_per_worker=a.max_in_flight_per_worker, spill_rows=a.spill_rows,
         foothold_per_worker=a.foothold_per_worker,
         resolve_ttl=a.resolve_ttl,
-        dns_period=a.dns_period, **common_values(a))
+        dns_period=a.dns_period, **common_values(a), metrics_tenants=a.metrics_tenants)

@@ -114,6 +114,7 @@ class RequestPath:
         tokens = prompt_tokens = 0
         status = "OK"
         ticket = None
+        first_token = queue_s = None     # when the first token came; the request's queue time
         finished = False                # the last message (stop_reason set) was handed on
         try:
             if app.gate.would_wait(adm.caller.tenant):
@@ -122,9 +123,12 @@ class RequestPath:
             charge = functools.partial(app.gate.progress, ticket)   # settled at release
             async for resp in self._forward(req, adm, context, unary, charge):
                 tokens += len(resp.token_ids)
+                if first_token is None and resp.token_ids:
+                    first_token = time.monotonic()
                 if resp.HasField("usage"):
                     prompt_tokens = resp.usage.prompt_tokens
                     resp.timings.queue_s += ticket.queue_seconds
+                    queue_s = resp.timings.queue_s
                     app.stats.cold_load(resp.timings)
                 finished = resp.stop_reason != 0
                 yield resp
@@ -142,7 +146,8 @@ class RequestPath:
                 app.gate.release(ticket, prompt_tokens, tokens)
             app.quotas.release(adm.caller.tenant, adm.est_tokens, prompt_tokens + tokens)
             app.stats.record(adm.caller.tenant, time.monotonic() - start, tokens, prompt_tokens,
-                             status)
+                             status, ttft_s=None if first_token is None else first_token - start,
+                             queue_s=queue_s)
 
     def _prefetch(self, adm: Admitted) -> None:
         """Hint the likely worker so staging overlaps the wait in the fair queue."""

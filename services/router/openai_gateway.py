@@ -21,6 +21,7 @@ from services.router.openai_choices import fan_out, gather as gather_choices
 from services.router.openai_choices import requests as choice_requests
 from services.router.openai_fields import BodyError, build_request, chat_messages, token_ids
 from services.router.openai_format import chunker, logprobs, usage_json
+from services.router import status_page
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
@@ -141,7 +142,9 @@ class OpenAIGateway:
                              web.post("/v1/chat/completions", self.chat),
                              web.get("/health", self.health),
                              web.post("/tokenize", self.tokenize),
-                             web.post("/detokenize", self.detokenize)])
+                             web.post("/detokenize", self.detokenize),
+                             web.get("/status", status_page.page),
+                             web.get("/status.json", status_page.json_route(servicer))])
         self._runner: web.AppRunner | None = None
 
     async def start(self, listen: str) -> int:

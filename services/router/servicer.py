@@ -13,6 +13,7 @@ from services.common.errors import (InvalidArgument, LorafleetError, Unavailable
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
+from services.common import span_attrs
 from services.common.names import name_error
 from services.common.telemetry import incoming_context, outgoing_metadata, tracer
 from services.router.auth import Tenants, require_admin
@@ -71,24 +72,26 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         the end, which lets the request path retry a worker lost mid-generation."""
         caller = self._caller(context)
         parent = incoming_context(context.invocation_metadata())
-        with _tracer.start_as_current_span("router.generate", context=parent) as span:
-            span.set_attributes({"gen_ai.operation.name": "text_completion",
-                                 "gen_ai.request.max_tokens": request.stopping.max_new_tokens,
-                                 "gen_ai.request.temperature": request.sampling.temperature,
-                                 "lora.tenant": caller.tenant,
-                                 "lora.adapter_id": request.adapter_id})
+        with _tracer.start_as_current_span("router.generate", context=parent) as span, \
+                span_attrs.grpc_status(span, context):
+            span.set_attributes({
+                **span_attrs.rpc("GenerationService", "Generate" if unary else "GenerateStream"),
+                **span_attrs.genai_request("chat" if request.messages else "text_completion",
+                                           request.adapter_id or "base"),
+                "gen_ai.request.max_tokens": request.stopping.max_new_tokens,
+                "gen_ai.request.temperature": request.sampling.temperature,
+                "lora.tenant": caller.tenant, "lora.adapter_id": request.adapter_id})
             self._resize_gate()
             adm = await self.path.admit(request, caller, context.time_remaining())
             span.set_attribute("gen_ai.request.id", adm.request_id)
-            usage = None
             async with contextlib.aclosing(self.path.stream(request, adm, context,
                                                             unary)) as stream:
                 async for resp in stream:
-                    usage = resp.usage if resp.HasField("usage") else usage
+                    if resp.HasField("usage"):
+                        span_attrs.genai_response(span, resp.stop_reason,
+                                                  resp.usage.prompt_tokens,
+                                                  resp.usage.generated_tokens)
                     yield resp
-            if usage is not None:
-                span.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
-                                     "gen_ai.usage.output_tokens": usage.generated_tokens})
 
     async def Generate(self, request, context):
         out = rpb.GenerateResponse()
@@ -185,8 +188,10 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             if message is not None:
                 raise InvalidArgument(message)
         parent = incoming_context(context.invocation_metadata())
-        with _tracer.start_as_current_span("router.register", context=parent) as span:
-            span.set_attributes({"lora.tenant": caller.tenant, "lora.adapter_id": request.id,
+        with _tracer.start_as_current_span("router.register", context=parent) as span, \
+                span_attrs.grpc_status(span, context):
+            span.set_attributes({**span_attrs.rpc("GenerationService", "RegisterAdapter"),
+                                 "lora.tenant": caller.tenant, "lora.adapter_id": request.id,
                                  "lora.owner": request.tenant, "lora.source": request.source})
             # replace: a new version of an existing id, the aliases given moving to it (the
             # store moves them atomically): cached resolutions are stale after it.

@@ -4,7 +4,8 @@ store at GetStats time. Plain Python (no torch).
 
 On /metrics the router also shows the fleet: cache hits/misses and adapter counts per worker tier
 from the residency streams (FleetCollector, read at scrape time) and the cold-load time requests
-saw, per source tier (COLD_LOAD); the store's host tier is on the store's own /metrics.
+saw, per source tier (COLD_LOAD); the store's host tier is on the store's own /metrics. Every
+`tenant` label goes through one TenantLabels (--metrics-tenants: top N by requests + "other").
 """
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.common.tenant_labels import TenantLabels
+from services.common.weighted_histogram import WeightedHistogram
+from services.common.timing_buckets import ITL_BUCKETS, ITL_DOC, QUEUE_BUCKETS, TTFT_BUCKETS
 
 REQUESTS = Counter("lorafleet_router_requests_total", "Requests by tenant and status",
                    ["tenant", "status"])
@@ -27,6 +32,14 @@ COLD_TIERS = {2: "worker_host", 3: "store_host", 4: "source"}   # common_pb2.Tie
 COLD_LOAD = Histogram("lorafleet_router_cold_load_seconds",
                       "Adapter cold-load time requests waited for, by source tier", ["tier"],
                       buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
+TTFT = Histogram("lorafleet_router_time_to_first_token_seconds", "Time from the request's "
+                 "admission to its first token, per tenant", ["tenant"], buckets=TTFT_BUCKETS)
+ITL = WeightedHistogram("lorafleet_router_inter_token_latency_seconds", "Time between a "
+                        "request's tokens as the router forwards them, per tenant" + ITL_DOC,
+                        ["tenant"], buckets=ITL_BUCKETS)
+QUEUE_TIME = Histogram("lorafleet_router_request_queue_time_seconds", "Time a request waited "
+                       "(the fair queue and the worker's queue, adapter staging included), "
+                       "per tenant", ["tenant"], buckets=QUEUE_BUCKETS)
 
 
 def percentile(values, q: float) -> float:
@@ -63,7 +76,8 @@ class TenantRecord:
 
 
 class RouterStats:
-    def __init__(self, working_set_window: float = 600.0):
+    def __init__(self, working_set_window: float = 600.0, tenants: TenantLabels | None = None):
+        self.labels = tenants or TenantLabels()     # the tenant label of every family here
         # the store's last Stats reply (GetStats and poll_store_stats refresh it): the store
         # tier's cache figures and adapter counts on the router's /metrics
         self.store_snapshot = None
@@ -75,7 +89,10 @@ class RouterStats:
         return self.tenants.setdefault(tenant, TenantRecord())
 
     def record(self, tenant: str, latency_s: float, tokens: int, prompt_tokens: int,
-               status: str = "OK") -> None:
+               status: str = "OK", ttft_s: float | None = None,
+               queue_s: float | None = None) -> None:
+        """A request that reached a worker. ttft_s: admission to first token (None: no
+        token); queue_s: its wait in the fair queue and the worker's queue (None: unknown)."""
         rec = self._t(tenant)
         rec.requests += 1
         rec.tokens += tokens
@@ -83,9 +100,18 @@ class RouterStats:
         rec.latencies.append(latency_s)
         if status != "OK":
             rec.errors += 1
-        REQUESTS.labels(tenant, status).inc()
-        TOKENS.labels(tenant).inc(tokens)
-        LATENCY.labels(tenant).observe(latency_s)
+        lab = self.labels
+        lab.note(tenant)
+        lab.labels(REQUESTS, tenant, status).inc()
+        lab.labels(TOKENS, tenant).inc(tokens)
+        lab.labels(LATENCY, tenant).observe(latency_s)
+        if queue_s is not None:
+            lab.labels(QUEUE_TIME, tenant).observe(queue_s)
+        if ttft_s is not None:
+            lab.labels(TTFT, tenant).observe(ttft_s)
+            if tokens > 1:
+                lab.labels(ITL, tenant).observe(max(0.0, latency_s - ttft_s) / (tokens - 1),
+                                                tokens - 1)
         JAIN.set(self.jain())
 
     def refuse(self, tenant: str, status: str) -> None:
@@ -98,12 +124,13 @@ class RouterStats:
         rec.requests += 1
         rec.errors += 1
         rec.rejected += status in CLIENT_FAULT
-        REQUESTS.labels(tenant, status).inc()
+        self.labels.note(tenant)
+        self.labels.labels(REQUESTS, tenant, status).inc()
         JAIN.set(self.jain())
 
     def throttle(self, tenant: str) -> None:
         self._t(tenant).throttled += 1
-        THROTTLED.labels(tenant).inc()
+        self.labels.labels(THROTTLED, tenant).inc()
 
     def cold_load(self, timings) -> None:
         """A request that waited for its adapter to be staged (common_pb2.Timings)."""
@@ -129,35 +156,40 @@ class RouterStats:
 
 class FleetCollector:
     """Prometheus collector over the live residency view (services.router.workers.WorkerSet):
-    per worker tier, cache hits, misses and hit rate, and resident adapters; live workers. The
-    store's tier (`store_host`) and the registered count come from the store's last Stats
-    reply (RouterStats.store_snapshot), so /metrics carries all four signals as GetStats does."""
+    per worker tier, cache hits and misses (counters, one series a worker: `worker` label, so
+    sum(rate(...)) holds while workers come and go) and the hit rate since start over the live
+    workers (a gauge), and resident adapters; live workers. The store's tier (`store_host`, no
+    worker label) and the registered count come from the store's last Stats reply
+    (RouterStats.store_snapshot), so /metrics carries all four signals as GetStats does."""
 
     def __init__(self, workers, stats: RouterStats):
         self.workers, self.stats = workers, stats
 
     def collect(self):
         live = list(self.workers.live().values())
-        counts = {"gpu": [0, 0], "worker_host": [0, 0]}
+        doc = "Adapter cache {} per tier ({}; store_host from the store)"
+        hits = CounterMetricFamily("lorafleet_fleet_cache_hits", doc.format(
+            "hits", "worker tiers per live worker"), labels=["tier", "worker"])
+        misses = CounterMetricFamily("lorafleet_fleet_cache_misses", doc.format(
+            "misses", "worker tiers per live worker"), labels=["tier", "worker"])
+        rate = GaugeMetricFamily("lorafleet_fleet_cache_hit_rate", doc.format(
+            "hits / lookups since start", "worker tiers over live workers"), labels=["tier"])
+        sums = {"gpu": [0, 0], "worker_host": [0, 0]}
         for w in live:
             for tier, c in w.cache.items():
-                acc = counts.setdefault(tier, [0, 0])
+                hits.add_metric([tier, w.addr], c.hits)
+                misses.add_metric([tier, w.addr], c.misses)
+                acc = sums.setdefault(tier, [0, 0])
                 acc[0] += c.hits
                 acc[1] += c.misses
         store = self.stats.store_snapshot
         if store is not None:
-            counts["store_host"] = [store.host_hits, store.host_misses]
-        names = ("hits", "misses", "hit_rate")
-        families = {n: GaugeMetricFamily(f"lorafleet_fleet_cache_{n}",
-                                         f"Adapter cache {n.replace('_', ' ')} per tier (worker "
-                                         "tiers summed over live workers; store_host from the "
-                                         "store)", labels=["tier"])
-                    for n in names}
-        for tier, (hits, misses) in counts.items():
-            families["hits"].add_metric([tier], hits)
-            families["misses"].add_metric([tier], misses)
-            families["hit_rate"].add_metric([tier], hits / (hits + misses) if hits + misses else 0)
-        yield from families.values()
+            hits.add_metric(["store_host", ""], store.host_hits)
+            misses.add_metric(["store_host", ""], store.host_misses)
+            sums["store_host"] = [store.host_hits, store.host_misses]
+        for tier, (h, m) in sums.items():
+            rate.add_metric([tier], h / (h + m) if h + m else 0.0)
+        yield from (hits, misses, rate)
         resident = GaugeMetricFamily("lorafleet_fleet_adapters", "Adapters resident per tier "
                                      "(worker tiers summed over live workers; store_host from "
                                      "the store)", labels=["tier"])
@@ -174,3 +206,7 @@ class FleetCollector:
                                 "in the recent window", value=self.stats.working_set())
         yield GaugeMetricFamily("lorafleet_workers_live", "Workers with a live residency stream",
                                 value=len(live))
+        yield GaugeMetricFamily("lorafleet_fleet_cold_loads_pending", "Adapters being staged "
+                                "on live workers now (cold loads in flight: a thrash signal)",
+                                value=sum(1 for w in live for a in w.adapters.values()
+                                          if a.loading))

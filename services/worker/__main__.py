@@ -12,11 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
+from prometheus_client import REGISTRY
+
 from kernels import compile_watch, kernel_cache
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from services.common.runtime import run_service
 from services.common.server import create_server, serve, server_credentials, sync_channel
+from services.common.tenant_labels import TenantLabels
 from services.worker import metrics
+from services.worker.engine_metrics import EngineGauges
 from services.worker.adapter_manager import AdapterManager
 from services.worker.config import WorkerConfig, parse_args
 from services.worker.frontend_process import Front, FrontendFailed
@@ -99,7 +103,11 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
                  report.steps, report.sequences, report.seconds, metrics.compiles("start"))
     manager = AdapterManager(built.pool, built.spec, host, store,
                              tenant_share=cfg.tenant_share or None,
-                             loader_threads=cfg.loader_threads)
+                             loader_threads=cfg.loader_threads,
+                             evictions=metrics.Evictions(TenantLabels(cfg.metrics_tenants)))
+    gauges = EngineGauges(built.spec.name, cfg.pool_slots)
+    REGISTRY.register(gauges)
+    built.engine.on_step = gauges.step
     base_load = load_fn(built.engine)
 
     def load() -> wpb.WorkerLoad:

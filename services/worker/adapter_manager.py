@@ -104,8 +104,10 @@ STAGES = ("fetch", "digest", "layout", "room_wait", "host_to_device", "source")
 class AdapterManager:
     def __init__(self, pool: DevicePool, spec: ModelSpec, host: HostTier, store: StoreClient,
                  tenant_share: float | None = 0.5,
-                 on_change: Callable[[str], None] = lambda key: None, loader_threads: int = 8):
+                 on_change: Callable[[str], None] = lambda key: None, loader_threads: int = 8,
+                 evictions: metrics.Evictions | None = None):
         self.pool, self.spec, self.store, self.host = pool, spec, store, host
+        self.evictions = evictions or metrics.Evictions()   # per tenant, on /metrics
         self.gpu = CachePolicy(pool.capacity_bytes, tenant_share, foothold=tenant_share is not None)
         self.info: dict[str, Residency] = {}
         self._loading: dict[str, asyncio.Future] = {}
@@ -381,8 +383,7 @@ class AdapterManager:
         metrics.ADAPTERS.labels("gpu").set(sum(1 for i in self.info.values() if i.gpu))
         metrics.ADAPTERS.labels("worker_host").set(len(self.host))
         for tier, policy in (("gpu", self.gpu), ("worker_host", self.host.policy)):
-            for tenant, st in policy.stats().items():
-                metrics.EVICTIONS.labels(tier, tenant).set(st.evictions)
+            self.evictions.update(tier, policy.stats())
 
     def close(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)

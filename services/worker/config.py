@@ -27,6 +27,7 @@ class WorkerConfig:
     max_new_tokens: int = 64            # default when a request leaves it 0
     max_new_tokens_limit: int = 4096
     tenant_share: float = 0.5           # per-tenant cap of each adapter tier; 0 = caps off
+    metrics_tenants: int = 50           # tenants named on /metrics; the rest are "other"
     metrics_port: int = 9102
     metrics_host: str = ""             # "" = the --listen host
     keepalive_s: float = 20.0          # ping interval of channels to peers
@@ -49,6 +50,8 @@ class WorkerConfig:
     perf: PerfConfig = field(default_factory=PerfConfig)   # LORAFLEET_* (perf_config.py)
 
     def __post_init__(self) -> None:
+        if self.metrics_tenants < 0:
+            raise ValueError("--metrics-tenants must be >= 0")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device: {self.device!r} is not auto, cpu or cuda[:N]")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -126,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                         "tile) so no kernel compiles while serving; auto: on a GPU (auto)")
     p.add_argument("--warmup-max-rank", type=int, default=128,
                    help="largest adapter rank the warm-up prepares for (the store's --max-rank)")
+    p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
+                   "tenant labels, most requests first; the rest are tenant=other (50)")
     a = p.parse_args(argv)
     perf = PerfConfig.from_env(os.environ)
     return WorkerConfig(perf=perf, 
@@ -139,4 +144,4 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
         share_prefixes=a.share_prefixes,
         kernel_cache=a.kernel_cache,
-        warmup_max_rank=a.warmup_max_rank)
+        warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants)

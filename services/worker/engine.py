@@ -72,6 +72,8 @@ class Engine:
         self.steps = 0
         self.tokens_generated = 0
         self.flush: Callable[[], None] | None = None   # called after each step (run)
+        # called with the engine after each step (run): the metrics' hook (engine_metrics.py)
+        self.on_step: Callable[["Engine"], None] | None = None
 
     # --- thread-safe entry points -------------------------------------------------------
     def submit(self, seq: Sequence, sink: Sink) -> None:
@@ -110,6 +112,8 @@ class Engine:
             busy = self.step()
             if self.flush is not None:
                 self.flush()
+            if self.on_step is not None:
+                self.on_step(self)
             if not busy:
                 self._wake.wait()
                 self._wake.clear()

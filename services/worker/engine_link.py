@@ -17,13 +17,15 @@ from dataclasses import dataclass
 from google.rpc import code_pb2, status_pb2
 from opentelemetry import trace
 
+from services.common import span_attrs
 from services.common.errors import LorafleetError
 from services.common.server import status_for
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import incoming_context, tracer
-from services.worker import metrics, token_info
+from services.worker import token_info
 from services.worker.engine import TokenEvent
 from services.worker.link import BlockingEnd
+from services.worker.servicer import generate_attributes
 from services.worker.sequence import Stop
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ class EngineLink:
             out_of._out.append((h, ev.token_ids, ev.text, int(ev.stop), ev.prompt_tokens,
                                 ev.generated_tokens, ev.queue_s, ev.ttft_s, ev.total_s,
                                 ev.error, cold_s, tier, details))
-            loop.call_soon_threadsafe(finished, h, ev.stop, ev.generated_tokens)
+            loop.call_soon_threadsafe(finished, h, ev)
         return sink
 
     # --- reader thread --------------------------------------------------------------------
@@ -126,8 +128,7 @@ class EngineLink:
             call.tenant = request.tenant
             call.span = _tracer.start_span(
                 "worker.generate", context=incoming_context(metadata),
-                attributes={"gen_ai.request.id": request.request_id,
-                            "lora.adapter_id": request.adapter.id, "lora.tenant": request.tenant})
+                attributes=generate_attributes(request, self.servicer.built.spec.name))
             with trace.use_span(call.span, end_on_exit=False):   # the cold load's spans
                 seq, acq = await self.servicer.admit(request, arrival, remaining)
             call.acq_key = acq.key if acq else ""
@@ -148,24 +149,27 @@ class EngineLink:
 
     def _refuse(self, h: int, call: _Call, status: status_pb2.Status) -> None:
         self.end.send(("ev", [(h, status.SerializeToString())]))
-        self._end(h, call, "refused")
+        self._end(h, call, "refused", status.code)
 
-    def _end(self, h: int, call: _Call, outcome: str) -> None:
+    def _end(self, h: int, call: _Call, outcome: str, code: int = code_pb2.CANCELLED) -> None:
+        """code: the call's gRPC status (rpc.grpc.status_code on its span)."""
         self._calls.pop(h, None)
         if call.acq_key:
             self.manager.release(call.acq_key)
             call.acq_key = ""
         if call.span is not None:
-            call.span.set_attribute("lora.outcome", outcome)
+            call.span.set_attributes({"lora.outcome": outcome, "rpc.grpc.status_code": code})
             call.span.end()
 
-    def _finished(self, h: int, stop: Stop, generated: int) -> None:
+    def _finished(self, h: int, ev: TokenEvent) -> None:
         call = self._calls.get(h)
         if call is None:
             return
-        metrics.REQUESTS.labels(stop.name).inc()
-        metrics.TOKENS.labels(call.tenant).inc(generated)
-        self._end(h, call, stop.name)
+        if call.span is not None:
+            span_attrs.genai_response(call.span, ev.stop, ev.prompt_tokens, ev.generated_tokens)
+        code = {Stop.ERROR: code_pb2.INTERNAL, Stop.CANCELLED: code_pb2.CANCELLED}
+        self._end(h, call, ev.stop.name, code.get(ev.stop, code_pb2.OK))
+        self.servicer.metrics.finished(call.tenant, ev)
 
     def _abort(self, h: int) -> None:
         call = self._calls.get(h)

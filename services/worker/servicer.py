@@ -12,6 +12,7 @@ import threading
 import time
 
 
+from services.common import span_attrs
 from services.common.errors import InvalidArgument, LorafleetError, Unavailable
 from services.common.names import name_error
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
@@ -64,6 +65,15 @@ def sampling_from(p: common_pb2.SamplingParams,
                     stopping.min_new_tokens, logprobs, prompt_logprobs)
 
 
+def generate_attributes(request: wpb.WorkerGenerateRequest, model: str) -> dict:
+    """worker.generate's attributes at its start (RPC and GenAI conventions, lora.*)."""
+    return {**span_attrs.rpc("Worker", "Generate"),
+            **span_attrs.genai_request("chat" if request.messages else "text_completion",
+                                       request.adapter.id or model),
+            "gen_ai.request.id": request.request_id, "lora.adapter_id": request.adapter.id,
+            "lora.tenant": request.tenant}
+
+
 def stopping_from(s: common_pb2.StoppingCriteria, cfg: WorkerConfig) -> Stopping:
     n = s.max_new_tokens or cfg.max_new_tokens
     if n > cfg.max_new_tokens_limit:
@@ -114,6 +124,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  worker_id: str):
         self.cfg, self.built, self.engine = cfg, built, built.engine
         self.manager, self.feed, self.worker_id = manager, feed, worker_id
+        self.metrics = metrics.RequestMetrics(manager.evictions.tenants, built.spec.name)
         self.draining = False
         self._background: set[asyncio.Task] = set()   # prefetch tasks, referenced until done
         self._handoff: EventHandoff | None = None        # engine thread -> this loop
@@ -171,11 +182,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request, context):
         with _tracer.start_as_current_span(
-                "worker.generate", context=incoming_context(context.invocation_metadata())) as sp:
-            sp.set_attributes({"gen_ai.request.id": request.request_id,
-                               "lora.adapter_id": request.adapter.id,
-                               "lora.tenant": request.tenant})
+                "worker.generate", context=incoming_context(context.invocation_metadata())) as sp, \
+                span_attrs.grpc_status(sp, context):
+            sp.set_attributes(generate_attributes(request, self.built.spec.name))
             async for item in self._generate(request, context):
+                if item.stop_reason:
+                    span_attrs.genai_response(sp, item.stop_reason, item.usage.prompt_tokens,
+                                              item.usage.generated_tokens)
                 yield item
 
     async def admit(self, request: wpb.WorkerGenerateRequest, arrival: float,
@@ -215,8 +228,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 finished = ev.stop is not Stop.NONE
                 yield self._response(ev, acq, arrival)
                 if finished:
-                    metrics.REQUESTS.labels(ev.stop.name).inc()
-                    metrics.TOKENS.labels(request.tenant).inc(ev.generated_tokens)
+                    self.metrics.finished(request.tenant, ev)
                     return
         finally:
             if not finished:
