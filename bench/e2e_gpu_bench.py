@@ -28,7 +28,7 @@ from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
 from services.worker.factory import EngineOptions, assemble  # noqa: E402
 from services.worker.perf_config import PerfConfig  # noqa: E402
 from services.worker.model_spec import ModelSpec  # noqa: E402
-from services.worker.sequence import Sequence, Stopping  # noqa: E402
+from services.worker.sequence import Sampling, Sequence, Stopping  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -81,15 +81,18 @@ def copy_bandwidth(device) -> float:
     return copy_tbps(device, 2.0, 25, 100) * 1e12
 
 
-def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, seed: int):
-    """Submit `batch` requests (row i uses slots[i % len(slots)], -1 = base) and step to the end."""
+def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, seed: int,
+               sampling: Sampling | None = None):
+    """Submit `batch` requests (row i uses slots[i % len(slots)], -1 = base) and step to the end
+    (sampling: every request's; default greedy)."""
     eng = built.engine
     g = torch.Generator().manual_seed(seed)
     done = []
     for i in range(batch):
         prompt = torch.randint(3, 32000, (prompt_len,), generator=g).tolist()
         seq = Sequence(f"r{seed}-{i}", prompt, slot=slots[i % len(slots)] if slots else -1,
-                       stopping=Stopping(max_new_tokens=new, ignore_eos=True))
+                       stopping=Stopping(max_new_tokens=new, ignore_eos=True),
+                       sampling=sampling or Sampling())
         eng.submit(seq, lambda ev, d=done: ev.stop and d.append(ev))
     steps, start = [], time.perf_counter()
     while len(done) < batch:
@@ -142,8 +145,8 @@ def apply_variant(variant: str) -> tuple[int, "PerfConfig"]:
               "rope_warps": (fused.ROPE_LAUNCH, "num_warps"),
               "silu_block": (fused.SILU_LAUNCH, "block"),
               "silu_warps": (fused.SILU_LAUNCH, "num_warps")}
-    unknown = (set(opts) - {"pdl", "layout", "grank", "blas", "cols", "fold"} - set(launch)
-               - split_fields)
+    unknown = (set(opts) - {"pdl", "layout", "grank", "blas", "cols", "fold", "logprobs"}
+               - set(launch) - split_fields)
     if unknown:
         raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, blas, "
                          f"cols, fold, {', '.join(sorted(launch))}, "
@@ -168,6 +171,9 @@ def _decode_launches(batches) -> dict:
 
 def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:
     grank, perf = apply_variant(variant)
+    # logprobs=K: every request asks for its tokens' logprobs and K alternatives (issue 25)
+    k = dict(kv.split("=") for kv in variant.split(",") if kv).get("logprobs")
+    sampling = Sampling(logprobs=int(k)) if k is not None else None
     spec = llama7b_spec(args.layers)
     weights = random_weights(spec, device, torch.bfloat16)
     wbytes = weight_bytes(weights)
@@ -188,9 +194,9 @@ def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:
     for batch, n, overlap in runs:
         built.engine.overlap = overlap
         use = slots[:n] if n else []
-        run_engine(built, use, batch, args.prompt, 8, seed=99)          # warm up
+        run_engine(built, use, batch, args.prompt, 8, seed=99, sampling=sampling)   # warm up
         built.engine.runner.timings = []
-        r = run_engine(built, use, batch, args.prompt, args.new, seed=n)
+        r = run_engine(built, use, batch, args.prompt, args.new, seed=n, sampling=sampling)
         torch.cuda.synchronize()
         impl = "lorafleet" if overlap else "lorafleet, no overlap"
         r.update(impl=impl + (f" [{variant}]" if variant else ""), batch=batch, distinct=n,

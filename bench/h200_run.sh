@@ -7,6 +7,7 @@
 #   bash bench/h200_run.sh sweep     # SGMV tile sweep (bench/sgmv_sweep.py)
 #   bash bench/h200_run.sh ab-kernels  # GPU tests, decode kernel shapes with and without PDL
 #   bash bench/h200_run.sh ab-e2e      # batch 64 end to end: PDL on/off, weight layouts
+#   OLD=tmp/ab-old bash bench/h200_run.sh ab-build   # an older build against this one
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
 set -u
 MODE=${1:-quick}
@@ -46,6 +47,18 @@ elif [ "$MODE" = ab-kernels ]; then
 elif [ "$MODE" = ab-e2e ]; then
   step python3 bench/e2e_gpu_bench.py --no-peft --no-waited --batches 64 --distincts 1,32 \
        --new 64 --variants "${2:-;pdl=0;pdl=0,layout=nk}" --out "$OUT/e2e" 2>&1 | tail -16
+elif [ "$MODE" = ab-build ]; then   # an older build (OLD: its tree, e.g. from `git archive`)
+  # against this one, interleaved, batch 64 with 32 adapters (issue 24), then this build with
+  # logprobs off and on (issue 25); prepare OLD here: see bench/PERF_NOTES.md, Next on the card
+  cp -r services/common/gen "$OLD/services/common/" 2>/dev/null
+  E2E=(--no-peft --no-waited --batches 64 --distincts 32 --new 64)
+  for i in 1 2; do
+    step bash -c "cd '$OLD' && python3 bench/e2e_gpu_bench.py ${E2E[*]} --out '$OUT/ab-old-$i'" \
+         2>&1 | tail -6
+    step python3 bench/e2e_gpu_bench.py "${E2E[@]}" --out "$OUT/ab-new-$i" 2>&1 | tail -6
+  done
+  step python3 bench/e2e_gpu_bench.py "${E2E[@]}" --variants ";logprobs=5" \
+       --out "$OUT/ab-logprobs" 2>&1 | tail -8
 elif [ "$MODE" = sweep ]; then
   step python3 bench/sgmv_sweep.py --out "$OUT" "${@:2}" 2>&1 | tail -60
 elif [ "$MODE" = quick ]; then
