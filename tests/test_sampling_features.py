@@ -20,10 +20,12 @@ EOS = 2                                   # the tiny model's </s>
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    port = free_port()
+    port, metrics = free_port(), free_port()
     s = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path_factory.mktemp("sampling"),
-              router_args=["--http-listen", f"127.0.0.1:{port}"])
+              router_args=["--http-listen", f"127.0.0.1:{port}"],
+              worker_args=["--metrics-port", str(metrics)])
     s.http = f"http://127.0.0.1:{port}"
+    s.worker_metrics = f"http://127.0.0.1:{metrics}/metrics"
     yield s
     s.terminate()
 
@@ -212,13 +214,22 @@ def test_seeded_sampling_with_processors_ignores_the_batch(stack):
             assert all(len(f.result().tokens) == 12 for f in others)
 
 
+def shared_blocks(stack) -> float:
+    import urllib.request
+    text = urllib.request.urlopen(stack.worker_metrics, timeout=10).read().decode()
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("lorafleet_worker_prefix_blocks_shared_total")))
+
+
 def test_n_choices_are_reproducible_with_a_seed_whatever_the_batch(stack):
     """n=3 with a seed: choice i samples with seed + i, so the three come back the same alone
     and among other requests; streamed, each chunk names its choice."""
     from concurrent.futures import ThreadPoolExecutor
     sdk = openai.OpenAI(base_url=stack.http + "/v1", api_key="x", max_retries=0)
     kw = dict(model="poet", prompt=PROMPT * 6, max_tokens=10, temperature=1.0, seed=11, n=3)
+    shared = shared_blocks(stack)
     alone = sdk.completions.create(**kw)
+    assert shared_blocks(stack) > shared      # the later choices took the first's prompt
     texts = [c.text for c in sorted(alone.choices, key=lambda c: c.index)]
     assert len(texts) == 3 and len(set(texts)) > 1
     single = sdk.completions.create(**{**kw, "n": 1})

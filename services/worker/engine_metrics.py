@@ -6,6 +6,8 @@ Gateway API Inference Extension's endpoint picker reads these from a vLLM server
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
         (value: the Unix time of the update; the adapter lists are comma-separated ids)
 
+and lorafleet_worker_prefix_blocks_shared_total (services.worker.block_manager's sharing).
+
 EngineGauges.step is the engine's per-step hook (Engine.on_step): it keeps the three counts
 the scheduler already has (two list lengths and the block manager's free count) in plain
 attributes, with no lock and no per-row work. The adapter sets need a pass over the running
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LORA_PERIOD_S = 0.5
 
@@ -27,6 +29,7 @@ class EngineGauges:
         self.model_name, self.max_lora = model_name, str(max_lora)
         self.running = self.waiting = 0
         self.kv_used = 0.0
+        self.shared_blocks = 0                  # prompt blocks taken instead of computed
         self.lora = ("", "", time.time())       # running ids, waiting ids, when (one tuple)
         self._next_lora = 0.0
 
@@ -37,6 +40,7 @@ class EngineGauges:
         emptied = (running + waiting == 0) != (self.running + self.waiting == 0)
         self.running, self.waiting = running, waiting
         self.kv_used = sched.blocks.used_fraction
+        self.shared_blocks = sched.blocks.shared_blocks
         now = time.monotonic()
         if emptied or now >= self._next_lora:
             self._next_lora = now + LORA_PERIOD_S
@@ -63,6 +67,11 @@ class EngineGauges:
                                          "max_lora"])
         info.add_metric([running, waiting, self.max_lora], when)
         yield info
+        shared = CounterMetricFamily(
+            "lorafleet_worker_prefix_blocks_shared", "Prompt KV blocks a sequence took from "
+            "another of its tenant, adapter and prompt start instead of computing them")
+        shared.add_metric([], self.shared_blocks)
+        yield shared
 
 
 def _ids(seqs) -> str:
