@@ -23,7 +23,7 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Tell me about the weather."}]
 
 
-METRICS = free_port()
+METRICS, WORKER_METRICS = free_port(), free_port()
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,8 @@ def gateway(tmp_path_factory):
     port = free_port()
     stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path_factory.mktemp("api"),
                   router_args=["--http-listen", f"127.0.0.1:{port}",
-                               "--metrics-port", str(METRICS)])
+                               "--metrics-port", str(METRICS)],
+                  worker_args=["--metrics-port", str(WORKER_METRICS)])
     yield stack, f"http://127.0.0.1:{port}"
     stack.terminate()
 
@@ -242,3 +243,39 @@ def test_models_carry_the_base_as_parent(sdk):
     models = {m.id: m for m in sdk.models.list()}
     assert models["pirate"].model_extra["parent"] == "tiny-llama"
     assert models["tiny-llama"].model_extra["parent"] is None
+
+
+def running_rows() -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{WORKER_METRICS}/metrics",
+                                  timeout=10).read().decode()
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("vllm:num_requests_running")))
+
+
+def test_a_client_that_leaves_a_non_stream_request_frees_its_row(gateway):
+    """A non-stream completion whose client closes the connection is cancelled down to the
+    worker (it generated on to max_tokens before): its row is free well before the whole
+    completion would have taken."""
+    import socket
+    import time
+    stack, base = gateway
+    with LorafleetClient(stack.router.addr) as c:       # how long the whole one takes
+        t0 = time.monotonic()
+        c.generate("Hello!", adapter="pirate", max_new_tokens=480, ignore_eos=True)
+        whole = time.monotonic() - t0
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"model": "pirate", "prompt": "Hello!", "max_tokens": 480,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+        start = time.monotonic()
+        while running_rows() == 0 and time.monotonic() < start + 10:
+            time.sleep(0.02)
+        assert running_rows() == 1                   # it is generating now
+    left = time.monotonic()
+    while running_rows() and time.monotonic() < left + whole:
+        time.sleep(0.02)
+    freed = time.monotonic() - left
+    assert freed < 0.4 * whole, (freed, whole)       # not generated to its end

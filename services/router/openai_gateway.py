@@ -149,7 +149,9 @@ class OpenAIGateway:
 
     async def start(self, listen: str) -> int:
         host, _, port = listen.rpartition(":")
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # handler_cancellation: a client that leaves cancels its handler, and with it the
+        # request down to the worker (aiohttp's default lets it run to the end)
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host or "127.0.0.1", int(port))
         await site.start()
