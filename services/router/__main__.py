@@ -50,7 +50,7 @@ async def main_async(cfg: RouterConfig) -> None:
     server, port, health = create_server(
         cfg.listen, lambda s: (router_pb2_grpc.add_GenerationServiceServicer_to_server(
             servicer, s), ["lorafleet.v1.GenerationService"])[1],
-        server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+        server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), reflection=cfg.reflection)
     log.info("router serving on port %d; workers %s; store %s; fair queue %s", port,
              ", ".join(cfg.workers), cfg.store, "on" if cfg.fair else "off")
     gateway = None

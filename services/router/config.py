@@ -32,6 +32,7 @@ class RouterConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    reflection: bool = False           # serve grpc.reflection (--reflection)
 
     def __post_init__(self) -> None:
         if not self.workers:
