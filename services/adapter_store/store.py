@@ -30,6 +30,7 @@ from services.adapter_store.registry import FAILED, READY, AdapterRecord, Regist
 from services.adapter_store.s3 import MissingFile
 from services.adapter_store.sources import SourceReader, SourceRef, parse_source
 from services.adapter_store.validate import AdapterSummary, BaseShapes, canonical_json, validate
+from services.adapter_store.work_pool import ValidationPool
 from services.common.errors import (AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition,
                                     LorafleetError, unknown_adapter)
 from services.common.names import NAME, name_error
@@ -74,8 +75,11 @@ class AdapterStore:
     """Registry + sources + validation + host tier; called by the servicer on the event loop."""
 
     def __init__(self, base: BaseShapes, registry: Registry, reader: SourceReader,
-                 cache: HostCache, max_rank: int, default_bucket: str | None):
+                 cache: HostCache, max_rank: int, default_bucket: str | None,
+                 pool: ValidationPool | None = None):
+        """pool: the threads Register validates on (work_pool.ValidationPool)."""
         self._base, self._registry, self._reader = base, registry, reader
+        self._pool = pool or ValidationPool()
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
         self._inflight: dict[str, asyncio.Task] = {}
         self._identities: dict[tuple[str, str], tuple] = {}   # (source, version) -> see _trust
@@ -111,8 +115,8 @@ class AdapterStore:
         if not replace and self._registry.get(adapter_id) is not None:  # before any download
             raise AlreadyExists(f"id: adapter {adapter_id!r} already exists (set replace to "
                                 "register a new version)")
-        summary, identity = await _bounded(asyncio.to_thread(self._load_validated, ref,
-                                                             remaining), remaining)
+        summary, identity = await _bounded(self._pool.run(owner, self._load_validated, ref,
+                                                          remaining), remaining)
         stored, old = self._registry.put(_record(adapter_id, owner, ref, summary,
                                                  tuple(aliases)), replace)
         self._trust(stored, identity)
@@ -319,6 +323,11 @@ class AdapterStore:
             metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
             record = AdapterRecord(name, "", ref.uri, FAILED, reason=exc.message)
             log.warning("adapters dir: %r FAILED: %s", name, exc.message)
+        except OSError as exc:          # e.g. a directory it cannot list: this adapter only
+            metrics.REFUSALS.labels("source").inc()
+            reason = f"cannot be read: {exc.strerror or type(exc).__name__}"
+            record = AdapterRecord(name, "", ref.uri, FAILED, reason=reason)
+            log.warning("adapters dir: %r FAILED: %s", name, reason)
         return record
 
     def _record_scanned(self, record: AdapterRecord) -> None:
@@ -328,8 +337,10 @@ class AdapterStore:
             log.warning("adapters dir: %r not recorded: %s", record.id, exc.message)
 
     def close(self) -> None:
-        """Give up the host tier's shared-memory files (shutdown)."""
+        """Give up the host tier's shared-memory files and the validation threads
+        (shutdown)."""
         self._cache.close()
+        self._pool.close()
 
 
 def _check_aliases(aliases: list[str]) -> None:
