@@ -76,17 +76,23 @@ def reflection_available() -> bool:
 def create_server(listen: str, register: Callable[[grpc.aio.Server], Iterable[str]],
                   credentials: grpc.ServerCredentials | None = None,
                   interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-                  reflection: bool = False) -> tuple[grpc.aio.Server, int, Health]:
+                  reflection: bool = False, max_receive_bytes: int | None = None
+                  ) -> tuple[grpc.aio.Server, int, Health]:
     """Build a grpc.aio server on `listen` (port 0 = any free port).
 
     `register(server)` adds the service's servicers and returns their full service names, which
     are reported SERVING by grpc.health.v1 once the server starts. With `reflection`, the
     server also answers grpc.reflection (grpcurl, grpcui) for those names and health.
-    Returns (server, port, health).
+    `max_receive_bytes` lowers the largest request message taken (gRPC refuses a larger one
+    RESOURCE_EXHAUSTED as it arrives). Returns (server, port, health).
     """
     gate = CallGate()
+    options = SERVER_OPTIONS
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
     server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor(gate)],
-                             options=SERVER_OPTIONS)
+                             options=options)
     names = list(register(server))
     health_servicer = Health(names, gate)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

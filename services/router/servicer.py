@@ -14,6 +14,7 @@ from services.common.names import name_error
 from services.common.telemetry import incoming_context, outgoing_metadata, tracer
 from services.router.auth import Tenants, require_admin
 from services.router.fair_queue import FairGate
+from services.router.limits import DEFAULT_MAX_PROMPT_BYTES, check_prompt_size
 from services.router.generate import RequestPath
 from services.router.quotas import Quotas
 from services.router.resolve import Resolver
@@ -37,6 +38,7 @@ class RouterApp:
     per_worker: int             # requests forwarded per live worker before the gate holds them
     spill_rows: int = 32        # placement: an adapter's rows on one worker before it spills
     foothold_per_worker: int = 1   # gate slots past per_worker for tenants with none in flight
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # --max-prompt-bytes (limits.py)
 
 
 async def _store_call(coro):
@@ -109,6 +111,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request, context):
         self._caller(context)
+        check_prompt_size(self.app.max_prompt_bytes, request.text, request.messages)
         w = self._any_worker()
         resp = await _store_call(w.stub.Tokenize(wpb.WorkerTokenizeRequest(
             text=request.text, messages=request.messages), timeout=10))
@@ -116,6 +119,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def Detokenize(self, request, context):
         self._caller(context)
+        check_prompt_size(self.app.max_prompt_bytes, token_ids=request.token_ids)
         resp = await _store_call(self._any_worker().stub.Detokenize(
             wpb.WorkerDetokenizeRequest(token_ids=request.token_ids), timeout=10))
         return rpb.DetokenizeResponse(text=resp.text)
