@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,7 +41,8 @@ class ValidationPool:
                 "one ends", retry_after=RETRY_S)
         loop = asyncio.get_running_loop()
         self._busy[owner] += 1
-        job = self._executor.submit(functools.partial(fn, *args))
+        context = contextvars.copy_context()     # the caller's trace context, as to_thread
+        job = self._executor.submit(context.run, functools.partial(fn, *args))
         job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, owner))
         return await asyncio.wrap_future(job)
 
