@@ -306,27 +306,31 @@ class OpenAIGateway:
                                           "Cache-Control": "no-cache"})
         await out.prepare(request)
         chunk = _chunker(rid, model, chat)
-        if chat:
-            await out.write(chunk(None, None, role=True))
         usage = None
         try:
-            resp = first
-            while resp is not None:
-                if resp.HasField("usage"):
-                    usage = resp.usage
-                finish = FINISH.get(resp.stop_reason, "stop") if resp.stop_reason else None
-                await out.write(chunk(resp.text, finish))
-                resp = await stream.__anext__() if finish is None else None
-        except StopAsyncIteration:
-            pass
-        except LorafleetError as err:                   # mid-stream: an error event, then end
-            await out.write(b"data: " + json.dumps(error_body(err, chat)[0]).encode() + b"\n\n")
-        finally:
-            await stream.aclose()       # settle the request (status, quota, fair share) now
-        if include_usage and usage is not None:
-            await out.write(chunk(None, None, usage=usage))
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
+            try:
+                if chat:
+                    await out.write(chunk(None, None, role=True))
+                resp = first
+                while resp is not None:
+                    if resp.HasField("usage"):
+                        usage = resp.usage
+                    finish = FINISH.get(resp.stop_reason, "stop") if resp.stop_reason else None
+                    await out.write(chunk(resp.text, finish))
+                    resp = await stream.__anext__() if finish is None else None
+            except StopAsyncIteration:
+                pass
+            except LorafleetError as err:               # mid-stream: an error event, then end
+                await out.write(b"data: " + json.dumps(error_body(err, chat)[0]).encode()
+                                + b"\n\n")
+            finally:
+                await stream.aclose()   # settle (or cancel) the request now, however it ends
+            if include_usage and usage is not None:
+                await out.write(chunk(None, None, usage=usage))
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+        except ConnectionResetError:    # the client went away (aiohttp's ClientConnection-
+            log.debug("HTTP gateway: %s: the client left mid-stream", rid)  # ResetError)
         return out
 
 

@@ -5,13 +5,14 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from services.common.errors import InvalidArgument, Unavailable, from_rpc_error
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
 from services.common.names import name_error
-from services.common.telemetry import incoming_context, outgoing_metadata, tracer
+from services.common.telemetry import incoming_context, outgoing_metadata, traced, tracer
 from services.router.auth import Tenants, require_admin
 from services.router.fair_queue import FairGate
 from services.router.limits import DEFAULT_MAX_PROMPT_BYTES, check_prompt_size
@@ -57,30 +58,37 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         return self.app.tenants.authenticate(context.invocation_metadata())
 
     async def GenerateStream(self, request, context):
-        async for resp in self._generate(request, context, unary=False):
-            yield resp
+        responses = self._generate(request, context, unary=False)
+        try:
+            async for resp in responses:
+                yield resp
+        finally:            # closed here, however this one is closed (the HTTP gateway's)
+            await responses.aclose()
 
     async def _generate(self, request, context, unary: bool):
         """Admit, then stream from a worker; unary (Generate) sends the client nothing before
         the end, which lets the request path retry a worker lost mid-generation."""
         caller = self._caller(context)
         parent = incoming_context(context.invocation_metadata())
-        with _tracer.start_as_current_span("router.generate", context=parent) as span:
-            span.set_attributes({"gen_ai.operation.name": "text_completion",
-                                 "gen_ai.request.max_tokens": request.stopping.max_new_tokens,
-                                 "gen_ai.request.temperature": request.sampling.temperature,
-                                 "lora.tenant": caller.tenant,
-                                 "lora.adapter_id": request.adapter_id})
-            self._resize_gate()
-            adm = await self.path.admit(request, caller, context.time_remaining())
+        span = _tracer.start_span("router.generate", context=parent, attributes={
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.max_tokens": request.stopping.max_new_tokens,
+            "gen_ai.request.temperature": request.sampling.temperature,
+            "lora.tenant": caller.tenant, "lora.adapter_id": request.adapter_id})
+        try:             # the span is current only around non-yielding parts (traced)
+            with trace.use_span(span, end_on_exit=False):
+                self._resize_gate()
+                adm = await self.path.admit(request, caller, context.time_remaining())
             span.set_attribute("gen_ai.request.id", adm.request_id)
             usage = None
-            async for resp in self.path.stream(request, adm, context, unary):
+            async for resp in traced(span, self.path.stream(request, adm, context, unary)):
                 usage = resp.usage if resp.HasField("usage") else usage
                 yield resp
             if usage is not None:
                 span.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
                                      "gen_ai.usage.output_tokens": usage.generated_tokens})
+        finally:
+            span.end()
 
     async def Generate(self, request, context):
         out = rpb.GenerateResponse()

@@ -14,7 +14,7 @@ import time
 from services.common.errors import InvalidArgument, LorafleetError, Unavailable
 from services.common.names import name_error
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
-from services.common.telemetry import incoming_context, tracer
+from services.common.telemetry import incoming_context, traced, tracer
 from services.worker import metrics
 from services.worker.adapter_manager import Acquired, AdapterManager
 from services.worker.chat_template import check_messages, fallback as chat_fallback
@@ -142,13 +142,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return 4 * max((len(piece) for piece in vocab), default=1)
 
     async def Generate(self, request, context):
-        with _tracer.start_as_current_span(
-                "worker.generate", context=incoming_context(context.invocation_metadata())) as sp:
-            sp.set_attributes({"gen_ai.request.id": request.request_id,
-                               "lora.adapter_id": request.adapter.id,
-                               "lora.tenant": request.tenant})
-            async for item in self._generate(request, context):
+        span = _tracer.start_span(
+            "worker.generate", context=incoming_context(context.invocation_metadata()),
+            attributes={"gen_ai.request.id": request.request_id,
+                        "lora.adapter_id": request.adapter.id, "lora.tenant": request.tenant})
+        try:                # current only while _generate runs, never across a yield
+            async for item in traced(span, self._generate(request, context)):
                 yield item
+        finally:
+            span.end()
 
     async def admit(self, request: wpb.WorkerGenerateRequest, arrival: float,
                     remaining: float | None) -> tuple[Sequence, Acquired | None]:
