@@ -127,8 +127,10 @@ def watch_all(addr: str, seen: queue.Queue) -> grpc.Channel:
         try:
             for resp in call:
                 seen.put(resp.status)
-        except grpc.RpcError:
-            seen.put(None)                   # the stream ended (the server stopped)
+        except grpc.RpcError as err:
+            seen.put(err.code())
+        else:
+            seen.put(None)                   # the server ended the stream (OK)
     threading.Thread(target=follow, daemon=True).start()
     return ch
 
@@ -170,6 +172,8 @@ def test_not_serving_is_answered_for_the_whole_drain(tmp_path):
     assert len(blob) == chunks[0].header.total_bytes > 16 << 20
     assert chunks[-1].sha256 == hashlib.sha256(blob).hexdigest()
     client.close()
-    assert store.terminate(timeout=30) == 0
+    assert store.proc.wait(30) == 0                      # the first SIGTERM's drain ends it
+    assert seen.get(timeout=10) is None                  # the Watch stream was ended
+    store.terminate()
     watch_channel.close()
     assert "Traceback" not in store.log_path.read_text()

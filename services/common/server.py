@@ -62,6 +62,28 @@ class Health(health.aio.HealthServicer):
     def __init__(self, names: list[str], gate: CallGate):
         super().__init__()
         self.names, self.gate = ["", *names], gate
+        self._watches: set[asyncio.Task] = set()
+        self._ending = False
+
+    async def Watch(self, request, context):
+        """grpc_health's Watch, which streams until the client leaves, ended with OK by
+        end_watches() (a stream still open when the server stops is cancelled, and grpc.aio
+        logs that as an error)."""
+        watch = asyncio.ensure_future(super().Watch(request, context))
+        self._watches.add(watch)
+        try:
+            await watch
+        except asyncio.CancelledError:
+            if not (self._ending and watch.cancelled()):
+                raise
+        finally:
+            self._watches.discard(watch)
+
+    def end_watches(self) -> None:
+        """End every Watch stream (the server is about to stop: each has seen NOT_SERVING)."""
+        self._ending = True
+        for watch in self._watches:
+            watch.cancel()
 
 
 def reflection_available() -> bool:
@@ -137,6 +159,7 @@ async def drain(server: grpc.aio.Server, health_servicer: Health, grace: float,
     if not await health_servicer.gate.wait_idle(max(0.0, end - loop.time())):
         log.warning("%d calls still in flight after the %.1fs grace: cancelled",
                     health_servicer.gate.in_flight, grace)
+    health_servicer.end_watches()
     await server.stop(min(flush_s, max(0.0, end - loop.time())))
 
 
