@@ -154,3 +154,29 @@ def test_version_moved_behind_the_routers_back_is_retried(stack):
         assert second.version != first.version
         resp = acme.generate(adapter="acme-v3", **PROMPT)
         assert (resp.adapter_id, resp.adapter_version) == ("acme-v3", second.version)
+
+
+def test_a_pinned_version_and_an_alias_rolled_back(stack):
+    """NAME@VERSION runs a version the store keeps even after a newer one is registered, and
+    an alias pointed at ID@VERSION (a rollback) runs that version until pointed back."""
+    with client(stack, "tok-ops") as ops, client(stack, "tok-acme") as acme:
+        v1 = ops.register("acme-pin", "file://a07", tenant="acme").version
+        first = acme.generate(adapter="acme-pin", **PROMPT)
+        v2 = ops.register("acme-pin", "file://a08", tenant="acme", replace=True).version
+        assert v1 != v2 and acme.generate(adapter="acme-pin", **PROMPT).adapter_version == v2
+        pinned = acme.generate(adapter=f"acme-pin@{v1}", **PROMPT)
+        assert (pinned.adapter_version, list(pinned.token_ids)) == (v1, list(first.token_ids))
+        info = ops.set_alias("acme-stable", f"acme-pin@{v1}")
+        assert (info.version, info.pinned) == (v1, True)
+        assert acme.generate(adapter="acme-stable", **PROMPT).adapter_version == v1
+        assert ops.set_alias("acme-stable", "acme-pin").version == v2      # follows again
+        assert acme.generate(adapter="acme-stable", **PROMPT).adapter_version == v2
+        with pytest.raises(grpc.RpcError) as err:                    # a version never kept
+            acme.generate(adapter="acme-pin@0123456789abcdef", **PROMPT)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as err:                    # admins only
+            acme.set_alias("acme-stable", f"acme-pin@{v1}")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with client(stack, "tok-beta") as beta, pytest.raises(grpc.RpcError) as err:
+            beta.generate(adapter=f"acme-pin@{v1}", **PROMPT)          # another tenant's
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -206,3 +206,28 @@ def test_restart_with_same_db_loses_nothing(env):
     assert c.resolve("acme", tenant="acme").id == "acme-chat-b"
     header, blob, digest = c.fetch("acme-chat")
     assert header.adapter.rank == 8 and digest == sha256(blob)
+
+
+def test_kept_versions_are_the_newest_and_those_an_alias_pins(tmp_path):
+    """Each READY version is kept for ID@VERSION pins: the newest KEEP_VERSIONS of an id and
+    any version an alias is pinned to; a version not kept resolves to nothing."""
+    from services.adapter_store.registry import KEEP_VERSIONS, AdapterRecord, Registry
+    reg = Registry(str(tmp_path / "r.sqlite"))
+    versions = [f"{i:016x}" for i in range(KEEP_VERSIONS + 3)]
+    for i, v in enumerate(versions):
+        reg.put(AdapterRecord("x", "acme", f"file://v{i}", "READY", version=v, sha256=v,
+                              rank=4), replace=i > 0)
+        if i == 1:
+            reg.set_alias("x-stable", f"x@{v}")
+    assert reg.lookup("x", "acme").version == versions[-1]
+    assert reg.lookup(f"x@{versions[0]}", "acme") is None                 # pruned
+    assert reg.lookup(f"x@{versions[1]}", "acme").source == "file://v1"   # an alias pins it
+    kept = [v for v in versions if reg.lookup(f"x@{v}", "acme") is not None]
+    assert kept == [versions[1], *versions[-KEEP_VERSIONS:]]
+    pinned = reg.lookup("x-stable", "acme")
+    assert (pinned.version, pinned.pinned) == (versions[1], True)
+    assert reg.lookup(f"x@{versions[-1]}", "globex") is None              # another tenant's
+    reg.close()
+    again = Registry(str(tmp_path / "r.sqlite"))                          # persisted
+    assert again.lookup("x-stable", "acme").version == versions[1]
+    again.close()

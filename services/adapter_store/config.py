@@ -48,6 +48,7 @@ class StoreConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    reflection: bool = False           # serve grpc.reflection (--reflection)
 
     def __post_init__(self) -> None:
         _require(self.base_config.is_file(), f"base model config {self.base_config} not found")

@@ -2,7 +2,8 @@
 
 Every field a LoRA config may carry (PEFT 0.21) falls in one of three groups:
 - checked: `peft_type` (LORA), `r` (1..max_rank), `lora_alpha` (> 0), `use_rslora`,
-  `target_modules` (a list, "all-linear" or a regex), `layers_to_transform`, `layers_pattern`,
+  `target_modules` (a list, "all-linear" or a regex whose matching time is bounded:
+  target_regex.py), `layers_to_transform`, `layers_pattern`,
   `init_lora_weights` (not a kind that rewrites the base weights);
 - features we do not serve, accepted only at their "off" value (`use_dora`, `modules_to_save`,
   `bias`, `rank_pattern`, ...): anything else is refused naming the field;
@@ -19,6 +20,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from services.adapter_store.target_regex import TooCostly, check_cost
 from services.common.errors import Refusal
 
 MAX_CONFIG_BYTES = 64 << 10
@@ -170,9 +172,14 @@ def _targets(value: object) -> tuple[str | tuple[str, ...], re.Pattern | None]:
         if len(value) > 512:
             raise Refusal("target_modules", "target_modules: regex longer than 512 characters")
         try:
+            check_cost(value)         # before any match: PEFT's re.fullmatch backtracks
             return value, re.compile(value)
         except re.error as exc:
             raise Refusal("target_modules", f"target_modules: bad regex: {exc}") from None
+        except TooCostly as exc:
+            raise Refusal("target_modules", f"target_modules: regex {value[:80]!r} may take "
+                                            f"too long to match ({exc}); give a list of module "
+                                            "names or a simpler pattern") from None
     if (isinstance(value, list) and value and len(value) <= 64
             and all(isinstance(v, str) and 0 < len(v) <= 128 for v in value)):
         return tuple(value), None

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field, replace as dc_replace
 
 from services.common.safetensors_parse import RawTensor
-from services.common.errors import AlreadyExists, FailedPrecondition, unknown_adapter
+from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, unknown_adapter
 
 READY, REGISTERED, FAILED = "READY", "REGISTERED", "FAILED"
 _SCHEMA = """
@@ -28,7 +28,14 @@ CREATE TABLE IF NOT EXISTS aliases (
     adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE,
     PRIMARY KEY (owner, alias));
 CREATE INDEX IF NOT EXISTS aliases_by_adapter ON aliases(adapter_id);
+CREATE TABLE IF NOT EXISTS versions (
+    id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE, version TEXT NOT NULL,
+    sha256 TEXT NOT NULL, owner TEXT NOT NULL, source TEXT NOT NULL, rank INTEGER NOT NULL,
+    alpha REAL NOT NULL, rslora INTEGER NOT NULL, targets TEXT NOT NULL, bytes INTEGER NOT NULL,
+    config_json TEXT NOT NULL, detail TEXT NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (id, version));
 """
+KEEP_VERSIONS = 8          # READY versions kept per id for id@version pins and alias rollbacks
 # A registry written before aliases were scoped by owner (alias TEXT PRIMARY KEY): its aliases
 # move to their adapters' owners' scopes.
 _MIGRATE_ALIASES = """
@@ -66,6 +73,9 @@ class AdapterRecord:
     tensors: tuple[RawTensor, ...] = ()
     aliases: tuple[str, ...] = ()
     created: float = field(default_factory=time.time)
+    # the version was asked for (ID@VERSION, or an alias pinned to it): served even when it
+    # is no longer the current one
+    pinned: bool = False
 
     @property
     def shared(self) -> bool:
@@ -93,6 +103,10 @@ class Registry:
             if columns and "owner" not in columns:
                 self._db.executescript("BEGIN;" + _MIGRATE_ALIASES + "COMMIT;")
             self._db.executescript(_SCHEMA)
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(aliases)")}
+            if "version" not in columns:        # aliases pinned to a version: '' = current
+                self._db.execute("ALTER TABLE aliases ADD COLUMN version TEXT NOT NULL "
+                                 "DEFAULT ''")
 
     def close(self) -> None:
         with self._lock:
@@ -109,14 +123,50 @@ class Registry:
         else the one with that alias among the tenant's own, else among the shared ones; None
         if none. (Aliases are scoped by owner: one tenant's never hides or reveals another's,
         and another tenant's adapter id does not hide a tenant's alias.)"""
+        name, _, version = name.partition("@")        # ID@VERSION pins a kept version
         with self._lock:
             row = self._db.execute(
-                "SELECT a.*, 0 AS o FROM adapters a WHERE a.id = ? AND a.owner IN ('', ?) "
-                "UNION ALL "
-                "SELECT a.*, CASE s.owner WHEN '' THEN 2 ELSE 1 END AS o FROM adapters a "
-                "JOIN aliases s ON s.adapter_id = a.id WHERE s.alias = ? AND s.owner IN ('', ?) "
-                "ORDER BY o LIMIT 1", (name, tenant, name, tenant)).fetchone()
-            return self._record(row[:-1]) if row else None
+                "SELECT a.*, 0 AS o, '' AS pin FROM adapters a WHERE a.id = ? "
+                "AND a.owner IN ('', ?) UNION ALL "
+                "SELECT a.*, CASE s.owner WHEN '' THEN 2 ELSE 1 END AS o, s.version AS pin "
+                "FROM adapters a JOIN aliases s ON s.adapter_id = a.id WHERE s.alias = ? "
+                "AND s.owner IN ('', ?) ORDER BY o LIMIT 1",
+                (name, tenant, "" if version else name, tenant)).fetchone()
+            if row is None:
+                return None
+            rec, pin = self._record(row[:-2]), version or row[-1]
+            return self._at_version(rec, pin) if pin else rec
+
+    def get_version(self, adapter_id: str, version: str) -> AdapterRecord | None:
+        """The adapter at a kept version (pinned), or None."""
+        with self._lock:
+            rec = self._row(adapter_id)
+            return self._at_version(rec, version) if rec is not None else None
+
+    def set_alias(self, alias: str, target: str) -> AdapterRecord:
+        """Point alias (in its adapter's owner's scope) at TARGET: an id (the alias follows its
+        current version) or ID@VERSION (pinned to a kept version: a rollback). NOT_FOUND for an
+        unknown adapter or a version not kept; ALREADY_EXISTS when alias is an adapter id."""
+        adapter_id, _, version = target.partition("@")
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                rec = self._row(adapter_id)
+                if rec is None:
+                    raise unknown_adapter(adapter_id)
+                if version and self._at_version(rec, version) is None:
+                    raise NotFound(f"target: adapter {adapter_id!r} keeps no version "
+                                   f"{version!r}")
+                if self._db.execute("SELECT 1 FROM adapters WHERE id = ?", (alias,)).fetchone():
+                    raise AlreadyExists(f"alias: {alias!r} is already an adapter id")
+                self._db.execute("INSERT OR REPLACE INTO aliases VALUES (?, ?, ?, ?)",
+                                 (rec.owner, alias, adapter_id, version))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            out = self._row(adapter_id)
+            return self._at_version(out, version) if version else out
 
     def list(self, tenant: str | None) -> list[AdapterRecord]:
         """Adapters visible to tenant (shared + its own), or all of them when tenant is None."""
@@ -163,7 +213,7 @@ class Registry:
                 self._check_names(rec, aliases, replace)
                 stored = dc_replace(rec, aliases=tuple(aliases),
                                     created=old.created if old else rec.created)
-                self._write(stored)
+                self._write(stored, aliases_given=bool(rec.aliases) or old is None)
                 self._db.execute("COMMIT")
                 return stored, old
             except BaseException:
@@ -203,19 +253,60 @@ class Registry:
             if row and row[0] != rec.id and not replace:
                 raise AlreadyExists(f"aliases: {alias!r} already names adapter {row[0]!r}")
 
-    def _write(self, rec: AdapterRecord) -> None:
-        detail = json.dumps({"layers": list(rec.layers),
-                             "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes]
-                                         for t in rec.tensors]})
-        self._db.execute("DELETE FROM adapters WHERE id = ?", (rec.id,))  # cascades to aliases
+    def _write(self, rec: AdapterRecord, aliases_given: bool) -> None:
+        """The adapter row (updated in place: its kept versions and pinned aliases stay), its
+        READY version kept, and (aliases_given) its aliases set to rec.aliases, following the
+        current version; otherwise its aliases stay as they were."""
+        detail = _detail(rec)
+        values = (rec.id, rec.version, rec.sha256, rec.owner, rec.source, rec.state, rec.reason,
+                  rec.rank, rec.alpha, int(rec.rslora), json.dumps(list(rec.targets)),
+                  rec.bytes, rec.config_json, detail, rec.created)
         self._db.execute(
-            "INSERT INTO adapters VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (rec.id, rec.version, rec.sha256, rec.owner, rec.source, rec.state, rec.reason,
-             rec.rank, rec.alpha, int(rec.rslora), json.dumps(list(rec.targets)), rec.bytes,
-             rec.config_json, detail, rec.created))
-        # An alias another adapter held moves here (put() checked that it may).
-        self._db.executemany("INSERT OR REPLACE INTO aliases VALUES (?, ?, ?)",
-                             [(rec.owner, a, rec.id) for a in rec.aliases])
+            "INSERT INTO adapters VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO "
+            "UPDATE SET version=excluded.version, sha256=excluded.sha256, owner=excluded.owner, "
+            "source=excluded.source, state=excluded.state, reason=excluded.reason, "
+            "rank=excluded.rank, alpha=excluded.alpha, rslora=excluded.rslora, "
+            "targets=excluded.targets, bytes=excluded.bytes, config_json=excluded.config_json, "
+            "detail=excluded.detail, created=excluded.created", values)
+        if rec.state == "READY":
+            self._keep_version(rec, detail)
+        if aliases_given:
+            # An alias another adapter held moves here (put() checked that it may).
+            self._db.execute("DELETE FROM aliases WHERE adapter_id = ? AND version = ''",
+                             (rec.id,))
+            self._db.executemany(
+                "INSERT OR REPLACE INTO aliases (owner, alias, adapter_id) VALUES (?, ?, ?)",
+                [(rec.owner, a, rec.id) for a in rec.aliases])
+
+    def _keep_version(self, rec: AdapterRecord, detail: str) -> None:
+        """Keep this version for pins (the newest KEEP_VERSIONS of an id, and any an alias is
+        pinned to)."""
+        self._db.execute(
+            "INSERT OR REPLACE INTO versions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (rec.id, rec.version, rec.sha256, rec.owner, rec.source, rec.rank, rec.alpha,
+             int(rec.rslora), json.dumps(list(rec.targets)), rec.bytes, rec.config_json, detail,
+             time.time()))
+        self._db.execute(
+            "DELETE FROM versions WHERE id = ? AND version NOT IN (SELECT version FROM versions "
+            "WHERE id = ? ORDER BY created DESC LIMIT ?) AND version NOT IN (SELECT version FROM "
+            "aliases WHERE adapter_id = ?)", (rec.id, rec.id, KEEP_VERSIONS, rec.id))
+
+    def _at_version(self, rec: AdapterRecord, version: str) -> AdapterRecord | None:
+        """rec as it was at a kept version (marked pinned); None when it is not kept."""
+        if version == rec.version:
+            return dc_replace(rec, pinned=True)
+        row = self._db.execute("SELECT * FROM versions WHERE id = ? AND version = ?",
+                               (rec.id, version)).fetchone()
+        if row is None:
+            return None
+        (_, version, sha, _, source, rank, alpha, rslora, targets, nbytes, config_json, detail,
+         _) = row
+        detail = json.loads(detail)
+        return dc_replace(rec, version=version, sha256=sha, source=source, state="READY",
+                          reason="", rank=rank, alpha=alpha, rslora=bool(rslora),
+                          targets=tuple(json.loads(targets)), layers=tuple(detail["layers"]),
+                          bytes=nbytes, config_json=config_json, tensors=_tensors(detail),
+                          pinned=True)
 
     def _record(self, row: tuple) -> AdapterRecord:
         (id_, version, sha, owner, source, state, reason, rank, alpha, rslora, targets, nbytes,
@@ -227,6 +318,15 @@ class Registry:
             id=id_, owner=owner, source=source, state=state, reason=reason, version=version,
             sha256=sha, rank=rank, alpha=alpha, rslora=bool(rslora),
             targets=tuple(json.loads(targets)), layers=tuple(detail["layers"]), bytes=nbytes,
-            config_json=config_json, tensors=tuple(RawTensor(n, d, tuple(s), o, b)
-                                                   for n, d, s, o, b in detail["tensors"]),
-            aliases=aliases, created=created)
+            config_json=config_json, tensors=_tensors(detail), aliases=aliases,
+            created=created)
+
+
+def _detail(rec: AdapterRecord) -> str:
+    return json.dumps({"layers": list(rec.layers),
+                       "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes]
+                                   for t in rec.tensors]})
+
+
+def _tensors(detail: dict) -> tuple[RawTensor, ...]:
+    return tuple(RawTensor(n, d, tuple(s), o, b) for n, d, s, o, b in detail["tensors"])

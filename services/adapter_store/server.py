@@ -49,4 +49,5 @@ def create_server(config: StoreConfig, store: AdapterStore | None = None
 
     credentials = common_server.server_credentials(config.tls_cert, config.tls_key,
                                                    config.tls_ca)
-    return common_server.create_server(config.listen, register, credentials)
+    return common_server.create_server(config.listen, register, credentials,
+                                       reflection=config.reflection)

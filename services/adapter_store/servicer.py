@@ -34,7 +34,7 @@ def adapter_info(rec: AdapterRecord) -> router_pb2.AdapterInfo:
         id=rec.id, version=rec.version, owner=rec.owner, shared=rec.shared,
         aliases=list(rec.aliases), rank=rec.rank, target_modules=list(rec.targets),
         bytes=rec.bytes, state=rec.state, failure_reason=rec.reason, source=rec.source,
-        lora_alpha=rec.alpha, use_rslora=rec.rslora)
+        lora_alpha=rec.alpha, use_rslora=rec.rslora, pinned=rec.pinned)
 
 
 def fetch_header(staged: Staged, shm: bool = False) -> pb.AdapterHeader:
@@ -71,6 +71,10 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         return pb.ResolveResponse(adapter=adapter_info(
             self._store.resolve(request.name, request.tenant)))
 
+    async def SetAlias(self, request, context):
+        return router_pb2.SetAliasResponse(adapter=adapter_info(
+            self._store.set_alias(request.alias, request.target)))
+
     async def List(self, request, context):
         records = self._store.list(request.tenant, request.all_tenants)
         return pb.ListResponse(adapters=[adapter_info(r) for r in records])
@@ -88,7 +92,7 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             with span_attrs.grpc_status(span, context):
                 with trace.use_span(span, end_on_exit=False):
                     staged = await self._store.stage(request.id, request.version,
-                                                     remaining(context))
+                                                     remaining(context), request.pinned)
                 span.set_attributes({"lora.bytes": len(staged.blob), "lora.tier": staged.tier,
                                      "lora.version": staged.record.version})
                 shm = request.shm and bool(staged.shm_file)

@@ -20,7 +20,7 @@ from typing import Callable
 from services.adapter_store import s3
 from services.adapter_store.s3 import MissingFile
 from services.adapter_store.peft_config import MAX_CONFIG_BYTES
-from services.common.errors import Refusal
+from services.common.errors import DeadlineExceeded, Refusal
 
 CONFIG, WEIGHTS, PICKLE = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -82,12 +82,22 @@ class Destination:
 CHUNK = 4 << 20
 
 
-def read_into(f, size: int, dest: Destination, hashed: bool = True) -> str:
-    """Read up to size bytes of f into dest.view (truncated to what was read) in CHUNK pieces;
-    returns their SHA-256 (hashed as each piece lands), or "" when not hashed."""
+def _in_time(deadline: float | None, name: str) -> None:
+    """DEADLINE_EXCEEDED once a read has run past its caller's deadline (checked between
+    chunks, so a slow disk holds a thread one chunk longer at most)."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise DeadlineExceeded(f"{name}: reading it took longer than the call's deadline")
+
+
+def read_into(f, size: int, dest: Destination, hashed: bool = True,
+              deadline: float | None = None, name: str = WEIGHTS) -> str:
+    """Read up to size bytes of f into dest.view (truncated to what was read) in CHUNK pieces
+    (by `deadline`, a time.monotonic() value, if given); returns their SHA-256 (hashed as each
+    piece lands), or "" when not hashed."""
     h = hashlib.sha256() if hashed else None
     view, off = dest.view, 0
     while off < size:
+        _in_time(deadline, name)
         n = f.readinto(view[off:min(size, off + CHUNK)])
         if not n:
             break
@@ -153,7 +163,8 @@ class SourceReader:
              check_config: Callable[[bytes], object] | None = None,
              landing: Callable[[int], Destination] | None = None,
              trusted: tuple | None = None) -> RawAdapter:
-        """Both files of the adapter at `ref` (blocking); timeout bounds S3 I/O in seconds.
+        """Both files of the adapter at `ref` (blocking); timeout bounds S3 I/O and local
+        reads, in seconds.
 
         check_config(config bytes) runs before the weights are read, so a refused config
         never costs a download. With `landing` (a size -> Destination), a local blob is read
@@ -163,14 +174,15 @@ class SourceReader:
         """
         check = check_config or (lambda _: None)
         if ref.kind == "file":
-            return self._read_file(ref, check, landing, trusted)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return self._read_file(ref, check, landing, trusted, deadline)
         return RawAdapter(*self._read_s3(ref, timeout, check))
 
     # ---- file:// ----------------------------------------------------------------------------
 
     def _read_file(self, ref: SourceRef, check: Callable,
                    landing: Callable[[int], Destination] | None = None,
-                   trusted: tuple | None = None) -> RawAdapter:
+                   trusted: tuple | None = None, deadline: float | None = None) -> RawAdapter:
         if self._root is None:
             raise Refusal("source", f"source: {ref.uri!r}: file:// sources need --adapters-dir")
         folder = self._contained(self._root / ref.path, ref)
@@ -178,12 +190,12 @@ class SourceReader:
             raise MissingFile(f"source {ref.uri}: no such adapter directory")
         if not (folder / WEIGHTS).exists() and (folder / PICKLE).exists():
             raise _pickle_refusal(ref)
-        config = self._file(folder / CONFIG, ref, MAX_CONFIG_BYTES)[0]
+        config = self._file(folder / CONFIG, ref, MAX_CONFIG_BYTES, deadline)[0]
         check(config)
         if landing is None:
-            return RawAdapter(config, *self._file(folder / WEIGHTS, ref, self._max))
+            return RawAdapter(config, *self._file(folder / WEIGHTS, ref, self._max, deadline))
         return RawAdapter(config, *self._file_into(folder / WEIGHTS, ref, self._max, landing,
-                                                   trusted))
+                                                   trusted, deadline))
 
     def _contained(self, path: pathlib.Path, ref: SourceRef) -> pathlib.Path:
         """path with symlinks resolved; refused if that leaves the root."""
@@ -192,17 +204,26 @@ class SourceReader:
             raise Refusal("source", f"source: {ref.uri!r} resolves outside --adapters-dir")
         return real
 
-    def _file(self, path: pathlib.Path, ref: SourceRef, cap: int
-              ) -> tuple[bytes, str, None, tuple | None]:
-        """(bytes, "", None, identity) of a file."""
+    def _file(self, path: pathlib.Path, ref: SourceRef, cap: int,
+              deadline: float | None = None) -> tuple[bytes, str, None, tuple | None]:
+        """(bytes, "", None, identity) of a file: at most cap + 1 bytes, by the deadline."""
         with self._open(path, ref, cap) as (f, info):
-            data = f.read(cap + 1)
+            parts, size = [], 0
+            while size <= cap:
+                _in_time(deadline, path.name)
+                piece = f.read(min(CHUNK, cap + 1 - size))
+                if not piece:
+                    break
+                parts.append(piece)
+                size += len(piece)
+            data = b"".join(parts)
             same = identity_of(os.fstat(f.fileno())) == identity_of(info)
         _check_size(path.name, len(data), cap)
         return data, "", None, self._identity(info, same)
 
     def _file_into(self, path: pathlib.Path, ref: SourceRef, cap: int,
-                   landing: Callable[[int], Destination], trusted: tuple | None
+                   landing: Callable[[int], Destination], trusted: tuple | None,
+                   deadline: float | None = None
                    ) -> tuple[memoryview, str, Destination, tuple | None, bool]:
         """(bytes, digest or "", destination, identity, trusted) of a file read into place."""
         with self._open(path, ref, cap) as (f, info):
@@ -210,13 +231,14 @@ class SourceReader:
             dest = landing(info.st_size)
             try:
                 digest = read_into(f, info.st_size, dest,
-                                   hashed=trusted is None or before != trusted)
+                                   hashed=trusted is None or before != trusted,
+                                   deadline=deadline)
                 same = identity_of(os.fstat(f.fileno())) == before
                 if not digest and not same:     # it changed while read unhashed: hash it
                     dest.drop()
                     dest = landing(info.st_size)
                     f.seek(0)
-                    digest = read_into(f, info.st_size, dest)
+                    digest = read_into(f, info.st_size, dest, deadline=deadline)
             except BaseException:
                 dest.drop()
                 raise
@@ -224,19 +246,33 @@ class SourceReader:
 
     @contextlib.contextmanager
     def _open(self, path: pathlib.Path, ref: SourceRef, cap: int):
-        """(file, size) of a regular file inside the root, its size checked against cap."""
+        """(file, stat) of a regular file inside the root, its size checked against cap.
+
+        Opened non-blocking and without following a symlink, then checked with fstat before a
+        byte is read: a FIFO, device, socket or directory in its place is refused naming the
+        file (opening a FIFO blocks until a writer comes; reading a device may never end)."""
         if not path.exists() and not path.is_symlink():
             raise MissingFile(f"{path.name}: missing from source {ref.uri}")
         real = self._contained(path, ref)
         try:
-            with open(real, "rb", opener=_no_follow) as f:
-                info = os.fstat(f.fileno())
-                if not stat.S_ISREG(info.st_mode):
-                    raise Refusal("source", f"{path.name}: not a regular file in {ref.uri}")
-                _check_size(path.name, info.st_size, cap)
-                yield f, info
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+                         | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             raise MissingFile(f"{path.name}: missing from source {ref.uri}") from None
+        except OSError as exc:
+            raise Refusal("source", f"{path.name}: cannot be opened in {ref.uri} "
+                                    f"({exc.strerror or type(exc).__name__})") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise Refusal("source", f"{path.name}: not a regular file in {ref.uri} "
+                                        f"({_kind(info.st_mode)})")
+            _check_size(path.name, info.st_size, cap)
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as f:
+            yield f, info
 
     # ---- s3:// ------------------------------------------------------------------------------
 
@@ -264,9 +300,13 @@ class SourceReader:
         return config, blob
 
 
-def _no_follow(path: str, flags: int) -> int:
-    # The path is already resolved; O_NOFOLLOW closes the window for a swapped-in symlink.
-    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0))
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
 
 
 def _check_size(name: str, size: int, cap: int) -> None:

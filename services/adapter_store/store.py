@@ -30,9 +30,10 @@ from services.adapter_store.registry import FAILED, READY, AdapterRecord, Regist
 from services.adapter_store.s3 import MissingFile
 from services.adapter_store.sources import SourceReader, SourceRef, parse_source
 from services.adapter_store.validate import AdapterSummary, BaseShapes, canonical_json, validate
+from services.adapter_store.work_pool import ValidationPool
 from services.common.errors import (AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition,
-                                    LorafleetError, unknown_adapter)
-from services.common.names import NAME, name_error
+                                    LorafleetError, NotFound, unknown_adapter)
+from services.common.names import NAME, name_error, ref_error
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
@@ -74,8 +75,11 @@ class AdapterStore:
     """Registry + sources + validation + host tier; called by the servicer on the event loop."""
 
     def __init__(self, base: BaseShapes, registry: Registry, reader: SourceReader,
-                 cache: HostCache, max_rank: int, default_bucket: str | None):
+                 cache: HostCache, max_rank: int, default_bucket: str | None,
+                 pool: ValidationPool | None = None):
+        """pool: the threads Register validates on (work_pool.ValidationPool)."""
         self._base, self._registry, self._reader = base, registry, reader
+        self._pool = pool or ValidationPool()
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
         self._inflight: dict[str, asyncio.Task] = {}
         self._identities: dict[tuple[str, str], tuple] = {}   # (source, version) -> see _trust
@@ -111,8 +115,8 @@ class AdapterStore:
         if not replace and self._registry.get(adapter_id) is not None:  # before any download
             raise AlreadyExists(f"id: adapter {adapter_id!r} already exists (set replace to "
                                 "register a new version)")
-        summary, identity = await _bounded(asyncio.to_thread(self._load_validated, ref,
-                                                             remaining), remaining)
+        summary, identity = await _bounded(self._pool.run(owner, self._load_validated, ref,
+                                                          remaining), remaining)
         stored, old = self._registry.put(_record(adapter_id, owner, ref, summary,
                                                  tuple(aliases)), replace)
         self._trust(stored, identity)
@@ -151,7 +155,9 @@ class AdapterStore:
 
     def resolve(self, name: str, tenant: str) -> AdapterRecord:
         """The adapter `name` (id or alias) as `tenant` sees it; NOT_FOUND if invisible."""
-        check_name("name", name)
+        message = ref_error("name", name)             # ID@VERSION pins a kept version
+        if message is not None:
+            raise Refusal("name", message)
         check_name("tenant", tenant, allow_empty=True)
         record = self._registry.lookup(name, tenant)
         if record is None or not record.visible_to(tenant):
@@ -159,6 +165,17 @@ class AdapterStore:
         if record.state == FAILED:
             raise FailedPrecondition(f"adapter {name!r} is FAILED: {record.reason}")
         return record
+
+    def set_alias(self, alias: str, target: str) -> AdapterRecord:
+        """Point alias at an adapter id (following its current version) or ID@VERSION (a kept
+        version: a rollback); the record it now resolves to."""
+        check_name("alias", alias)
+        message = ref_error("target", target)
+        if message is not None:
+            raise Refusal("name", message)
+        rec = self._registry.set_alias(alias, target)
+        log.info("alias %r -> %s (version %s)", alias, target, rec.version)
+        return rec
 
     def list(self, tenant: str, all_tenants: bool) -> list[AdapterRecord]:
         """Adapters visible to tenant; every adapter when all_tenants is set."""
@@ -180,12 +197,19 @@ class AdapterStore:
 
     # ---- staging ---------------------------------------------------------------------------------
 
-    async def stage(self, adapter_id: str, version: str, remaining: float | None) -> Staged:
-        """The adapter's blob from the host tier, else from its source (digest-checked)."""
+    async def stage(self, adapter_id: str, version: str, remaining: float | None,
+                    pinned: bool = False) -> Staged:
+        """The adapter's blob from the host tier, else from its source (digest-checked).
+        version: the one expected (FAILED_PRECONDITION if the adapter moved on), unless pinned:
+        then that version if the registry keeps it."""
         check_name("id", adapter_id)
         record = self._registry.get(adapter_id)
         if record is None:
             raise unknown_adapter(adapter_id)
+        if pinned and version and version != record.version:
+            record = self._registry.get_version(adapter_id, version)
+            if record is None:
+                raise NotFound(f"adapter {adapter_id!r} keeps no version {version[:64]!r}")
         if record.state != READY:
             raise FailedPrecondition(f"adapter {adapter_id!r} is {record.state}: {record.reason}")
         if version and version != record.version:
@@ -319,6 +343,11 @@ class AdapterStore:
             metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
             record = AdapterRecord(name, "", ref.uri, FAILED, reason=exc.message)
             log.warning("adapters dir: %r FAILED: %s", name, exc.message)
+        except OSError as exc:          # e.g. a directory it cannot list: this adapter only
+            metrics.REFUSALS.labels("source").inc()
+            reason = f"cannot be read: {exc.strerror or type(exc).__name__}"
+            record = AdapterRecord(name, "", ref.uri, FAILED, reason=reason)
+            log.warning("adapters dir: %r FAILED: %s", name, reason)
         return record
 
     def _record_scanned(self, record: AdapterRecord) -> None:
@@ -328,8 +357,10 @@ class AdapterStore:
             log.warning("adapters dir: %r not recorded: %s", record.id, exc.message)
 
     def close(self) -> None:
-        """Give up the host tier's shared-memory files (shutdown)."""
+        """Give up the host tier's shared-memory files and the validation threads
+        (shutdown)."""
         self._cache.close()
+        self._pool.close()
 
 
 def _check_aliases(aliases: list[str]) -> None:

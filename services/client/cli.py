@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--replace", action="store_true",
                    help="register a new version of an existing id (its aliases move to it)")
     r.add_argument("--json", action="store_true")
+    al = sub.add_parser("alias", help="point an alias at an adapter id or ID@VERSION (admin)")
+    al.add_argument("--alias", required=True)
+    al.add_argument("--target", required=True,
+                    help="an adapter id (its current version) or ID@VERSION (pinned: a rollback)")
+    al.add_argument("--json", action="store_true")
     d = sub.add_parser("delete", help="delete an adapter (admin)")
     d.add_argument("--id", required=True)
     a = sub.add_parser("adapters", help="list the adapters you can use")
@@ -157,6 +162,11 @@ def run(args) -> int:
             info = c.register(args.id, args.source, args.tenant, args.alias, args.replace)
             print(json.dumps(adapter_dict(info)) if args.json else
                   f"registered {info.id} version {info.version} ({info.state})")
+        elif args.cmd == "alias":
+            info = c.set_alias(args.alias, args.target)
+            print(json.dumps(adapter_dict(info)) if args.json else
+                  f"{args.alias} -> {info.id} version {info.version}"
+                  + (" (pinned)" if info.pinned else ""))
         elif args.cmd == "delete":
             c.delete(args.id)
             print(f"deleted {args.id}")

@@ -91,6 +91,12 @@ class LorafleetClient:
         return self._stub.RegisterAdapter(req, timeout=self.timeout,
                                           metadata=self._metadata).adapter
 
+    def set_alias(self, alias: str, target: str) -> rpb.AdapterInfo:
+        """Point alias at an adapter id (its current version) or ID@VERSION (pinned: a
+        rollback); the adapter it now names (admin)."""
+        return self._stub.SetAlias(rpb.SetAliasRequest(alias=alias, target=target),
+                                   timeout=self.timeout, metadata=self._metadata).adapter
+
     def delete(self, adapter_id: str) -> None:
         self._stub.DeleteAdapter(rpb.DeleteAdapterRequest(id=adapter_id), timeout=self.timeout,
                                  metadata=self._metadata)

@@ -32,7 +32,7 @@ def start_metrics(port: int, host: str) -> int:
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 COMMON_FIELDS = ("metrics_port", "metrics_host", "keepalive_s", "grace", "log_level", "otlp_endpoint", "trace_file",
-                 "tls_cert", "tls_key", "tls_ca")
+                 "tls_cert", "tls_key", "tls_ca", "reflection")
 
 
 def common_values(args) -> dict:
@@ -52,6 +52,10 @@ def check_common(cfg) -> None:
         raise ValueError(f"--metrics-port must be a port (0 = off), got {cfg.metrics_port}")
     if ":" not in cfg.listen:
         raise ValueError(f"--listen must be HOST:PORT, got {cfg.listen!r}")
+    if cfg.reflection:
+        from services.common.server import reflection_available
+        if not reflection_available():
+            raise ValueError("--reflection needs the grpcio-reflection package")
     if str(cfg.log_level).upper() not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, "
                          f"got {cfg.log_level!r}")
@@ -79,6 +83,8 @@ def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> No
     parser.add_argument("--tls-ca", default=None,
                         help="CA (PEM) for mTLS: clients must present a cert it signed; also "
                              "used to verify the services this one calls")
+    parser.add_argument("--reflection", action="store_true",
+                        help="serve grpc.reflection (for grpcurl and the like; off)")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,

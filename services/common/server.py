@@ -1,5 +1,5 @@
-"""gRPC server helpers shared by the three services: create_server, the error-mapping
-interceptor, health, and graceful drain on SIGTERM.
+"""gRPC server helpers shared by the three services: create_server (with the interceptor of
+services.common.interceptor, health and, optionally, reflection), and graceful drain on SIGTERM.
 """
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import signal
 from typing import Awaitable, Callable, Iterable
 
 import grpc
-from google.protobuf import any_pb2, duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
 
-from services.common.errors import LorafleetError
+from services.common.interceptor import (CallGate, ErrorInterceptor, abort_with,  # noqa: F401
+                                         status_for)
 
 log = logging.getLogger(__name__)
 
@@ -57,109 +55,120 @@ def client_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple]:
 CLIENT_OPTIONS = client_options()
 
 
-def status_for(err: LorafleetError) -> status_pb2.Status:
-    """The google.rpc.Status for a domain error, with RetryInfo when it carries a delay."""
-    status = status_pb2.Status(code=err.code.value[0], message=err.message)
-    if err.retry_after is not None:
-        delay = duration_pb2.Duration()
-        delay.FromNanoseconds(int(err.retry_after * 1e9))
-        detail = any_pb2.Any()
-        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-        status.details.append(detail)
-    return status
+class Health(health.aio.HealthServicer):
+    """grpc.health.v1 for one server: the service names set_serving() marks, and the gate of
+    its calls (closed when a drain begins)."""
 
+    def __init__(self, names: list[str], gate: CallGate):
+        super().__init__()
+        self.names, self.gate = ["", *names], gate
+        self._watches: set[asyncio.Task] = set()
+        self._ending = False
 
-async def abort_with(context: grpc.aio.ServicerContext, err: LorafleetError) -> None:
-    """End the call with the domain error's status (and details); never returns."""
-    status = status_for(err)
-    if status.details:
-        await context.abort_with_status(rpc_status.to_status(status))
-    await context.abort(err.code, err.message)
-
-
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps LorafleetError to its status; anything else to INTERNAL, logged with a trace."""
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        method = details.method
-        if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
-        return handler
-
-
-async def _map(context, exc: BaseException, method: str) -> None:
-    if isinstance(exc, LorafleetError):
-        await abort_with(context, exc)
-    log.exception("unhandled error in %s", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-
-
-def _wrap_unary(fn, method):
-    async def wrapper(request, context):
+    async def Watch(self, request, context):
+        """grpc_health's Watch, which streams until the client leaves, ended with OK by
+        end_watches() (a stream still open when the server stops is cancelled, and grpc.aio
+        logs that as an error)."""
+        watch = asyncio.ensure_future(super().Watch(request, context))
+        self._watches.add(watch)
         try:
-            return await fn(request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
-            await _map(context, exc, method)
-    return wrapper
+            await watch
+        except asyncio.CancelledError:
+            if not (self._ending and watch.cancelled()):
+                raise
+        finally:
+            self._watches.discard(watch)
+
+    def end_watches(self) -> None:
+        """End every Watch stream (the server is about to stop: each has seen NOT_SERVING)."""
+        self._ending = True
+        for watch in self._watches:
+            watch.cancel()
 
 
-def _wrap_stream(fn, method):
-    async def wrapper(request, context):
-        try:
-            async for item in fn(request, context):
-                yield item
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
-            await _map(context, exc, method)
-    return wrapper
+def reflection_available() -> bool:
+    """Whether grpcio-reflection is installed (--reflection needs it)."""
+    try:
+        import grpc_reflection.v1alpha.reflection  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def create_server(listen: str, register: Callable[[grpc.aio.Server], Iterable[str]],
                   credentials: grpc.ServerCredentials | None = None,
-                  interceptors: Iterable[grpc.aio.ServerInterceptor] = ()
-                  ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+                  interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+                  reflection: bool = False, max_receive_bytes: int | None = None
+                  ) -> tuple[grpc.aio.Server, int, Health]:
     """Build a grpc.aio server on `listen` (port 0 = any free port).
 
     `register(server)` adds the service's servicers and returns their full service names, which
-    are reported SERVING by grpc.health.v1 once the server starts. Returns (server, port, health).
+    are reported SERVING by grpc.health.v1 once the server starts. With `reflection`, the
+    server also answers grpc.reflection (grpcurl, grpcui) for those names and health.
+    `max_receive_bytes` lowers the largest request message taken (gRPC refuses a larger one
+    RESOURCE_EXHAUSTED as it arrives). Returns (server, port, health).
     """
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()],
-                             options=SERVER_OPTIONS)
+    gate = CallGate()
+    options = SERVER_OPTIONS
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor(gate)],
+                             options=options)
     names = list(register(server))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = Health(names, gate)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if reflection:
+        from grpc_reflection.v1alpha import reflection as grpc_reflection
+        grpc_reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             grpc_reflection.SERVICE_NAME], server)
     if credentials is None:
         port = server.add_insecure_port(listen)
     else:
         port = server.add_secure_port(listen, credentials)
     if port == 0:
         raise RuntimeError(f"could not bind {listen}")
-    health_servicer._lorafleet_names = ["", *names]  # what set_serving() marks
     return server, port, health_servicer
 
 
-async def set_serving(health_servicer, serving: bool) -> None:
+async def set_serving(health_servicer: Health, serving: bool) -> None:
     """Mark every registered service (and the server as a whole) SERVING or NOT_SERVING."""
     state = (health_pb2.HealthCheckResponse.SERVING if serving
              else health_pb2.HealthCheckResponse.NOT_SERVING)
-    for name in health_servicer._lorafleet_names:
+    for name in health_servicer.names:
         await health_servicer.set(name, state)
 
 
-async def serve(server: grpc.aio.Server, health_servicer, grace: float,
+async def drain(server: grpc.aio.Server, health_servicer: Health, grace: float,
+                on_drain: Callable[[], object] | None = None,
+                flush_s: float = 0.5) -> None:
+    """Drain: NOT_SERVING (Watch streams see it), refuse new calls UNAVAILABLE, on_drain(),
+    let the calls in flight finish within `grace`, then stop. Health checks are answered
+    (NOT_SERVING) for the whole drain: the server itself stops only once the calls are done
+    or the grace is spent, after `flush_s` more for their last messages (what is still open
+    then, such as health Watch streams, is cancelled)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + grace
+    await set_serving(health_servicer, False)
+    health_servicer.gate.close()
+    if on_drain is not None:
+        result = on_drain()
+        if asyncio.iscoroutine(result):
+            await result
+    if not await health_servicer.gate.wait_idle(max(0.0, end - loop.time())):
+        log.warning("%d calls still in flight after the %.1fs grace: cancelled",
+                    health_servicer.gate.in_flight, grace)
+    health_servicer.end_watches()
+    await server.stop(min(flush_s, max(0.0, end - loop.time())))
+
+
+async def serve(server: grpc.aio.Server, health_servicer: Health, grace: float,
                 on_drain: Callable[[], object] | None = None, name: str = "service",
                 started: Callable[[], Awaitable[None]] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Start (then await started(), if given), report SERVING, and on SIGTERM/SIGINT (or when
-    `stop` is set) drain: NOT_SERVING, on_drain(), stop(grace), return."""
+    `stop` is set) drain (see drain) and return."""
     await server.start()
     if started is not None:
         await started()
@@ -170,12 +179,7 @@ async def serve(server: grpc.aio.Server, health_servicer, grace: float,
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s draining (grace %.1fs)", name, grace)
-    await set_serving(health_servicer, False)
-    if on_drain is not None:
-        result = on_drain()
-        if asyncio.iscoroutine(result):
-            await result
-    await server.stop(grace)
+    await drain(server, health_servicer, grace, on_drain)
     log.info("%s stopped", name)
 
 

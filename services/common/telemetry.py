@@ -75,6 +75,26 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
+async def traced(span: trace.Span, responses):
+    """Yield what the async generator `responses` yields, with `span` current while
+    `responses` runs (each step and its close), so its calls carry the span's context, but not
+    across this generator's own yields. A span made current across a yield is detached
+    wherever the generator is resumed or closed: in another task or context (a client gone,
+    the generator finalized by the garbage collector) OpenTelemetry logs "Failed to detach
+    context". The caller ends the span."""
+    try:
+        while True:
+            with trace.use_span(span, end_on_exit=False):
+                try:
+                    item = await responses.__anext__()
+                except StopAsyncIteration:
+                    return
+            yield item
+    finally:
+        with trace.use_span(span, end_on_exit=False):
+            await responses.aclose()
+
+
 def outgoing_metadata(extra: Iterable[tuple[str, str]] = ()) -> list[tuple[str, str]]:
     """gRPC metadata carrying the current trace context (traceparent/tracestate)."""
     carrier: dict[str, str] = {}

@@ -14,6 +14,7 @@ from services.common.server import channel, create_server, serve, server_credent
 from services.router.auth import Tenants
 from services.router.config import RouterConfig, parse_args
 from services.router.fair_queue import FairGate
+from services.router.limits import receive_limit
 from services.router.openai_gateway import OpenAIGateway
 from services.router.quotas import Quotas
 from services.router.resolve import Resolver
@@ -43,7 +44,7 @@ async def main_async(cfg: RouterConfig) -> None:
         resolver=Resolver(store_chan, cfg.resolve_ttl), workers=workers,
         store=adapter_store_pb2_grpc.AdapterStoreStub(store_chan), stats=stats,
         per_worker=cfg.max_in_flight_per_worker, spill_rows=cfg.spill_rows,
-        foothold_per_worker=cfg.foothold_per_worker)
+        foothold_per_worker=cfg.foothold_per_worker, max_prompt_bytes=cfg.max_prompt_bytes)
     await workers.start()
     if not await workers.wait_ready(timeout=15.0):
         log.warning("no worker reachable yet; serving anyway (requests get UNAVAILABLE)")
@@ -51,7 +52,8 @@ async def main_async(cfg: RouterConfig) -> None:
     server, port, health = create_server(
         cfg.listen, lambda s: (router_pb2_grpc.add_GenerationServiceServicer_to_server(
             servicer, s), ["lorafleet.v1.GenerationService"])[1],
-        server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+        server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), reflection=cfg.reflection,
+        max_receive_bytes=receive_limit(cfg.max_prompt_bytes))
     log.info("router serving on port %d; workers %s; store %s; fair queue %s", port,
              ", ".join(cfg.workers), cfg.store, "on" if cfg.fair else "off")
     gateway = None

@@ -5,7 +5,11 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from services.common.runtime import add_common_flags, check_common, common_values
+from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
+from services.router.limits import DEFAULT_MAX_PROMPT_BYTES, RECEIVE_HEADROOM
+
+# a message's cap stays under gRPC's 64 MiB one (services.common.server.CHANNEL_OPTIONS)
+MAX_PROMPT_CAP = (64 << 20) - RECEIVE_HEADROOM
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,7 @@ class RouterConfig:
     retry_delay: float = 0.5
     dns_period: float = 10.0
     metrics_tenants: int = 50           # tenants named on /metrics; the rest are "other"
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # text, messages or ids (limits.py)
     metrics_port: int = 9101
     metrics_host: str = ""             # "" = the --listen host
     keepalive_s: float = 20.0          # ping interval of channels to peers
@@ -33,6 +38,7 @@ class RouterConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    reflection: bool = False           # serve grpc.reflection (--reflection)
 
     def __post_init__(self) -> None:
         if self.metrics_tenants < 0:
@@ -47,6 +53,9 @@ class RouterConfig:
             raise ValueError("--spill-rows must be >= 1")
         if self.resolve_ttl < 0:
             raise ValueError("--resolve-ttl must be >= 0")
+        if not 1 <= self.max_prompt_bytes <= MAX_PROMPT_CAP:
+            raise ValueError(f"--max-prompt-bytes must be in 1..{MAX_PROMPT_CAP}, got "
+                             f"{self.max_prompt_bytes}")
         check_common(self)
         if self.tenants:                 # read and checked now: a bad file exits 2, naming it
             from services.router.auth import Tenants
@@ -86,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                    help="seconds between re-resolving DNS worker names")
     p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
                    "tenant labels, most requests first; the rest are tenant=other (50)")
+    p.add_argument("--max-prompt-bytes", type=parse_bytes, default=DEFAULT_MAX_PROMPT_BYTES,
+                   help="largest prompt accepted: text or chat messages (UTF-8 bytes) or token "
+                        "ids (4 bytes each) (1MiB)")
     a = p.parse_args(argv)
     return RouterConfig(
         listen=a.listen, http_listen=a.http_listen, store=a.store, workers=tuple(a.worker or ["127.0.0.1:7002"]),
@@ -93,4 +105,5 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         max_in_flight_per_worker=a.max_in_flight_per_worker, spill_rows=a.spill_rows,
         foothold_per_worker=a.foothold_per_worker,
         resolve_ttl=a.resolve_ttl,
-        dns_period=a.dns_period, **common_values(a), metrics_tenants=a.metrics_tenants)
+        dns_period=a.dns_period, max_prompt_bytes=a.max_prompt_bytes, **common_values(a),
+        metrics_tenants=a.metrics_tenants)

@@ -25,10 +25,11 @@ from opentelemetry import trace
 from services.common.errors import (InvalidArgument, LorafleetError, ResourceExhausted,
                                     Unavailable, from_rpc_error)
 from services.common.gen.lorafleet.v1 import router_pb2, worker_pb2 as wpb
-from services.common.names import name_error
+from services.common.names import ref_error
 from services.common.telemetry import outgoing_metadata
 from services.router.attempts import RETRYABLE, AttemptFailed, cause, retryable
 from services.router.auth import Caller
+from services.router.limits import check_prompt_size
 from services.router.placement import NoWorker, choose_worker
 
 log = logging.getLogger(__name__)
@@ -45,16 +46,18 @@ class Admitted:
     name: str = ""              # the adapter name as the client gave it (id or alias)
 
 
-def validate(req: router_pb2.GenerateRequest) -> None:
-    """INVALID_ARGUMENT naming the public request's field (NaN fails every range check)."""
+def validate(req: router_pb2.GenerateRequest, max_prompt_bytes: int = 0) -> None:
+    """INVALID_ARGUMENT naming the public request's field (NaN fails every range check; a
+    prompt over max_prompt_bytes: services/router/limits.py)."""
     s, st = req.sampling, req.stopping
-    message = name_error("adapter_id", req.adapter_id, allow_empty=True)
+    message = ref_error("adapter_id", req.adapter_id, allow_empty=True)
     if message is not None:
         raise InvalidArgument(message)
     if req.messages and (req.text or req.prompt_token_ids):
         raise InvalidArgument("messages: give messages, text or prompt_token_ids, not several")
     if not req.text and not req.prompt_token_ids and not req.messages:
         raise InvalidArgument("text: empty prompt (give text, prompt_token_ids or messages)")
+    check_prompt_size(max_prompt_bytes, req.text, req.messages, req.prompt_token_ids)
     if not 0 <= s.temperature <= 100:
         raise InvalidArgument("sampling.temperature: must be within [0, 100]")
     if not 0 <= s.top_p <= 1:
@@ -88,7 +91,7 @@ class RequestPath:
             raise
 
     async def _admit(self, req, caller: Caller, timeout: float | None) -> Admitted:
-        validate(req)
+        validate(req, self.app.max_prompt_bytes)
         app = self.app
         adapter = None
         if req.adapter_id:
@@ -175,7 +178,7 @@ class RequestPath:
     def _ref(self, adm: Admitted) -> wpb.AdapterRef:
         a = adm.adapter
         return wpb.AdapterRef(id=a.id, version=a.version, tenant=adm.caller.tenant,
-                              owner=a.owner)
+                              owner=a.owner, pinned=a.pinned)
 
     def _worker_request(self, req, adm: Admitted) -> wpb.WorkerGenerateRequest:
         wreq = wpb.WorkerGenerateRequest(

@@ -338,16 +338,27 @@ class OpenAIGateway:
                                           "Cache-Control": "no-cache"})
         await out.prepare(request)
         chunk = chunker(rid, model, chat)
-        if chat:
-            for i in range(len(reqs)):
-                await out.write(chunk(None, None, role=True, index=i))
-        usages = []
-        if echo and first is not None:                 # the prompt, before each choice
-            text = await self._echo(req, ctx)
-            for i in range(len(reqs)):
-                await out.write(chunk(text, None, index=i, logprobs=logprobs(
-                    first[1].prompt_tokens, req, chat)))
         try:
+            await self._write_chunks(out, chunk, source, first, reqs, ctx, chat, echo,
+                                     include_usage)
+        except ConnectionResetError:    # the client went away (aiohttp's ClientConnection-
+            log.debug("HTTP gateway: %s: the client left mid-stream", rid)  # ResetError)
+        return out
+
+    async def _write_chunks(self, out, chunk, source, first, reqs, ctx, chat: bool,
+                            echo: bool, include_usage: bool) -> None:
+        """Each choice's messages as chunks, then the usage (if asked) and [DONE]; the source
+        is closed however it ends, which settles (or cancels) the requests."""
+        req, usages = reqs[0], []
+        try:
+            if chat:
+                for i in range(len(reqs)):
+                    await out.write(chunk(None, None, role=True, index=i))
+            if echo and first is not None:             # the prompt, before each choice
+                text = await self._echo(req, ctx)
+                for i in range(len(reqs)):
+                    await out.write(chunk(text, None, index=i, logprobs=logprobs(
+                        first[1].prompt_tokens, req, chat)))
             item = first
             while item is not None:
                 i, resp = item
@@ -362,12 +373,11 @@ class OpenAIGateway:
         except LorafleetError as err:                   # mid-stream: an error event, then end
             await out.write(b"data: " + json.dumps(error_body(err, chat)[0]).encode() + b"\n\n")
         finally:
-            await source.aclose()       # settle the requests (status, quota, fair share) now
+            await source.aclose()
         if include_usage and usages:
             await out.write(chunk(None, None, usage=usage_json(usages)))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
-        return out
 
 
 async def _single(stream):

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from services.common.errors import (InvalidArgument, LorafleetError, Unavailable,
                                     from_rpc_error, with_prefix)
@@ -14,10 +14,11 @@ from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
 from services.common import span_attrs
-from services.common.names import name_error
-from services.common.telemetry import incoming_context, outgoing_metadata, tracer
+from services.common.names import name_error, ref_error
+from services.common.telemetry import incoming_context, outgoing_metadata, traced, tracer
 from services.router.auth import Tenants, require_admin
 from services.router.fair_queue import FairGate
+from services.router.limits import DEFAULT_MAX_PROMPT_BYTES, check_prompt_size
 from services.router.generate import RequestPath
 from services.router.quotas import Quotas
 from services.router.resolve import Resolver
@@ -42,6 +43,7 @@ class RouterApp:
     per_worker: int             # requests forwarded per live worker before the gate holds them
     spill_rows: int = 32        # placement: an adapter's rows on one worker before it spills
     foothold_per_worker: int = 1   # gate slots past per_worker for tenants with none in flight
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # --max-prompt-bytes (limits.py)
 
 
 async def _store_call(coro):
@@ -60,38 +62,39 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         return self.app.tenants.authenticate(context.invocation_metadata())
 
     async def GenerateStream(self, request, context):
-        # aclosing: a consumer that stops reading (the HTTP gateway, at the last message)
-        # closes the whole chain at once, so the request is settled then, not when the
-        # inner generators are collected
-        async with contextlib.aclosing(self._generate(request, context, unary=False)) as gen:
-            async for resp in gen:
+        responses = self._generate(request, context, unary=False)
+        try:
+            async for resp in responses:
                 yield resp
+        finally:            # closed here, however this one is closed (the HTTP gateway's,
+            await responses.aclose()    # at the last message): the request is settled now
 
     async def _generate(self, request, context, unary: bool):
         """Admit, then stream from a worker; unary (Generate) sends the client nothing before
         the end, which lets the request path retry a worker lost mid-generation."""
         caller = self._caller(context)
         parent = incoming_context(context.invocation_metadata())
-        with _tracer.start_as_current_span("router.generate", context=parent) as span, \
-                span_attrs.grpc_status(span, context):
-            span.set_attributes({
-                **span_attrs.rpc("GenerationService", "Generate" if unary else "GenerateStream"),
-                **span_attrs.genai_request("chat" if request.messages else "text_completion",
-                                           request.adapter_id or "base"),
-                "gen_ai.request.max_tokens": request.stopping.max_new_tokens,
-                "gen_ai.request.temperature": request.sampling.temperature,
-                "lora.tenant": caller.tenant, "lora.adapter_id": request.adapter_id})
-            self._resize_gate()
-            adm = await self.path.admit(request, caller, context.time_remaining())
-            span.set_attribute("gen_ai.request.id", adm.request_id)
-            async with contextlib.aclosing(self.path.stream(request, adm, context,
-                                                            unary)) as stream:
-                async for resp in stream:
+        span = _tracer.start_span("router.generate", context=parent, attributes={
+            **span_attrs.rpc("GenerationService", "Generate" if unary else "GenerateStream"),
+            **span_attrs.genai_request("chat" if request.messages else "text_completion",
+                                       request.adapter_id or "base"),
+            "gen_ai.request.max_tokens": request.stopping.max_new_tokens,
+            "gen_ai.request.temperature": request.sampling.temperature,
+            "lora.tenant": caller.tenant, "lora.adapter_id": request.adapter_id})
+        try:             # the span is current only around non-yielding parts (traced)
+            with span_attrs.grpc_status(span, context):
+                with trace.use_span(span, end_on_exit=False):
+                    self._resize_gate()
+                    adm = await self.path.admit(request, caller, context.time_remaining())
+                span.set_attribute("gen_ai.request.id", adm.request_id)
+                async for resp in traced(span, self.path.stream(request, adm, context, unary)):
                     if resp.HasField("usage"):
                         span_attrs.genai_response(span, resp.stop_reason,
                                                   resp.usage.prompt_tokens,
                                                   resp.usage.generated_tokens)
                     yield resp
+        finally:
+            span.end()
 
     async def Generate(self, request, context):
         out = rpb.GenerateResponse()
@@ -142,6 +145,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request, context):
         self._caller(context)
+        check_prompt_size(self.app.max_prompt_bytes, request.text, request.messages)
         w = self._any_worker()
         resp = await _store_call(w.stub.Tokenize(wpb.WorkerTokenizeRequest(
             text=request.text, messages=request.messages), timeout=10))
@@ -149,6 +153,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
 
     async def Detokenize(self, request, context):
         self._caller(context)
+        check_prompt_size(self.app.max_prompt_bytes, token_ids=request.token_ids)
         resp = await _store_call(self._any_worker().stub.Detokenize(
             wpb.WorkerDetokenizeRequest(token_ids=request.token_ids), timeout=10))
         return rpb.DetokenizeResponse(text=resp.text)
@@ -211,6 +216,23 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                                                 metadata=outgoing_metadata()))
         self.app.resolver.invalidate()
         return rpb.DeleteAdapterResponse()
+
+    async def SetAlias(self, request, context):
+        """Admins: the store points the alias at the target (an id or ID@VERSION: a rollback);
+        cached resolutions are stale after it."""
+        require_admin(self._caller(context))
+        for field, value, check in (("alias", request.alias, name_error),
+                                    ("target", request.target, ref_error)):
+            message = check(field, value)
+            if message is not None:
+                raise InvalidArgument(message)
+        resp = await _store_call(self.app.store.SetAlias(
+            rpb.SetAliasRequest(alias=request.alias, target=request.target), timeout=10,
+            metadata=outgoing_metadata()))
+        self.app.resolver.invalidate()
+        log.info("alias %s -> %s (version %s)", request.alias, request.target,
+                 resp.adapter.version)
+        return resp
 
     async def GetStats(self, request, context):
         caller = self._caller(context)

@@ -139,7 +139,8 @@ async def main_async(cfg: WorkerConfig) -> int:
         front.core_address if front else cfg.listen,
         lambda s: (worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
                    ["lorafleet.v1.Worker"])[1],
-        None if front else server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
+        None if front else server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
+        reflection=cfg.reflection and front is None)
     ticker = loop.create_task(feed.tick())
     stopped = asyncio.Event()
 

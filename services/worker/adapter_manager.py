@@ -110,6 +110,7 @@ class AdapterManager:
         self.evictions = evictions or metrics.Evictions()   # per tenant, on /metrics
         self.gpu = CachePolicy(pool.capacity_bytes, tenant_share, foothold=tenant_share is not None)
         self.info: dict[str, Residency] = {}
+        self.pinned_versions: set[str] = set()      # keys asked for as ID@VERSION pins
         self._loading: dict[str, asyncio.Future] = {}
         self._freed = asyncio.Condition()
         self._gpu_lock = threading.Lock()      # policy + pool steps that must go together
@@ -124,9 +125,12 @@ class AdapterManager:
         return f"{adapter_id}@{version}"
 
     async def acquire(self, adapter_id: str, version: str, tenant: str,
-                      deadline: float | None) -> Acquired:
-        """Pin the adapter on the device, staging it first if needed."""
+                      deadline: float | None, pinned: bool = False) -> Acquired:
+        """Pin the adapter on the device, staging it first if needed. pinned: the version was
+        asked for (the store serves it while it keeps it, current or not)."""
         key = self.key(adapter_id, version)
+        if pinned:
+            self.pinned_versions.add(key)
         with self._gpu_lock:
             slot = self.pool.slot_of(key)
             hit = slot is not None and self.gpu.touch(key)
@@ -250,7 +254,8 @@ class AdapterManager:
             return res
         with _tracer.start_as_current_span("lora.store_fetch") as span:
             try:
-                fetched, res = self.store.fetch(job.adapter_id, job.version, remaining, reserve)
+                fetched, res = self.store.fetch(job.adapter_id, job.version, remaining, reserve,
+                                                pinned=job.key in self.pinned_versions)
             except BaseException:
                 for res in reserved:
                     self.host.abort(res)

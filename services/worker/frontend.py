@@ -26,7 +26,7 @@ from grpc_status import rpc_status
 from services.common.errors import LorafleetError
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
 from services.common.runtime import setup_logging
-from services.common.server import (CLIENT_OPTIONS, create_server, server_credentials,
+from services.common.server import (CLIENT_OPTIONS, create_server, drain, server_credentials,
                                     set_serving)
 from services.worker import token_info
 from services.worker.link import encode, read_message
@@ -87,10 +87,10 @@ class Frontend:
             q.put_nowait((h, gone))
 
     async def drain(self, server: grpc.aio.Server, health, grace: float) -> None:
-        """NOT_SERVING, refuse new calls, let those in flight finish (grace), say bye."""
+        """NOT_SERVING, refuse new calls, let those in flight finish (grace; health checks are
+        answered NOT_SERVING meanwhile: services.common.server.drain), say bye."""
         self.draining = True
-        await set_serving(health, False)
-        await server.stop(grace)
+        await drain(server, health, grace)
         self.send(("bye",))
         await self.writer.drain()
 
@@ -185,7 +185,7 @@ async def main_async(args) -> int:
     server, port, health = create_server(
         args.listen, lambda s: (s.add_generic_rpc_handlers((front.handler(),)),
                                 [SERVICE.full_name])[1],
-        server_credentials(args.tls_cert, args.tls_key, args.tls_ca))
+        server_credentials(args.tls_cert, args.tls_key, args.tls_ca), reflection=args.reflection)
     await server.start()
     await set_serving(health, True)
     front.send(("ready", port))
@@ -218,6 +218,7 @@ def parse_args(argv):
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
     p.add_argument("--tls-ca", default=None)
+    p.add_argument("--reflection", action="store_true")
     return p.parse_args(argv)
 
 

@@ -50,6 +50,8 @@ class Front:
                             ("--tls-ca", cfg.tls_ca)):
             if value:
                 argv += [flag, value]
+        if cfg.reflection:
+            argv.append("--reflection")
         env = dict(self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH"))
                                             if p)

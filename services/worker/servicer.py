@@ -16,7 +16,7 @@ from services.common import span_attrs
 from services.common.errors import InvalidArgument, LorafleetError, Unavailable
 from services.common.names import name_error
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
-from services.common.telemetry import incoming_context, tracer
+from services.common.telemetry import incoming_context, traced, tracer
 from services.worker import metrics
 from services.worker.adapter_manager import Acquired, AdapterManager
 from services.worker import token_info
@@ -181,15 +181,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return 4 * max((len(piece) for piece in vocab), default=1)
 
     async def Generate(self, request, context):
-        with _tracer.start_as_current_span(
-                "worker.generate", context=incoming_context(context.invocation_metadata())) as sp, \
-                span_attrs.grpc_status(sp, context):
-            sp.set_attributes(generate_attributes(request, self.built.spec.name))
-            async for item in self._generate(request, context):
-                if item.stop_reason:
-                    span_attrs.genai_response(sp, item.stop_reason, item.usage.prompt_tokens,
-                                              item.usage.generated_tokens)
-                yield item
+        span = _tracer.start_span(
+            "worker.generate", context=incoming_context(context.invocation_metadata()),
+            attributes=generate_attributes(request, self.built.spec.name))
+        try:                # current only while _generate runs, never across a yield
+            with span_attrs.grpc_status(span, context):
+                async for item in traced(span, self._generate(request, context)):
+                    if item.stop_reason:
+                        span_attrs.genai_response(span, item.stop_reason,
+                                                  item.usage.prompt_tokens,
+                                                  item.usage.generated_tokens)
+                    yield item
+        finally:
+            span.end()
 
     async def admit(self, request: wpb.WorkerGenerateRequest, arrival: float,
                     remaining: float | None) -> tuple[Sequence, Acquired | None]:
@@ -205,7 +209,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         acq = None
         if request.adapter.id:
             acq = await self.manager.acquire(request.adapter.id, request.adapter.version,
-                                             request.tenant or request.adapter.tenant, deadline)
+                                             request.tenant or request.adapter.tenant, deadline,
+                                             pinned=request.adapter.pinned)
         seq = Sequence(f"{request.request_id or 'req'}#{next(_ids)}", prompt,
                        slot=acq.slot if acq else -1, adapter=acq.key if acq else "",
                        tenant=request.tenant, sampling=sampling, stopping=stopping,

@@ -53,20 +53,24 @@ class StoreClient:
         self._shm_dir = shm_dir
 
     def fetch(self, adapter_id: str, version: str, timeout: float | None,
-              reserve: Reserve) -> tuple[Fetched, Reservation]:
+              reserve: Reserve, pinned: bool = False) -> tuple[Fetched, Reservation]:
         """The adapter's bytes in a reservation from `reserve(nbytes)`, and what came with them.
-        Blocking (a loader thread). DATA_LOSS if streamed bytes do not hash to the digest."""
+        Blocking (a loader thread). DATA_LOSS if streamed bytes do not hash to the digest.
+        pinned: the version was asked for, and is served while the store keeps it."""
         start = time.monotonic()
         res: list[Reservation] = []
         try:
-            fetched = self._fetch(adapter_id, version, timeout, reserve, res, bool(self._shm_dir))
+            fetched = self._fetch(adapter_id, version, timeout, reserve, res, bool(self._shm_dir),
+                                  pinned)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         fetched.fetch_s = time.monotonic() - start
         return fetched, res[0]
 
-    def _fetch(self, adapter_id, version, timeout, reserve, res, shm: bool) -> Fetched:
-        call = self._stub.Fetch(spb.FetchRequest(id=adapter_id, version=version, shm=shm),
+    def _fetch(self, adapter_id, version, timeout, reserve, res, shm: bool,
+               pinned: bool = False) -> Fetched:
+        call = self._stub.Fetch(spb.FetchRequest(id=adapter_id, version=version, shm=shm,
+                                                 pinned=pinned),
                                 timeout=timeout, metadata=outgoing_metadata())
         header = next(call, None)
         if header is None or header.WhichOneof("part") != "header":
@@ -82,7 +86,7 @@ class StoreClient:
             call.cancel()
             if self._read_shm(header.shm_file, res[0]):
                 return fetched
-            return self._fetch(adapter_id, version, timeout, reserve, res, shm=False)
+            return self._fetch(adapter_id, version, timeout, reserve, res, False, pinned)
         fetched.digest_s = _receive(call, res[0], adapter_id)
         return fetched
 
