@@ -114,6 +114,24 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                         "then come through shared memory instead of a gRPC stream")
     p.add_argument("--loader-threads", type=int, default=8,
                    help="cold loads (fetch + placement) that run at once (8)")
+    _add_start_flags(p)
+    a = p.parse_args(argv)
+    perf = PerfConfig.from_env(os.environ)
+    return WorkerConfig(
+        perf=perf, listen=a.listen, model=a.model, store=a.store, device=a.device,
+        dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes, gpu_pool_bytes=a.gpu_pool_bytes,
+        pool_slots=a.pool_slots, host_pool_bytes=a.host_pool_bytes, block_size=a.block_size,
+        max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
+        max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
+        tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
+        cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
+        loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
+        share_prefixes=a.share_prefixes, kernel_cache=a.kernel_cache,
+        warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants)
+
+
+def _add_start_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the worker's processes, kernels, warm-up and metrics."""
     p.add_argument("--frontend", default="process", choices=("process", "inline"),
                    help="process: the public gRPC port is served by a process of its own, "
                         "which streams tokens while this one runs the engine; inline: one "
@@ -132,17 +150,3 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    help="largest adapter rank the warm-up prepares for (the store's --max-rank)")
     p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
                    "tenant labels, most requests first; the rest are tenant=other (50)")
-    a = p.parse_args(argv)
-    perf = PerfConfig.from_env(os.environ)
-    return WorkerConfig(perf=perf, 
-        listen=a.listen, model=a.model, store=a.store, device=a.device, dtype=a.dtype,
-        kv_cache_bytes=a.kv_cache_bytes, gpu_pool_bytes=a.gpu_pool_bytes,
-        pool_slots=a.pool_slots, host_pool_bytes=a.host_pool_bytes, block_size=a.block_size,
-        max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
-        max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
-        tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
-        cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
-        loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
-        share_prefixes=a.share_prefixes,
-        kernel_cache=a.kernel_cache,
-        warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants)
