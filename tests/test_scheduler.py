@@ -144,3 +144,37 @@ def test_bookkeeping_imports_no_torch():
     code = ("import sys, services.worker.scheduler, services.worker.block_manager; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def admission_order(fair: bool) -> list[str]:
+    """Ten requests of a heavy tenant, then one of a light one, two rows at a time: the order
+    in which the scheduler admits them (each generates 5 tokens, then finishes)."""
+    sched = Scheduler(BlockManager(1000, 4), max_batch_tokens=64, max_running=2, fair=fair)
+    seqs = [Sequence(f"h{i}", list(range(8)), tenant="heavy", arrival=i) for i in range(10)]
+    seqs.append(Sequence("l0", list(range(8)), tenant="light", arrival=10))
+    for s in seqs:
+        sched.add(s)
+    order = []
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        for b in sched.schedule():
+            if b.seq.request_id not in order:
+                order.append(b.seq.request_id)
+            b.seq.num_computed += b.num_tokens
+            if b.samples:
+                b.seq.tokens.append(1)
+                sched.charge_token(b.seq)
+                if b.seq.num_output >= 5:
+                    sched.remove(b.seq)
+    return order
+
+
+def test_the_worker_admits_a_light_tenant_before_a_heavy_ones_backlog():
+    """VTC order, as the router's fair queue: the light tenant's one request takes the next
+    free row (the heavy tenant was charged its first request's prompt), not the last one after
+    the heavy tenant's backlog (arrival order: last of eleven)."""
+    assert admission_order(fair=False).index("l0") == 10
+    assert admission_order(fair=True).index("l0") == 1
+    fair = admission_order(fair=True)
+    assert [r for r in fair if r.startswith("h")] == [f"h{i}" for i in range(10)]  # in order

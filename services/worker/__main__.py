@@ -48,7 +48,8 @@ def engine_options(cfg: WorkerConfig) -> EngineOptions:
                          block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens,
                          max_running=cfg.max_running, pool_bytes=cfg.gpu_pool_bytes,
                          pool_slots=cfg.pool_slots, max_model_len=cfg.max_model_len,
-                         share_prefixes=cfg.share_prefixes, perf=cfg.perf)
+                         share_prefixes=cfg.share_prefixes, fair=cfg.fair_queue,
+                         perf=cfg.perf)
 
 
 def load_fn(engine):

@@ -48,6 +48,7 @@ class WorkerConfig:
     warmup: str = "auto"                # run every eager step shape before SERVING (auto: GPU)
     warmup_max_rank: int = 128          # the largest adapter rank the warm-up prepares for
     share_prefixes: bool = True         # prompt blocks shared within a tenant and adapter
+    fair_queue: bool = True             # admit waiting sequences in the tenants' VTC order
     perf: PerfConfig = field(default_factory=PerfConfig)   # LORAFLEET_* (perf_config.py)
 
     def __post_init__(self) -> None:
@@ -127,6 +128,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
         loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
         share_prefixes=a.share_prefixes, kernel_cache=a.kernel_cache,
+        fair_queue=a.fair_queue == "on",
         warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants)
 
 
@@ -139,6 +141,9 @@ def _add_start_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-cache", default="",
                    help="directory that keeps compiled GPU kernels across restarts (created if "
                         "missing; default: Triton's own cache, ~/.triton/cache)")
+    p.add_argument("--fair-queue", default="on", choices=("on", "off"),
+                   help="admit waiting sequences in the tenants' virtual-token-counter order, "
+                        "as the router does (on); off: arrival order")
     p.add_argument("--share-prefixes", action=argparse.BooleanOptionalAction, default=True,
                    help="a sequence takes the KV blocks of its prompt's start that a running "
                         "one of the same tenant and adapter computed (on)")

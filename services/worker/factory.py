@@ -41,6 +41,7 @@ class EngineOptions:
     graph_max_rank: int = 64            # largest LoRA rank the graphs serve (tiles 16 .. this)
     overlap: bool = True                # launch decode step N+1 before post-processing N
     share_prefixes: bool = True         # prompt blocks shared by sequences of one prefix
+    fair: bool = True                   # admission in the tenants' VTC order (scheduler.py)
     perf: PerfConfig = field(default_factory=PerfConfig)   # forms of the same math
 
 
@@ -104,7 +105,7 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
                          opts.max_running, max_len, lora=pool.tables, columns=columns)
     scheduler = Scheduler(BlockManager(blocks, opts.block_size, opts.share_prefixes),
-                          opts.max_batch_tokens, opts.max_running)
+                          opts.max_batch_tokens, opts.max_running, fair=opts.fair)
     if device.type == "cuda" and opts.cuda_graphs:
         from services.worker.graph_runner import GraphRunner
         runner = GraphRunner(runner)

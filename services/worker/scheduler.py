@@ -2,8 +2,15 @@
 
 Each step: decode rows first (one token each, oldest first), then chunked prefill of running
 sequences, then new admissions, all under a token budget. When KV blocks run out, the newest
-running sequence is preempted (its blocks freed, recomputed later); waiting sequences are kept
-in arrival order, so a preempted one goes back ahead of younger ones and none starves.
+running sequence is preempted (its blocks freed, recomputed later).
+
+Admission is fair between tenants by the router's rule (services.router.fair_queue: the
+Virtual Token Counter): each tenant's counter grows by W_IN a prompt token computed at
+admission and W_OUT a token generated, and the next sequence admitted is the oldest waiting
+one of the tenant with the smallest counter. A tenant that starts waiting is lifted to the
+smallest counter of the tenants active here (waiting or running), so idle time banks no
+credit. Without it (fair=False) admission is in arrival order. Either way a preempted sequence
+keeps its arrival, so within its tenant it goes back ahead of younger ones and none starves.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from services.worker.sequence import Sequence, Status
 
 
 _ARRIVAL = attrgetter("arrival")
+W_IN, W_OUT = 1.0, 2.0              # the router's VTC charges (services.router.fair_queue)
 
 
 @dataclass(slots=True)
@@ -31,17 +39,36 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running: int):
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running: int,
+                 fair: bool = True):
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
+        self.fair = fair
         self.waiting: list[Sequence] = []      # sorted by arrival
         self.running: list[Sequence] = []      # sorted by arrival
         self.preemptions = 0
+        self.counters: dict[str, float] = {}   # tenant -> virtual token counter
+        self._by_tenant: dict[str, list[Sequence]] = {}   # waiting, per tenant, by arrival
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self._enqueue(seq)
+
+    def charge_token(self, seq: Sequence) -> None:
+        """A token generated for seq (the engine, for every row that sampled)."""
+        counters = self.counters
+        counters[seq.tenant] = counters.get(seq.tenant, 0.0) + W_OUT
+
+    def next_waiting(self) -> Sequence:
+        """The sequence admission takes next: the oldest of the tenant with the smallest
+        counter (fair), else the oldest of all."""
+        if not self.fair or len(self._by_tenant) == 1:
+            return self.waiting[0]
+        counters = self.counters
+        tenant = min(self._by_tenant, key=lambda t: (counters.get(t, 0.0),
+                                                     self._by_tenant[t][0].arrival))
+        return self._by_tenant[tenant][0]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -54,7 +81,7 @@ class Scheduler:
         budget = self.max_batch_tokens - len(self.running)
         if budget <= 0:
             return False
-        seq = self.waiting[0]
+        seq = self.next_waiting()
         need = self.blocks.blocks_for(seq.num_computed + min(seq.remaining, budget))
         return need - len(seq.block_table) <= self.blocks.free_blocks
 
@@ -63,7 +90,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
-            self.waiting.remove(seq)
+            self._dequeue(seq)
         self.blocks.free(seq)
         seq.status = Status.FINISHED
 
@@ -88,13 +115,14 @@ class Scheduler:
             append(Scheduled(seq, n))
             budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting[0]
+            seq = self.next_waiting()
             if not seq.num_computed and not seq.block_table:
                 self.blocks.share(seq)          # its prompt's start, if another computed it
             n = min(seq.remaining, budget)
             if not self.blocks.ensure(seq, seq.num_computed + n):
                 break
-            self.waiting.pop(0)
+            self._dequeue(seq)
+            self.counters[seq.tenant] = self.counters.get(seq.tenant, 0.0) + W_IN * seq.remaining
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append(Scheduled(seq, n))
@@ -136,3 +164,22 @@ class Scheduler:
     def _enqueue(self, seq: Sequence) -> None:
         keys = [s.arrival for s in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, seq.arrival), seq)
+        mine = self._by_tenant.get(seq.tenant)
+        if mine is None:                        # starts waiting: lifted (see module doc)
+            self._lift(seq.tenant)
+            mine = self._by_tenant[seq.tenant] = []
+        mine.insert(bisect.bisect_right([s.arrival for s in mine], seq.arrival), seq)
+
+    def _dequeue(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        mine = self._by_tenant[seq.tenant]
+        mine.remove(seq)
+        if not mine:
+            del self._by_tenant[seq.tenant]
+
+    def _lift(self, tenant: str) -> None:
+        active = {s.tenant for s in self.running} | set(self._by_tenant)
+        active.discard(tenant)
+        if active:
+            floor = min(self.counters.get(t, 0.0) for t in active)
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
