@@ -41,6 +41,7 @@ class StoreConfig:
     metrics_port: int = 9103
     metrics_host: str = ""             # "" = the --listen host
     keepalive_s: float = 20.0          # ping interval of channels to peers
+    service_token_file: str = ""       # the internal services' shared token
     grace: float = 10.0
     log_level: str = "INFO"
     otlp_endpoint: str | None = None

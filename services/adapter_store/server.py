@@ -14,6 +14,7 @@ from services.adapter_store.sources import SourceReader
 from services.adapter_store.store import AdapterStore
 from services.adapter_store.validate import load_base_shapes
 from services.common import server as common_server
+from services.common.service_auth import describe, read_token
 from services.common.gen.lorafleet.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -49,5 +50,7 @@ def create_server(config: StoreConfig, store: AdapterStore | None = None
 
     credentials = common_server.server_credentials(config.tls_cert, config.tls_key,
                                                    config.tls_ca)
+    token = read_token(config.service_token_file)
+    describe("adapter store", token, config.tls_ca)
     return common_server.create_server(config.listen, register, credentials,
-                                       reflection=config.reflection)
+                                       reflection=config.reflection, service_token=token)

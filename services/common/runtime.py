@@ -31,7 +31,7 @@ def start_metrics(port: int, host: str) -> int:
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-COMMON_FIELDS = ("metrics_port", "metrics_host", "keepalive_s", "grace", "log_level", "otlp_endpoint", "trace_file",
+COMMON_FIELDS = ("metrics_port", "metrics_host", "keepalive_s", "service_token_file", "grace", "log_level", "otlp_endpoint", "trace_file",
                  "tls_cert", "tls_key", "tls_ca", "reflection")
 
 
@@ -44,6 +44,9 @@ def check_common(cfg) -> None:
     """Checks every service config runs on the common fields (raises ValueError)."""
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
+    if cfg.service_token_file:
+        from services.common.service_auth import read_token
+        read_token(cfg.service_token_file)          # readable and not empty, or exit 2
     if not cfg.keepalive_s >= 1:
         raise ValueError(f"--keepalive-s must be >= 1, got {cfg.keepalive_s}")
     if cfg.grace < 0:
@@ -71,6 +74,9 @@ def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> No
     parser.add_argument("--keepalive-s", type=float, default=20.0,
                         help="seconds between keepalive pings on channels to other services, "
                              ">= 1 (20)")
+    parser.add_argument("--service-token-file", default="",
+                        help="a file holding the token the internal services share: sent on "
+                             "calls to the worker and the store, which refuse calls without it")
     parser.add_argument("--grace", type=float, default=grace,
                         help=f"seconds to drain in-flight calls on SIGTERM ({grace:g})")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (INFO)")

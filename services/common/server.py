@@ -11,6 +11,8 @@ from typing import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.service_auth import (ServiceTokenCheck, SyncTokenClient,
+                                          aio_token_interceptors)
 from services.common.interceptor import (CallGate, ErrorInterceptor, abort_with,  # noqa: F401
                                          status_for)
 
@@ -98,22 +100,24 @@ def reflection_available() -> bool:
 def create_server(listen: str, register: Callable[[grpc.aio.Server], Iterable[str]],
                   credentials: grpc.ServerCredentials | None = None,
                   interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-                  reflection: bool = False, max_receive_bytes: int | None = None
-                  ) -> tuple[grpc.aio.Server, int, Health]:
+                  reflection: bool = False, max_receive_bytes: int | None = None,
+                  service_token: str = "") -> tuple[grpc.aio.Server, int, Health]:
     """Build a grpc.aio server on `listen` (port 0 = any free port).
 
     `register(server)` adds the service's servicers and returns their full service names, which
     are reported SERVING by grpc.health.v1 once the server starts. With `reflection`, the
     server also answers grpc.reflection (grpcurl, grpcui) for those names and health.
     `max_receive_bytes` lowers the largest request message taken (gRPC refuses a larger one
-    RESOURCE_EXHAUSTED as it arrives). Returns (server, port, health).
+    RESOURCE_EXHAUSTED as it arrives). With `service_token`, calls without it are
+    UNAUTHENTICATED (services.common.service_auth). Returns (server, port, health).
     """
     gate = CallGate()
     options = SERVER_OPTIONS
     if max_receive_bytes is not None:
         options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor(gate)],
+    checks = [ServiceTokenCheck(service_token)] if service_token else []
+    server = grpc.aio.server(interceptors=[*checks, *interceptors, ErrorInterceptor(gate)],
                              options=options)
     names = list(register(server))
     health_servicer = Health(names, gate)
@@ -197,22 +201,30 @@ def server_credentials(cert: str | None, key: str | None, client_ca: str | None)
 
 
 def channel(target: str, ca: str | None = None, cert: str | None = None,
-            key: str | None = None, keepalive_s: float = KEEPALIVE_S) -> grpc.aio.Channel:
-    """An aio channel to another lorafleet service (TLS when a CA is given)."""
+            key: str | None = None, keepalive_s: float = KEEPALIVE_S,
+            service_token: str = "") -> grpc.aio.Channel:
+    """An aio channel to another lorafleet service (TLS when a CA is given; the service token
+    on every call when one is given: services.common.service_auth)."""
     options = client_options(keepalive_s)
+    interceptors = aio_token_interceptors(service_token) if service_token else None
     if ca:
-        return grpc.aio.secure_channel(target, _credentials(ca, cert, key), options=options)
-    return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, _credentials(ca, cert, key), options=options,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
 def sync_channel(target: str, ca: str | None = None, cert: str | None = None,
-                 key: str | None = None, keepalive_s: float = KEEPALIVE_S) -> grpc.Channel:
+                 key: str | None = None, keepalive_s: float = KEEPALIVE_S,
+                 service_token: str = "") -> grpc.Channel:
     """A blocking channel to another lorafleet service, for calls made from worker threads
-    (the worker's adapter fetches), with the same options and TLS as `channel`."""
+    (the worker's adapter fetches), with the same options, TLS and token as `channel`."""
     options = client_options(keepalive_s)
     if ca:
-        return grpc.secure_channel(target, _credentials(ca, cert, key), options=options)
-    return grpc.insecure_channel(target, options=options)
+        chan = grpc.secure_channel(target, _credentials(ca, cert, key), options=options)
+    else:
+        chan = grpc.insecure_channel(target, options=options)
+    return grpc.intercept_channel(chan, SyncTokenClient(service_token)) if service_token \
+        else chan
 
 
 def _credentials(ca: str, cert: str | None, key: str | None) -> grpc.ChannelCredentials:

@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, router_pb2_grpc
 from services.common.runtime import run_service
 from services.common.tenant_labels import TenantLabels
+from services.common.service_auth import read_token
 from services.common.server import channel, create_server, serve, server_credentials
 from services.router.auth import Tenants
 from services.router.config import RouterConfig, parse_args
@@ -32,8 +33,10 @@ async def main_async(cfg: RouterConfig) -> None:
         log.warning("no --tenants file: DEV MODE — the bearer token is taken as the tenant "
                     "name (no token: tenant 'dev') and any tenant may register adapters")
     tls = (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
-    store_chan = channel(cfg.store, *tls, keepalive_s=cfg.keepalive_s)
-    workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period, keepalive_s=cfg.keepalive_s)
+    token = read_token(cfg.service_token_file)       # sent on calls to the store, workers
+    store_chan = channel(cfg.store, *tls, keepalive_s=cfg.keepalive_s, service_token=token)
+    workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period, keepalive_s=cfg.keepalive_s,
+                        service_token=token)
     stats = RouterStats(tenants=TenantLabels(cfg.metrics_tenants))
     REGISTRY.register(FleetCollector(workers, stats))
     app = RouterApp(

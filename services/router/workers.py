@@ -88,9 +88,10 @@ class WorkerState:
 
 class WorkerSet:
     def __init__(self, targets: list[str], tls: tuple = (None, None, None),
-                 resolve_period: float = 10.0, keepalive_s: float = KEEPALIVE_S):
+                 resolve_period: float = 10.0, keepalive_s: float = KEEPALIVE_S,
+                 service_token: str = ""):
         self.targets = targets
-        self.tls, self.keepalive_s = tls, keepalive_s
+        self.tls, self.keepalive_s, self.service_token = tls, keepalive_s, service_token
         self.resolve_period = resolve_period
         self.workers: dict[str, WorkerState] = {}
         self._tasks: list[asyncio.Task] = []
@@ -120,7 +121,8 @@ class WorkerSet:
     def _add(self, addr: str) -> None:
         if addr in self.workers:
             return
-        chan = channel(addr, *self.tls, keepalive_s=self.keepalive_s)
+        chan = channel(addr, *self.tls, keepalive_s=self.keepalive_s,
+                       service_token=self.service_token)
         state = WorkerState(addr, worker_pb2_grpc.WorkerStub(chan), chan)
         state.task = asyncio.get_running_loop().create_task(self._watch(state))
         self.workers[addr] = state

@@ -18,6 +18,7 @@ from kernels import compile_watch, kernel_cache
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from services.common.runtime import run_service
 from services.common.server import create_server, serve, server_credentials, sync_channel
+from services.common.service_auth import describe, read_token
 from services.common.tenant_labels import TenantLabels
 from services.worker import metrics
 from services.worker.engine_metrics import EngineGauges
@@ -93,7 +94,8 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
         asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
                           opts.device.startswith("cuda"), load_spec(cfg.model)))
     store = StoreClient(sync_channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
-                                     keepalive_s=cfg.keepalive_s),
+                                     keepalive_s=cfg.keepalive_s,
+                                     service_token=read_token(cfg.service_token_file)),
                         shm_dir=cfg.store_shm_dir or None)
     await asyncio.to_thread(built.pool.warm_up)
     if cfg.warmup == "on" or (cfg.warmup == "auto" and built.device.type == "cuda"):
@@ -141,7 +143,9 @@ async def main_async(cfg: WorkerConfig) -> int:
         lambda s: (worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
                    ["lorafleet.v1.Worker"])[1],
         None if front else server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
-        reflection=cfg.reflection and front is None)
+        reflection=cfg.reflection and front is None,
+        service_token="" if front else read_token(cfg.service_token_file))
+    describe("worker", read_token(cfg.service_token_file), cfg.tls_ca)
     ticker = loop.create_task(feed.tick())
     stopped = asyncio.Event()
 

@@ -31,6 +31,7 @@ class WorkerConfig:
     metrics_port: int = 9102
     metrics_host: str = ""             # "" = the --listen host
     keepalive_s: float = 20.0          # ping interval of channels to peers
+    service_token_file: str = ""       # the internal services' shared token
     grace: float = 10.0
     log_level: str = "INFO"
     otlp_endpoint: str | None = None

@@ -28,6 +28,7 @@ from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
 from services.common.runtime import setup_logging
 from services.common.server import (CLIENT_OPTIONS, create_server, drain, server_credentials,
                                     set_serving)
+from services.common.service_auth import read_token
 from services.worker import token_info
 from services.worker.link import encode, read_message
 from services.worker.sequence import Stop
@@ -185,7 +186,8 @@ async def main_async(args) -> int:
     server, port, health = create_server(
         args.listen, lambda s: (s.add_generic_rpc_handlers((front.handler(),)),
                                 [SERVICE.full_name])[1],
-        server_credentials(args.tls_cert, args.tls_key, args.tls_ca), reflection=args.reflection)
+        server_credentials(args.tls_cert, args.tls_key, args.tls_ca), reflection=args.reflection,
+        service_token=read_token(args.service_token_file))
     await server.start()
     await set_serving(health, True)
     front.send(("ready", port))
@@ -219,6 +221,7 @@ def parse_args(argv):
     p.add_argument("--tls-key", default=None)
     p.add_argument("--tls-ca", default=None)
     p.add_argument("--reflection", action="store_true")
+    p.add_argument("--service-token-file", default="")
     return p.parse_args(argv)
 
 

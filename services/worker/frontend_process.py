@@ -47,7 +47,8 @@ class Front:
                 "--core", self.core_address, "--link-fd", str(theirs.fileno()),
                 "--grace", str(cfg.grace), "--log-level", cfg.log_level]
         for flag, value in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key),
-                            ("--tls-ca", cfg.tls_ca)):
+                            ("--tls-ca", cfg.tls_ca),
+                            ("--service-token-file", cfg.service_token_file)):
             if value:
                 argv += [flag, value]
         if cfg.reflection:
