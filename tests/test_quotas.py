@@ -95,3 +95,25 @@ def test_token_bucket_refund_capped_at_burst() -> None:
     bucket = TokenBucket(rate=1.0, burst=5.0, now=0.0)
     bucket.give(10, now=0.0)
     assert bucket.level == 5.0 and bucket.wait_time(5, now=0.0) == 0.0
+
+
+def test_a_replica_enforces_its_part_and_takes_the_whole_back():
+    """Two live replicas: each admits half the burst and half the in-flight requests; alone
+    again, the whole (the bucket keeps its fill, scaled)."""
+    now = [0.0]
+    config = QuotaConfig.from_dict({"default": {"requests_per_s": 1, "request_burst": 10,
+                                                "max_in_flight": 4}})
+    q = Quotas(config, clock=lambda: now[0])
+    q.set_replicas(2)
+    admitted = [q.check("t") is None for _ in range(6)]
+    assert admitted == [True, True, False, False, False, False]      # in flight: 2 of 4
+    for _ in range(2):
+        q.release("t")
+    assert [q.check("t") is None for _ in range(3)] == [True, True, False]   # burst: 5 of 10
+    q.set_replicas(1)
+    for _ in range(2):
+        q.release("t")
+    # the bucket kept its fill, 1 of 5 -> 2 of 10; in flight, up to 4 again
+    assert [q.check("t") is None for _ in range(3)] == [True, True, False]
+    now[0] += 2.0                                                     # 2 more at 1/s
+    assert [q.check("t") is None for _ in range(3)] == [True, True, False]   # 4 in flight

@@ -17,6 +17,7 @@ from services.router.config import RouterConfig, parse_args
 from services.router.fair_queue import FairGate
 from services.router.limits import receive_limit
 from services.router.openai_gateway import OpenAIGateway
+from services.router.peers import Peers
 from services.router.quotas import Quotas
 from services.router.resolve import Resolver
 from services.router.servicer import GenerationServicer, RouterApp
@@ -65,12 +66,20 @@ async def main_async(cfg: RouterConfig) -> None:
         http_port = await gateway.start(cfg.http_listen)
         log.info("OpenAI-compatible HTTP gateway on port %d (/v1/completions, "
                  "/v1/chat/completions, /v1/models)", http_port)
-    poller = asyncio.get_running_loop().create_task(poll_store_stats(app.store, stats))
+    loop = asyncio.get_running_loop()
+    poller = loop.create_task(poll_store_stats(app.store, stats))
+    peers = None
+    if cfg.peers:                       # the quotas shared among the live replicas
+        peers = Peers(list(cfg.peers), app.quotas, cfg.listen, cfg.peer_period, tls)
+        peers.set_own_port(port)
+        peers = loop.create_task(peers.run())
     try:
         await serve(server, health, cfg.grace, name="router",
                     on_drain=gateway.stop if gateway else None)
     finally:
         poller.cancel()
+        if peers is not None:
+            peers.cancel()
     await workers.close()
 
 

@@ -28,6 +28,8 @@ class RouterConfig:
     dns_period: float = 10.0
     metrics_tenants: int = 50           # tenants named on /metrics; the rest are "other"
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # text, messages or ids (limits.py)
+    peers: tuple[str, ...] = ()         # the other router replicas sharing the quotas
+    peer_period: float = 2.0            # seconds between checks of the peers
     metrics_port: int = 9101
     metrics_host: str = ""             # "" = the --listen host
     keepalive_s: float = 20.0          # ping interval of channels to peers
@@ -96,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                    help="seconds between re-resolving DNS worker names")
     p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
                    "tenant labels, most requests first; the rest are tenant=other (50)")
+    p.add_argument("--peer", action="append", default=[],
+                   help="another router replica (HOST:PORT, or a DNS name resolving to every "
+                        "replica, e.g. a headless Service), repeatable: the tenants' quotas are "
+                        "shared among the live ones")
+    p.add_argument("--peer-period", type=float, default=2.0,
+                   help="seconds between checks of the peers (2)")
     p.add_argument("--max-prompt-bytes", type=parse_bytes, default=DEFAULT_MAX_PROMPT_BYTES,
                    help="largest prompt accepted: text or chat messages (UTF-8 bytes) or token "
                         "ids (4 bytes each) (1MiB)")
@@ -107,4 +115,5 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         foothold_per_worker=a.foothold_per_worker,
         resolve_ttl=a.resolve_ttl,
         dns_period=a.dns_period, max_prompt_bytes=a.max_prompt_bytes, **common_values(a),
+        peers=tuple(a.peer), peer_period=a.peer_period,
         metrics_tenants=a.metrics_tenants)

@@ -122,6 +122,22 @@ class TenantUsage:
     in_flight: int = 0
 
 
+def share_of(quota: TenantQuota, replicas: int) -> TenantQuota:
+    """One of `replicas` routers' part of a tenant's quota: rates, bursts and in-flight divided
+    among them (in-flight rounded up, so each replica lets at least one through)."""
+    if replicas <= 1:
+        return quota
+
+    def part(v):
+        return None if v is None else v / replicas
+    return TenantQuota(part(quota.requests_per_s),
+                       part(quota.request_capacity) if quota.requests_per_s else None,
+                       part(quota.tokens_per_s),
+                       part(quota.token_capacity) if quota.tokens_per_s else None,
+                       None if quota.max_in_flight is None
+                       else max(1, -(-quota.max_in_flight // replicas)))
+
+
 class _TenantState:
     __slots__ = ("quota", "requests", "tokens", "usage")
 
@@ -149,11 +165,34 @@ class Quotas:
         self._in_flight_retry = in_flight_retry_s
         self._lock = threading.Lock()
         self._tenants: dict[str, _TenantState] = {}
+        self.replicas = 1
+
+    def set_replicas(self, replicas: int) -> None:
+        """Enforce this router's part of each quota when `replicas` routers share them (the
+        live ones, services.router.peers): the buckets keep their fill, scaled to the new part."""
+        replicas = max(1, int(replicas))
+        with self._lock:
+            if replicas == self.replicas:
+                return
+            now = self._clock()
+            for tenant, state in self._tenants.items():
+                quota = share_of(self._config.for_tenant(tenant), replicas)
+                for bucket, rate, burst in ((state.requests, quota.requests_per_s,
+                                             quota.request_burst),
+                                            (state.tokens, quota.tokens_per_s,
+                                             quota.token_burst)):
+                    if bucket is not None:
+                        bucket._refill(now)
+                        fill = bucket.level / bucket.burst
+                        bucket.rate, bucket.burst = float(rate), float(burst)
+                        bucket.level = fill * bucket.burst
+                state.quota = quota
+            self.replicas = replicas
 
     def _state(self, tenant: str) -> _TenantState:
         state = self._tenants.get(tenant)
         if state is None:
-            quota = self._config.for_tenant(tenant)
+            quota = share_of(self._config.for_tenant(tenant), self.replicas)
             state = self._tenants[tenant] = _TenantState(quota, self._clock())
         return state
 
