@@ -45,7 +45,7 @@ async def main_async(cfg: RouterConfig) -> None:
         gate=FairGate(cfg.max_in_flight_per_worker * len(cfg.workers), fair=cfg.fair,
                       weights=tenants.weights,
                       foothold=cfg.foothold_per_worker * len(cfg.workers)),
-        resolver=Resolver(store_chan, cfg.resolve_ttl), workers=workers,
+        resolver=Resolver(store_chan, cfg.resolve_ttl, cfg.store), workers=workers,
         store=adapter_store_pb2_grpc.AdapterStoreStub(store_chan), stats=stats,
         per_worker=cfg.max_in_flight_per_worker, spill_rows=cfg.spill_rows,
         foothold_per_worker=cfg.foothold_per_worker, max_prompt_bytes=cfg.max_prompt_bytes)

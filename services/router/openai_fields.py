@@ -53,6 +53,7 @@ WHY = {"best_of": "not supported (n choices are; best_of would rank them by logp
        "tools": "tool calling is not supported", "tool_choice": "tool calling is not supported",
        "functions": "function calling is not supported",
        "function_call": "function calling is not supported",
+       "parallel_tool_calls": "true or false (no tool is called either way)",
        "modalities": "text only", "audio": "text only", "prediction": "not supported",
        "reasoning_effort": "not a reasoning model", "web_search_options": "not supported",
        "verbosity": "not supported", "store": "completions are not stored"}
@@ -72,8 +73,9 @@ def check_fields(body: dict, chat: bool) -> None:
         if key not in known:
             raise BodyError(f"{key}: unknown parameter", key, "unknown_parameter")
         if key in OFF_VALUES and not any(_is(value, off) for off in OFF_VALUES[key]):
-            code = "unsupported_value" if key in ("best_of", "response_format",
-                                                  "modalities") else "unsupported_parameter"
+            code = ("unsupported_value" if key in ("best_of", "response_format", "modalities")
+                    else "invalid_type" if key == "parallel_tool_calls"
+                    else "unsupported_parameter")
             raise BodyError(f"{key}: {WHY[key]} (got {value!r})", key, code)
     if body.get("stream_options") is not None and not body.get("stream"):
         raise BodyError("stream_options: only with stream true", "stream_options",

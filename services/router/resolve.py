@@ -7,6 +7,12 @@ when a worker reports that the version it was sent is no longer the store's (`in
 request path then resolves again and retries. An epoch counter keeps a resolution that was in
 flight during an invalidation from putting the stale answer back. While the store is
 unreachable, the last answer for a name stands: adapters resident on workers keep serving.
+A tenant that never resolved the name may then take another tenant's last answer for it, but
+only one it could see itself (a shared adapter, or its own; `_known`): a private adapter never
+reaches another tenant, and an id answers before an alias as in the store's lookup. (A tenant
+alias that the store would prefer over a shared alias of the same name is not known here; the
+shared answer stands until the store is back.) A name nobody resolved gets UNAVAILABLE naming
+the store's address.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import time
 
 import grpc
 
-from services.common.errors import from_rpc_error
+from services.common.errors import Unavailable, from_rpc_error
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb, adapter_store_pb2_grpc
 from services.common.gen.lorafleet.v1 import router_pb2
 from services.common.telemetry import outgoing_metadata
@@ -28,10 +34,14 @@ log = logging.getLogger(__name__)
 
 
 class Resolver:
-    def __init__(self, channel: grpc.aio.Channel, ttl: float = 1.0):
+    def __init__(self, channel: grpc.aio.Channel, ttl: float = 1.0, store_addr: str = ""):
         self.stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
         self.ttl = ttl
+        self.store_addr = store_addr
         self._cache: dict[tuple[str, str], tuple[float, router_pb2.AdapterInfo]] = {}
+        # name -> {owner ('' = shared): (time, answer)}: the last answer for a name from any
+        # tenant, for tenants that never resolved it while the store is down
+        self._known: dict[str, dict[str, tuple[float, router_pb2.AdapterInfo]]] = {}
         self._epoch = 0
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self.lookups = 0            # store round trips (for tests and stats)
@@ -68,28 +78,50 @@ class Resolver:
             resp = await self.stub.Resolve(spb.ResolveRequest(name=name, tenant=tenant),
                                            timeout=timeout or 10.0, metadata=outgoing_metadata())
         except grpc.RpcError as err:
-            stale = self._cache.get(key)
-            if stale is not None and err.code() in STORE_DOWN:
-                # the store is unreachable: the last answer stands (the adapter may be
-                # resident on a worker, which needs no store), until the store answers again
-                log.warning("store unreachable (%s): %r for %s resolved from a %.0f s old "
-                            "answer", err.code().name, name, tenant, now - stale[0])
-                return stale[1]
-            raise from_rpc_error(err) from None
+            if err.code() not in STORE_DOWN:
+                raise from_rpc_error(err) from None
+            # the store is unreachable: the last answer stands (the adapter may be resident
+            # on a worker, which needs no store), until the store answers again
+            stale = self._cache.get(key) or self._known_for(name, tenant)
+            if stale is None:
+                raise Unavailable(f"adapter store unreachable at {self.store_addr or '?'}: "
+                                  f"{err.code().name}: {err.details()}") from None
+            log.warning("store unreachable (%s): %r for %s resolved from a %.0f s old "
+                        "answer", err.code().name, name, tenant, now - stale[0])
+            return stale[1]
         if epoch == self._epoch:
             if len(self._cache) >= MAX_ENTRIES:
                 self._cache.clear()
+                self._known.clear()
             self._cache[key] = (now, resp.adapter)
+            owner = "" if resp.adapter.shared else resp.adapter.owner
+            self._known.setdefault(name, {})[owner] = (now, resp.adapter)
         return resp.adapter
+
+    def _known_for(self, name: str, tenant: str
+                   ) -> tuple[float, router_pb2.AdapterInfo] | None:
+        """Another tenant's last answer for `name` that `tenant` may take: a shared adapter or
+        the tenant's own (never a private one of someone else); the adapter whose id is the
+        name first, then the tenant's own, then a shared one (the store's order)."""
+        seen = self._known.get(name, {})
+        fits = [seen[o] for o in (tenant, "") if o in seen
+                and (seen[o][1].shared or seen[o][1].owner == tenant)]
+        base = name.partition("@")[0]
+        fits.sort(key=lambda hit: hit[1].id != base)        # stable: own before shared
+        return fits[0] if fits else None
 
     def invalidate(self, name: str | None = None) -> None:
         """Forget every entry (name None), or those for `name` or resolving to adapter `name`."""
         self._epoch += 1
         if name is None:
             self._cache.clear()
+            self._known.clear()
             self._pending.clear()       # lookups in flight may answer from before the change
             return
         for key in [k for k, (_, a) in self._cache.items() if name in (k[1], a.id)]:
             del self._cache[key]
+        for known in [k for k, seen in self._known.items()
+                      if k == name or any(a.id == name for _, a in seen.values())]:
+            del self._known[known]
         for key in [k for k in self._pending if k[1] == name]:
             del self._pending[key]

@@ -50,7 +50,7 @@ def engine_options(cfg: WorkerConfig) -> EngineOptions:
                          max_running=cfg.max_running, pool_bytes=cfg.gpu_pool_bytes,
                          pool_slots=cfg.pool_slots, max_model_len=cfg.max_model_len,
                          share_prefixes=cfg.share_prefixes, fair=cfg.fair_queue,
-                         perf=cfg.perf)
+                         perf=cfg.perf, fault_inject_after_steps=cfg.fault_inject_after_steps)
 
 
 def load_fn(engine):
@@ -132,10 +132,12 @@ async def main_async(cfg: WorkerConfig) -> int:
     setup_process(cfg)
     core = await build_core(cfg, worker_id)
     built, servicer, feed = core.built, core.servicer, core.feed
-    stop = threading.Event()
+    stop, stopped = threading.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # a forward pass failed (engine.py): the requests have ended INTERNAL; drain and exit 1
+    built.engine.on_fatal = lambda exc: loop.call_soon_threadsafe(stopped.set)
     thread = threading.Thread(target=built.engine.run, args=(stop,), name="engine", daemon=True)
     thread.start()
-    loop = asyncio.get_running_loop()
     front = (Front(cfg, servicer, loop, ROOT, dict(os.environ)) if cfg.frontend == "process"
              else None)
     server, port, health = create_server(
@@ -147,7 +149,6 @@ async def main_async(cfg: WorkerConfig) -> int:
         service_token="" if front else read_token(cfg.service_token_file))
     describe("worker", read_token(cfg.service_token_file), cfg.tls_ca)
     ticker = loop.create_task(feed.tick())
-    stopped = asyncio.Event()
 
     async def started():
         nonlocal port
@@ -162,7 +163,7 @@ async def main_async(cfg: WorkerConfig) -> int:
         feed.publish_load()         # routers see draining at once
         feed.close()
         if front is not None:
-            front.link.drain()
+            front.link.drain(fatal=bool(built.engine.failed))
     try:
         await serve(server, health, cfg.grace, on_drain=drain, name="worker", started=started,
                     stop=stopped)
@@ -178,6 +179,9 @@ async def main_async(cfg: WorkerConfig) -> int:
         stop.set()
         built.engine.wake()
         thread.join(5)
+    if built.engine.failed:
+        log.error("worker stopped: its engine failed (%s)", built.engine.failed)
+        return 1
     return 1 if front is not None and front.failed else 0
 
 

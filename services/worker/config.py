@@ -50,6 +50,7 @@ class WorkerConfig:
     warmup_max_rank: int = 128          # the largest adapter rank the warm-up prepares for
     share_prefixes: bool = True         # prompt blocks shared within a tenant and adapter
     fair_queue: bool = True             # admit waiting sequences in the tenants' VTC order
+    fault_inject_after_steps: int = 0   # TEST HOOK: forward passes after which one raises
     perf: PerfConfig = field(default_factory=PerfConfig)   # LORAFLEET_* (perf_config.py)
 
     def __post_init__(self) -> None:
@@ -74,6 +75,8 @@ class WorkerConfig:
             raise ValueError(f"--frontend: {self.frontend!r} is not process or inline")
         if self.loader_threads < 1:
             raise ValueError("--loader-threads must be >= 1")
+        if self.fault_inject_after_steps < 0:
+            raise ValueError("--fault-inject-after-steps must be >= 0")
         if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
             raise ValueError(f"--store-shm-dir {self.store_shm_dir}: not a directory")
         check_common(self)
@@ -130,7 +133,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
         share_prefixes=a.share_prefixes, kernel_cache=a.kernel_cache,
         fair_queue=a.fair_queue == "on",
-        warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants)
+        warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants,
+        fault_inject_after_steps=a.fault_inject_after_steps)
 
 
 def _add_start_flags(p: argparse.ArgumentParser) -> None:
@@ -154,5 +158,9 @@ def _add_start_flags(p: argparse.ArgumentParser) -> None:
                         "tile) so no kernel compiles while serving; auto: on a GPU (auto)")
     p.add_argument("--warmup-max-rank", type=int, default=128,
                    help="largest adapter rank the warm-up prepares for (the store's --max-rank)")
+    p.add_argument("--fault-inject-after-steps", type=int, default=0, metavar="N",
+                   help="TEST HOOK, never in production: after N forward passes every further "
+                        "one raises, as a device error would (the worker fails its requests, "
+                        "drains and exits 1); 0: off (0)")
     p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
                    "tenant labels, most requests first; the rest are tenant=other (50)")

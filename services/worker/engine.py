@@ -10,6 +10,12 @@ next token) first collects the step in flight. A
 sequence that stops on EOS or a stop sequence has had one more token computed, which is dropped;
 one that reaches max_new_tokens is left out of the next step in advance.
 
+A forward pass that raises (runner.run, launch or collect) is fatal: a device error leaves the
+device unusable, so no step is retried. Every request in the engine ends with the error
+(Stop.ERROR: INTERNAL), later submits are refused UNAVAILABLE (another worker may serve them),
+and on_fatal tells the process, which drains (NOT_SERVING) and exits 1 for its supervisor. A
+request's own refusals (InvalidArgument at submit) are not faults.
+
 The servicer submits sequences and receives TokenEvents through a sink callback (called on the
 engine thread; it must only hand the event over, e.g. loop.call_soon_threadsafe).
 """
@@ -23,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.worker.detokenizer import Detokenizer
 from services.worker.runner import ModelRunner
 from services.worker.scheduler import Scheduled, Scheduler
@@ -75,10 +81,16 @@ class Engine:
         self.flush: Callable[[], None] | None = None   # called after each step (run)
         # called with the engine after each step (run): the metrics' hook (engine_metrics.py)
         self.on_step: Callable[["Engine"], None] | None = None
+        # called once, on the engine thread, when a step raised (see module doc)
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.failed = ""                               # the fatal error, once there is one
 
     # --- thread-safe entry points -------------------------------------------------------
     def submit(self, seq: Sequence, sink: Sink) -> None:
-        """Queue a sequence; raises InvalidArgument if it can never fit."""
+        """Queue a sequence; raises InvalidArgument if it can never fit, Unavailable once the
+        engine has failed."""
+        if self.failed:
+            raise Unavailable(f"worker engine failed ({self.failed}); the worker is stopping")
         total = len(seq.prompt) + seq.stopping.max_new_tokens
         if not seq.prompt:
             raise InvalidArgument("prompt: empty")
@@ -108,9 +120,18 @@ class Engine:
     # --- the loop -------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         """Step until stop is set (then call wake()); idle, wait for a submit or an abort.
-        After each step, flush() (when set) hands the step's events on in one go."""
+        After each step, flush() (when set) hands the step's events on in one go. A step that
+        raises is fatal (_fatal); from then on requests that still arrive are failed."""
         while not stop.is_set():
-            busy = self.step()
+            if self.failed:
+                self._drain_inbox()
+                busy = False
+            else:
+                try:
+                    busy = self.step()
+                except Exception as exc:  # noqa: BLE001 - fatal: every request is told
+                    self._fatal(exc)
+                    busy = True
             if self.flush is not None:
                 self.flush()
             if self.on_step is not None:
@@ -136,13 +157,9 @@ class Engine:
             return False
         now = time.monotonic()              # when this step's new sequences were scheduled
         launch = getattr(self.runner, "launch", None) if self.overlap else None
-        try:
-            pending = launch(batch) if launch is not None else None
-            if pending is None:
-                sampled, tokens, lps = self.runner.run(batch)
-        except Exception as exc:  # noqa: BLE001 - one bad step must not kill the worker
-            self._fail(batch, exc, now)
-            return True
+        pending = launch(batch) if launch is not None else None    # raises: fatal (run)
+        if pending is None:
+            sampled, tokens, lps = self.runner.run(batch)
         publish = self.scheduler.blocks.publish
         for b in batch:
             seq = b.seq
@@ -168,12 +185,24 @@ class Engine:
             for b, tok, lp in zip(sampled, tokens, lps):
                 append(b, tok, lp)
 
-    def _fail(self, batch: list[Scheduled], exc: Exception, now: float) -> None:
-        log.error("step failed; failing its %d requests", len(batch), exc_info=exc)
-        for b in batch:
-            if b.seq.first_scheduled is None:
-                b.seq.first_scheduled = now
-            self._finish(b.seq, Stop.ERROR, error=f"{type(exc).__name__}: {exc}")
+    def _fatal(self, exc: Exception) -> None:
+        """A step raised: end every request with the error, refuse new ones, tell on_fatal."""
+        self.failed = f"{type(exc).__name__}: {exc}"
+        self._pending = None
+        log.critical("a forward pass failed; failing all %d requests and stopping the worker",
+                     len(self._sinks), exc_info=exc)
+        now = time.monotonic()
+        for seq, _ in list(self._sinks.values()):
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            try:
+                self._finish(seq, Stop.ERROR, error=self.failed)
+            except Exception:  # noqa: BLE001 - the engine's state may be broken: just tell it
+                entry = self._sinks.pop(seq.request_id, None)
+                if entry is not None:
+                    entry[1](TokenEvent([], "", Stop.ERROR, error=self.failed))
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _step_in_flight(self) -> None:
         """Launch the next decode step from the one in flight when nothing else needs the
@@ -181,18 +210,11 @@ class Engine:
         done, self._pending = self._pending, None
         rows = self._continuation(done.batch)
         if rows:
-            try:
-                self._pending = self.runner.launch(rows, prev=done)
-            except Exception as exc:  # noqa: BLE001
-                self._fail(rows, exc, time.monotonic())
+            self._pending = self.runner.launch(rows, prev=done)     # raises: fatal (run)
             if self._pending is not None:
                 for b in rows:
                     b.seq.num_computed += 1
-        try:
-            sampled, tokens, lps = self.runner.collect(done)
-        except Exception as exc:  # noqa: BLE001
-            self._fail(done.batch, exc, time.monotonic())
-            return
+        sampled, tokens, lps = self.runner.collect(done)
         self._post(sampled, tokens, lps)
 
     def _continuation(self, batch: list[Scheduled]) -> list[Scheduled] | None:
@@ -223,7 +245,9 @@ class Engine:
         inbox = self._inbox
         while not inbox.empty():            # only this thread takes from the inbox
             kind, item, sink = inbox.get_nowait()
-            if kind == "add" and item.request_id in self._sinks:
+            if kind == "add" and self.failed:
+                sink(TokenEvent([], "", Stop.ERROR, error=self.failed))
+            elif kind == "add" and item.request_id in self._sinks:
                 sink(TokenEvent([], "", Stop.ERROR, error=f"request_id {item.request_id!r} "
                                                           "is already running"))
             elif kind == "add":

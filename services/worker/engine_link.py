@@ -181,8 +181,9 @@ class EngineLink:
         elif call.task is not None:
             call.task.cancel()
 
-    def drain(self) -> None:
-        self.end.send(("drain",))
+    def drain(self, fatal: bool = False) -> None:
+        """Tell the front end to drain; fatal: the engine failed (it exits 1, not 0)."""
+        self.end.send(("drain", fatal))
 
     def close(self) -> None:
         self.end.close()

@@ -43,6 +43,7 @@ class EngineOptions:
     share_prefixes: bool = True         # prompt blocks shared by sequences of one prefix
     fair: bool = True                   # admission in the tenants' VTC order (scheduler.py)
     perf: PerfConfig = field(default_factory=PerfConfig)   # forms of the same math
+    fault_inject_after_steps: int = 0   # test hook: forward passes after which one raises
 
 
 @dataclass
@@ -110,6 +111,9 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
         from services.worker.graph_runner import GraphRunner
         runner = GraphRunner(runner)
         runner.capture(opts.graph_max_rank)
+    if opts.fault_inject_after_steps:
+        from services.worker.fault_inject import FaultyRunner
+        runner = FaultyRunner(runner, opts.fault_inject_after_steps)
     engine = Engine(runner, scheduler, tokenizer, spec.eos_token_ids, max_len,
                     overlap=opts.overlap)
     return Built(engine, pool, spec, tokenizer, device, dtype)

@@ -191,12 +191,12 @@ async def main_async(args) -> int:
     await server.start()
     await set_serving(health, True)
     front.send(("ready", port))
-    draining = None
+    draining, fatal = None, False
     while True:
         msg = await read_message(reader)
         if msg is None:                         # the core is gone (or closed after "bye")
             if draining is not None and draining.done():
-                return 0
+                return 1 if fatal else 0        # fatal: the core's engine failed
             log.error("worker core exited: ending every call")
             front.core_gone()
             await server.stop(0.5)
@@ -204,6 +204,7 @@ async def main_async(args) -> int:
         if msg[0] == "ev":
             front.deliver(msg[1])
         elif msg[0] == "drain" and draining is None:
+            fatal = len(msg) > 1 and bool(msg[1])
             draining = asyncio.get_running_loop().create_task(
                 front.drain(server, health, args.grace))
 

@@ -84,7 +84,8 @@ class Front:
             self.link.close()
         if self.proc is not None:
             try:
-                await asyncio.to_thread(self.proc.wait, 5)
+                code = await asyncio.to_thread(self.proc.wait, 5)
+                (log.info if code == 0 else log.error)("the front end exited (%d)", code)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         shutil.rmtree(self._dir, ignore_errors=True)

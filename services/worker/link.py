@@ -12,7 +12,9 @@ one length-prefixed pickle frame, `(kind, *fields)`:
                         ("abort", h)                    the caller went away
                         ("bye",)                        drained: the public server stopped
     core -> front end   ("ev", [item, ...])             one engine step's events (below)
-                        ("drain",)                      SIGTERM: stop taking calls, drain
+                        ("drain", fatal)                SIGTERM (fatal False) or a failed
+                                                        engine (True: exit 1): stop taking
+                                                        calls, drain
 
 An event item is (h, token_ids, text) for tokens, (h, token_ids, text, stop, prompt_tokens,
 generated_tokens, queue_s, ttft_s, total_s, error, cold_load_s, tier) for the last one, and
