@@ -42,5 +42,6 @@ def test_keepalive_below_one_second_is_refused():
     class Cfg:
         keepalive_s, grace, metrics_port, listen, log_level = 0.2, 1.0, 0, "h:1", "INFO"
         tls_cert = tls_key = None
+        service_token_file = ""
     with pytest.raises(ValueError, match="--keepalive-s"):
         check_common(Cfg)
