@@ -164,7 +164,6 @@ def admission_order(fair: bool) -> list[str]:
             b.seq.num_computed += b.num_tokens
             if b.samples:
                 b.seq.tokens.append(1)
-                sched.charge_token(b.seq)
                 if b.seq.num_output >= 5:
                     sched.remove(b.seq)
     return order

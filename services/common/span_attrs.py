@@ -36,6 +36,14 @@ def genai_response(span, stop_reason: int, input_tokens: int, output_tokens: int
         "gen_ai.usage.output_tokens": int(output_tokens)})
 
 
+def genai_last(span, resp) -> None:
+    """genai_response from a generation stream's message when it is the last (stop_reason
+    set): the router's GenerateResponse and the worker's WorkerGenerateResponse alike."""
+    if resp.stop_reason:
+        genai_response(span, resp.stop_reason, resp.usage.prompt_tokens,
+                       resp.usage.generated_tokens)
+
+
 def status_code_of(exc: BaseException | None) -> int:
     """The gRPC status code (its number) a handler ending with exc answers with."""
     if exc is None:

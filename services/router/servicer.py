@@ -88,10 +88,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                     adm = await self.path.admit(request, caller, context.time_remaining())
                 span.set_attribute("gen_ai.request.id", adm.request_id)
                 async for resp in traced(span, self.path.stream(request, adm, context, unary)):
-                    if resp.HasField("usage"):
-                        span_attrs.genai_response(span, resp.stop_reason,
-                                                  resp.usage.prompt_tokens,
-                                                  resp.usage.generated_tokens)
+                    span_attrs.genai_last(span, resp)
                     yield resp
         finally:
             span.end()

@@ -66,7 +66,6 @@ class Engine:
                  eos_token_ids: tuple[int, ...], max_model_len: int, overlap: bool = True):
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.detok = Detokenizer(tokenizer)
-        self._charge = scheduler.charge_token
         # launch steps ahead of their post-processing when the runner can (see module doc)
         self.overlap = overlap
         self._pending = None                           # a launched step not yet collected
@@ -274,7 +273,6 @@ class Engine:
         entry = self._sinks.get(seq.request_id)
         if entry is None:
             return                                   # finished or cancelled meanwhile
-        self._charge(seq)                            # the tenant's fair-share counter
         tokens, stopping = seq.tokens, seq.stopping
         tokens.append(token)
         if seq.first_token is None:

@@ -6,7 +6,7 @@ running sequence is preempted (its blocks freed, recomputed later).
 
 Admission is fair between tenants by the router's rule (services.router.fair_queue: the
 Virtual Token Counter): each tenant's counter grows by W_IN a prompt token computed at
-admission and W_OUT a token generated, and the next sequence admitted is the oldest waiting
+admission and W_OUT a token generated (settled when counters are read, not per token), and the next sequence admitted is the oldest waiting
 one of the tenant with the smallest counter. A tenant that starts waiting is lifted to the
 smallest counter of the tenants active here (waiting or running), so idle time banks no
 credit. Without it (fair=False) admission is in arrival order. Either way a preempted sequence
@@ -55,16 +55,22 @@ class Scheduler:
         seq.status = Status.WAITING
         self._enqueue(seq)
 
-    def charge_token(self, seq: Sequence) -> None:
-        """A token generated for seq (the engine, for every row that sampled)."""
+    def _settle(self, seqs) -> None:
+        """Charge these sequences' tokens generated since last charged. Output is charged
+        here, when a counter is read or a sequence leaves, not per token on the step's path."""
         counters = self.counters
-        counters[seq.tenant] = counters.get(seq.tenant, 0.0) + W_OUT
+        for seq in seqs:
+            new = seq.num_output - seq.charged_output
+            if new:
+                counters[seq.tenant] = counters.get(seq.tenant, 0.0) + W_OUT * new
+                seq.charged_output += new
 
     def next_waiting(self) -> Sequence:
         """The sequence admission takes next: the oldest of the tenant with the smallest
         counter (fair), else the oldest of all."""
         if not self.fair or len(self._by_tenant) == 1:
             return self.waiting[0]
+        self._settle(self.running)
         counters = self.counters
         tenant = min(self._by_tenant, key=lambda t: (counters.get(t, 0.0),
                                                      self._by_tenant[t][0].arrival))
@@ -87,6 +93,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or cancelled) and free its blocks."""
+        self._settle((seq,))
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -151,6 +158,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self._settle((seq,))
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed = 0
@@ -178,6 +186,7 @@ class Scheduler:
             del self._by_tenant[seq.tenant]
 
     def _lift(self, tenant: str) -> None:
+        self._settle(self.running)
         active = {s.tenant for s in self.running} | set(self._by_tenant)
         active.discard(tenant)
         if active:

@@ -103,6 +103,7 @@ class Sequence:
     # with sampling.prompt_logprobs >= 0: (token, logprob, top) of prompt tokens 1.., filled
     # as the prompt is computed, handed on with the first token (then None)
     prompt_lps: list | None = None
+    charged_output: int = 0              # output tokens charged to the tenant's counter
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

@@ -187,10 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:                # current only while _generate runs, never across a yield
             with span_attrs.grpc_status(span, context):
                 async for item in traced(span, self._generate(request, context)):
-                    if item.stop_reason:
-                        span_attrs.genai_response(span, item.stop_reason,
-                                                  item.usage.prompt_tokens,
-                                                  item.usage.generated_tokens)
+                    span_attrs.genai_last(span, item)
                     yield item
         finally:
             span.end()
