@@ -54,6 +54,18 @@ def write_lora(path: pathlib.Path, base_config: dict, rank: int = 4, seed: int =
 
 
 @pytest.fixture(scope="session")
+def hf_tiny():
+    """(tokenizer, model): the embedded tiny model in transformers, fp32, the reference the
+    served one is checked against (its chat template included)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tests.support import MODEL_DIR
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, torch_dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="session")
 def lora_fleet(tmp_path_factory):
     """(base dir, adapters dir): the tiny random Llama and 50 rank-4 adapters a00..a49."""
     from tests.hf_fixtures import make_base

@@ -53,11 +53,8 @@ def sdk(gateway):
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, torch_dtype=torch.float32).eval()
-    return tok, model
+def hf(hf_tiny):
+    return hf_tiny
 
 
 def peft_greedy(base, adapter: str, ids: list[int], n: int) -> list[int]:

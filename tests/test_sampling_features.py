@@ -31,11 +31,8 @@ def stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, torch_dtype=torch.float32).eval()
-    return tok, model
+def hf(hf_tiny):
+    return hf_tiny
 
 
 class OpenAIPenalties:
