@@ -84,13 +84,17 @@ def test_register_refuses_naming_the_file(env, source, words):
 
 
 def test_fifo_registers_leave_the_store_serving(env):
-    """Many concurrent Registers of a FIFO-backed adapter are each refused at once, and a good
-    Register right after them succeeds."""
+    """Many concurrent Registers of a FIFO-backed adapter are each refused at once (naming the
+    FIFO, or RESOURCE_EXHAUSTED when the tenant's share of the validation threads is busy at
+    that moment: a loaded machine), none hangs, and a good Register right after succeeds."""
     c = env["client"]
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(lambda i: c.error(c.register, f"fifo-{i}", "file://fifo",
                                                   timeout=5), range(12)))
-    assert all(code == INVALID and "FIFO" in message for code, message in results), results
+    assert all(code == INVALID and "FIFO" in message
+               or code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, message in results), \
+        results
+    assert any(code == INVALID for code, _ in results)
     assert c.register("good-again", "file://good", timeout=5).state == "READY"
 
 
