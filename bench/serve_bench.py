@@ -118,6 +118,7 @@ def _service_flags(p) -> None:
           f"--{svc}-flag=--log-level=DEBUG)")
     for flag, what in (("gpu-pool-bytes", "worker"), ("kv-cache-bytes", "worker"),
                        ("max-running", "worker"), ("max-batch-tokens", "worker"),
+                       ("max-prefill-with-decode", "worker"),
                        ("host-pool-bytes", "worker"), ("pool-slots", "worker"),
                        ("store-host-bytes", "store --host-cache-bytes"),
                        ("max-in-flight-per-worker", "router")):

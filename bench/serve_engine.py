@@ -65,7 +65,8 @@ def run(params: dict) -> dict:
         from services.worker.warmup import Warmup
         report = Warmup(built.engine, built.pool, built.spec, opts.max_batch_tokens,
                         max_rank=params.get("warmup_max_rank", 128),
-                        max_running=opts.max_running).run()
+                        max_running=opts.max_running,
+                        prefill_with_decode=opts.max_prefill_with_decode).run()
         print(f"engine: warm-up {report.steps} steps in {report.seconds:.1f}s", flush=True)
     slots = {aid: built.pool.place(aid, staged_from_peft_dir(path, built.spec))
              for aid, path in params["adapters"].items()}

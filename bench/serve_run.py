@@ -27,13 +27,14 @@ def engine_options(args, manifest: dict, ids: list[str]) -> dict:
     return {"device": args.device, "dtype": "auto",
             "kv_cache_bytes": parse_bytes(get("kv_cache_bytes")),
             "max_batch_tokens": int(get("max_batch_tokens")),
+            "max_prefill_with_decode": int(get("max_prefill_with_decode")),
             "max_running": int(get("max_running")),
             "pool_bytes": max(parse_bytes(get("gpu_pool_bytes")), int(1.25 * need) + (16 << 20)),
             "pool_slots": max(int(get("pool_slots")), len(ids) + 1)}
 
 
 WORKER_FLAGS = ("gpu_pool_bytes", "kv_cache_bytes", "max_running", "max_batch_tokens",
-                "host_pool_bytes", "pool_slots")
+                "max_prefill_with_decode", "host_pool_bytes", "pool_slots")
 
 
 def service_args(args, manifest: dict, s3, shm: str | None) -> tuple[list, list, list]:

@@ -177,3 +177,37 @@ def test_the_worker_admits_a_light_tenant_before_a_heavy_ones_backlog():
     assert admission_order(fair=True).index("l0") == 1
     fair = admission_order(fair=True)
     assert [r for r in fair if r.startswith("h")] == [f"h{i}" for i in range(10)]  # in order
+
+
+def test_prompt_tokens_beside_decode_rows_are_capped_so_a_burst_does_not_stall_streams():
+    """While any row decodes, a step takes at most max_prefill_with_decode prompt tokens (new
+    admissions and chunks of running prompts together); a step with nothing decoding takes the
+    whole token budget; every prompt still completes and the decode rows run every step."""
+    sched = Scheduler(BlockManager(4000, 4), max_batch_tokens=256, max_running=32,
+                      max_prefill_with_decode=40)
+    streams = [seq(f"d{i}", 3, i, max_new=60) for i in range(4)]
+    for s in streams:
+        sched.add(s)
+    advance(sched, sched.schedule())
+    assert all(s.is_decoding for s in streams)
+    burst = [seq(f"b{i}", 100, 10 + i, max_new=1) for i in range(6)]
+    for b in burst:
+        sched.add(b)
+    steps = 0
+    while any(b.status is not Status.FINISHED for b in burst):
+        batch = sched.schedule()
+        prompt = sum(x.num_tokens for x in batch if not x.seq.is_decoding)
+        decoding = {x.seq.request_id for x in batch if x.seq.is_decoding}
+        assert prompt <= 40
+        assert decoding == {s.request_id for s in streams}      # none of them skipped a step
+        advance(sched, batch)
+        steps += 1
+    assert steps == -(-6 * 100 // 40)          # the burst's 600 tokens, 40 a step, no idle step
+    # nothing decoding: a step takes the whole budget
+    alone = Scheduler(BlockManager(4000, 4), max_batch_tokens=256, max_running=32,
+                      max_prefill_with_decode=40)
+    for b in [seq(f"c{i}", 100, i, max_new=1) for i in range(3)]:
+        alone.add(b)
+    assert sum(x.num_tokens for x in alone.schedule()) == 256
+    with pytest.raises(ValueError):
+        Scheduler(BlockManager(10, 4), 16, 4, max_prefill_with_decode=-1)

@@ -96,3 +96,29 @@ def test_the_kernel_cache_directory_is_where_triton_writes(tmp_path):
         assert (tmp_path / "new" / "dir").is_dir()
     finally:
         knobs.cache.dir = saved
+
+
+def test_beside_decode_rows_the_warm_up_runs_the_capped_chunks_not_every_length():
+    """With a cap on prompt tokens beside decode rows (the scheduler's
+    max_prefill_with_decode), mixed steps hold at most that many prompt tokens: the warm-up
+    runs each length class up to it beside the rows, and a whole-budget prompt that the
+    scheduler takes in chunks over its growing context; alone, every length."""
+    built = build_engine(MODEL_DIR, EngineOptions(max_batch_tokens=80, pool_bytes=64 << 20,
+                                                  max_prefill_with_decode=20))
+    engine, seen = built.engine, []
+    run = engine.runner.run
+
+    def recording(batch):
+        seen.append([(b.seq.num_computed >= len(b.seq.prompt), b.num_tokens, b.seq.num_computed)
+                     for b in batch])
+        return run(batch)
+    engine.runner.run = recording
+    Warmup(engine, built.pool, built.spec, 80, max_rank=16, max_running=40,
+           prefill_with_decode=20).run()
+    mixed = [step for step in seen if any(d for d, _, _ in step) and not all(d for d, _, _ in step)]
+    assert mixed and all(sum(n for d, n, _ in step if not d) <= 20 for step in mixed)
+    lengths = {sum(n for d, n, _ in step if not d) for step in mixed}
+    assert {n for n in token_counts(80) if n <= 20} <= lengths
+    assert any(c > 0 for step in mixed for d, _, c in step if not d)   # a chunk after context
+    alone = {sum(n for _, n, _ in step) for step in seen if not any(d for d, _, _ in step)}
+    assert set(token_counts(80)) <= alone

@@ -47,6 +47,7 @@ def engine_options(cfg: WorkerConfig) -> EngineOptions:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return EngineOptions(device=device, dtype=cfg.dtype, kv_cache_bytes=cfg.kv_cache_bytes,
                          block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens,
+                         max_prefill_with_decode=cfg.max_prefill_with_decode,
                          max_running=cfg.max_running, pool_bytes=cfg.gpu_pool_bytes,
                          pool_slots=cfg.pool_slots, max_model_len=cfg.max_model_len,
                          share_prefixes=cfg.share_prefixes, fair=cfg.fair_queue,
@@ -100,7 +101,8 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
     await asyncio.to_thread(built.pool.warm_up)
     if cfg.warmup == "on" or (cfg.warmup == "auto" and built.device.type == "cuda"):
         warm = Warmup(built.engine, built.pool, built.spec, cfg.max_batch_tokens,
-                      max_rank=cfg.warmup_max_rank, max_running=cfg.max_running)
+                      max_rank=cfg.warmup_max_rank, max_running=cfg.max_running,
+                      prefill_with_decode=cfg.max_prefill_with_decode)
         report = await asyncio.to_thread(warm.run)
         log.info("warm-up: %d steps, %d sequences in %.1fs; %d kernel specializations so far",
                  report.steps, report.sequences, report.seconds, metrics.compiles("start"))

@@ -22,6 +22,7 @@ class WorkerConfig:
     host_pool_bytes: int = 1 << 30
     block_size: int = 16
     max_batch_tokens: int = 1024
+    max_prefill_with_decode: int = 512  # prompt tokens a step takes beside decode rows (0: no cap)
     max_running: int = 128
     max_model_len: int = 0
     max_new_tokens: int = 64            # default when a request leaves it 0
@@ -62,6 +63,8 @@ class WorkerConfig:
             raise ValueError(f"--dtype: {self.dtype!r} is not auto, float32, bfloat16, float16")
         if self.block_size < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
+        if self.max_prefill_with_decode < 0:
+            raise ValueError("--max-prefill-with-decode must be >= 0 (0: no cap)")
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
         if self.kernel_cache and os.path.exists(self.kernel_cache) and \
@@ -105,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    help="pinned host tier of staged adapters")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--max-batch-tokens", type=int, default=1024, help="token budget per step")
+    p.add_argument("--max-prefill-with-decode", type=int, default=512,
+                   help="most prompt tokens a step takes while sequences decode, so a burst of "
+                        "long prompts does not stall the streams in flight (0: only "
+                        "--max-batch-tokens)")
     p.add_argument("--max-running", type=int, default=128, help="most sequences per step")
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's")
     p.add_argument("--max-new-tokens", type=int, default=64, help="default max_new_tokens")
@@ -127,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes, gpu_pool_bytes=a.gpu_pool_bytes,
         pool_slots=a.pool_slots, host_pool_bytes=a.host_pool_bytes, block_size=a.block_size,
         max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
+        max_prefill_with_decode=a.max_prefill_with_decode,
         max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
         tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,

@@ -33,6 +33,7 @@ class EngineOptions:
     kv_cache_bytes: int = 64 << 20
     block_size: int = 16
     max_batch_tokens: int = 512
+    max_prefill_with_decode: int = 512  # prompt tokens beside decode rows (scheduler.py; 0: no cap)
     max_running: int = 64
     pool_bytes: int = 64 << 20
     pool_slots: int = 64
@@ -106,7 +107,8 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
                          opts.max_running, max_len, lora=pool.tables, columns=columns)
     scheduler = Scheduler(BlockManager(blocks, opts.block_size, opts.share_prefixes),
-                          opts.max_batch_tokens, opts.max_running, fair=opts.fair)
+                          opts.max_batch_tokens, opts.max_running, fair=opts.fair,
+                          max_prefill_with_decode=opts.max_prefill_with_decode)
     if device.type == "cuda" and opts.cuda_graphs:
         from services.worker.graph_runner import GraphRunner
         runner = GraphRunner(runner)

@@ -1,8 +1,12 @@
 """Continuous batching: which sequences run this step, and how many of their tokens (no torch).
 
 Each step: decode rows first (one token each, oldest first), then chunked prefill of running
-sequences, then new admissions, all under a token budget. When KV blocks run out, the newest
-running sequence is preempted (its blocks freed, recomputed later).
+sequences, then new admissions, all under a token budget. While any row of the step decodes,
+its prompt tokens are also capped by `max_prefill_with_decode` (the token budget of
+Sarathi-Serve, Agrawal et al., OSDI 2024): a burst of long prompts is taken in over several
+steps rather than in a few that stall every stream in flight, and a step with nothing decoding
+takes the whole budget. When KV blocks run out, the newest running sequence is preempted (its
+blocks freed, recomputed later).
 
 Admission is fair between tenants by the router's rule (services.router.fair_queue: the
 Virtual Token Counter): each tenant's counter grows by W_IN a prompt token computed at
@@ -40,9 +44,13 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running: int,
-                 fair: bool = True):
+                 fair: bool = True, max_prefill_with_decode: int = 0):
+        if max_prefill_with_decode < 0:
+            raise ValueError("max_prefill_with_decode must be >= 0 (0: no cap)")
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
+        # prompt tokens a step takes beside decode rows (0: only the token budget)
+        self.max_prefill_with_decode = max_prefill_with_decode or max_batch_tokens
         self.max_running = max_running
         self.fair = fair
         self.waiting: list[Sequence] = []      # sorted by arrival
@@ -85,6 +93,8 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_running:
             return False
         budget = self.max_batch_tokens - len(self.running)
+        if self.running:
+            budget = min(budget, self.max_prefill_with_decode)
         if budget <= 0:
             return False
         seq = self.next_waiting()
@@ -103,6 +113,7 @@ class Scheduler:
 
     def schedule(self) -> list[Scheduled]:
         budget = self.max_batch_tokens
+        prefill = budget             # prompt tokens left: capped once a row decodes
         batch: list[Scheduled] = []
         append, running_status = batch.append, Status.RUNNING
         block_size = self.blocks.block_size
@@ -113,6 +124,14 @@ class Scheduler:
                 continue                       # preempted earlier in this loop
             num_computed = seq.num_computed
             n = len(seq.tokens) - num_computed                       # seq.remaining
+            decoding = n == 1 and seq.num_output > 0                 # seq.is_decoding
+            if decoding:
+                if prefill > self.max_prefill_with_decode:
+                    prefill = self.max_prefill_with_decode
+            elif n > prefill:
+                if prefill == 0:
+                    continue                   # its chunk waits for a step with room
+                n = prefill
             if n > budget:
                 n = budget
             # blocks already cover the n tokens (the usual decode step): nothing to reserve
@@ -121,6 +140,9 @@ class Scheduler:
                 continue
             append(Scheduled(seq, n))
             budget -= n
+            if not decoding:
+                prefill -= n
+        budget = min(budget, prefill)
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             seq = self.next_waiting()
             if not seq.num_computed and not seq.block_table:

@@ -7,7 +7,9 @@ seconds of compiling on a cold kernel cache, milliseconds of loading on a warm o
 a stall of every row of that step. Triton specializes an integer argument by whether it is 1
 and whether it divides by 16, and the kernels pick launch configurations by size; so the
 warm-up runs prompts of 1, 2-15, 16, 17 ... up to --max-batch-tokens tokens at each power of two
-and either side of it, alone and beside decode rows (8 and 16 sequences in the step), for the
+and either side of it, alone and beside decode rows (8 and 16 sequences in the step; beside
+decode rows a step takes at most --max-prefill-with-decode prompt tokens, so the lengths up to
+that and one prompt of the whole budget, which the scheduler takes in chunks), for the
 base model and for zero adapters of each rank tile (with and without LoRA columns, several in
 one step), with the sampling variants (greedy, temperature, top-k, top-p, repetition penalty).
 
@@ -79,13 +81,20 @@ class Report:
 
 class Warmup:
     def __init__(self, engine: Engine, pool, spec: ModelSpec, max_batch_tokens: int,
-                 max_rank: int, max_running: int, decode_rows: tuple[int, ...] = (7, 15)):
+                 max_rank: int, max_running: int, decode_rows: tuple[int, ...] = (7, 15),
+                 prefill_with_decode: int = 0):
         self.engine, self.pool, self.spec = engine, pool, spec
         self.tokens = token_counts(max_batch_tokens)
+        # beside decode rows a step has at most `cap` prompt tokens (the scheduler's
+        # max_prefill_with_decode): those lengths, and the whole budget (taken in chunks of
+        # `cap` over a growing context)
+        cap = min(prefill_with_decode or max_batch_tokens, max_batch_tokens)
+        self.mixed_tokens = [n for n in self.tokens if n <= cap or n == max_batch_tokens]
+        self.cap = cap
         # prompt lengths beside the decode rows of many adapters: each side of the sizes where
         # the SGMV implementation and its tiles change, and the whole token budget
         self.segment_tokens = [n for n in (1, 16, 17, 64, 65, 256, 257, 1024, 1025, 2048, 2049)
-                               if n < max_batch_tokens] + [max_batch_tokens]
+                               if n < max_batch_tokens and n <= cap] + [max_batch_tokens]
         self.max_running = max_running
         self.max_distinct = min(pool.max_slots, max_running + 1)
         self._rank1_staged = None
@@ -165,9 +174,9 @@ class Warmup:
         for n in self.tokens:
             self._drain(self._prompts(n, slots[0], 0))
         for rows in self.decode_rows:
-            for n in self.tokens:
-                if n + rows > self.tokens[-1]:
-                    continue
+            for n in self.mixed_tokens:
+                if n <= self.cap and n + rows > self.tokens[-1]:
+                    continue                 # one step could not take it beside them
                 decoding = [self._seq(3, slots[j % len(slots)], 3, j) for j in range(rows)]
                 self._drain(decoding, stop_after=1)          # their prefill: now they decode
                 self._submit(self._prompts(n, slots[(rows + 1) % len(slots)], rows))
