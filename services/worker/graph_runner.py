@@ -178,8 +178,14 @@ class GraphRunner:
         key = (b, mask, tile, columns)
         kv = self.runner.kv_cache
         ctx = self._ctx(*key)
-        for _ in range(2):                                     # warm up (Triton compiles etc.)
-            self.model.forward(self.ids[:b], ctx, kv)
+        # warm up (Triton compiles, autotunes, lazy cuBLAS state) on the first layer only:
+        # every layer runs the same kernels on the same shapes (as in services.worker.warmup)
+        self.model.layer_limit = 1
+        try:
+            for _ in range(2):
+                self.model.forward(self.ids[:b], ctx, kv)
+        finally:
+            self.model.layer_limit = None
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the adapter manager's loader threads may copy while a capture runs

@@ -177,10 +177,8 @@ class Warmup:
             for n in self.mixed_tokens:
                 if n <= self.cap and n + rows > self.tokens[-1]:
                     continue                 # one step could not take it beside them
-                decoding = [self._seq(3, slots[j % len(slots)], 3, j) for j in range(rows)]
-                self._drain(decoding, stop_after=1)          # their prefill: now they decode
-                self._submit(self._prompts(n, slots[(rows + 1) % len(slots)], rows))
-                self._drain([])
+                self._beside([slots[j % len(slots)] for j in range(rows)],
+                             self._prompts(n, slots[(rows + 1) % len(slots)], rows))
 
     def _rank1(self):
         if self._rank1_staged is None:          # rank 1: the rank-16 tile's kernels, 1/16 the bytes
@@ -196,10 +194,17 @@ class Warmup:
             for n in sorted({min(n, self.tokens[-1] - k) for n in self.segment_tokens}):
                 if n < 1:
                     continue
-                decoding = [self._seq(3, slots[j], 3, j) for j in range(k)]
-                self._drain(decoding, stop_after=1)
-                self._submit(self._prompts(n, slots[k], k))
-                self._drain([])
+                self._beside(slots[:k], self._prompts(n, slots[k], k))
+
+    def _beside(self, row_slots: list[int], prompts: list[Sequence]) -> None:
+        """The prompts' prefill beside decode rows on these slots: the rows' own prefill first,
+        then steps of the prompts' chunks beside one decode token a row; the rows end with the
+        prompts' last chunk (no decode-only steps after: the graphs cover those)."""
+        chunks = -(-sum(len(p.prompt) for p in prompts) // self.cap)
+        decoding = [self._seq(3, slot, 1 + chunks, j) for j, slot in enumerate(row_slots)]
+        self._drain(decoding, stop_after=1)          # their prefill: now they decode
+        self._submit(prompts)
+        self._drain([])
 
     def _prompts(self, n: int, slot: int, j: int) -> list[Sequence]:
         """Prompts of n tokens in all, each short enough for the model (a step of more tokens
