@@ -40,6 +40,7 @@ step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - 
 GPU=(--shape 7b --device cuda --work "$WORK" --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB
      --max-running 256 --max-batch-tokens 4096 --host-pool-bytes 8GiB --store-host-bytes 16GiB
      --max-in-flight-per-worker 256 --pool-slots 512 --clients 4 --out "$OUT"
+     --worker-flag=--precompile-procs=${PROCS:-8}
      ${COMMIT:+--commit "$COMMIT"} ${EXTRA:-})   # COMMIT=$(git rev-parse --short HEAD) here
 if [ "$MODE" = check ]; then
   step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adapter_scatter.py \

@@ -30,6 +30,8 @@ from services.worker.host_tier import HostTier
 from services.worker.model_spec import load_spec
 from services.worker.residency import ResidencyFeed
 from services.worker.servicer import WorkerServicer
+from services.worker import precompile
+from services.worker.precompile import WarmShape
 from services.worker.warmup import Warmup
 from services.worker.store_client import StoreClient
 
@@ -39,6 +41,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # default is 5 ms). A cold load's placement is ~10 device calls on a loader thread, each a GIL
 # wait behind the engine thread: at 5 ms each, a 0.6 ms copy took 5 ms p50 under decode load.
 GIL_SWITCH_S = 0.0005
+PRECOMPILE_TIMEOUT_S = 900.0        # precompile's children are stopped after this
 
 
 def engine_options(cfg: WorkerConfig) -> EngineOptions:
@@ -90,8 +93,20 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
     """Load the model (the host tier is page-locked meanwhile), warm the pool and the kernels,
     and wire the adapter manager, the residency feed and the servicer."""
     opts = engine_options(cfg)
+    warm_up = cfg.warmup == "on" or (cfg.warmup == "auto" and opts.device.startswith("cuda"))
+    shape = WarmShape(cfg.max_batch_tokens, cfg.warmup_max_rank, cfg.max_running,
+                      cfg.max_prefill_with_decode)
+    cuda = opts.device.startswith("cuda")
+    digest = precompile.fingerprint(cfg.model, opts, shape) if warm_up and cuda else ""
+    wait = None
+    if digest and cfg.precompile_procs:
+        if precompile.is_warm(digest):
+            log.info("precompile: the kernel cache has this build's warm-up: no children")
+        else:
+            children = precompile.Children(cfg.model, opts, shape, cfg.precompile_procs)
+            wait = lambda: children.wait(PRECOMPILE_TIMEOUT_S)   # noqa: E731
     built, host = await asyncio.gather(
-        asyncio.to_thread(build_engine, cfg.model, opts),
+        asyncio.to_thread(build_engine, cfg.model, opts, None, wait),
         asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
                           opts.device.startswith("cuda"), load_spec(cfg.model)))
     store = StoreClient(sync_channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
@@ -99,13 +114,15 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
                                      service_token=read_token(cfg.service_token_file)),
                         shm_dir=cfg.store_shm_dir or None)
     await asyncio.to_thread(built.pool.warm_up)
-    if cfg.warmup == "on" or (cfg.warmup == "auto" and built.device.type == "cuda"):
-        warm = Warmup(built.engine, built.pool, built.spec, cfg.max_batch_tokens,
-                      max_rank=cfg.warmup_max_rank, max_running=cfg.max_running,
-                      prefill_with_decode=cfg.max_prefill_with_decode)
+    if warm_up:
+        warm = Warmup(built.engine, built.pool, built.spec, shape.max_batch_tokens,
+                      max_rank=shape.max_rank, max_running=shape.max_running,
+                      prefill_with_decode=shape.prefill_with_decode)
         report = await asyncio.to_thread(warm.run)
         log.info("warm-up: %d steps, %d sequences in %.1fs; %d kernel specializations so far",
                  report.steps, report.sequences, report.seconds, metrics.compiles("start"))
+        if digest:
+            precompile.mark_warm(digest)
     manager = AdapterManager(built.pool, built.spec, host, store,
                              tenant_share=cfg.tenant_share or None,
                              loader_threads=cfg.loader_threads,

@@ -49,6 +49,7 @@ class WorkerConfig:
     kernel_cache: str = ""              # compiled kernels kept here across restarts ("": Triton's)
     warmup: str = "auto"                # run every eager step shape before SERVING (auto: GPU)
     warmup_max_rank: int = 128          # the largest adapter rank the warm-up prepares for
+    precompile_procs: int = 0           # child processes compiling a cold kernel cache
     share_prefixes: bool = True         # prompt blocks shared within a tenant and adapter
     fair_queue: bool = True             # admit waiting sequences in the tenants' VTC order
     fault_inject_after_steps: int = 0   # TEST HOOK: forward passes after which one raises
@@ -72,6 +73,8 @@ class WorkerConfig:
             raise ValueError(f"--kernel-cache {self.kernel_cache}: not a directory")
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"--warmup: {self.warmup!r} is not auto, on or off")
+        if not 0 <= self.precompile_procs <= 64:
+            raise ValueError("--precompile-procs must be in 0..64")
         if not 1 <= self.warmup_max_rank <= 4096:
             raise ValueError("--warmup-max-rank must be in 1..4096")
         if self.frontend not in ("process", "inline"):
@@ -142,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         share_prefixes=a.share_prefixes, kernel_cache=a.kernel_cache,
         fair_queue=a.fair_queue == "on",
         warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants,
+        precompile_procs=a.precompile_procs,
         fault_inject_after_steps=a.fault_inject_after_steps)
 
 
@@ -164,6 +168,10 @@ def _add_start_flags(p: argparse.ArgumentParser) -> None:
                    help="before SERVING, run each kind of eager step once (prompt lengths up "
                         "to --max-batch-tokens, beside decode rows, with adapters of each rank "
                         "tile) so no kernel compiles while serving; auto: on a GPU (auto)")
+    p.add_argument("--precompile-procs", type=int, default=0,
+                   help="on a kernel cache that has not seen this build: child processes that "
+                        "compile the warm-up's kernels in parallel while the model loads (GPU; "
+                        "each holds a one-layer model, 1/L of the KV cache; 0: none)")
     p.add_argument("--warmup-max-rank", type=int, default=128,
                    help="largest adapter rank the warm-up prepares for (the store's --max-rank)")
     p.add_argument("--fault-inject-after-steps", type=int, default=0, metavar="N",

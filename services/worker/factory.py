@@ -1,9 +1,11 @@
 """Assemble an engine from a checkpoint directory (used by the worker's main and by tests)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -66,17 +68,22 @@ def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtyp
     return torch.float32
 
 
-def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions) -> Built:
-    """Load a checkpoint directory and assemble the engine around it."""
+def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions, layers: int | None = None,
+                 before_capture: Callable[[], None] | None = None) -> Built:
+    """Load a checkpoint directory and assemble the engine around it (layers: its first layers
+    only, for services.worker.precompile; before_capture: called before the CUDA graphs are
+    captured)."""
     start = time.monotonic()
     spec = load_spec(model_dir)
+    if layers is not None:
+        spec = dataclasses.replace(spec, num_layers=layers)
     device = torch.device(opts.device)
     dtype = resolve_dtype(opts.dtype, spec, device)
     log.info("loading %s (%s, %d layers, hidden %d) as %s on %s", spec.name, spec.architecture,
              spec.num_layers, spec.hidden_size, str(dtype).replace("torch.", ""), device)
-    weights = load_weights(model_dir, spec, dtype, device)
+    weights = load_weights(model_dir, spec, dtype, device, first_layers=layers is not None)
     tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
-    built = assemble(spec, weights, tok, opts, device, dtype)
+    built = assemble(spec, weights, tok, opts, device, dtype, before_capture)
     built.chat_template = ChatTemplate.from_model_dir(model_dir)
     log.info("chat template: %s", "the checkpoint's" if built.chat_template else
              "none (chats are rendered as 'role: content' lines)")
@@ -85,7 +92,8 @@ def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions) -> Built:
 
 
 def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
-             device: torch.device, dtype: torch.dtype) -> Built:
+             device: torch.device, dtype: torch.dtype,
+             before_capture: Callable[[], None] | None = None) -> Built:
     """Model, KV cache, scheduler, adapter pool and engine around already-loaded weights."""
     if device.type == "cuda":           # the kernels' process-wide launch choices
         from kernels import pdl, sgmv_split
@@ -112,6 +120,8 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     if device.type == "cuda" and opts.cuda_graphs:
         from services.worker.graph_runner import GraphRunner
         runner = GraphRunner(runner)
+        if before_capture is not None:
+            before_capture()
         runner.capture(opts.graph_max_rank)
     if opts.fault_inject_after_steps:
         from services.worker.fault_inject import FaultyRunner

@@ -141,9 +141,7 @@ class GraphRunner:
         ranks up to rank_tile(max_rank); a step with a larger adapter runs eagerly.
         """
         start = time.monotonic()
-        self.rank = max_rank
-        self.start_tiles = tuple(sorted({rank_tile(min(16, max_rank)), rank_tile(max_rank)}))
-        keys = self.start_keys()
+        keys = self._plan(max_rank)
         for i, (mask, tile, columns) in enumerate(keys):
             t = time.monotonic()
             for b in reversed(self.sizes):
@@ -158,6 +156,20 @@ class GraphRunner:
         log.info("captured %d decode graphs (batch %s, rank tiles %s) in %.1fs",
                  len(self.graphs), ",".join(map(str, self.sizes)),
                  ",".join(map(str, self.start_tiles)) or "-", time.monotonic() - start)
+
+    def _plan(self, max_rank: int) -> list[tuple[int, int, bool]]:
+        self.rank = max_rank
+        self.start_tiles = tuple(sorted({rank_tile(min(16, max_rank)), rank_tile(max_rank)}))
+        return self.start_keys()
+
+    def warm_forwards(self, max_rank: int, part: int = 0, parts: int = 1) -> int:
+        """The warm-up forwards of every parts-th graph that capture() would make, from the
+        part-th, without capturing (services.worker.precompile); how many."""
+        items = [(b, *key) for key in self._plan(max_rank) for b in reversed(self.sizes)]
+        for item in items[part::parts]:
+            self._warm(*item)
+        torch.cuda.synchronize()
+        return len(items[part::parts])
 
     def start_keys(self) -> list[tuple[int, int, bool]]:
         """The (LoRA mask, rank tile, column LoRA) triples captured for every batch size."""
@@ -177,15 +189,7 @@ class GraphRunner:
         values)."""
         key = (b, mask, tile, columns)
         kv = self.runner.kv_cache
-        ctx = self._ctx(*key)
-        # warm up (Triton compiles, autotunes, lazy cuBLAS state) on the first layer only:
-        # every layer runs the same kernels on the same shapes (as in services.worker.warmup)
-        self.model.layer_limit = 1
-        try:
-            for _ in range(2):
-                self.model.forward(self.ids[:b], ctx, kv)
-        finally:
-            self.model.layer_limit = None
+        ctx = self._warm(*key)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the adapter manager's loader threads may copy while a capture runs
@@ -195,6 +199,19 @@ class GraphRunner:
         self.graphs[key] = graph
         metrics.count_capture()
         torch.cuda.synchronize()
+
+    def _warm(self, b: int, mask: int, tile: int, columns: bool) -> StepContext:
+        """A graph's warm-up forwards (Triton compiles, autotunes, lazy cuBLAS state) on the
+        first layer only: every layer runs the same kernels on the same shapes (as in
+        services.worker.warmup). Returns the graph's step context."""
+        ctx = self._ctx(b, mask, tile, columns)
+        self.model.layer_limit = 1
+        try:
+            for _ in range(2):
+                self.model.forward(self.ids[:b], ctx, self.runner.kv_cache)
+        finally:
+            self.model.layer_limit = None
+        return ctx
 
     def _bucket(self, n: int) -> int | None:
         for b in self.sizes:

@@ -31,14 +31,19 @@ def _shard_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device) -> dict:
-    """Every tensor of the checkpoint, cast to dtype on device, with progress in the log."""
+def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device,
+                    layers: int | None = None) -> dict:
+    """Every tensor of the checkpoint (of its first `layers` decoder layers and the rest, when
+    given), cast to dtype on device, with progress in the log."""
     files = _shard_files(path)
     tensors: dict[str, torch.Tensor] = {}
     start = time.monotonic()
     for i, f in enumerate(files, 1):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for key in st.keys():
+                if layers is not None and key.startswith("model.layers.") and \
+                        int(key.split(".", 3)[2]) >= layers:
+                    continue
                 tensors[key] = st.get_tensor(key).to(device=device, dtype=dtype)
         log.info("loaded shard %d/%d (%s) %.1fs", i, len(files), f.name,
                  time.monotonic() - start)
@@ -89,7 +94,9 @@ def _layer(take, spec: ModelSpec, p: str) -> dict:
 
 
 def load_weights(path: str | pathlib.Path, spec: ModelSpec, dtype: torch.dtype,
-                 device: torch.device) -> dict:
-    """The fused weights of a checkpoint directory, ready for services.worker.model."""
-    raw = read_checkpoint(pathlib.Path(path), dtype, device)
+                 device: torch.device, first_layers: bool = False) -> dict:
+    """The fused weights of a checkpoint directory, ready for services.worker.model
+    (first_layers: of the first spec.num_layers layers of a deeper checkpoint)."""
+    raw = read_checkpoint(pathlib.Path(path), dtype, device,
+                          spec.num_layers if first_layers else None)
     return fuse_layers(raw, spec)

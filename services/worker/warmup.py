@@ -82,8 +82,11 @@ class Report:
 class Warmup:
     def __init__(self, engine: Engine, pool, spec: ModelSpec, max_batch_tokens: int,
                  max_rank: int, max_running: int, decode_rows: tuple[int, ...] = (7, 15),
-                 prefill_with_decode: int = 0):
+                 prefill_with_decode: int = 0, part: int = 0, parts: int = 1):
+        """part, parts: run every parts-th adapter set from the part-th (a share of the work,
+        services.worker.precompile), else all."""
         self.engine, self.pool, self.spec = engine, pool, spec
+        self.part, self.parts = part, parts
         self.tokens = token_counts(max_batch_tokens)
         # beside decode rows a step has at most `cap` prompt tokens (the scheduler's
         # max_prefill_with_decode): those lengths, and the whole budget (taken in chunks of
@@ -142,7 +145,7 @@ class Warmup:
 
     def _run(self) -> Report:
         start = time.monotonic()
-        sets = self.adapter_sets()
+        sets = self.adapter_sets()[self.part::self.parts]
         for i, (label, adapters) in enumerate(sets, 1):
             t0, steps0 = time.monotonic(), self.report.steps
             placed, many = [], label == "many adapters"
