@@ -8,7 +8,8 @@
 #                                    # SERVING, first and second run (bench/startup_bench.py)
 #   bash bench/h200_serve.sh latency # open loop at 20-100% of saturation, base and 32 adapters,
 #                                    # and a prefill burst of 64 long prompts
-#   bash bench/h200_serve.sh resident # the resident suite (THEN_TEST=S: the no-compile test after)
+#   bash bench/h200_serve.sh resident # the resident suite and the prefill burst (THEN_TEST=S: the
+#                                    # no-compile test after)
 #   bash bench/h200_serve.sh record  # all of it in one run: bench/results/serve-h200.*, with the
 #                                    # engine in-process on the resident and base/5-adapter cases
 # Needs the wheels the services import that the image lacks in .whl (README: the device tool's
@@ -65,7 +66,8 @@ elif [ "$MODE" = latency ]; then        # issue 23: bench/results/latency-h200.*
        --requests "${REQUESTS:-400}" --warmup 64 --name latency-h200
 elif [ "$MODE" = resident ]; then       # the resident suite alone (closed loop, base and 32)
   step timeout "${BUDGET:-300}" python3 bench/serve_bench.py "${GPU[@]}" --suite resident \
-       --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-resident
+       --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-resident --scenarios \
+       "prefill_burst:adapters=32,rank=16,zipf=1.0,rate=${BURST_RATE:-33},burst=64,burst_prompt=1024"
   [ -n "${THEN_TEST:-}" ] && step timeout "$THEN_TEST" python3 -m pytest -q -p no:cacheprovider \
        -m gpu "tests/test_gpu.py::test_no_kernel_compiles_or_graph_captures_after_serving" \
        2>&1 | tail -30
