@@ -22,7 +22,7 @@ class WorkerConfig:
     host_pool_bytes: int = 1 << 30
     block_size: int = 16
     max_batch_tokens: int = 1024
-    max_prefill_with_decode: int = 512  # prompt tokens a step takes beside decode rows (0: no cap)
+    max_prefill_with_decode: int = 0    # prompt tokens a step takes beside decode rows (0: no cap)
     max_running: int = 128
     max_model_len: int = 0
     max_new_tokens: int = 64            # default when a request leaves it 0
@@ -111,10 +111,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    help="pinned host tier of staged adapters")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--max-batch-tokens", type=int, default=1024, help="token budget per step")
-    p.add_argument("--max-prefill-with-decode", type=int, default=512,
-                   help="most prompt tokens a step takes while sequences decode, so a burst of "
-                        "long prompts does not stall the streams in flight (0: only "
-                        "--max-batch-tokens)")
+    p.add_argument("--max-prefill-with-decode", type=int, default=0,
+                   help="most prompt tokens a step takes while sequences decode: a burst of "
+                        "long prompts stalls the streams in flight less, and waits longer for "
+                        "its first tokens (0: only --max-batch-tokens)")
     p.add_argument("--max-running", type=int, default=128, help="most sequences per step")
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's")
     p.add_argument("--max-new-tokens", type=int, default=64, help="default max_new_tokens")

@@ -35,7 +35,7 @@ class EngineOptions:
     kv_cache_bytes: int = 64 << 20
     block_size: int = 16
     max_batch_tokens: int = 512
-    max_prefill_with_decode: int = 512  # prompt tokens beside decode rows (scheduler.py; 0: no cap)
+    max_prefill_with_decode: int = 0    # prompt tokens beside decode rows (scheduler.py; 0: no cap)
     max_running: int = 64
     pool_bytes: int = 64 << 20
     pool_slots: int = 64

@@ -5,6 +5,7 @@ import json
 import logging
 import pathlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
@@ -13,6 +14,7 @@ from services.worker.model_spec import ModelSpec, UnsupportedModel
 
 log = logging.getLogger(__name__)
 
+LOAD_THREADS = 8                 # checkpoint shards read at once
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,17 +38,25 @@ def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device
     """Every tensor of the checkpoint (of its first `layers` decoder layers and the rest, when
     given), cast to dtype on device, with progress in the log."""
     files = _shard_files(path)
-    tensors: dict[str, torch.Tensor] = {}
     start = time.monotonic()
-    for i, f in enumerate(files, 1):
+
+    def shard(f: pathlib.Path) -> dict[str, torch.Tensor]:
+        out = {}
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for key in st.keys():
                 if layers is not None and key.startswith("model.layers.") and \
                         int(key.split(".", 3)[2]) >= layers:
                     continue
-                tensors[key] = st.get_tensor(key).to(device=device, dtype=dtype)
-        log.info("loaded shard %d/%d (%s) %.1fs", i, len(files), f.name,
-                 time.monotonic() - start)
+                out[key] = st.get_tensor(key).to(device=device, dtype=dtype)
+        return out
+    # shards in parallel: a copy out of a memory-mapped file is bound by its page faults, and
+    # the copies give the GIL up
+    tensors: dict[str, torch.Tensor] = {}
+    with ThreadPoolExecutor(min(LOAD_THREADS, len(files))) as pool:
+        for i, (f, part) in enumerate(zip(files, pool.map(shard, files)), 1):
+            tensors.update(part)
+            log.info("loaded shard %d/%d (%s) %.1fs", i, len(files), f.name,
+                     time.monotonic() - start)
     return tensors
 
 

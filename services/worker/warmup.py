@@ -124,8 +124,13 @@ class Warmup:
                      [("warmup-r8-attn", zero_adapter(spec, 8, attn), True)]))
         mlp = tuple(m for g in ("gate_up", "down") for m in GROUPS[g])
         sets.append(("rank 8, MLP only", [("warmup-r8-mlp", zero_adapter(spec, 8, mlp), True)]))
+        # several adapters a step: with column LoRA (q/k/v in the GEMM while every adapter of
+        # the step has column blocks), and without (q/k/v through SGMV: what a step meets with
+        # more adapters than there are column blocks)
         sets.append(("many adapters", [(f"warmup-many-{i}", None, True)
                                         for i in range(self.max_distinct)]))
+        sets.append(("many adapters without columns", [(f"warmup-many-nc-{i}", None, False)
+                                                        for i in range(self.max_distinct)]))
         sets.append(("ranks 8, 16, 64 together",
                      [("warmup-mix-8", zero_adapter(spec, 8), True),
                       ("warmup-mix-16", zero_adapter(spec, 16), False),
@@ -148,7 +153,7 @@ class Warmup:
         sets = self.adapter_sets()[self.part::self.parts]
         for i, (label, adapters) in enumerate(sets, 1):
             t0, steps0 = time.monotonic(), self.report.steps
-            placed, many = [], label == "many adapters"
+            placed, many = [], label.startswith("many adapters")
             try:
                 for key, staged, columns in adapters:
                     staged = staged or self._rank1()
