@@ -15,43 +15,12 @@ from dataclasses import dataclass, field, replace as dc_replace
 
 from services.common.safetensors_parse import RawTensor
 from services.adapter_store.paging import prefix_end
+from services.adapter_store.registry_schema import MIGRATE_ALIASES, SCHEMA
 from services.common.errors import (AlreadyExists, FailedPrecondition, LorafleetError, NotFound,
                                     unknown_adapter)
 
 READY, REGISTERED, FAILED = "READY", "REGISTERED", "FAILED"
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS adapters (
-    id TEXT PRIMARY KEY, version TEXT NOT NULL, sha256 TEXT NOT NULL, owner TEXT NOT NULL,
-    source TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL, rank INTEGER NOT NULL,
-    alpha REAL NOT NULL, rslora INTEGER NOT NULL, targets TEXT NOT NULL, bytes INTEGER NOT NULL,
-    config_json TEXT NOT NULL, detail TEXT NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS aliases (
-    owner TEXT NOT NULL, alias TEXT NOT NULL,
-    adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE,
-    PRIMARY KEY (owner, alias));
-CREATE INDEX IF NOT EXISTS aliases_by_adapter ON aliases(adapter_id);
-CREATE TABLE IF NOT EXISTS versions (
-    id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE, version TEXT NOT NULL,
-    sha256 TEXT NOT NULL, owner TEXT NOT NULL, source TEXT NOT NULL, rank INTEGER NOT NULL,
-    alpha REAL NOT NULL, rslora INTEGER NOT NULL, targets TEXT NOT NULL, bytes INTEGER NOT NULL,
-    config_json TEXT NOT NULL, detail TEXT NOT NULL, created REAL NOT NULL,
-    PRIMARY KEY (id, version));
-"""
 KEEP_VERSIONS = 8          # READY versions kept per id for id@version pins and alias rollbacks
-# A registry written before aliases were scoped by owner (alias TEXT PRIMARY KEY): its aliases
-# move to their adapters' owners' scopes.
-_MIGRATE_ALIASES = """
-ALTER TABLE aliases RENAME TO aliases_global;
-DROP INDEX IF EXISTS aliases_by_adapter;
-CREATE TABLE aliases (
-    owner TEXT NOT NULL, alias TEXT NOT NULL,
-    adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE,
-    PRIMARY KEY (owner, alias));
-INSERT INTO aliases SELECT a.owner, g.alias, g.adapter_id FROM aliases_global g
-    JOIN adapters a ON a.id = g.adapter_id;
-DROP TABLE aliases_global;
-CREATE INDEX aliases_by_adapter ON aliases(adapter_id);
-"""
 
 
 @dataclass(frozen=True)
@@ -106,8 +75,8 @@ class Registry:
             self._db.execute("PRAGMA foreign_keys=ON")
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(aliases)")}
             if columns and "owner" not in columns:
-                self._db.executescript("BEGIN;" + _MIGRATE_ALIASES + "COMMIT;")
-            self._db.executescript(_SCHEMA)
+                self._db.executescript("BEGIN;" + MIGRATE_ALIASES + "COMMIT;")
+            self._db.executescript(SCHEMA)
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(aliases)")}
             if "version" not in columns:        # aliases pinned to a version: '' = current
                 self._db.execute("ALTER TABLE aliases ADD COLUMN version TEXT NOT NULL "

@@ -288,7 +288,7 @@ class AdapterStore:
             raise FailedPrecondition(f"adapter {adapter_id!r} is at version {record.version}, "
                                      f"not {version[:64]!r}")
         cached = self._cache.get(record.version)
-        self._count_host(cached is not None)
+        metrics.count_lookup(cached is not None)
         if cached is not None:
             return Staged(record, cached.data, STORE_HOST, 0.0, cached.shm_file)
         task = self._inflight.get(record.version)
@@ -355,10 +355,6 @@ class AdapterStore:
         self._inflight.pop(version, None)
         if not task.cancelled():
             task.exception()  # retrieved here, so an unawaited failure is not logged twice
-
-    @staticmethod
-    def _count_host(hit: bool) -> None:
-        metrics.count_lookup(hit)
 
     def _publish_host_tier(self) -> None:
         st = self._cache.stats()
