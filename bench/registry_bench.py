@@ -252,6 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--s3-count", type=int, default=100000)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     a = p.parse_args(argv)
+    head = header()                     # the commit and the load before the runs
     work = pathlib.Path(tempfile.mkdtemp(prefix="registry-bench-"))
     try:
         rows = bench_dir(a, work)
@@ -264,7 +265,7 @@ def main(argv=None) -> int:
                 rows += bench_s3(a, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    doc = {"header": header(), "rows": rows}
+    doc = {"header": head, "rows": rows}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "registry-cpu.json").write_text(json.dumps(doc, indent=1) + "\n")
     (a.out / "registry-cpu.md").write_text(markdown(doc))
