@@ -229,6 +229,7 @@ def markdown(doc: dict) -> str:
              f"{h['cpu']}, {h['cpus']} cpus (load {h['load_avg_1m']:.2f}), python "
              f"{h['python']}, grpcio {h['grpcio']}, commit {h['commit']}; adapters: "
              f"{h['adapter']} hard-linked, tiny model.", "",
+             f"`{h.get('command', 'python bench/registry_bench.py')}`", "",
              "| case | adapters | store start to SERVING (s) | RSS (MiB) | first use (s) | "
              "list all via router: page size, pages, s |", "|---|---|---|---|---|---|"]
     for r in doc["rows"]:
@@ -238,8 +239,10 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {r['case']} | {r['adapters']:,} | {r['store_start_s']:.2f} | "
                      f"{r['store_rss_mib']:.0f} | {first} | {listing or '-'} |")
     lines += ["", "Start is measured from the process's start to grpc.health SERVING; RSS is "
-              "VmRSS at SERVING. `-old` rows: the store of an older commit (it read, validated "
-              "and hashed every adapter at start) on the same directory.", ""]
+              "VmRSS at SERVING. `-old` rows: the store of an older commit"
+              f" ({h.get('old_tree', '-')}; it read, validated and hashed every adapter at "
+              "start) on the same directory. First use: one Resolve of a scanned adapter "
+              "(read, validated, hashed).", ""]
     return "\n".join(lines)
 
 
@@ -248,11 +251,16 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", type=int, default=10000)
     p.add_argument("--old-tree", type=pathlib.Path, default=None,
                    help="a source tree of an older commit (stubs generated) to compare")
+    p.add_argument("--old-tree-label", default="",
+                   help="what --old-tree is, for the header (e.g. its commit)")
     p.add_argument("--s3", action="store_true", help="also the S3 case (needs moto)")
     p.add_argument("--s3-count", type=int, default=100000)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     a = p.parse_args(argv)
     head = header()                     # the commit and the load before the runs
+    head["command"] = " ".join(["python bench/registry_bench.py", *(argv or sys.argv[1:])])
+    if a.old_tree:
+        head["old_tree"] = a.old_tree_label or str(a.old_tree)
     work = pathlib.Path(tempfile.mkdtemp(prefix="registry-bench-"))
     try:
         rows = bench_dir(a, work)
