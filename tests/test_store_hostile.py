@@ -58,7 +58,8 @@ def env(tmp_path_factory):
 def test_store_starts_and_lists_each_bad_adapter_failed_naming_the_file(env):
     assert env["start_s"] < 20
     listed = {a.id: a for a in env["client"].list(all_tenants=True)}
-    assert listed["good"].state == "READY"
+    assert listed["good"].state == "REGISTERED"          # its weights are read on first use
+    assert env["client"].resolve("good").state == "READY"
     for name, words in {"dirconfig": ("adapter_config.json", "directory"),
                         "dirweights": ("adapter_model.safetensors", "directory"),
                         "fifo": ("adapter_model.safetensors", "FIFO"),

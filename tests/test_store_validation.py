@@ -1,6 +1,7 @@
 """Bad adapters and bad names, each through the running adapter-store process: a clear error with
 the right status naming the field or tensor, the store stays SERVING, good adapters keep serving,
-and an --adapters-dir with bad adapters among good ones starts (good READY, bad FAILED).
+and an --adapters-dir with bad adapters among good ones starts (good REGISTERED, a bad config
+FAILED at once, bad weights FAILED on first use).
 """
 from __future__ import annotations
 
@@ -138,20 +139,41 @@ def env(tmp_path_factory):
     assert store.terminate() == 0
 
 
+# BAD adapters whose config is fine: their weights are read on first use, not at start
+WEIGHT_FAULTS = {"truncated", "huge-header", "bad-json", "overlap", "wrong-shape",
+                 "rank-mismatch", "missing-tensor", "nan", "inf-f16", "int-dtype", "nan-bf16"}
+
+
 def test_directory_with_bad_adapters_starts(env):
+    """At start a bad config (or file) is FAILED and the rest REGISTERED (no blob read); the
+    first use of each reads and validates it: good ones READY, bad weights FAILED naming the
+    tensor, FAILED_PRECONDITION to the request that used it."""
     store, client, _ = env
+    states = {a.id: (a.state, a.failure_reason) for a in client.list(all_tenants=True)}
+    for name in ("good-a", "good-b", *GOOD, *WEIGHT_FAULTS):
+        assert states[name] == ("REGISTERED", ""), (name, states[name])
+    for name, (*_, text) in BAD.items():
+        if name not in WEIGHT_FAULTS:
+            assert states[name][0] == "FAILED" and text in states[name][1], (name, states[name])
+    assert "pickle" in states["pickle-only"][1]
+    assert "outside --adapters-dir" in states["escape"][1]
+    assert "outside --adapters-dir" in states["file-link"][1]
+    assert "not-an-adapter" not in states
+    for name in ("good-a", "good-b", *GOOD):
+        assert client.resolve(name).state == "READY"
+    for name in WEIGHT_FAULTS:
+        code, details = client.error(client.resolve, name)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and BAD[name][3] in details, (
+            name, details)
     states = {a.id: (a.state, a.failure_reason) for a in client.list(all_tenants=True)}
     for name in ("good-a", "good-b", *GOOD):
         assert states[name] == ("READY", ""), (name, states[name])
     for name, (*_, text) in BAD.items():
         assert states[name][0] == "FAILED" and text in states[name][1], (name, states[name])
-    assert "pickle" in states["pickle-only"][1]
-    assert "outside --adapters-dir" in states["escape"][1]
-    assert "outside --adapters-dir" in states["file-link"][1]
-    assert "not-an-adapter" not in states
     log = store.log()
     assert "adapters dir: 'dora' FAILED: use_dora" in log
-    assert "adapters dir: registered 'good-a'" in log
+    assert "adapter 'nan' FAILED on first use: tensor" in log
+    assert "adapter 'good-a' validated on first use" in log
     assert ("newer-peft: adapter_config.json fields unknown to this store, left unset, "
             "ignored: frobnicate, use_future_lora, future_modules, future_pattern") in log
 
@@ -247,7 +269,7 @@ def test_demo_adapters_validate(tmp_path):
     client = StoreClient(store.wait().addr)
     try:
         adapters = client.list(all_tenants=True)
-        assert adapters and all(a.state == "READY" for a in adapters), adapters
+        assert adapters and all(client.resolve(a.id).state == "READY" for a in adapters)
     finally:
         client.close()
         assert store.terminate() == 0

@@ -21,9 +21,10 @@ def worker(tmp_path_factory):
                                       str(MODEL_DIR), "--db", ":memory:"], tmp).wait()
     work = Service("worker", ["--model", str(MODEL_DIR), "--store", store.addr,
                               "--device", "cpu"], tmp).wait()
-    with grpc.insecure_channel(store.addr) as ch:
-        listed = adapter_store_pb2_grpc.AdapterStoreStub(ch).List(
-            spb.ListRequest(all_tenants=True), timeout=10).adapters
+    with grpc.insecure_channel(store.addr) as ch:         # Resolve: validated, versioned
+        stub = adapter_store_pb2_grpc.AdapterStoreStub(ch)
+        listed = [stub.Resolve(spb.ResolveRequest(name=a.id), timeout=10).adapter
+                  for a in stub.List(spb.ListRequest(all_tenants=True), timeout=10).adapters]
     channel = grpc.insecure_channel(work.addr)
     yield worker_pb2_grpc.WorkerStub(channel), {a.id: a.version for a in listed}
     channel.close()

@@ -31,6 +31,8 @@ class StoreConfig:
     host_cache_bytes: int = 2 * GiB
     max_adapter_bytes: int = 1 * GiB
     chunk_bytes: int = 4 * MiB
+    # threads of the --adapters-dir scan at start and of first-use validations
+    scan_threads: int = 4
     # The host tier as files here (a tmpfs: /dev/shm), for workers on this host (None: memory).
     shm_dir: pathlib.Path | None = None
     # Per-tenant share of the host tier (None: plain LRU). Shared adapters count as tenant "".
@@ -63,6 +65,8 @@ class StoreConfig:
                  f"--chunk-bytes must be in 1..{MAX_CHUNK_BYTES}, got {self.chunk_bytes}")
         _require(self.tenant_share is None or 0 < self.tenant_share <= 1,
                  "tenant_share must be in (0, 1] or None")
+        _require(1 <= self.scan_threads <= 64,
+                 f"--scan-threads must be in 1..64, got {self.scan_threads}")
         _require(bool(self.db), "--db must not be empty")
         _require(self.shm_dir is None or self.shm_dir.is_dir(),
                  f"--shm-dir {self.shm_dir} is not a directory")
@@ -83,8 +87,9 @@ def parser() -> argparse.ArgumentParser:
                                             "host-memory tier, Fetch streams")
     add_common_flags(p, listen="127.0.0.1:7003", metrics_port=9103, grace=10.0)
     p.add_argument("--adapters-dir", default=None,
-                   help="register every PEFT adapter DIR/NAME at start as NAME (shared); "
-                        "file://REL sources resolve under DIR only")
+                   help="record every PEFT adapter DIR/NAME at start as NAME (shared; its "
+                        "weights validated on first use); file://REL sources resolve under "
+                        "DIR only")
     p.add_argument("--s3-endpoint", default=None,
                    help="S3/MinIO endpoint URL (env LORAFLEET_S3_ENDPOINT; default: AWS)")
     p.add_argument("--bucket", default=None,
@@ -103,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
                    help="largest adapter_model.safetensors accepted (1 GiB)")
     p.add_argument("--chunk-bytes", type=parse_bytes, default=4 * MiB,
                    help="Fetch data chunk size (4 MiB)")
+    p.add_argument("--scan-threads", type=int, default=4,
+                   help="threads that scan --adapters-dir at start (configs and file stats; "
+                        "weights are read on first use) and validate adapters on first use (4)")
     p.add_argument("--shm-dir", default=None,
                    help="keep the host tier as files in this shared-memory directory (a tmpfs, "
                         "e.g. /dev/shm/lorafleet): workers on this host started with "
@@ -122,5 +130,6 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
         s3_region=args.s3_region or env.get("AWS_REGION") or "us-east-1",
         db=args.db, max_rank=args.max_rank, host_cache_bytes=args.host_cache_bytes,
         max_adapter_bytes=args.max_adapter_bytes, chunk_bytes=args.chunk_bytes,
+        scan_threads=args.scan_threads,
         shm_dir=pathlib.Path(args.shm_dir) if args.shm_dir else None,
         **common_values(args))

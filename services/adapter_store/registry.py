@@ -14,42 +14,13 @@ import time
 from dataclasses import dataclass, field, replace as dc_replace
 
 from services.common.safetensors_parse import RawTensor
-from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, unknown_adapter
+from services.adapter_store.paging import prefix_end
+from services.adapter_store.registry_schema import MIGRATE_ALIASES, SCHEMA
+from services.common.errors import (AlreadyExists, FailedPrecondition, LorafleetError, NotFound,
+                                    unknown_adapter)
 
 READY, REGISTERED, FAILED = "READY", "REGISTERED", "FAILED"
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS adapters (
-    id TEXT PRIMARY KEY, version TEXT NOT NULL, sha256 TEXT NOT NULL, owner TEXT NOT NULL,
-    source TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL, rank INTEGER NOT NULL,
-    alpha REAL NOT NULL, rslora INTEGER NOT NULL, targets TEXT NOT NULL, bytes INTEGER NOT NULL,
-    config_json TEXT NOT NULL, detail TEXT NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS aliases (
-    owner TEXT NOT NULL, alias TEXT NOT NULL,
-    adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE,
-    PRIMARY KEY (owner, alias));
-CREATE INDEX IF NOT EXISTS aliases_by_adapter ON aliases(adapter_id);
-CREATE TABLE IF NOT EXISTS versions (
-    id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE, version TEXT NOT NULL,
-    sha256 TEXT NOT NULL, owner TEXT NOT NULL, source TEXT NOT NULL, rank INTEGER NOT NULL,
-    alpha REAL NOT NULL, rslora INTEGER NOT NULL, targets TEXT NOT NULL, bytes INTEGER NOT NULL,
-    config_json TEXT NOT NULL, detail TEXT NOT NULL, created REAL NOT NULL,
-    PRIMARY KEY (id, version));
-"""
 KEEP_VERSIONS = 8          # READY versions kept per id for id@version pins and alias rollbacks
-# A registry written before aliases were scoped by owner (alias TEXT PRIMARY KEY): its aliases
-# move to their adapters' owners' scopes.
-_MIGRATE_ALIASES = """
-ALTER TABLE aliases RENAME TO aliases_global;
-DROP INDEX IF EXISTS aliases_by_adapter;
-CREATE TABLE aliases (
-    owner TEXT NOT NULL, alias TEXT NOT NULL,
-    adapter_id TEXT NOT NULL REFERENCES adapters(id) ON DELETE CASCADE,
-    PRIMARY KEY (owner, alias));
-INSERT INTO aliases SELECT a.owner, g.alias, g.adapter_id FROM aliases_global g
-    JOIN adapters a ON a.id = g.adapter_id;
-DROP TABLE aliases_global;
-CREATE INDEX aliases_by_adapter ON aliases(adapter_id);
-"""
 
 
 @dataclass(frozen=True)
@@ -76,6 +47,9 @@ class AdapterRecord:
     # the version was asked for (ID@VERSION, or an alias pinned to it): served even when it
     # is no longer the current one
     pinned: bool = False
+    # the blob file's identity (sources.identity_of) as the read that validated it saw it;
+    # () when unknown (S3, a file still being written)
+    identity: tuple = ()
 
     @property
     def shared(self) -> bool:
@@ -101,8 +75,8 @@ class Registry:
             self._db.execute("PRAGMA foreign_keys=ON")
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(aliases)")}
             if columns and "owner" not in columns:
-                self._db.executescript("BEGIN;" + _MIGRATE_ALIASES + "COMMIT;")
-            self._db.executescript(_SCHEMA)
+                self._db.executescript("BEGIN;" + MIGRATE_ALIASES + "COMMIT;")
+            self._db.executescript(SCHEMA)
             columns = {r[1] for r in self._db.execute("PRAGMA table_info(aliases)")}
             if "version" not in columns:        # aliases pinned to a version: '' = current
                 self._db.execute("ALTER TABLE aliases ADD COLUMN version TEXT NOT NULL "
@@ -168,15 +142,47 @@ class Registry:
             out = self._row(adapter_id)
             return self._at_version(out, version) if version else out
 
-    def list(self, tenant: str | None) -> list[AdapterRecord]:
-        """Adapters visible to tenant (shared + its own), or all of them when tenant is None."""
+    def list_page(self, tenant: str | None, owner: str, prefix: str, after: str, limit: int
+                  ) -> list[AdapterRecord]:
+        """Up to limit adapters with an id after `after`, in id order: those visible to tenant
+        (shared + its own; every one when tenant is None), of `owner` (if set), whose id starts
+        with `prefix` (if set). The records carry no tensors or layers (a listing shows
+        neither), and their aliases come from one query for the page."""
+        where, args = ["id > ?"], [after]
+        if tenant is not None:
+            where.append("owner IN ('', ?)")
+            args.append(tenant)
+        if owner:
+            where.append("owner = ?")
+            args.append(owner)
+        if prefix:
+            where.append("id >= ? AND id < ?")
+            args += [prefix, prefix_end(prefix)]
         with self._lock:
-            if tenant is None:
-                rows = self._db.execute("SELECT * FROM adapters ORDER BY id").fetchall()
-            else:
-                rows = self._db.execute("SELECT * FROM adapters WHERE owner IN ('', ?) "
-                                        "ORDER BY id", (tenant,)).fetchall()
-            return [self._record(r) for r in rows]
+            rows = self._db.execute(
+                "SELECT id, version, owner, source, state, reason, rank, alpha, rslora, "
+                f"targets, bytes, created FROM adapters WHERE {' AND '.join(where)} "
+                "ORDER BY id LIMIT ?", (*args, limit)).fetchall()
+            if not rows:
+                return []
+            aliases: dict[str, list[str]] = {}
+            for adapter_id, alias in self._db.execute(
+                    "SELECT adapter_id, alias FROM aliases WHERE adapter_id BETWEEN ? AND ? "
+                    "ORDER BY alias", (rows[0][0], rows[-1][0])):
+                aliases.setdefault(adapter_id, []).append(alias)
+        return [AdapterRecord(id=i, owner=o, source=src, state=st, reason=why, version=v,
+                              rank=r, alpha=a, rslora=bool(rs), targets=tuple(json.loads(t)),
+                              bytes=n, aliases=tuple(aliases.get(i, ())), created=c)
+                for i, v, o, src, st, why, r, a, rs, t, n, c in rows]
+
+    def scan_view(self) -> dict[str, tuple[str, str, str, str, tuple]]:
+        """id -> (source, owner, state, config_json, identity) of every adapter: what a
+        start-up scan compares a directory with."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, source, owner, state, config_json, "
+                                    "json_extract(detail, '$.identity') FROM adapters")
+            return {i: (src, o, st, cfg, tuple(json.loads(ident or "[]")))
+                    for i, src, o, st, cfg, ident in rows}
 
     def counts(self) -> dict[str, int]:
         """Number of adapters per state."""
@@ -201,24 +207,66 @@ class Registry:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                old = self._row(rec.id)
-                if old is not None and not replace:
-                    raise AlreadyExists(f"id: adapter {rec.id!r} already exists (set replace "
-                                        "to register a new version)")
-                if old is not None and old.owner != rec.owner:
-                    raise FailedPrecondition(
-                        f"owner: adapter {rec.id!r} has another owner; a new version keeps "
-                        "its owner (delete the adapter to register the id for another)")
-                aliases = rec.aliases if rec.aliases or old is None else old.aliases
-                self._check_names(rec, aliases, replace)
-                stored = dc_replace(rec, aliases=tuple(aliases),
-                                    created=old.created if old else rec.created)
-                self._write(stored, aliases_given=bool(rec.aliases) or old is None)
+                out = self._put(rec, replace)
                 self._db.execute("COMMIT")
-                return stored, old
+                return out
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def put_many(self, records: list[AdapterRecord]) -> list[tuple[str, str]]:
+        """put(rec, replace=True) of each record, in one transaction (a start-up scan's batch);
+        a record put() would refuse is left out: returns (id, why) for each of those."""
+        refused = []
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for rec in records:
+                    try:
+                        self._put(rec, replace=True)
+                    except LorafleetError as exc:   # raised before anything was written
+                        refused.append((rec.id, exc.message))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return refused
+
+    def settle(self, seen: AdapterRecord, rec: AdapterRecord) -> AdapterRecord | None:
+        """Replace the REGISTERED record `seen` with rec (validated: READY, or FAILED) unless
+        the adapter changed meanwhile (replaced, deleted, another source); its aliases stay.
+        Returns the adapter as it now is (None: deleted)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                now = self._row(seen.id)
+                if now is not None and (now.state, now.source, now.owner) == (
+                        REGISTERED, seen.source, seen.owner):
+                    self._write(dc_replace(rec, created=now.created), aliases_given=False)
+                    now = self._row(seen.id)
+                self._db.execute("COMMIT")
+                return now
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _put(self, rec: AdapterRecord, replace: bool
+             ) -> tuple[AdapterRecord, AdapterRecord | None]:
+        """put() inside its transaction (lock held)."""
+        old = self._row(rec.id)
+        if old is not None and not replace:
+            raise AlreadyExists(f"id: adapter {rec.id!r} already exists (set replace "
+                                "to register a new version)")
+        if old is not None and old.owner != rec.owner:
+            raise FailedPrecondition(
+                f"owner: adapter {rec.id!r} has another owner; a new version keeps "
+                "its owner (delete the adapter to register the id for another)")
+        aliases = rec.aliases if rec.aliases or old is None else old.aliases
+        self._check_names(rec, aliases, replace)
+        stored = dc_replace(rec, aliases=tuple(aliases),
+                            created=old.created if old else rec.created)
+        self._write(stored, aliases_given=bool(rec.aliases) or old is None)
+        return stored, old
 
     def delete(self, adapter_id: str) -> AdapterRecord:
         """Remove an adapter and its aliases; NOT_FOUND if there is none."""
@@ -319,11 +367,11 @@ class Registry:
             sha256=sha, rank=rank, alpha=alpha, rslora=bool(rslora),
             targets=tuple(json.loads(targets)), layers=tuple(detail["layers"]), bytes=nbytes,
             config_json=config_json, tensors=_tensors(detail), aliases=aliases,
-            created=created)
+            created=created, identity=tuple(detail.get("identity", ())))
 
 
 def _detail(rec: AdapterRecord) -> str:
-    return json.dumps({"layers": list(rec.layers),
+    return json.dumps({"layers": list(rec.layers), "identity": list(rec.identity),
                        "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes]
                                    for t in rec.tensors]})
 

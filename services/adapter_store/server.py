@@ -5,9 +5,11 @@ import logging
 
 import grpc
 
+from services.adapter_store import metrics
 from services.adapter_store.config import StoreConfig
 from services.adapter_store.host_cache import HostCache
 from services.adapter_store.registry import Registry
+from services.adapter_store.scan import scan_dir
 from services.adapter_store.s3 import S3Clients
 from services.adapter_store.servicer import AdapterStoreServicer
 from services.adapter_store.sources import SourceReader
@@ -22,7 +24,8 @@ SERVICE_NAME = adapter_store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].ful
 
 
 def build_store(config: StoreConfig) -> tuple[AdapterStore, Registry]:
-    """Open the registry, and register the --adapters-dir adapters (blocking, at start-up)."""
+    """Open the registry, and record the --adapters-dir adapters (blocking, at start-up; their
+    weights are read on first use: scan.py)."""
     base = load_base_shapes(config.base_config)
     log.info("validating against %s: %s", config.base_config, base)
     registry = Registry(config.db)
@@ -30,10 +33,13 @@ def build_store(config: StoreConfig) -> tuple[AdapterStore, Registry]:
                    config.s3_read_timeout)
     reader = SourceReader(config.adapters_dir, s3, config.max_adapter_bytes)
     cache = HostCache(config.host_cache_bytes, config.tenant_share, config.shm_dir)
-    store = AdapterStore(base, registry, reader, cache, config.max_rank, config.bucket)
+    store = AdapterStore(base, registry, reader, cache, config.max_rank, config.bucket,
+                         first_use_threads=config.scan_threads)
     if config.adapters_dir is not None:
-        store.scan(config.adapters_dir)
+        scan_dir(registry, reader, base, config.max_rank, config.adapters_dir,
+                 config.scan_threads)
     counts = registry.counts()
+    metrics.set_adapter_counts(counts)
     log.info("registry %s: %s", config.db, counts or "empty")
     return store, registry
 

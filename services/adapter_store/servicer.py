@@ -69,15 +69,18 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Resolve(self, request, context):
         return pb.ResolveResponse(adapter=adapter_info(
-            self._store.resolve(request.name, request.tenant)))
+            await self._store.resolve(request.name, request.tenant, remaining(context))))
 
     async def SetAlias(self, request, context):
         return router_pb2.SetAliasResponse(adapter=adapter_info(
             self._store.set_alias(request.alias, request.target)))
 
     async def List(self, request, context):
-        records = self._store.list(request.tenant, request.all_tenants)
-        return pb.ListResponse(adapters=[adapter_info(r) for r in records])
+        records, token = self._store.list_page(request.tenant, request.all_tenants,
+                                               request.owner, request.prefix,
+                                               request.page_size, request.page_token)
+        return pb.ListResponse(adapters=[adapter_info(r) for r in records],
+                               next_page_token=token)
 
     async def Delete(self, request, context):
         self._store.delete(request.id)

@@ -147,6 +147,11 @@ class SourceReader:
         self._max = max_bytes
         self._settled_ns = int(settled_s * 1e9)
 
+    @property
+    def root(self) -> pathlib.Path | None:
+        """The adapters dir (symlinks resolved), None without one."""
+        return self._root
+
     def _identity(self, info: os.stat_result, same: bool) -> tuple | None:
         """The file's identity if it held for the whole read and is settled: a write in the
         same timestamp tick as the read that saw the identity would not change it (a filesystem
@@ -196,6 +201,24 @@ class SourceReader:
             return RawAdapter(config, *self._file(folder / WEIGHTS, ref, self._max, deadline))
         return RawAdapter(config, *self._file_into(folder / WEIGHTS, ref, self._max, landing,
                                                    trusted, deadline))
+
+    def peek(self, ref: SourceRef, check: Callable[[bytes], object]
+             ) -> tuple[bytes, os.stat_result]:
+        """(adapter_config.json bytes, adapter_model.safetensors stat) of a file:// adapter:
+        what a start-up scan reads (blocking). check(config) runs first, as in read(); the
+        weights file is then opened and checked as read() checks it (a regular file inside the
+        root, under the size cap, never a pickle) but not read."""
+        if self._root is None:
+            raise Refusal("source", f"source: {ref.uri!r}: file:// sources need --adapters-dir")
+        folder = self._contained(self._root / ref.path, ref)
+        if not folder.is_dir():
+            raise MissingFile(f"source {ref.uri}: no such adapter directory")
+        if not (folder / WEIGHTS).exists() and (folder / PICKLE).exists():
+            raise _pickle_refusal(ref)
+        config = self._file(folder / CONFIG, ref, MAX_CONFIG_BYTES)[0]
+        check(config)
+        with self._open(folder / WEIGHTS, ref, self._max) as (_, info):
+            return config, info
 
     def _contained(self, path: pathlib.Path, ref: SourceRef) -> pathlib.Path:
         """path with symlinks resolved; refused if that leaves the root."""

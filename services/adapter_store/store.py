@@ -11,29 +11,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
+import itertools
 import json
 import logging
-import os
-import pathlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as dc_replace
 
 from opentelemetry import trace
 
-from services.adapter_store import metrics
+from services.adapter_store import metrics, paging
 from services.common.errors import Refusal
 from services.adapter_store.host_cache import CachedBlob, HostCache, HostTierStats
 from services.adapter_store.peft_config import check_config
-from services.adapter_store.registry import FAILED, READY, AdapterRecord, Registry
+from services.adapter_store.registry import FAILED, READY, REGISTERED, AdapterRecord, Registry
 from services.adapter_store.s3 import MissingFile
 from services.adapter_store.sources import SourceReader, SourceRef, parse_source
 from services.adapter_store.validate import AdapterSummary, BaseShapes, canonical_json, validate
 from services.adapter_store.work_pool import ValidationPool
 from services.common.errors import (AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition,
                                     LorafleetError, NotFound, unknown_adapter)
-from services.common.names import NAME, name_error, ref_error
+from services.common.names import name_error, ref_error
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
@@ -76,10 +76,14 @@ class AdapterStore:
 
     def __init__(self, base: BaseShapes, registry: Registry, reader: SourceReader,
                  cache: HostCache, max_rank: int, default_bucket: str | None,
-                 pool: ValidationPool | None = None):
-        """pool: the threads Register validates on (work_pool.ValidationPool)."""
+                 pool: ValidationPool | None = None, first_use_threads: int = 4):
+        """pool: the threads Register validates on (work_pool.ValidationPool);
+        first_use_threads: those that validate REGISTERED adapters on first use."""
         self._base, self._registry, self._reader = base, registry, reader
         self._pool = pool or ValidationPool()
+        self._first_use_threads = ThreadPoolExecutor(first_use_threads,
+                                                     thread_name_prefix="store-first-use")
+        self._validating: dict[str, asyncio.Task] = {}     # id -> its first-use validation
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
         self._inflight: dict[str, asyncio.Task] = {}
         self._identities: dict[tuple[str, str], tuple] = {}   # (source, version) -> see _trust
@@ -118,7 +122,7 @@ class AdapterStore:
         summary, identity = await _bounded(self._pool.run(owner, self._load_validated, ref,
                                                           remaining), remaining)
         stored, old = self._registry.put(_record(adapter_id, owner, ref, summary,
-                                                 tuple(aliases)), replace)
+                                                 tuple(aliases), identity), replace)
         self._trust(stored, identity)
         if old is not None and old.version != stored.version:
             self._forget(old.version)
@@ -153,8 +157,10 @@ class AdapterStore:
                          "ignored: %s", ref.uri, ", ".join(summary.ignored))
             return summary, raw.identity
 
-    def resolve(self, name: str, tenant: str) -> AdapterRecord:
-        """The adapter `name` (id or alias) as `tenant` sees it; NOT_FOUND if invisible."""
+    async def resolve(self, name: str, tenant: str, remaining: float | None = None
+                      ) -> AdapterRecord:
+        """The adapter `name` (id or alias) as `tenant` sees it; NOT_FOUND if invisible,
+        FAILED_PRECONDITION if FAILED (also when its first-use validation fails now)."""
         message = ref_error("name", name)             # ID@VERSION pins a kept version
         if message is not None:
             raise Refusal("name", message)
@@ -162,6 +168,7 @@ class AdapterStore:
         record = self._registry.lookup(name, tenant)
         if record is None or not record.visible_to(tenant):
             raise unknown_adapter(name)
+        record = await self._validated(record, remaining)
         if record.state == FAILED:
             raise FailedPrecondition(f"adapter {name!r} is FAILED: {record.reason}")
         return record
@@ -177,10 +184,24 @@ class AdapterStore:
         log.info("alias %r -> %s (version %s)", alias, target, rec.version)
         return rec
 
-    def list(self, tenant: str, all_tenants: bool) -> list[AdapterRecord]:
-        """Adapters visible to tenant; every adapter when all_tenants is set."""
+    def list_page(self, tenant: str, all_tenants: bool, owner: str = "", prefix: str = "",
+                  size: int = 0, token: str = "") -> tuple[list[AdapterRecord], str]:
+        """A page of the adapters visible to tenant (every adapter when all_tenants is set) in
+        id order, filtered by owner and id prefix when given: (records, next page token, ""
+        on the last page). See paging.py for sizes and tokens."""
         check_name("tenant", tenant, allow_empty=True)
-        return self._registry.list(None if all_tenants else tenant)
+        check_name("owner", owner, allow_empty=True)
+        check_name("prefix", prefix, allow_empty=True)     # a name's prefix is a name
+        key = paging.query_key(tenant, all_tenants, owner, prefix)
+        after, limit = paging.decode(token, key), paging.page_size(size)
+        rows = self._registry.list_page(None if all_tenants else tenant, owner, prefix, after,
+                                        limit + 1)
+        sizes = itertools.accumulate(paging.approx_bytes(r.id, r.owner, r.source, r.aliases,
+                                                         r.targets, r.reason) for r in rows)
+        fits = max(1, sum(1 for total in sizes if total <= paging.MAX_PAGE_BYTES))
+        page = rows[:min(limit, fits)]
+        more = len(rows) > len(page)
+        return page, paging.encode(page[-1].id, key) if more else ""
 
     def delete(self, adapter_id: str) -> None:
         """Remove the adapter, its aliases and (if no other id shares it) its staged blob."""
@@ -194,6 +215,56 @@ class AdapterStore:
         if version and not self._registry.version_in_use(version):
             self._cache.remove(version)
             self._publish_host_tier()
+
+    # ---- first use of a scanned adapter ----------------------------------------------------
+
+    async def _validated(self, record: AdapterRecord, remaining: float | None
+                         ) -> AdapterRecord:
+        """record, or (REGISTERED: found by the start-up scan, its weights never read) the
+        adapter once read and validated whole, READY or FAILED. One validation per id however
+        many callers wait for it, each within its own deadline."""
+        if record.state != REGISTERED:
+            return record
+        task = self._validating.get(record.id)
+        if task is None:
+            task = asyncio.ensure_future(self._first_use(record))
+            self._validating[record.id] = task
+            task.add_done_callback(lambda t, i=record.id: self._first_use_done(i, t))
+        settled = await _bounded(asyncio.shield(task), remaining)
+        if settled is None:                     # deleted meanwhile
+            raise unknown_adapter(record.id)
+        return settled
+
+    async def _first_use(self, record: AdapterRecord) -> AdapterRecord | None:
+        """Validate a REGISTERED adapter as Register would and record the outcome (a refusal
+        makes it FAILED with the reason; an error of the source, e.g. S3 unreachable, leaves it
+        REGISTERED and reaches the caller)."""
+        ref = parse_source(record.source, self._bucket)
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()        # the caller's trace context
+        try:
+            summary, identity = await loop.run_in_executor(
+                self._first_use_threads, context.run, self._load_validated, ref, None)
+        except (Refusal, OSError) as exc:
+            reason = getattr(exc, "message", None) or f"cannot be read: {exc}"
+            metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
+            log.warning("adapter %r FAILED on first use: %s", record.id, reason)
+            settled = self._registry.settle(record, dc_replace(record, state=FAILED,
+                                                               reason=reason))
+        else:
+            stored = _record(record.id, record.owner, ref, summary, record.aliases, identity)
+            settled = self._registry.settle(record, stored)
+            if settled is not None and settled.version == stored.version:
+                self._trust(settled, identity)
+            log.info("adapter %r validated on first use: version %s, %d bytes", record.id,
+                     stored.version, stored.bytes)
+        metrics.set_adapter_counts(self._registry.counts())
+        return settled
+
+    def _first_use_done(self, adapter_id: str, task: asyncio.Task) -> None:
+        self._validating.pop(adapter_id, None)
+        if not task.cancelled():
+            task.exception()        # retrieved: its waiters may all have left
 
     # ---- staging ---------------------------------------------------------------------------------
 
@@ -210,13 +281,14 @@ class AdapterStore:
             record = self._registry.get_version(adapter_id, version)
             if record is None:
                 raise NotFound(f"adapter {adapter_id!r} keeps no version {version[:64]!r}")
+        record = await self._validated(record, remaining)
         if record.state != READY:
             raise FailedPrecondition(f"adapter {adapter_id!r} is {record.state}: {record.reason}")
         if version and version != record.version:
             raise FailedPrecondition(f"adapter {adapter_id!r} is at version {record.version}, "
                                      f"not {version[:64]!r}")
         cached = self._cache.get(record.version)
-        self._count_host(cached is not None)
+        metrics.count_lookup(cached is not None)
         if cached is not None:
             return Staged(record, cached.data, STORE_HOST, 0.0, cached.shm_file)
         task = self._inflight.get(record.version)
@@ -284,10 +356,6 @@ class AdapterStore:
         if not task.cancelled():
             task.exception()  # retrieved here, so an unawaited failure is not logged twice
 
-    @staticmethod
-    def _count_host(hit: bool) -> None:
-        metrics.count_lookup(hit)
-
     def _publish_host_tier(self) -> None:
         st = self._cache.stats()
         metrics.set_host_tier(st.resident, st.bytes)
@@ -299,68 +367,12 @@ class AdapterStore:
                           host=self._cache.stats(), source_loads=w.count, p50=w.quantile(0.5),
                           p95=w.quantile(0.95), p99=w.quantile(0.99))
 
-    # ---- start-up --------------------------------------------------------------------------------
-
-    def scan(self, root: pathlib.Path, threads: int | None = None) -> None:
-        """Register every adapter directory under root as a shared adapter (bad ones FAILED).
-        Adapters are read and validated on `threads` threads (hashing and the NaN check let go
-        of the GIL), then recorded in order."""
-        names = []
-        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-            if not any((folder / f).exists() for f in ("adapter_config.json",
-                       "adapter_model.safetensors", "adapter_model.bin")):
-                log.info("skipping %s: no adapter files", folder.name)
-            elif not NAME.fullmatch(folder.name):
-                log.warning("skipping %s: not a valid adapter id", folder.name)
-            else:
-                names.append(folder.name)
-        start = time.monotonic()
-        with ThreadPoolExecutor(threads or min(32, os.cpu_count() or 1)) as pool:
-            for i, record in enumerate(pool.map(self._scan_one, names), 1):
-                if record is not None:
-                    self._record_scanned(record)
-                if i % 100 == 0 or i == len(names):
-                    log.info("adapters dir: %d of %d read and validated (%.1fs)", i,
-                             len(names), time.monotonic() - start)
-        metrics.set_adapter_counts(self._registry.counts())
-
-    def _scan_one(self, name: str) -> AdapterRecord | None:
-        """The record for DIR/name (FAILED with the reason if it does not validate); None when
-        the name is already registered from elsewhere."""
-        ref = parse_source(f"file://{name}", None)
-        existing = self._registry.get(name)
-        if existing is not None and (existing.source, existing.owner) != (ref.uri, ""):
-            log.warning("adapters dir: %r is already registered from %s (owner %r); left as is",
-                        name, existing.source, existing.owner)
-            return None
-        try:
-            summary, identity = self._load_validated(ref, None)
-            record = _record(name, "", ref, summary, ())
-            self._trust(record, identity)
-            log.info("adapters dir: registered %r version %s (r=%d, %s, %d bytes)", name,
-                     record.version, record.rank, ",".join(record.targets), record.bytes)
-        except LorafleetError as exc:
-            metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
-            record = AdapterRecord(name, "", ref.uri, FAILED, reason=exc.message)
-            log.warning("adapters dir: %r FAILED: %s", name, exc.message)
-        except OSError as exc:          # e.g. a directory it cannot list: this adapter only
-            metrics.REFUSALS.labels("source").inc()
-            reason = f"cannot be read: {exc.strerror or type(exc).__name__}"
-            record = AdapterRecord(name, "", ref.uri, FAILED, reason=reason)
-            log.warning("adapters dir: %r FAILED: %s", name, reason)
-        return record
-
-    def _record_scanned(self, record: AdapterRecord) -> None:
-        try:
-            self._registry.put(record, replace=True)
-        except LorafleetError as exc:  # e.g. the name is already another adapter's alias
-            log.warning("adapters dir: %r not recorded: %s", record.id, exc.message)
-
     def close(self) -> None:
         """Give up the host tier's shared-memory files and the validation threads
         (shutdown)."""
         self._cache.close()
         self._pool.close()
+        self._first_use_threads.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_aliases(aliases: list[str]) -> None:
@@ -371,12 +383,12 @@ def _check_aliases(aliases: list[str]) -> None:
 
 
 def _record(adapter_id: str, owner: str, ref: SourceRef, s: AdapterSummary,
-            aliases: tuple[str, ...]) -> AdapterRecord:
+            aliases: tuple[str, ...], identity: tuple | None) -> AdapterRecord:
     return AdapterRecord(
         id=adapter_id, owner=owner, source=ref.uri, state=READY, version=s.version,
         sha256=s.sha256, rank=s.rank, alpha=s.alpha, rslora=s.rslora, targets=s.targets,
         layers=s.layers, bytes=s.total_bytes, config_json=s.config_json, tensors=s.tensors,
-        aliases=aliases)
+        aliases=aliases, identity=tuple(identity or ()))
 
 
 async def _bounded(awaitable, remaining: float | None):

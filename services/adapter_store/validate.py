@@ -108,19 +108,32 @@ def digests(config_bytes: bytes, blob: bytes) -> tuple[str, str, str]:
 def validate(config_bytes: bytes, blob: bytes, base: BaseShapes, max_rank: int
              ) -> AdapterSummary:
     """Check an adapter against the base; returns its summary or raises Refusal."""
-    fields = check_config(config_bytes, base.layers, max_rank)
-    expected = expected_pairs(fields, base)
+    fields, expected = check_targets(config_bytes, base, max_rank)
     tensors = st.parse(blob)
     _check_complete([_check_tensor(t, fields.r, base) for t in tensors], expected)
     for t in tensors:
         st.check_finite(blob, t)
     config_json, version, sha = digests(config_bytes, blob)
+    targets, layers = targets_and_layers(expected)
     return AdapterSummary(
-        rank=fields.r, alpha=fields.alpha, rslora=fields.rslora,
-        targets=tuple(m for m in MODULES if any(m == pm for _, pm in expected)),
-        layers=tuple(sorted({layer for layer, _ in expected})), tensors=tuple(tensors),
-        total_bytes=len(blob), config_json=config_json, version=version, sha256=sha,
-        ignored=fields.ignored)
+        rank=fields.r, alpha=fields.alpha, rslora=fields.rslora, targets=targets,
+        layers=layers, tensors=tuple(tensors), total_bytes=len(blob), config_json=config_json,
+        version=version, sha256=sha, ignored=fields.ignored)
+
+
+def check_targets(config_bytes: bytes, base: BaseShapes, max_rank: int
+                  ) -> tuple[LoraFields, set[tuple[int, str]]]:
+    """The config's checks, without the weights: its fields (peft_config's policy) and the
+    (layer, module) pairs it targets in the base; raises Refusal."""
+    fields = check_config(config_bytes, base.layers, max_rank)
+    return fields, expected_pairs(fields, base)
+
+
+def targets_and_layers(pairs: set[tuple[int, str]]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(targeted modules in MODULES order, targeted layers ascending) of (layer, module) pairs."""
+    modules = {m for _, m in pairs}
+    return (tuple(m for m in MODULES if m in modules),
+            tuple(sorted({layer for layer, _ in pairs})))
 
 
 def base_module_names(base: BaseShapes) -> list[str]:

@@ -74,8 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--json", action="store_true")
     d = sub.add_parser("delete", help="delete an adapter (admin)")
     d.add_argument("--id", required=True)
-    a = sub.add_parser("adapters", help="list the adapters you can use")
+    a = sub.add_parser("adapters", help="list the adapters you can use (every page)")
     a.add_argument("--json", action="store_true")
+    a.add_argument("--page-size", type=lambda t: _count(t, 31), default=0,
+                   help="adapters a call (0 = the server's default, 1000; at most 1000)")
+    a.add_argument("--owner", default="", help="only this tenant's adapters")
+    a.add_argument("--prefix", default="", help="only ids that start with this")
+    a.add_argument("--limit", type=_count, default=None,
+                   help="stop after this many adapters (default: all)")
     s = sub.add_parser("stats", help="the four health signals")
     s.add_argument("--json", action="store_true")
     m = sub.add_parser("model", help="the served base model")
@@ -153,6 +159,19 @@ def _stats_text(d: dict) -> str:
     return "\n".join(lines)
 
 
+def _adapters(c: LorafleetClient, args) -> None:
+    """Every page (or the first --limit adapters): one JSON object, or a line each as the
+    pages come."""
+    items = (adapter_dict(a) for a in c.iter_adapters(args.page_size, args.owner, args.prefix,
+                                                      args.limit))
+    if args.json:
+        print(json.dumps({"adapters": list(items)}))
+        return
+    for a in items:
+        print(f"{a['id']:24s} r={a['rank']:<4d} {a['state']:10s} "
+              f"owner={a['owner'] or '(shared)'} {a['failure_reason']}")
+
+
 def run(args) -> int:
     with LorafleetClient(args.router, args.token, args.timeout, args.tls_ca, args.tls_cert,
                          args.tls_key) as c:
@@ -171,13 +190,7 @@ def run(args) -> int:
             c.delete(args.id)
             print(f"deleted {args.id}")
         elif args.cmd == "adapters":
-            items = [adapter_dict(a) for a in c.adapters()]
-            if args.json:
-                print(json.dumps({"adapters": items}))
-            else:
-                for a in items:
-                    print(f"{a['id']:24s} r={a['rank']:<4d} {a['state']:10s} "
-                          f"owner={a['owner'] or '(shared)'} {a['failure_reason']}")
+            _adapters(c, args)
         elif args.cmd == "stats":
             d = stats_dict(c.stats())
             print(json.dumps(d) if args.json else _stats_text(d))

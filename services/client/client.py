@@ -101,9 +101,32 @@ class LorafleetClient:
         self._stub.DeleteAdapter(rpb.DeleteAdapterRequest(id=adapter_id), timeout=self.timeout,
                                  metadata=self._metadata)
 
-    def adapters(self) -> list[rpb.AdapterInfo]:
-        return list(self._stub.ListAdapters(rpb.ListAdaptersRequest(), timeout=self.timeout,
-                                            metadata=self._metadata).adapters)
+    def adapters_page(self, page_size: int = 0, page_token: str = "", owner: str = "",
+                      prefix: str = "") -> rpb.ListAdaptersResponse:
+        """One page of the adapters the caller may use (next_page_token "" on the last)."""
+        req = rpb.ListAdaptersRequest(page_size=page_size, page_token=page_token, owner=owner,
+                                      prefix=prefix)
+        return self._stub.ListAdapters(req, timeout=self.timeout, metadata=self._metadata)
+
+    def iter_adapters(self, page_size: int = 0, owner: str = "", prefix: str = "",
+                      limit: int | None = None) -> Iterator[rpb.AdapterInfo]:
+        """Every adapter the caller may use (or the first `limit`), in id order, a page a
+        call."""
+        token, left = "", limit
+        while left is None or left > 0:
+            size = page_size if left is None else min(page_size or left, left)
+            page = self.adapters_page(size, token, owner, prefix)
+            yield from page.adapters[:left]
+            if left is not None:
+                left -= len(page.adapters)
+            token = page.next_page_token
+            if not token:
+                return
+
+    def adapters(self, page_size: int = 0, owner: str = "", prefix: str = "",
+                 limit: int | None = None) -> list[rpb.AdapterInfo]:
+        """iter_adapters as a list."""
+        return list(self.iter_adapters(page_size, owner, prefix, limit))
 
     def stats(self) -> rpb.GetStatsResponse:
         return self._stub.GetStats(rpb.GetStatsRequest(), timeout=self.timeout,

@@ -173,14 +173,17 @@ class OpenAIGateway:
         return "" if model in ("", "base", await self._base()) else model
 
     async def _listing(self, request: web.Request) -> list[dict]:
-        listed = await self.servicer.ListAdapters(rpb.ListAdaptersRequest(),
-                                                  _Context(request, 30))
         now, base = int(time.time()), await self._base()
         data = [{"id": base or "base", "object": "model", "created": now,
                  "owned_by": "lorafleet", "root": base or "base", "parent": None}]
-        data += [{"id": a.id, "object": "model", "created": now, "root": a.id,
-                  "parent": base, "owned_by": a.owner or "shared"} for a in listed.adapters
-                 if a.state == "READY"]
+        token = None
+        while token != "":          # every page (REGISTERED adapters validate on first use)
+            listed = await self.servicer.ListAdapters(
+                rpb.ListAdaptersRequest(page_token=token or ""), _Context(request, 30))
+            data += [{"id": a.id, "object": "model", "created": now, "root": a.id,
+                      "parent": base, "owned_by": a.owner or "shared"} for a in listed.adapters
+                     if a.state != "FAILED"]
+            token = listed.next_page_token
         return data
 
     async def models(self, request: web.Request) -> web.Response:

@@ -175,10 +175,17 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             num_workers=len(self.app.workers.live()), has_chat_template=info.has_chat_template)
 
     async def ListAdapters(self, request, context):
+        """One page of the store's listing for the caller's tenant (the store checks the page
+        size, filters and token, bound to the tenant): a page is never more than the store's
+        page, however large the registry."""
         caller = self._caller(context)
-        resp = await _store_call(self.app.store.List(spb.ListRequest(tenant=caller.tenant),
-                                                     timeout=10, metadata=outgoing_metadata()))
-        return rpb.ListAdaptersResponse(adapters=resp.adapters)
+        resp = await _store_call(self.app.store.List(
+            spb.ListRequest(tenant=caller.tenant, page_size=request.page_size,
+                            page_token=request.page_token, owner=request.owner,
+                            prefix=request.prefix),
+            timeout=10, metadata=outgoing_metadata()))
+        return rpb.ListAdaptersResponse(adapters=resp.adapters,
+                                        next_page_token=resp.next_page_token)
 
     async def RegisterAdapter(self, request, context):
         caller = self._caller(context)

@@ -1,0 +1,123 @@
+"""The --adapters-dir scan at start: every DIR/NAME that holds adapter files becomes the shared
+adapter NAME, REGISTERED, from what is cheap to read.
+
+Per adapter the scan reads the directory entry, adapter_config.json (capped, checked against the
+base by peft_config's policy: a refused config is FAILED at once) and the stat of
+adapter_model.safetensors (opened without following a symlink: a regular file inside the dir,
+under --max-adapter-bytes; a pickle is never opened). The weights themselves (safetensors
+header, shapes, NaN/Inf, digest) are read and validated on the adapter's first use
+(AdapterStore.resolve / stage), so start-up costs no read of any blob. Records are written a
+batch per transaction, and the log shows progress every PROGRESS_EVERY adapters or
+PROGRESS_S seconds.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from services.adapter_store import metrics
+from services.adapter_store.registry import (FAILED, READY, REGISTERED, AdapterRecord,
+                                             Registry)
+from services.adapter_store.sources import (CONFIG, PICKLE, WEIGHTS, SourceReader, identity_of,
+                                            parse_source)
+from services.adapter_store.validate import (BaseShapes, canonical_json, check_targets,
+                                             targets_and_layers)
+from services.common.errors import LorafleetError
+from services.common.names import NAME
+
+log = logging.getLogger(__name__)
+BATCH = 1000                 # records a transaction
+PROGRESS_EVERY = 1000        # adapters between progress lines
+PROGRESS_S = 5.0             # ... or seconds
+
+
+def scan_dir(registry: Registry, reader: SourceReader, base: BaseShapes, max_rank: int,
+             root: pathlib.Path, threads: int) -> None:
+    """Record every adapter directory under root (REGISTERED, or FAILED with the reason); an
+    id already registered from elsewhere, or READY from an unchanged file, is left as it
+    is."""
+    names = _adapter_names(root)
+    known = registry.scan_view()
+    one = partial(_scan_one, reader, base, max_rank, known)
+    start = last = time.monotonic()
+    batch: list[AdapterRecord] = []
+    with ThreadPoolExecutor(threads, thread_name_prefix="store-scan") as pool:
+        for done, record in enumerate(pool.map(one, names, chunksize=32), 1):
+            if record is not None:
+                batch.append(record)
+            if len(batch) >= BATCH or done == len(names):
+                _write(registry, batch)
+                batch = []
+            now = time.monotonic()
+            if done % PROGRESS_EVERY == 0 or now - last >= PROGRESS_S or done == len(names):
+                last = now
+                log.info("adapters dir: %d of %d scanned (%.1f s)", done, len(names),
+                         now - start)
+    log.info("adapters dir %s: %d adapters recorded in %.1f s (their weights are read and "
+             "validated on first use)", root, len(names), time.monotonic() - start)
+
+
+def _adapter_names(root: pathlib.Path) -> list[str]:
+    """The subdirectories' names that are valid adapter ids, sorted."""
+    names = []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if not entry.is_dir():
+                continue
+            if NAME.fullmatch(entry.name):
+                names.append(entry.name)
+            else:
+                log.warning("skipping %s: not a valid adapter id", entry.name[:200])
+    return sorted(names)
+
+
+def _scan_one(reader: SourceReader, base: BaseShapes, max_rank: int,
+              known: dict[str, tuple], name: str) -> AdapterRecord | None:
+    """DIR/name's record (FAILED with the reason if its config or files are refused); None
+    when the name is registered from elsewhere, is READY from this very file (a --db kept
+    from before: same config, same file identity), or the directory holds no adapter files."""
+    ref = parse_source(f"file://{name}", None)
+    source, owner, state, config_json, identity = known.get(name, (ref.uri, "", "", "", ()))
+    if (source, owner) != (ref.uri, ""):
+        log.warning("adapters dir: %r is already registered from %s (owner %r); left as is",
+                    name, source, owner)
+        return None
+    folder = reader.root / name if reader.root is not None else None
+    if folder is None or not any(os.path.lexists(folder / f) for f in (CONFIG, WEIGHTS, PICKLE)):
+        log.info("skipping %s: no adapter files", name)
+        return None
+    try:
+        checked = []
+        config, info = reader.peek(ref, lambda raw: checked.append(
+            check_targets(raw, base, max_rank)))
+        canonical = canonical_json(json.loads(config))
+        if state == READY and identity == identity_of(info) and canonical == config_json:
+            return None                     # validated before, unchanged since
+        fields, pairs = checked[0]
+        targets, layers = targets_and_layers(pairs)
+        if fields.ignored:
+            log.info("%s: adapter_config.json fields unknown to this store, left unset, "
+                     "ignored: %s", ref.uri, ", ".join(fields.ignored))
+        log.debug("adapters dir: registered %r (r=%d, %s, %d bytes)", name, fields.r,
+                  ",".join(targets), info.st_size)
+        return AdapterRecord(name, "", ref.uri, REGISTERED, rank=fields.r, alpha=fields.alpha,
+                             rslora=fields.rslora, targets=targets, layers=layers,
+                             bytes=info.st_size, config_json=canonical)
+    except LorafleetError as exc:
+        metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
+        reason = exc.message
+    except OSError as exc:          # e.g. a directory it cannot list: this adapter only
+        metrics.REFUSALS.labels("source").inc()
+        reason = f"cannot be read: {exc.strerror or type(exc).__name__}"
+    log.warning("adapters dir: %r FAILED: %s", name, reason)
+    return AdapterRecord(name, "", ref.uri, FAILED, reason=reason)
+
+
+def _write(registry: Registry, batch: list[AdapterRecord]) -> None:
+    for adapter_id, why in registry.put_many(batch):  # e.g. the name is another's alias
+        log.warning("adapters dir: %r not recorded: %s", adapter_id, why)
