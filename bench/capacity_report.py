@@ -22,7 +22,7 @@ def validate_md(doc: dict) -> str:
              f"`{' '.join(h['serve']['argv'])}`.", "",
              "| adapters | GPU hit measured | predicted | rel. err | out tok/s measured | "
              "predicted | rel. err |", "|---|---|---|---|---|---|---|"]
-    for r in doc["rows"]:
+    for r in doc["rows"] + doc.get("also", []):
         lines.append(f"| {r['adapters']} | {r['measured_gpu_hit']:.4f} | "
                      f"{r['predicted_gpu_hit']:.4f} | {_pct(r['gpu_hit_rel_err'])} | "
                      f"{r['measured_tok_s']:.0f} | {r['predicted_tok_s']:.0f} | "
@@ -30,7 +30,7 @@ def validate_md(doc: dict) -> str:
     lines += ["", "Everything else, measured / predicted:", "",
               "| adapters | " + " | ".join(COMPARED[1:]) + " |",
               "|---|" + "---|" * (len(COMPARED) - 1)]
-    for r in doc["rows"]:
+    for r in doc["rows"] + doc.get("also", []):
         cells = [f"{r['measured'][k]} / {r['predicted'][k]}" for k in COMPARED[1:]]
         lines.append(f"| {r['adapters']} | " + " | ".join(cells) + " |")
     sm = h["step_model"]
@@ -84,7 +84,8 @@ NOTES = """## How close, and why
 
 
 def table_line(r: dict) -> str:
-    return (f"{r['adapters']:>7} adapters {r['workers']:>3} workers {r['eviction']:>4}: GPU hit "
+    return (f"{r['adapters']:>7} adapters zipf {r['zipf']} {r['gpu_pool_gib']:g} GiB "
+            f"{r['workers']:>3} workers {r['eviction']:>4}: GPU hit "
             f"{r['gpu_hit_rate']:.3f}, {r['out_tok_s']:.0f} tok/s, TTFT p50/p99 "
             f"{r['ttft_p50_ms']}/{r['ttft_p99_ms']} ms, {r['cold_loads_per_s']} loads/s "
             f"({r['sim_s']} s)")
@@ -98,12 +99,13 @@ def table_md(doc: dict) -> str:
              f"Workload: `{json.dumps(h['workload'])}` with the fleet's rate "
              f"{h['rate_per_worker']} req/s per worker; fleet (per worker): "
              f"`{json.dumps(h['fleet'])}`. Figures over the requests after the first 25%.", "",
-             "| adapters | workers | eviction | req/s | GPU hit | joined | host | store | source |"
-             " cold loads/s | out tok/s | TTFT p50 / p90 / p99 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| adapters | zipf | GPU pool GiB | workers | eviction | req/s | GPU hit | joined | "
+             "host | store | source | cold loads/s | out tok/s | TTFT p50 / p90 / p99 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["runs"]:
         s = r["hit_share"]
-        lines.append(f"| {r['adapters']} | {r['workers']} | {r['eviction']} | {r['rate']:.0f} "
+        lines.append(f"| {r['adapters']} | {r['zipf']} | {r['gpu_pool_gib']:g} | {r['workers']} | "
+                     f"{r['eviction']} | {r['rate']:.0f} "
                      f"| {s['gpu']:.3f} | {s['joined']:.3f} | {s['worker_host']:.3f} | "
                      f"{s['store_host']:.3f} | {s['source']:.3f} | {r['cold_loads_per_s']} | "
                      f"{r['out_tok_s']:.0f} | {r['ttft_p50_ms']} / {r['ttft_p90_ms']} / "
@@ -124,15 +126,17 @@ def plot(path: Path, doc: dict) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    keys = sorted({(r["adapters"], r["eviction"]) for r in doc["runs"]})
+    keys = sorted({(r["adapters"], r["zipf"], r["gpu_pool_gib"], r["eviction"])
+                   for r in doc["runs"]})
     for ax, (field, label) in zip(axes, (("gpu_hit_rate", "GPU hit rate (requests)"),
                                          ("cold_loads_per_s", "cold loads/s (fleet)"),
                                          ("ttft_p99_ms", "TTFT p99 (ms)"))):
-        for a, ev in keys:
+        for a, z, g, ev in keys:
             pts = sorted((r["workers"], r[field]) for r in doc["runs"]
-                         if r["adapters"] == a and r["eviction"] == ev)
+                         if (r["adapters"], r["zipf"], r["gpu_pool_gib"], r["eviction"])
+                         == (a, z, g, ev))
             ax.plot(*zip(*pts), marker="o", linestyle="-" if ev == "lru" else "--",
-                    label=f"{a:,} adapters, {ev}")
+                    label=f"{a:,} adapters, zipf {z}, {g:g} GiB, {ev}")
         ax.set_xscale("log", base=2)
         ax.set(xlabel="workers", ylabel=label)
         ax.grid(alpha=0.3)

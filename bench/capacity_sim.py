@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -41,6 +42,7 @@ from bench import capacity_report as report  # noqa: E402
 from services.common.runtime import parse_bytes  # noqa: E402
 
 VALIDATED = ("slora-100", "slora-1000", "slora-2000")
+TARGETS = (1000, 2000)       # the issue's rows; slora-100 goes beside them ("also")
 
 
 def meta(started: float) -> dict:
@@ -91,7 +93,9 @@ def validate(out: Path) -> dict:
                      "predicted": {k: p.get(k) for k in report.COMPARED + ("request_tiers",)}})
     doc_out = {"header": {**meta(started), "serve": {k: header[k] for k in
                                                      ("date", "card", "commit", "argv")},
-                          **notes}, "rows": rows}
+                          **notes},
+               "rows": [r for r in rows if r["adapters"] in TARGETS],
+               "also": [r for r in rows if r["adapters"] not in TARGETS]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "capacity-validate.json").write_text(json.dumps(doc_out, indent=1))
     (out / "capacity-validate.md").write_text(report.validate_md(doc_out))
@@ -125,33 +129,35 @@ def synthetic(wcfg: WorkloadConfig, fcfg: FleetConfig, model, loads,
     return fig
 
 
-def table(out: Path, adapters: list[int], workers: list[int], evictions: list[str],
-          wcfg: WorkloadConfig, fcfg: FleetConfig, rate_per_worker: float,
-          requests_per_worker: int = 1500) -> dict:
-    """adapters x workers x evictions, the fleet's rate rate_per_worker x workers, at least
-    requests_per_worker x workers requests (wcfg.requests at least)."""
+def table(out: Path, name: str, grid: dict, wcfg: WorkloadConfig, fcfg: FleetConfig,
+          rate_per_worker: float, requests_per_worker: int = 1500) -> dict:
+    """Every combination of grid's adapters, workers, gpu_pool_bytes, zipf and eviction; the
+    fleet's rate rate_per_worker x workers, at least requests_per_worker x workers requests
+    (wcfg.requests at least). Writes NAME.{json,md,png} under out."""
     started = time.perf_counter()
     model, loads, _, notes = models()
     runs = []
-    for a in adapters:
-        for w in workers:
-            wl = dataclasses.replace(wcfg, adapters=a, rate=rate_per_worker * w,
-                                     requests=max(wcfg.requests, requests_per_worker * w))
-            for ev in evictions:
-                t = time.perf_counter()
-                fig = synthetic(wl, dataclasses.replace(fcfg, workers=w, eviction=ev),
-                                model, loads)
-                runs.append({"adapters": a, "workers": w, "eviction": ev,
-                             "rate": wl.rate, "sim_requests": wl.requests, **fig, "sim_s": round(time.perf_counter() - t, 1)})
-                print(report.table_line(runs[-1]), flush=True)
+    for a, zipf, pool, w, ev in itertools.product(grid["adapters"], grid["zipf"],
+                                                  grid["gpu_pool_bytes"], grid["workers"],
+                                                  grid["eviction"]):
+        wl = dataclasses.replace(wcfg, adapters=a, zipf=zipf, rate=rate_per_worker * w,
+                                 requests=max(wcfg.requests, requests_per_worker * w))
+        t = time.perf_counter()
+        fig = synthetic(wl, dataclasses.replace(fcfg, workers=w, eviction=ev,
+                                                gpu_pool_bytes=pool), model, loads)
+        runs.append({"adapters": a, "workers": w, "eviction": ev, "zipf": zipf,
+                     "gpu_pool_gib": pool / (1 << 30), "rate": wl.rate,
+                     "sim_requests": wl.requests, **fig,
+                     "sim_s": round(time.perf_counter() - t, 1)})
+        print(report.table_line(runs[-1]), flush=True)
     doc = {"header": {**meta(started), "workload": dataclasses.asdict(wcfg),
                       "fleet": dataclasses.asdict(fcfg), "rate_per_worker": rate_per_worker,
                       "requests_per_worker": requests_per_worker,
                       **notes}, "runs": runs}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "capacity_sim.json").write_text(json.dumps(doc, indent=1))
-    (out / "capacity_sim.md").write_text(report.table_md(doc))
-    report.plot(out / "capacity_sim.png", doc)
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{name}.md").write_text(report.table_md(doc))
+    report.plot(out / f"{name}.png", doc)
     return doc
 
 
@@ -183,9 +189,12 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--eviction", choices=("lru", "cost"))
     t = sub.add_parser("table", help="adapters x workers x eviction")
     t.add_argument("--out", type=Path, default=RESULTS)
+    t.add_argument("--name", default="capacity_sim", help="results NAME.{json,md,png}")
     t.add_argument("--workers-list", default="1,2,4,8,16,32,64")
     t.add_argument("--adapters-list", default="10000,100000")
     t.add_argument("--evictions", default="lru,cost")
+    t.add_argument("--gpu-pool-list", default="4GiB", help="GPU pool bytes per worker")
+    t.add_argument("--zipf-list", default="1.0")
     t.add_argument("--rate-per-worker", type=float, default=40.0)
     t.add_argument("--requests-per-worker", type=int, default=1500)
     one = sub.add_parser("run", help="one synthetic run")
@@ -197,11 +206,13 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "replay":
         print(json.dumps(replay_trace(args.trace, args.eviction), indent=1))
     elif args.cmd == "table":
-        ints = (lambda s: [int(x) for x in s.split(",") if x])
-        table(args.out, ints(args.adapters_list), ints(args.workers_list),
-              args.evictions.split(","), _pick(WorkloadConfig, args), _pick(FleetConfig, args),
+        items = (lambda s, f=int: [f(x) for x in s.split(",") if x])
+        grid = {"adapters": items(args.adapters_list), "workers": items(args.workers_list),
+                "eviction": items(args.evictions, str), "zipf": items(args.zipf_list, float),
+                "gpu_pool_bytes": items(args.gpu_pool_list, parse_bytes)}
+        table(args.out, args.name, grid, _pick(WorkloadConfig, args), _pick(FleetConfig, args),
               args.rate_per_worker, args.requests_per_worker)
-        print((args.out / "capacity_sim.md").read_text())
+        print((args.out / f"{args.name}.md").read_text())
     else:
         model, loads, _, _ = models()
         print(json.dumps(synthetic(_pick(WorkloadConfig, args), _pick(FleetConfig, args),
