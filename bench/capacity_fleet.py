@@ -100,6 +100,7 @@ class SimWorker:
         self.loading: dict[str, list[SimRequest]] = {}
         self.room_wait: deque = deque()             # loads waiting for an unpin
         self.prefetched: set[str] = set()           # loads started by a prefetch hint
+        self.loads: Counter = Counter()             # cold loads started, per source tier
         self.threads = [0.0] * cfg.loader_threads   # when each loader thread is free
         self.ready: deque[SimRequest] = deque()
         self.prefill: list[SimRequest] = []
@@ -148,6 +149,7 @@ class SimWorker:
                 _admit_or_skip(f.store, key, tenant, nbytes)
             _admit_or_skip(self.host, key, tenant, nbytes)
         self.loading[key] = []
+        self.loads[tier] += 1
         # the reload cost the worker gives cost-aware eviction: this load's own time
         load = (key, tenant, nbytes, tier, f.loads.expected(tier, nbytes))
         if not self._place(*load):
@@ -317,4 +319,6 @@ class Fleet:
             out[tier] = (sum(t.hits for t in totals), sum(t.misses for t in totals))
         st = self.store.totals()
         out["store"] = (st.hits, st.misses)
+        out["loads"] = sum((w.loads for w in self.workers), Counter())
+        out["prefetches"] = self.prefetches
         return out

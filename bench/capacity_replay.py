@@ -135,7 +135,15 @@ def figures(reqs: list[SimRequest], before: dict, after: dict, steps,
             "gpu_hit_rate": _rate(before["gpu"], after["gpu"]) if counters else None,
             "worker_host_hit_rate": _rate(before["host"], after["host"]) if counters else None,
             "store_host_hit_rate": _rate(before["store"], after["store"]) if counters else None,
-            "request_tiers": tiers}
+            "request_tiers": tiers, **(_deltas(before, after) if counters else {})}
+
+
+def _deltas(before: dict, after: dict) -> dict:
+    """Cold loads per source tier, GPU lookups and prefetch hints over the phase."""
+    loads = {t: after["loads"].get(t, 0) - before["loads"].get(t, 0)
+             for t in ("worker_host", "store_host", "source")}
+    return {"loads": loads, "gpu_lookups": sum(after["gpu"]) - sum(before["gpu"]),
+            "prefetches": after["prefetches"] - before["prefetches"]}
 
 
 def calibrate(header: dict, measured: dict[str, dict], model, loads, key: str = "e2e_p50_ms"):

@@ -76,9 +76,11 @@ def validate(out: Path) -> dict:
     started = time.perf_counter()
     model, loads, doc, notes = models()
     header = doc["header"]
-    measured = {}
+    measured, cold = {}, {}
     for r in doc["rows"]:                       # a row per cold tier: the first has the totals
         measured.setdefault(r["scenario"], r)
+        if r.get("cold_tier"):
+            cold.setdefault(r["scenario"], {})[r["cold_tier"]] = r["cold_n"]
     sim = cr.replay(Fleet(cr.fleet_config(header), model, loads),
                     cr.scenario_phases(header, VALIDATED[-1]))
     rows = []
@@ -89,6 +91,11 @@ def validate(out: Path) -> dict:
                      "measured_tok_s": m["out_tok_s"], "predicted_tok_s": p["out_tok_s"],
                      "gpu_hit_rel_err": round(p["gpu_hit_rate"] / m["gpu_hit_rate"] - 1, 4),
                      "tok_s_rel_err": round(p["out_tok_s"] / m["out_tok_s"] - 1, 4),
+                     "loads": {"measured": cold.get(name, {}), "predicted": p["loads"]},
+                     # GPU lookups the worker counted: its misses (one per cold load) / miss rate
+                     "lookups": {"requests": m["requests"], "measured": round(
+                         m["worker_cold_records"] / (1 - m["gpu_hit_rate"])),
+                         "predicted": p["gpu_lookups"], "prefetches": p["prefetches"]},
                      "measured": {k: m.get(k) for k in report.COMPARED},
                      "predicted": {k: p.get(k) for k in report.COMPARED + ("request_tiers",)}})
     doc_out = {"header": {**meta(started), "serve": {k: header[k] for k in
