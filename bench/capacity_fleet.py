@@ -45,6 +45,7 @@ class FleetConfig:
     tenant_share: float = 0.5           # 0: caps off
     eviction: str = "lru"               # the GPU pool's: lru or cost
     loader_threads: int = 8
+    placement: str = "affinity"         # the router's; least_loaded: adapter-blind, to compare
     seed: int = 0
 
 
@@ -301,7 +302,8 @@ class Fleet:
 
     def _place(self, req: SimRequest) -> str:
         """The router's call (services/router/generate.py _place)."""
-        return choose_worker(req.adapter or None, self.views, spill_rows=self.cfg.spill_rows,
+        adapter = req.adapter if self.cfg.placement == "affinity" else None
+        return choose_worker(adapter or None, self.views, spill_rows=self.cfg.spill_rows,
                              load_floor=self.cfg.spill_rows)
 
     def _dispatch(self, req: SimRequest) -> None:

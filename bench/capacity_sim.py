@@ -133,7 +133,25 @@ def synthetic(wcfg: WorkloadConfig, fcfg: FleetConfig, model, loads,
                                         ("worker_host", "store_host", "source"))
                                     / max(fig["span_s"], 1e-9), 1)
     fig["throttled"], fig["prefetches"] = fleet.throttled, fleet.prefetches
+    fig.update(tenant_figures(measured, wcfg))
     return fig
+
+
+def tenant_figures(reqs: list, wcfg: WorkloadConfig) -> dict:
+    """GPU hit share per tenant, and the steady tenants' while the bursty one bursts (v1's)."""
+    per: dict[str, list[int]] = {}
+    burst = [0, 0]
+    for r in reqs:
+        hit = r.tier == "gpu"
+        got = per.setdefault(r.tenant, [0, 0])
+        got[0], got[1] = got[0] + hit, got[1] + 1
+        if r.tenant != "bursty" and r.at % wcfg.burst_period_s < wcfg.burst_on_s:
+            burst[0], burst[1] = burst[0] + hit, burst[1] + 1
+    rates = {t: round(h / n, 4) for t, (h, n) in sorted(per.items())}
+    steady = [v for t, v in rates.items() if t != "bursty"]
+    return {"tenant_gpu_hit": rates,
+            "steady_min_gpu_hit": min(steady) if steady else None,
+            "steady_gpu_hit_in_bursts": round(burst[0] / burst[1], 4) if burst[1] else None}
 
 
 def table(out: Path, name: str, grid: dict, wcfg: WorkloadConfig, fcfg: FleetConfig,
