@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 
 from bench import serve_scenarios as ss
 from bench.capacity_fleet import Fleet, FleetConfig, SimRequest
+
+TIERS = ("gpu", "worker_host", "store_host", "source")     # what a trace row's tier may be
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -27,21 +30,52 @@ def bench_args(header: dict):
     return serve_bench.parser().parse_args(header["argv"])
 
 
+def _flags(command: str) -> dict[str, str]:
+    """--name value / --name=value pairs of a recorded service command line."""
+    words, out = shlex.split(command), {}
+    for i, w in enumerate(words):
+        if w.startswith("--"):
+            name, eq, value = w[2:].partition("=")
+            if eq:
+                out[name] = value
+            elif i + 1 < len(words) and not words[i + 1].startswith("--"):
+                out[name] = words[i + 1]
+    return out
+
+
 def fleet_config(header: dict, **over) -> FleetConfig:
-    """The recorded run's worker / router / store flags as a FleetConfig."""
+    """The recorded run's flags as a FleetConfig: from the services' own command lines in the
+    header (what they ran with), the services' defaults for what they were not given."""
+    from services.adapter_store.config import StoreConfig
     from services.common.runtime import parse_bytes
-    a = bench_args(header)
-    given = {"gpu_pool_bytes": a.gpu_pool_bytes, "pool_slots": a.pool_slots,
-             "host_pool_bytes": a.host_pool_bytes, "store_host_bytes": a.store_host_bytes,
-             "max_running": a.max_running, "max_batch_tokens": a.max_batch_tokens,
-             "max_in_flight_per_worker": a.max_in_flight_per_worker,
-             "eviction": getattr(a, "eviction", None)}
-    values = {}
-    for key, v in given.items():
-        if v is not None:
-            values[key] = v if key == "eviction" else (
-                parse_bytes(v) if key.endswith("bytes") else int(v))
+    from services.router.config import RouterConfig
+    from services.worker.config import WorkerConfig
+    cmd = header["services"]
+    w, r, st = (_flags(cmd[k]) for k in ("worker", "router", "adapter_store"))
+    wd, rd, sd = WorkerConfig(), RouterConfig, StoreConfig
+
+    def get(flags: dict, name: str, default, kind=int):
+        return kind(flags[name]) if name in flags else default
+    values = {
+        "gpu_pool_bytes": get(w, "gpu-pool-bytes", wd.gpu_pool_bytes, parse_bytes),
+        "pool_slots": get(w, "pool-slots", wd.pool_slots),
+        "host_pool_bytes": get(w, "host-pool-bytes", wd.host_pool_bytes, parse_bytes),
+        "max_running": get(w, "max-running", wd.max_running),
+        "max_batch_tokens": get(w, "max-batch-tokens", wd.max_batch_tokens),
+        "tenant_share": get(w, "tenant-share", wd.tenant_share, float),
+        "eviction": get(w, "eviction", wd.eviction, str),
+        "loader_threads": get(w, "loader-threads", wd.loader_threads),
+        "store_host_bytes": get(st, "host-cache-bytes",
+                                sd.__dataclass_fields__["host_cache_bytes"].default, parse_bytes),
+        "max_in_flight_per_worker": get(r, "max-in-flight-per-worker",
+                                        _default(rd, "max_in_flight_per_worker")),
+        "foothold_per_worker": get(r, "foothold-per-worker", _default(rd, "foothold_per_worker")),
+        "spill_rows": get(r, "spill-rows", _default(rd, "spill_rows"))}
     return dataclasses.replace(FleetConfig(**values), **over)
+
+
+def _default(cls, name: str):
+    return cls.__dataclass_fields__[name].default
 
 
 def adapter_bytes(header: dict) -> dict[str, int]:
