@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     a("--commit", help="the code's commit for the header, where the checkout's git cannot tell "
       "(a working tree copied to a GPU machine)")
     a("--name", help="results name (serve-h200 on an H200, serve-cpu on a CPU)")
+    a("--trace-out", help="also write every gRPC scenario's requests here (JSON: per request "
+      "the arrival offset, adapter, tenant, prompt and output tokens, the adapter's tier), "
+      "the warm-up's before the measured ones, for bench/capacity_sim.py --replay")
     return p
 
 
@@ -120,6 +123,7 @@ def _service_flags(p) -> None:
                        ("max-running", "worker"), ("max-batch-tokens", "worker"),
                        ("max-prefill-with-decode", "worker"),
                        ("host-pool-bytes", "worker"), ("pool-slots", "worker"),
+                       ("eviction", "worker (lru or cost: the GPU pool's order)"),
                        ("store-host-bytes", "store --host-cache-bytes"),
                        ("max-in-flight-per-worker", "router")):
         a(f"--{flag}", help=f"{what} (GPU runs: {GPU_DEFAULTS.get(flag.replace('-', '_'), '-')};"
@@ -251,6 +255,10 @@ def run(args) -> pathlib.Path:
     out = pathlib.Path(args.out)
     for p in serve_report.write(out, name, h, bench.rows, bench.cdfs):
         print(f"wrote {p}", flush=True)
+    if args.trace_out:
+        trace = {"header": h, "scenarios": bench.traces}
+        pathlib.Path(args.trace_out).write_text(json.dumps(trace, indent=None, default=str))
+        print(f"wrote {args.trace_out}", flush=True)
     (out / "partial-rows.json").unlink(missing_ok=True)
     if tmp:                  # a temp work dir is not reused: drop the model and adapters
         for part in work.iterdir():

@@ -34,7 +34,7 @@ def engine_options(args, manifest: dict, ids: list[str]) -> dict:
 
 
 WORKER_FLAGS = ("gpu_pool_bytes", "kv_cache_bytes", "max_running", "max_batch_tokens",
-                "max_prefill_with_decode", "host_pool_bytes", "pool_slots")
+                "max_prefill_with_decode", "host_pool_bytes", "pool_slots", "eviction")
 
 
 def service_args(args, manifest: dict, s3, shm: str | None) -> tuple[list, list, list]:
@@ -69,6 +69,20 @@ def _flag_value(flags: list[str], name: str, default: int) -> int:
     return default
 
 
+def trace_rows(records: list[dict]) -> list[dict]:
+    """What bench/capacity_sim.py replays of one phase's client records: arrival offset from
+    the phase's first send (s), adapter, tenant, phase, prompt and output tokens, the tier the
+    adapter came from (gpu, worker_host, store_host, source), TTFT and end-to-end (s)."""
+    if not records:
+        return []
+    t0 = min(r["send"] for r in records)
+    return [{"at": round(r["send"] - t0, 6), "adapter": r["adapter"], "tenant": r["tenant"],
+             "phase": r["phase"], "prompt": r["prompt"], "output": r["tokens"],
+             "tier": (r["timings"] or {}).get("adapter_tier"), "status": r["status"],
+             "ttft_s": round(r["times"][0] - r["send"], 6) if r["times"] else None,
+             "e2e_s": round(r["end"] - r["send"], 6)} for r in records]
+
+
 def rank_of(adapter_id: str) -> int:
     return int(serve_model.ADAPTER_ID.fullmatch(adapter_id).group(1))
 
@@ -83,6 +97,7 @@ class Bench:
         self.last_cold: dict[int, list[str]] = {}          # rank -> the last cold stream's
         self.rows: list[dict] = []
         self.cdfs: dict[str, dict] = {}
+        self.traces: dict[str, list[dict]] = {}          # scenario -> trace_rows (--trace-out)
         self.stack = self.pool = self.s3 = self.shm = None
         self.header: dict = {}
 
@@ -205,8 +220,9 @@ class Bench:
         ids, start = self.ids(s), time.monotonic()
         if s.preload:
             self._preload(s, ids)
+        warm = []
         if s.warmup:
-            self.pool.run(self.requests(s, "warmup", s.warmup), s.concurrency)
+            warm = self.pool.run(self.requests(s, "warmup", s.warmup), s.concurrency)
         self.used.update(ids)
         cold = self.cold_ids(s)
         self.used.update(cold)
@@ -225,6 +241,7 @@ class Bench:
         print(f"{s.name}: {len(records)} requests in {time.monotonic() - start:.1f}s",
               flush=True)
         self.record(s, records, (w0, w1), (st0, st1))
+        self.traces[s.name] = trace_rows(warm) + trace_rows(records)
 
     def _preload(self, s: ss.Scenario, ids: list[str]) -> None:
         """One short request per adapter, one at a time (setup, not measured)."""

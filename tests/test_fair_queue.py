@@ -190,3 +190,19 @@ def test_gate_cancellation_racing_a_grant_returns_the_slot() -> None:
         assert gate.in_flight == 0 and gate.vtc.served()["b"] == 0
 
     asyncio.run(scenario())
+
+
+def test_enqueue_grants_in_vtc_order_without_an_event_loop() -> None:
+    """The synchronous form (the capacity simulator's): a slot at once when free, else in VTC
+    order as slots are released."""
+    gate = FairGate(1)
+    granted: list[str] = []
+    first = gate.enqueue("heavy", 100, lambda t: granted.append(t.tenant))
+    assert granted == ["heavy"]
+    gate.enqueue("heavy", 100, lambda t: granted.append(t.tenant))
+    light = []
+    gate.enqueue("light", 10, lambda t: light.append(t))
+    gate.release(first, 100, 500)                   # heavy is now far ahead in tokens
+    assert granted == ["heavy"] and len(light) == 1
+    gate.release(light[0], 10, 10)
+    assert granted == ["heavy", "heavy"] and gate.in_flight == 1

@@ -102,7 +102,7 @@ def test_hot_adapter_spills_to_second_worker() -> None:
 
 
 def _load_capacity_sim():
-    """bench/ is not a package: load bench/capacity_sim.py by path."""
+    """bench/capacity_sim.py by path (it puts the checkout on sys.path for its bench imports)."""
     if "capacity_sim" not in sys.modules:
         path = Path(__file__).resolve().parents[1] / "bench" / "capacity_sim.py"
         spec = importlib.util.spec_from_file_location("capacity_sim", path)
@@ -111,25 +111,31 @@ def _load_capacity_sim():
     return sys.modules["capacity_sim"]
 
 
-def test_capacity_sim_rendezvous_and_caps_measured() -> None:
-    """The simulator (same policy + placement code) at a small size: affinity raises the GPU hit
-    rate; caps raise the steady tenants' hit rate while the bursty tenant bursts."""
+def test_capacity_sim_affinity_and_caps_measured() -> None:
+    """The simulator (same policy, placement and gate code) at a small size: affinity raises the
+    GPU hit rate over an adapter-blind balancer; caps keep the steady tenants' hit rate up while
+    the bursty tenant bursts."""
     sim = _load_capacity_sim()
-    wl = sim.make_workload(sim.WorkloadConfig(adapters=4000, requests=8000, rate=100))
-    fleet = sim.FleetConfig(workers=4, gpu=48, host=256, store=2048)
-    plain = sim.simulate(wl, replace(fleet, placement="least_loaded"))
-    no_caps = sim.simulate(wl, replace(fleet, caps=False))
-    caps = sim.simulate(wl, fleet)
-    assert caps["gpu_hit_rate"] > plain["gpu_hit_rate"] + 0.1
-    assert caps["working_set_per_worker"] < plain["working_set_per_worker"]
-    assert caps["steady_hit_rate_in_bursts"] > no_caps["steady_hit_rate_in_bursts"] + 0.05
+    from bench.capacity_fleet import FleetConfig
+    from bench.capacity_model import LoadTimes, StepModel
+    step = StepModel(a0=5.0, a1=0.02, c0=0.3, c1=0.01, k_pre=0.02)
+    loads = LoadTimes({"source": (0.03, 0.07), "worker_host": (0.006, 0.02),
+                       "store_host": (0.02, 0.05)}, 16 << 20)
+    wl = sim.WorkloadConfig(adapters=4000, requests=6000, rate=120, burst_factor=20,
+                            prompt=32, output=16)
+    fleet = FleetConfig(workers=4, gpu_pool_bytes=48 * 43 << 20, host_pool_bytes=1 << 30)
+    blind = sim.synthetic(wl, replace(fleet, placement="least_loaded"), step, loads)
+    no_caps = sim.synthetic(wl, replace(fleet, tenant_share=0.0), step, loads)
+    caps = sim.synthetic(wl, fleet, step, loads)
+    assert caps["gpu_hit_rate"] > blind["gpu_hit_rate"] + 0.1
+    assert caps["steady_gpu_hit_in_bursts"] > no_caps["steady_gpu_hit_in_bursts"]
 
 
 def test_capacity_sim_cli_writes_results(tmp_path) -> None:
     sim = _load_capacity_sim()
-    sim.main(["--adapters", "2000", "--requests", "3000", "--rate", "100", "--workers", "2",
-              "--gpu", "32", "--host", "128", "--store", "512", "--sweep", "",
-              "--adapter-sweep", "", "--no-plot", "--out", str(tmp_path)])
+    sim.main(["table", "--adapters-list", "2000", "--workers-list", "1,2", "--requests", "1500",
+              "--requests-per-worker", "0", "--rate-per-worker", "30", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "capacity_sim.json").read_text())
-    assert len(data["runs"]) == 4 and data["python"]
-    assert "| rendezvous | on |" in (tmp_path / "capacity_sim.md").read_text()
+    assert len(data["runs"]) == 4 and data["header"]["python"] and data["header"]["commit"]
+    assert {r["eviction"] for r in data["runs"]} == {"lru", "cost"}
+    assert "| 2000 | 1.0 | 4 | 2 | cost |" in (tmp_path / "capacity_sim.md").read_text()

@@ -155,6 +155,35 @@ def test_quick_run_writes_complete_results(tmp_path):
     assert (out / "serve-cpu-cdf.png").stat().st_size > 0
 
 
+def test_quick_run_with_cost_eviction_records_a_trace_the_simulator_replays(tmp_path):
+    """--eviction reaches the worker, --trace-out writes every request with its tier, and the
+    capacity simulator replays that trace with the run's own flags."""
+    from bench import capacity_replay as cr
+    from bench.capacity_fleet import Fleet
+    from bench.capacity_model import LoadTimes, StepModel
+    out, trace = tmp_path / "out", tmp_path / "trace.json"
+    scenario = "t:adapters=16,rank=8,zipf=0.5,rate=20,requests=24,warmup=4,prompt=8:16,output=4:8"
+    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--quick", "--suite", "none",
+                           "--scenarios", scenario, "--eviction", "cost", "--trace-out",
+                           str(trace), "--out", str(out), "--work", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(trace.read_text())
+    assert "--eviction cost" in doc["header"]["services"]["worker"]
+    rows = doc["scenarios"]["t"]
+    assert [r["phase"] for r in rows].count("warmup") == 4 and len(rows) == 28
+    assert all(r["status"] == "OK" and r["tier"] in cr.TIERS for r in rows)
+    assert any(r["tier"] != "gpu" for r in rows) and rows[0]["at"] == 0.0
+    header, phases = cr.trace_phases(trace)
+    cfg = cr.fleet_config(header)
+    assert cfg.eviction == "cost" and cfg.gpu_pool_bytes == 768 << 10
+    step = StepModel(a0=5.0, a1=0.02, c0=0.3, c1=0.01, k_pre=0.02)
+    loads = LoadTimes({"source": (0.03, 0.07), "worker_host": (0.006, 0.02),
+                       "store_host": (0.02, 0.05)}, 112 << 10)
+    fig = cr.replay(Fleet(cfg, step, loads), phases)["t"]
+    assert fig["ok"] == 24 and 0.0 < fig["gpu_hit_rate"] < 1.0
+
+
 @pytest.mark.slow
 def test_a_service_that_exits_raises_with_the_end_of_its_log(tmp_path, capsys):
     """A bad flag (the store and worker addresses are closed loopback ports): the router exits

@@ -79,12 +79,19 @@ def test_router_and_worker_take_the_store_address_from_the_environment(monkeypat
     (["--kernel-cache", "README.md"], "--kernel-cache README.md: not a directory"),
     (["--warmup", "sometimes"], "--warmup"),
     (["--frontend", "remote"], "--frontend"),
+    (["--eviction", "lfu"], "--eviction"),
 ])
 def test_the_worker_refuses_a_bad_kernel_cache_warmup_or_frontend(flags, named):
     proc = subprocess.run([sys.executable, "-m", "services.worker", "--metrics-port", "0",
                            *flags], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_worker_eviction_flag_reaches_its_config():
+    from services.worker.config import parse_args
+    assert parse_args([]).eviction == "lru"
+    assert parse_args(["--eviction", "cost"]).eviction == "cost"
 
 
 def test_only_config_and_main_modules_read_the_environment():

@@ -2,6 +2,11 @@
 host tier, the store host tier and bench/capacity_sim.py (no torch). It only does bookkeeping:
 it decides *which* keys go; the owner frees the bytes.
 
+``eviction="cost"`` replaces "least recently used" in every step below by "lowest
+Greedy-Dual-Size-Frequency priority" (``clock + frequency * reload cost / bytes``, see
+services/common/gdsf.py): an adapter that is used often and slow to reload stays before a big,
+cheap, rarely used one. Caps, footholds and pins are the same in both modes.
+
 Eviction, when an admission needs room, takes victims in this order until the entry fits:
 
 1. caps on: entries of inactive tenants (nobody waits for them), longest idle tenant first;
@@ -21,7 +26,8 @@ with nothing pinned (not the requester's: its new entry becomes its foothold). P
 
 Active tenants: those the owner names (``set_active_tenants``: a worker knows whose rows wait or
 run); until it does, those that admitted or hit an entry in the last ``active_window`` accesses.
-Cost: touch/pin/unpin/remove O(1); admit O(T log T + victims), T = tenants. Thread-safe.
+Cost: touch/pin/unpin/remove O(1); admit O(T log T + victims), T = tenants (cost mode: plus
+O(n) to order the n candidate entries of a phase). Thread-safe.
 """
 from __future__ import annotations
 
@@ -29,6 +35,10 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Iterator, NamedTuple
+
+from services.common.gdsf import GDSF
+
+EVICTIONS = ("lru", "cost")
 
 
 class NoRoom(Exception):
@@ -91,16 +101,21 @@ class CachePolicy:
     capacity_bytes: the tier's budget. tenant_share: per-tenant cap as a fraction of capacity
     (None: no caps). foothold: keep every active tenant's most recent entry until nothing else can
     go. active_window: accesses after which a silent tenant stops being active (automatic mode).
+    eviction: "lru", or "cost" (GDSF order; admit's ``cost`` is the entry's reload cost).
     """
 
     def __init__(self, capacity_bytes: int, tenant_share: float | None = 0.5,
-                 foothold: bool = True, active_window: int = 1024) -> None:
+                 foothold: bool = True, active_window: int = 1024,
+                 eviction: str = "lru") -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         if tenant_share is not None and not 0.0 < tenant_share <= 1.0:
             raise ValueError(f"tenant_share must be in (0, 1] or None, got {tenant_share}")
         if active_window < 1:
             raise ValueError(f"active_window must be >= 1, got {active_window}")
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
+        self._gdsf = GDSF() if eviction == "cost" else None
         self._capacity, self._share = int(capacity_bytes), tenant_share
         self._foothold, self._window = foothold, active_window
         self._lock = threading.Lock()
@@ -111,9 +126,14 @@ class CachePolicy:
         self._explicit_active: frozenset[str] | None = None
 
     @classmethod
-    def plain_lru(cls, capacity_bytes: int) -> CachePolicy:
-        """Plain byte-budgeted LRU with pins: no caps, no footholds."""
-        return cls(capacity_bytes, tenant_share=None, foothold=False)
+    def plain_lru(cls, capacity_bytes: int, eviction: str = "lru") -> CachePolicy:
+        """Plain byte-budgeted LRU (or GDSF, eviction="cost") with pins: no caps, no footholds."""
+        return cls(capacity_bytes, tenant_share=None, foothold=False, eviction=eviction)
+
+    @property
+    def eviction(self) -> str:
+        """"lru" or "cost"."""
+        return "lru" if self._gdsf is None else "cost"
 
     @property
     def capacity_bytes(self) -> int:
@@ -200,12 +220,14 @@ class CachePolicy:
             return True
 
     def admit(self, key: str, tenant: str, nbytes: int, *, pin: bool = False,
-              count_miss: bool = True) -> list[str]:
+              count_miss: bool = True, cost: float | None = None) -> list[str]:
         """Reserve nbytes for a new entry; return the keys the caller must now evict.
 
         The returned keys are already removed from the policy. Raises NoRoom (nothing changed)
         when the rest is pinned. An already admitted key is refreshed and [] returned.
         pin: admit pinned (e.g. while it loads). count_miss=False for prefetches and demotions.
+        cost: what reloading it would cost (seconds, say; eviction="cost" only; None: nbytes,
+        i.e. every byte costs the same and the order is frequency with aging).
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -214,6 +236,8 @@ class CachePolicy:
                 self._refresh(key, pin)
                 return []
             victims = self._choose_victims(tenant, nbytes)
+            if self._gdsf is not None:
+                self._gdsf.evicted(victims)
             for victim in victims:
                 self._drop(victim, evicted=True)
             state = self._note_access(tenant)
@@ -223,9 +247,17 @@ class CachePolicy:
             state.bytes += nbytes
             self._used += nbytes
             self._lru[key] = state.lru[key] = None
+            if self._gdsf is not None:
+                self._gdsf.admit(key, nbytes, nbytes if cost is None else cost)
             if pin:
                 self._pin(key)
             return victims
+
+    def set_cost(self, key: str, cost: float) -> None:
+        """The entry's reload cost changed (eviction="cost"; a no-op for LRU or a missing key)."""
+        with self._lock:
+            if self._gdsf is not None and key in self._entries:
+                self._gdsf.set_cost(key, cost)
 
     def _refresh(self, key: str, pin: bool) -> _Tenant:
         """Make key most recently used (and pin it); returns its tenant's state."""
@@ -234,6 +266,8 @@ class CachePolicy:
         if not entry.pins:
             self._lru.move_to_end(key)
             state.lru.move_to_end(key)
+        if self._gdsf is not None:
+            self._gdsf.access(key)
         if pin:
             self._pin(key)
         return state
@@ -265,6 +299,8 @@ class CachePolicy:
                 state = self._tenants[entry.tenant]
                 state.pinned -= 1
                 self._lru[key] = state.lru[key] = None
+                if self._gdsf is not None:
+                    self._gdsf.used(key)
 
     def remove(self, key: str) -> bool:
         """Forget key (the owner dropped it). False if absent; ValueError if it is pinned."""
@@ -284,6 +320,8 @@ class CachePolicy:
         del state.lru[key]
         state.bytes -= entry.nbytes
         self._used -= entry.nbytes
+        if self._gdsf is not None:
+            self._gdsf.forget(key)
         if evicted:
             state.stats.evictions += 1
 
@@ -317,10 +355,14 @@ class CachePolicy:
                 yield from self._own_over_cap(tenant, nbytes, cap)
             yield from self._others_over_cap(tenant, cap, footholds)
         if footholds:
-            yield from (k for k in self._lru if k not in footholds)
+            yield from (k for k in self._order(self._lru) if k not in footholds)
             if self._share is not None and len(active) > 1 and self._over(tenant, nbytes, cap):
                 return      # a tenant over its cap never takes another's foothold: it waits
-        yield from self._lru
+        yield from self._order(self._lru)
+
+    def _order(self, keys: OrderedDict[str, None]) -> Iterator[str]:
+        """Unpinned keys in eviction order: least recent first, or lowest GDSF priority."""
+        return iter(keys) if self._gdsf is None else self._gdsf.order(keys)
 
     def _over(self, tenant: str, nbytes: int, cap: float) -> bool:
         state = self._tenants.get(tenant)
@@ -334,7 +376,7 @@ class CachePolicy:
         idle = sorted((s.last_access, name) for name, s in self._tenants.items()
                       if name not in active and s.lru)
         for _, name in idle:
-            yield from self._tenants[name].lru
+            yield from self._order(self._tenants[name].lru)
 
     def _footholds(self, active: frozenset[str], requester: str) -> frozenset[str]:
         keys = []
@@ -347,7 +389,7 @@ class CachePolicy:
     def _own_over_cap(self, tenant: str, nbytes: int, cap: float) -> Iterator[str]:
         state = self._tenants.get(tenant)
         held = state.bytes + nbytes if state else 0
-        for key in state.lru if state else ():
+        for key in self._order(state.lru) if state else ():
             if held <= cap:
                 return
             held -= self._entries[key].nbytes
@@ -360,7 +402,7 @@ class CachePolicy:
         for name, state in self._tenants.items():
             if name != tenant and state.bytes > cap and state.lru:
                 excess[name] = state.bytes - cap
-                queues[name] = (k for k in state.lru if k not in footholds)
+                queues[name] = (k for k in self._order(state.lru) if k not in footholds)
         while excess:
             name = max(excess, key=excess.__getitem__)
             key = next(queues[name], None)

@@ -27,7 +27,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 
 class VirtualTokenCounter:
@@ -222,6 +222,15 @@ class FairGate:
             raise
         return ticket
 
+    def enqueue(self, tenant: str, est_tokens: int, on_grant: Callable[[Ticket], None]) -> Ticket:
+        """acquire() without an event loop (bench/capacity_sim.py drives the gate on simulated
+        time): on_grant(ticket) is called when the slot is handed out, at once if one is free.
+        Give the slot back with release(ticket) as usual."""
+        ticket = Ticket(tenant, est_tokens)
+        self.vtc.push(tenant, (ticket, _Grant(ticket, on_grant)), est_tokens)
+        self._dispatch()
+        return ticket
+
     def _dispatch(self) -> None:
         while len(self.vtc):
             if self._in_flight < self._max:
@@ -269,3 +278,20 @@ class FairGate:
         else:
             self._by_tenant.pop(ticket.tenant, None)
         self._dispatch()
+
+
+class _Grant:
+    """What enqueue() queues in place of acquire()'s future: done() / set_result() as the
+    dispatch uses them, calling back instead of waking a coroutine."""
+
+    __slots__ = ("ticket", "on_grant", "granted")
+
+    def __init__(self, ticket: Ticket, on_grant: Callable[[Ticket], None]) -> None:
+        self.ticket, self.on_grant, self.granted = ticket, on_grant, False
+
+    def done(self) -> bool:
+        return self.granted
+
+    def set_result(self, _value: None) -> None:
+        self.granted = True
+        self.on_grant(self.ticket)

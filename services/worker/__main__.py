@@ -125,7 +125,7 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
             precompile.mark_warm(digest)
     manager = AdapterManager(built.pool, built.spec, host, store,
                              tenant_share=cfg.tenant_share or None,
-                             loader_threads=cfg.loader_threads,
+                             loader_threads=cfg.loader_threads, eviction=cfg.eviction,
                              evictions=metrics.Evictions(TenantLabels(cfg.metrics_tenants)))
     gauges = EngineGauges(built.spec.name, cfg.pool_slots)
     REGISTRY.register(gauges)

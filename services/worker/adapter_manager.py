@@ -98,6 +98,7 @@ class ColdLoadLog:
 
 
 ROOM_MARGIN_S = 0.5      # a wait for adapter room ends this long before the request's deadline
+H2D_BYTES_PER_S = 4e9    # a placement's copy to the pool, for the reload cost (--eviction cost)
 STAGES = ("fetch", "digest", "layout", "room_wait", "host_to_device", "source")
 
 
@@ -105,10 +106,11 @@ class AdapterManager:
     def __init__(self, pool: DevicePool, spec: ModelSpec, host: HostTier, store: StoreClient,
                  tenant_share: float | None = 0.5,
                  on_change: Callable[[str], None] = lambda key: None, loader_threads: int = 8,
-                 evictions: metrics.Evictions | None = None):
+                 evictions: metrics.Evictions | None = None, eviction: str = "lru"):
         self.pool, self.spec, self.store, self.host = pool, spec, store, host
         self.evictions = evictions or metrics.Evictions()   # per tenant, on /metrics
-        self.gpu = CachePolicy(pool.capacity_bytes, tenant_share, foothold=tenant_share is not None)
+        self.gpu = CachePolicy(pool.capacity_bytes, tenant_share, foothold=tenant_share is not None,
+                               eviction=eviction)
         self.info: dict[str, Residency] = {}
         self.pinned_versions: set[str] = set()      # keys asked for as ID@VERSION pins
         self._loading: dict[str, asyncio.Future] = {}
@@ -283,7 +285,8 @@ class AdapterManager:
                 f"holds {self.pool.capacity_bytes} (--gpu-pool-bytes)", retry_after=1.0)
         with self._gpu_lock:
             try:
-                victims = self.gpu.admit(job.key, job.tenant, nbytes, pin=True)
+                victims = self.gpu.admit(job.key, job.tenant, nbytes, pin=True,
+                                         cost=_reload_cost(job.record, nbytes))
             except NoRoom:
                 return None
             for victim in victims:
@@ -392,6 +395,12 @@ class AdapterManager:
 
     def close(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+def _reload_cost(record: wpb.ColdLoadRecord, nbytes: int) -> float:
+    """Seconds this load took to get its bytes (fetch and layout: ~0 from the host tier) plus
+    the copy to the pool: what evicting it would cost (CachePolicy eviction="cost")."""
+    return record.fetch_s + record.layout_s + nbytes / H2D_BYTES_PER_S
 
 
 def _observe_stages(record: wpb.ColdLoadRecord) -> None:

@@ -28,6 +28,7 @@ class WorkerConfig:
     max_new_tokens: int = 64            # default when a request leaves it 0
     max_new_tokens_limit: int = 4096
     tenant_share: float = 0.5           # per-tenant cap of each adapter tier; 0 = caps off
+    eviction: str = "lru"               # the GPU pool's order: lru, or cost (GDSF)
     metrics_tenants: int = 50           # tenants named on /metrics; the rest are "other"
     metrics_port: int = 9102
     metrics_host: str = ""             # "" = the --listen host
@@ -68,6 +69,8 @@ class WorkerConfig:
             raise ValueError("--max-prefill-with-decode must be >= 0 (0: no cap)")
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
+        if self.eviction not in ("lru", "cost"):
+            raise ValueError(f"--eviction: {self.eviction!r} is not lru or cost")
         if self.kernel_cache and os.path.exists(self.kernel_cache) and \
                 not os.path.isdir(self.kernel_cache):
             raise ValueError(f"--kernel-cache {self.kernel_cache}: not a directory")
@@ -120,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--max-new-tokens", type=int, default=64, help="default max_new_tokens")
     p.add_argument("--tenant-share", type=float, default=0.5,
                    help="per-tenant cap of each adapter tier (fraction; 0 = caps off)")
+    p.add_argument("--eviction", default="lru", choices=("lru", "cost"),
+                   help="the GPU pool's eviction order: lru, or cost (Greedy-Dual-Size-"
+                        "Frequency: uses x reload time / bytes) (lru)")
     p.add_argument("--worker-id", default="", help="name in residency streams (default: random)")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads for a CPU engine; 0 = torch's default (1: small decode "
@@ -139,7 +145,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
         max_prefill_with_decode=a.max_prefill_with_decode,
         max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
-        tenant_share=a.tenant_share, worker_id=a.worker_id, **common_values(a),
+        tenant_share=a.tenant_share, eviction=a.eviction, worker_id=a.worker_id,
+        **common_values(a),
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
         loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
         share_prefixes=a.share_prefixes, kernel_cache=a.kernel_cache,
