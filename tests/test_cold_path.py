@@ -191,8 +191,9 @@ def test_the_store_keeps_its_host_tier_in_shared_memory(tmp_path):
 @pytest.mark.parametrize("shm", [True, False])
 def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
     """A local blob is hashed as it is read into its place in the host tier: bytes that no
-    longer match the registration are refused DATA_LOSS and leave nothing behind (no file
-    in the shared-memory directory, not even the half-written one); put back, they serve."""
+    longer match the registration (for an adapter of --adapters-dir, its validation at first
+    use) are refused DATA_LOSS and leave nothing behind (no file in the shared-memory
+    directory, not even the half-written one); put back, they serve."""
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     adapters = tmp_path / "adapters"
@@ -204,6 +205,8 @@ def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
                     tmp_path).wait()
     api = StoreApi(store.addr)
     try:
+        resolved = api.stub.Resolve(spb.ResolveRequest(name="pirate"), timeout=30)   # first use
+        assert resolved.adapter.version
         flipped = bytearray(BLOB)
         flipped[-1] ^= 1                                           # same size, one bit
         for changed in (bytes(flipped), BLOB[:-7]):               # ... and a shorter file

@@ -11,6 +11,8 @@ from concurrent import futures
 import grpc
 import pytest
 
+from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
+from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc
 from tests.support import DEMO_ADAPTERS, MODEL_DIR, Service, free_port
 
 trace_service = pytest.importorskip(
@@ -52,6 +54,10 @@ def test_store_exports_its_spans_over_otlp(tmp_path):
         store.wait()
         names = sorted(p.name for p in DEMO_ADAPTERS.iterdir()
                        if (p / "adapter_config.json").exists())
+        with grpc.insecure_channel(store.addr) as ch:      # first use validates each
+            stub = adapter_store_pb2_grpc.AdapterStoreStub(ch)
+            for name in names:
+                stub.Resolve(spb.ResolveRequest(name=name), timeout=30)
         end = time.monotonic() + 30            # the batch processor exports every 5 s
         while time.monotonic() < end:
             with collector.lock:
