@@ -33,7 +33,7 @@ from services.worker.adapter_layout import staged_from_tensors
 from services.worker.device_pool import PoolFull
 from services.worker.engine import Engine
 from services.worker.model_spec import GROUPS, ModelSpec
-from services.worker.sequence import Sampling, Sequence, Stopping
+from services.worker.sequence import Sampling, Sequence, Status, Stopping
 
 log = logging.getLogger(__name__)
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -182,11 +182,12 @@ class Warmup:
         for n in self.tokens:
             self._drain(self._prompts(n, slots[0], 0))
         for rows in self.decode_rows:
-            for n in self.mixed_tokens:
-                if n <= self.cap and n + rows > self.tokens[-1]:
-                    continue                 # one step could not take it beside them
-                self._beside([slots[j % len(slots)] for j in range(rows)],
-                             self._prompts(n, slots[(rows + 1) % len(slots)], rows))
+            # (a prompt that one step could not take beside the rows is left out)
+            lengths = [n for n in self.mixed_tokens
+                       if not (n <= self.cap and n + rows > self.tokens[-1])]
+            self._beside([slots[j % len(slots)] for j in range(rows)],
+                         [self._prompts(n, slots[(rows + 1) % len(slots)], rows)
+                          for n in lengths])
 
     def _rank1(self):
         if self._rank1_staged is None:          # rank 1: the rank-16 tile's kernels, 1/16 the bytes
@@ -199,19 +200,22 @@ class Warmup:
         holds and the rows a step may have): segment tables are sized by powers of two."""
         most = min(len(slots) - 1, self.max_running - 1)
         for k in [k for k in token_counts(most) if k <= most]:
-            for n in sorted({min(n, self.tokens[-1] - k) for n in self.segment_tokens}):
-                if n < 1:
-                    continue
-                self._beside(slots[:k], self._prompts(n, slots[k], k))
+            lengths = sorted({min(n, self.tokens[-1] - k) for n in self.segment_tokens} - {0})
+            self._beside(slots[:k], [self._prompts(n, slots[k], k) for n in lengths if n > 0])
 
-    def _beside(self, row_slots: list[int], prompts: list[Sequence]) -> None:
-        """The prompts' prefill beside decode rows on these slots: the rows' own prefill first,
-        then steps of the prompts' chunks beside one decode token a row; the rows end with the
-        prompts' last chunk (no decode-only steps after: the graphs cover those)."""
-        chunks = -(-sum(len(p.prompt) for p in prompts) // self.cap)
-        decoding = [self._seq(3, slot, 1 + chunks, j) for j, slot in enumerate(row_slots)]
+    def _beside(self, row_slots: list[int], prompt_sets: list[list[Sequence]]) -> None:
+        """Each set of prompts prefilled beside decode rows on these slots, one set after
+        another: the rows' own prefill first, then steps of a set's chunks beside one decode
+        token a row; the rows last until the final set's last chunk (a decode-only step or two
+        after it at most: the graphs cover those)."""
+        chunks = sum(-(-sum(len(p.prompt) for p in prompts) // self.cap)
+                     for prompts in prompt_sets)
+        decoding = [self._seq(3, slot, 2 + chunks, j) for j, slot in enumerate(row_slots)]
         self._drain(decoding, stop_after=1)          # their prefill: now they decode
-        self._submit(prompts)
+        for prompts in prompt_sets:
+            self._submit(prompts)
+            while any(p.status is not Status.FINISHED for p in prompts) and self.engine.step():
+                self.report.steps += 1
         self._drain([])
 
     def _prompts(self, n: int, slot: int, j: int) -> list[Sequence]:
