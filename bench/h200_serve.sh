@@ -10,6 +10,7 @@
 #                                    # and a prefill burst of 64 long prompts
 #   bash bench/h200_serve.sh resident # the resident suite and the prefill burst (THEN_TEST=S: the
 #                                    # no-compile test after)
+#   bash bench/h200_serve.sh eviction # --eviction lru against cost at 1,000 and 2,000 adapters
 #   bash bench/h200_serve.sh record  # all of it in one run: bench/results/serve-h200.*, with the
 #                                    # engine in-process on the resident and base/5-adapter cases
 # Needs the wheels the services import that the image lacks in .whl (README: the device tool's
@@ -71,6 +72,14 @@ elif [ "$MODE" = resident ]; then       # the resident suite alone (closed loop,
   [ -n "${THEN_TEST:-}" ] && step timeout "$THEN_TEST" python3 -m pytest -q -p no:cacheprovider \
        -m gpu "tests/test_gpu.py::test_no_kernel_compiles_or_graph_captures_after_serving" \
        2>&1 | tail -30
+elif [ "$MODE" = eviction ]; then       # issue 27: cost-aware eviction against LRU, the same
+  # trace (1,000 and 2,000 rank-8 adapters, Zipf 1.0), one stack each, LRU first
+  for E in lru cost; do
+    step timeout "${BUDGET:-270}" python3 bench/serve_bench.py "${GPU[@]}" --eviction "$E" --suite none \
+         --rate "${RATE:-58}" --requests "${REQUESTS:-400}" --warmup 64 \
+         --name "serve-h200-eviction-$E" --scenarios \
+         "slora-1000:adapters=1000,rank=8,zipf=1.0,rate=${RATE:-58};slora-2000:adapters=2000,rank=8,zipf=1.0,rate=${RATE:-58}"
+  done
 elif [ "$MODE" = slora ]; then
   step timeout "${BUDGET:-560}" python3 bench/serve_bench.py "${GPU[@]}" --suite "${SUITE:-slora}" \
        --rate "${RATE:-58}" --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-slora
