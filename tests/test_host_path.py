@@ -374,3 +374,20 @@ def test_a_step_replays_the_graph_of_its_own_adapters_rank_tile(hf_ckpt, adapter
         else:
             assert replayed and {key[2] for key in replayed} == {tile}, replayed
     assert outputs[16] == outputs[64]
+
+
+def test_prefault_writes_every_page_of_a_new_mapping_from_several_threads():
+    import mmap
+
+    import numpy as np
+
+    from services.worker.host_tier import prefault
+    n = (3 << 20) + 4099                       # not a multiple of the threads or of a page
+    mapping = mmap.mmap(-1, n)
+    array = np.frombuffer(mapping, dtype=np.uint8, count=n)
+    array[::997] = 7
+    prefault(array, threads=5)
+    assert not array.any()
+    prefault(array[:3], threads=8)             # more threads than bytes
+    del array
+    mapping.close()
