@@ -164,6 +164,19 @@ class KillRestart(threading.Thread):
         self.lost_info = None
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.router_log = stack.router.log_path
+        self.router_log_at = self.router_log.stat().st_size
+
+    def router_retries(self) -> dict:
+        """What the router logged during the scenario: attempts retried on another worker
+        after failing before their first token, and mid-generation (unary calls only)."""
+        with open(self.router_log, errors="replace") as f:
+            f.seek(self.router_log_at)
+            text = f.read()
+        lines = [ln for ln in text.splitlines() if "retrying elsewhere" in ln]
+        return {"retried_before_token": sum("before the first token" in ln for ln in lines),
+                "retried_mid_generation": sum("mid-generation" in ln for ln in lines),
+                "router_saw_drop": text.count(" dropped")}
 
     def _mark(self, what: str) -> None:
         self.events[what] = round(time.time() - self.start_t, 3)
@@ -239,6 +252,7 @@ def classify(records: list[dict], requests: list, events: dict, start: float) ->
             "failed_after_tokens": dict(after_tokens),
             "failed_before_token": dict(before), "failed_before_token_n": sum(before.values()),
             "before_token_examples": examples, "duplicated": out["duplicated"],
+            # in flight over every worker: the client cannot tell which worker served it
             "in_flight_at_kill": sum(1 for r in records if killed_at is not None and
                                      r["send"] - start <= killed_at <= r["end"] - start),
             "sent_after_rejoin": len(sent_after), "events_s": dict(events)}

@@ -245,12 +245,13 @@ def _fleet_notes(rows: list[dict]) -> list[str]:
             lines.append(
                 f"- {r['scenario']}: worker {k['worker']} SIGKILLed at "
                 f"{_f(ev.get('killed'), '{:.2f}')} s ({k['in_flight_at_kill']} requests in "
-                f"flight), SERVING again at {_f(ev.get('serving'), '{:.2f}')} s, live in the "
+                f"flight over both workers), SERVING again at {_f(ev.get('serving'), '{:.2f}')} s, live in the "
                 f"router at {_f(ev.get('router_sees'), '{:.2f}')} s, its first request at "
                 f"{_f(ev.get('first_request'), '{:.2f}')} s; of {k['requests']} requests "
                 f"{k['ok']} OK, failed after streaming tokens "
                 f"{sum(k['failed_after_tokens'].values())} ({_codes(k['failed_after_tokens'])}), "
-                f"failed before any token {k['failed_before_token_n']}, duplicated "
+                f"failed before any token {k['failed_before_token_n']} (the router retried "
+                f"{k.get('retried_before_token', 0)} attempts elsewhere), duplicated "
                 f"{k['duplicated']}; the restarted worker took {k['served_by_restarted']} "
                 "adapter requests (GPU lookups) after its restart.")
     return lines

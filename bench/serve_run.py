@@ -260,6 +260,7 @@ class Bench:
             more["multi_resident"] = serve_fleet.multi_resident(snaps, records)
         if kill is not None:
             more["killed"] = serve_fleet.classify(records, reqs, kill.events, kill.start_t)
+            more["killed"].update(kill.router_retries())
             more["killed"].update(worker=kill.index, served_by_restarted=sum(
                 serve_fleet.delta(None, w1[kill.index]).get("gpu", (0, 0))))
         self.record(s, records, (w0, w1, lost), (st0, st1), more)
