@@ -101,7 +101,8 @@ elif [ "$MODE" = two-gpu ]; then       # issue 28: bench/results/serve-2gpu-h200
        "${TWO[@]}" --suite none --scenarios "$(fleet 2)" --name 2gpu-w2 ;; esac
   case $PART in all|kill) step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${BASE[@]}" \
        "${TWO[@]}" --suite none --name 2gpu-kill --scenarios \
-       "fleet-kill:adapters=$N,rank=8,zipf=1.0,rate=${KILL_RATE:-$R},requests=$KREQ,$SHAPE,kill_at=$KAT,kill_worker=1" ;; esac
+       "fleet-kill:adapters=$N,rank=8,zipf=1.0,rate=${KILL_RATE:-$R},requests=$KREQ,$SHAPE,$(
+       )kill_at=$KAT,kill_worker=1" ;; esac
   case $PART in all|merge) python3 bench/serve_merge.py --out "$OUT" --name "$NAME" \
        "$TMPO"/2gpu-w1.json "$TMPO"/2gpu-w2.json "$TMPO"/2gpu-kill.json ;; esac
 elif [ "$MODE" = slora ]; then

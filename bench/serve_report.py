@@ -245,7 +245,8 @@ def _fleet_notes(rows: list[dict]) -> list[str]:
             lines.append(
                 f"- {r['scenario']}: worker {k['worker']} SIGKILLed at "
                 f"{_f(ev.get('killed'), '{:.2f}')} s ({k['in_flight_at_kill']} requests in "
-                f"flight over both workers), SERVING again at {_f(ev.get('serving'), '{:.2f}')} s, live in the "
+                f"flight over both workers), SERVING again at "
+                f"{_f(ev.get('serving'), '{:.2f}')} s, live in the "
                 f"router at {_f(ev.get('router_sees'), '{:.2f}')} s, its first request at "
                 f"{_f(ev.get('first_request'), '{:.2f}')} s; of {k['requests']} requests "
                 f"{k['ok']} OK, failed after streaming tokens "
