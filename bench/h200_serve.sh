@@ -13,6 +13,13 @@
 #   bash bench/h200_serve.sh eviction # --eviction lru against cost at 1,000 and 2,000 adapters
 #   bash bench/h200_serve.sh record  # all of it in one run: bench/results/serve-h200.*, with the
 #                                    # engine in-process on the resident and base/5-adapter cases
+#   bash bench/h200_serve.sh two-gpu # issue 28 on nvidia-h200-x2: 1,000 rank-8 adapters, Zipf 1.0,
+#                                    # one worker then two (cuda:0, cuda:1), the same requests
+#                                    # (open loop at RATE, closed loop at CONC per worker), then
+#                                    # worker 1 SIGKILLed mid-run and restarted; merged into
+#                                    # bench/results/serve-2gpu-h200.{json,md}. PART=w1|w2|kill|
+#                                    # merge runs one step (one device call each); QUICK=1: the
+#                                    # same on the CPU, tiny model, both workers on the CPU
 # Needs the wheels the services import that the image lacks in .whl (README: the device tool's
 # notes) and the generated stubs (services/common/gen, carried). The checkpoint, adapters and
 # Triton's cache live under tmp/ and are reused while the machine stays warm.
@@ -36,7 +43,7 @@ if [ -d .whl ]; then
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+[ -z "${QUICK:-}" ] && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 df -h "$WORK" /dev/shm | tail -2
 step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t))s"; }
 GPU=(--shape 7b --device cuda --work "$WORK" --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB
@@ -75,11 +82,39 @@ elif [ "$MODE" = resident ]; then       # the resident suite alone (closed loop,
 elif [ "$MODE" = eviction ]; then       # issue 27: cost-aware eviction against LRU, the same
   # trace (1,000 and 2,000 rank-8 adapters, Zipf 1.0), one stack each, LRU first
   for E in lru cost; do
-    step timeout "${BUDGET:-270}" python3 bench/serve_bench.py "${GPU[@]}" --eviction "$E" --suite none \
-         --rate "${RATE:-58}" --requests "${REQUESTS:-400}" --warmup 64 \
+    step timeout "${BUDGET:-270}" python3 bench/serve_bench.py "${GPU[@]}" --eviction "$E" \
+         --suite none --rate "${RATE:-58}" --requests "${REQUESTS:-400}" --warmup 64 \
          --name "serve-h200-eviction-$E" --scenarios \
-         "slora-1000:adapters=1000,rank=8,zipf=1.0,rate=${RATE:-58};slora-2000:adapters=2000,rank=8,zipf=1.0,rate=${RATE:-58}"
+         "slora-1000:adapters=1000,rank=8,zipf=1.0,rate=${RATE:-58};$(
+         )slora-2000:adapters=2000,rank=8,zipf=1.0,rate=${RATE:-58}"
   done
+elif [ "$MODE" = two-gpu ]; then       # issue 28: bench/results/serve-2gpu-h200.*
+  PART=${PART:-all}; NAME=${NAME:-serve-2gpu-h200}; TMPO=$OUT/2gpu-parts; mkdir -p "$TMPO"
+  if [ -n "${QUICK:-}" ]; then           # the CPU dry run: both workers on the CPU, halved pools
+    NAME=${NAME/h200/cpu}; BASE=(--quick --work "$WORK" --out "$TMPO" ${COMMIT:+--commit "$COMMIT"})
+    N=${ADAPTERS:-16}; R=${RATE:-30}; C=${CONC:-4}; REQ=${REQUESTS:-200}
+    SHAPE="prompt=8:16,output=16:32,warmup=8"; KREQ=${KILL_REQUESTS:-300}; KAT=${KILL_AT:-3}
+    TWO=(--workers 2)
+  else
+    BASE=("${GPU[@]}" --out "$TMPO" --clients "${CLIENTS:-8}")   # later flags win
+    N=${ADAPTERS:-1000}; R=${RATE:-110}; C=${CONC:-128}; REQ=${REQUESTS:-1500}
+    SHAPE="warmup=64"; KREQ=${KILL_REQUESTS:-8000}; KAT=${KILL_AT:-20}
+    TWO=(--workers 2 --devices cuda:0,cuda:1)
+  fi
+  SC="adapters=$N,rank=8,zipf=1.0,requests=$REQ,$SHAPE"
+  # the same scenario names and seed in both runs: the same requests; the closed loop keeps
+  # CONC rows in flight per worker (capacity), the open loop offers RATE req/s to both
+  fleet() { echo "fleet-open:$SC,rate=$R;fleet-closed:$SC,concurrency=$(($C * $1))"; }
+  case $PART in all|w1) step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${BASE[@]}" \
+       --suite none --scenarios "$(fleet 1)" --name 2gpu-w1 ;; esac
+  case $PART in all|w2) step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${BASE[@]}" \
+       "${TWO[@]}" --suite none --scenarios "$(fleet 2)" --name 2gpu-w2 ;; esac
+  case $PART in all|kill) step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${BASE[@]}" \
+       "${TWO[@]}" --suite none --name 2gpu-kill --scenarios \
+       "fleet-kill:adapters=$N,rank=8,zipf=1.0,rate=${KILL_RATE:-$R},requests=$KREQ,$SHAPE,$(
+       )kill_at=$KAT,kill_worker=1" ;; esac
+  case $PART in all|merge) python3 bench/serve_merge.py --out "$OUT" --name "$NAME" \
+       "$TMPO"/2gpu-w1.json "$TMPO"/2gpu-w2.json "$TMPO"/2gpu-kill.json ;; esac
 elif [ "$MODE" = slora ]; then
   step timeout "${BUDGET:-560}" python3 bench/serve_bench.py "${GPU[@]}" --suite "${SUITE:-slora}" \
        --rate "${RATE:-58}" --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-slora

@@ -24,6 +24,12 @@ rows), OUT/NAME.md, OUT/NAME.png and OUT/NAME-cdf.png.
     python bench/serve_bench.py --suite none --scenarios \\
         "mix:adapters=100,rank=8,zipf=1.0,rate=20,requests=400,prompt=64:256,output=128"
 
+    # two workers behind the router, one per GPU (--workers 2 --devices cuda:0,cuda:1, or
+    # --device cuda with two GPUs visible), or sharing one device with halved memory budgets
+    # (--quick --workers 2); a worker killed mid-run and started again:
+    python bench/serve_bench.py --quick --workers 2 --suite none --scenarios \
+        "kill:adapters=16,rank=8,zipf=1.0,rate=20,requests=200,kill_at=3,kill_worker=1"
+
 A rerun with the same --work reuses the model and adapters while their manifests match.
 """
 from __future__ import annotations
@@ -64,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
     a("--work", help="work directory: model, adapters, service logs (default: a temp dir)")
     a("--shape", choices=sorted(serve_model.SHAPES), help="model to write (7b on a GPU)")
     a("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:N")
+    a("--workers", type=int, default=1, help="worker processes behind the router (each on its "
+      "own device with --devices or --device cuda and that many GPUs; else all on --device, "
+      "each with 1/W of --gpu-pool-bytes, --kv-cache-bytes and --host-pool-bytes)")
+    a("--devices", help="comma-separated, one per worker (e.g. cuda:0,cuda:1)")
     a("--adapters", default="auto", help="COUNTxRANK groups, e.g. 32x16,2000x8 (auto: what "
       "the scenarios need)")
     a("--targets", default="q_proj,k_proj,v_proj,o_proj")
@@ -141,6 +151,8 @@ def resolve(args) -> argparse.Namespace:
     gpu = args.device.startswith("cuda")
     if args.transfer is None:
         args.transfer = "shm" if os.access("/dev/shm", os.W_OK) else "stream"
+    if args.workers < 1:
+        raise SystemExit("--workers must be >= 1")
     args.shape = args.shape or ("7b" if gpu else "tiny")
     args.suite = args.suite if args.suite is not None else "slora,resident,cold"
     args.clients = args.clients or (1 if args.quick else 4 if gpu else 2)
@@ -169,6 +181,10 @@ def build_scenarios(args) -> list[ss.Scenario]:
         if s.path == "engine" and s.rate == "auto":
             raise SystemExit(f"scenario {s.name}: path=engine runs before the rate probe "
                              "(give a rate or a concurrency)")
+    for s in out:
+        if s.kill_at and not s.kill_worker < args.workers >= 2:
+            raise SystemExit(f"scenario {s.name}: kill_worker={s.kill_worker} needs --workers "
+                             ">= 2 and an index below it")
     if not out:
         raise SystemExit("no scenarios: give --suite or --scenarios")
     return out
@@ -228,9 +244,15 @@ def header(args, model, cfg, manifest, scenarios, bench: Bench) -> dict:
     h["adapters"]["first_last"] = {r: [v[0], v[-1]] for r, v in manifest["ids"].items() if v}
     h["clients"] = args.clients
     h["transfer"] = args.transfer
-    h["scenarios"] = [dataclasses.asdict(s) for s in scenarios]
+    h["scenarios"] = [_scenario_fields(s) for s in scenarios]
     h.update(bench.header)
     return h
+
+
+def _scenario_fields(s: ss.Scenario) -> dict:
+    """The scenario as the header lists it (the kill keys only where a scenario kills)."""
+    return {k: v for k, v in dataclasses.asdict(s).items()
+            if k not in ("kill_at", "kill_worker", "restart_after") or s.kill_at}
 
 
 def run(args) -> pathlib.Path:

@@ -9,7 +9,8 @@ over the clients, each keeping its share in flight. A cold stream (open-loop req
 
 Per request the client records wall-clock times (`time.time()`, so processes and the worker's
 records line up): send, each streamed message's arrival (one token each), end; and the final
-message's usage and timings. The hot loop appends a timestamp per message and nothing else.
+message's usage and timings, and the token ids streamed in all (a duplicate would show as more
+than asked for). The hot loop appends a timestamp and adds a count per message.
 """
 from __future__ import annotations
 
@@ -43,11 +44,12 @@ async def call(stub, r, proto, timeout: float) -> dict:
     """One streamed request; the record of what the client saw."""
     metadata = (("authorization", f"Bearer {r.tenant}"),)
     times: list[float] = []
-    last, status, error = None, "OK", ""
+    last, status, error, streamed = None, "OK", "", 0
     send = time.time()
     try:
         async for resp in stub.GenerateStream(proto, timeout=timeout, metadata=metadata):
             times.append(time.time())
+            streamed += len(resp.token_ids)
             last = resp
     except grpc.aio.AioRpcError as err:
         status, error = err.code().name, (err.details() or "")[:300]
@@ -55,7 +57,8 @@ async def call(stub, r, proto, timeout: float) -> dict:
     rec = {"index": r.index, "adapter": r.adapter, "tenant": r.tenant, "cold": r.cold,
            "burst": bool(r.extra.get("burst")),
            "phase": r.phase, "prompt": len(r.prompt), "send": send, "end": end,
-           "times": times, "status": status, "error": error, "tokens": 0, "timings": None}
+           "times": times, "status": status, "error": error, "tokens": 0, "timings": None,
+           "streamed": streamed}
     if last is not None and last.HasField("timings"):
         t = last.timings
         rec["tokens"] = last.usage.generated_tokens

@@ -128,7 +128,10 @@ def _load(r: dict) -> str:
 def markdown(header: dict, rows: list[dict]) -> str:
     m = header.get("model", {})
     ad = header.get("adapters", {})
+    fleet = header.get("workers")
     lines = [f"# Serving benchmark, {header['card']}, {header['date']}", "",
+             *([f"{fleet['count']} workers behind the router: {fleet['layout']}.", ""]
+               if fleet else []),
              f"Commit {header['commit']}; " + ", ".join(f"{k} {v}" for k, v in
                                                      header["versions"].items()) + ".",
              f"Model {m.get('shape') or m.get('path')} ({m.get('layers')} layers, hidden "
@@ -211,9 +214,49 @@ def _notes(header: dict, rows: list[dict]) -> list[str]:
             lines.append(f"- {r['scenario']}: the engine in-process on the same workload: "
                          f"{r['out_tok_s']:.0f} tok/s against {r['engine_vs']['out_tok_s']:.0f} "
                          f"through the services ({r['engine_vs']['scenario']}).")
+    lines += _fleet_notes(rows)
     if header.get("probe"):
         p = header["probe"]
         lines.append(f"- rate auto: a closed-loop probe at concurrency {p['concurrency']} on the "
                      f"base model served {p['req_s']:.2f} req/s; open-loop scenarios ran at "
                      f"{p['rate']:.2f} req/s (90%).")
     return ["", *lines] if lines else []
+
+
+def _fleet_notes(rows: list[dict]) -> list[str]:
+    """With several workers: each worker's share, hit rate and working set per scenario, the
+    adapters resident on more than one, and a kill-and-restart's outcome."""
+    lines, seen = [], set()
+    for r in rows:
+        if not r.get("per_worker") or r["scenario"] in seen:
+            continue
+        seen.add(r["scenario"])
+        parts = [f"worker {w['worker']}: {w['gpu_lookups']} GPU lookups, hit "
+                 f"{_f(w['gpu_hit_rate'], '{:.2f}')}, {w['resident']} resident "
+                 f"({_f(w['resident_frac'], '{:.0%}')} of the union)" for w in r["per_worker"]]
+        mr = r.get("multi_resident") or {}
+        lines.append(f"- {r['scenario']} ({r['workers']} workers): " + "; ".join(parts)
+                     + f"; on more than one GPU at the end: {mr.get('count', 0)} of "
+                     f"{mr.get('union', 0)} resident adapters ("
+                     f"{_f(mr.get('request_share'), '{:.0%}')} of the requests).")
+        k = r.get("killed")
+        if k:
+            ev = k["events_s"]
+            lines.append(
+                f"- {r['scenario']}: worker {k['worker']} SIGKILLed at "
+                f"{_f(ev.get('killed'), '{:.2f}')} s ({k['in_flight_at_kill']} requests in "
+                f"flight over both workers), SERVING again at "
+                f"{_f(ev.get('serving'), '{:.2f}')} s, live in the "
+                f"router at {_f(ev.get('router_sees'), '{:.2f}')} s, its first request at "
+                f"{_f(ev.get('first_request'), '{:.2f}')} s; of {k['requests']} requests "
+                f"{k['ok']} OK, failed after streaming tokens "
+                f"{sum(k['failed_after_tokens'].values())} ({_codes(k['failed_after_tokens'])}), "
+                f"failed before any token {k['failed_before_token_n']} (the router retried "
+                f"{k.get('retried_before_token', 0)} attempts elsewhere), duplicated "
+                f"{k['duplicated']}; the restarted worker took {k['served_by_restarted']} "
+                "adapter requests (GPU lookups) after its restart.")
+    return lines
+
+
+def _codes(c: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in c.items()) or "-"

@@ -3,13 +3,14 @@ services and client processes, the rate probe, and each gRPC scenario (preload, 
 measured requests with the services' counters read before and after), turned into rows."""
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 import shutil
 import time
 
 from bench import serve_metrics as sm
-from bench import serve_model, serve_report, serve_scenarios as ss
+from bench import serve_fleet, serve_model, serve_report, serve_scenarios as ss
 
 
 def engine_options(args, manifest: dict, ids: list[str]) -> dict:
@@ -166,12 +167,18 @@ class Bench:
         if self.args.transfer == "shm":
             self.shm = f"/dev/shm/lorafleet-bench-{os.getpid()}"
             os.makedirs(self.shm, exist_ok=True)
-        store, worker, router = service_args(self.args, self.manifest, self.s3, self.shm)
-        self.stack = Stack(self.model, logs, store, worker, router, env,
+        store, _, router = service_args(self.args, self.manifest, self.s3, self.shm)
+        overrides, shared = serve_fleet.layout(self.args)
+        workers = [service_args(argparse.Namespace(**{**vars(self.args), **o}), self.manifest,
+                                self.s3, self.shm)[1] for o in overrides]
+        self.stack = Stack(self.model, logs, store, workers, router, env,
                            0 if self.s3 else len(ids), self.args.start_timeout).start()
         if self.s3 is not None:
             self.s3.register(self.stack.store.addr, ids)
         self.header["services"] = self.stack.commands()
+        if len(workers) > 1:
+            self.header["workers"] = {"count": len(workers), "layout": shared,
+                                      "commands": self.stack.worker_commands()}
         if self.s3 is not None:
             self.header["services"]["moto"] = f"moto.server on {self.s3.endpoint}"
         self.header["logs"] = str(logs)
@@ -216,7 +223,7 @@ class Bench:
     def run_grpc(self, s: ss.Scenario) -> None:
         """Preload and warm up (unmeasured), then the measured requests (with the cold stream
         on fresh adapters), the worker's and the store's counters read around them."""
-        from bench.serve_stack import store_stats, worker_info
+        from bench.serve_stack import residency, store_stats, worker_info
         ids, start = self.ids(s), time.monotonic()
         if s.preload:
             self._preload(s, ids)
@@ -233,15 +240,43 @@ class Bench:
         if s.burst:
             reqs += ss.burst_requests(s, ids, self.vocab, self.args.tenants, self.args.seed,
                                       len(reqs), ss.burst_time(s))
-        w0, st0 = worker_info(self.stack.worker.addr), store_stats(self.stack.store.addr)
+        addrs = [w.addr for w in self.stack.workers]
+        w0, st0 = [worker_info(a) for a in addrs], store_stats(self.stack.store.addr)
+        kill = self._kill_plan(s, w0[s.kill_worker].cold_load_seq if s.kill_at else 0)
         records = self.pool.run(reqs, s.concurrency)
-        w1 = worker_info(self.stack.worker.addr, since=w0.cold_load_seq)
+        if kill is not None:
+            kill.finish()
+        addrs = [w.addr for w in self.stack.workers]           # a restart keeps the port
+        w1 = [worker_info(a, since=b.cold_load_seq if worker_info(a).worker_id == b.worker_id
+                          else 0) for a, b in zip(addrs, w0)]
         st1 = store_stats(self.stack.store.addr)
         self.stack.check_alive()
         print(f"{s.name}: {len(records)} requests in {time.monotonic() - start:.1f}s",
               flush=True)
-        self.record(s, records, (w0, w1), (st0, st1))
+        more, lost = {}, ({kill.index: kill.lost_info} if kill is not None else None)
+        if len(addrs) > 1:
+            snaps = [residency(a) for a in addrs]
+            more["per_worker"] = serve_fleet.worker_rows(w0, w1, snaps, lost)
+            more["multi_resident"] = serve_fleet.multi_resident(snaps, records)
+        if kill is not None:
+            more["killed"] = serve_fleet.classify(records, reqs, kill.events, kill.start_t)
+            more["killed"].update(kill.router_retries())
+            more["killed"].update(worker=kill.index, served_by_restarted=sum(
+                serve_fleet.delta(None, w1[kill.index]).get("gpu", (0, 0))))
+        self.record(s, records, (w0, w1, lost), (st0, st1), more)
         self.traces[s.name] = trace_rows(warm) + trace_rows(records)
+
+    def _kill_plan(self, s: ss.Scenario, since: int):
+        """The kill-and-restart thread of a scenario with kill_at, started (else None)."""
+        if not s.kill_at:
+            return None
+        if not 0 <= s.kill_worker < len(self.stack.workers) or len(self.stack.workers) < 2:
+            raise SystemExit(f"scenario {s.name}: kill_worker={s.kill_worker} needs --workers "
+                             f">= 2 and an index below it")
+        kill = serve_fleet.KillRestart(self.stack, s.kill_worker, time.time(), s.kill_at,
+                                       s.restart_after, since)
+        kill.start()
+        return kill
 
     def _preload(self, s: ss.Scenario, ids: list[str]) -> None:
         """One short request per adapter, one at a time (setup, not measured)."""
@@ -250,15 +285,18 @@ class Bench:
         if bad:
             raise SystemExit(f"{s.name}: preload failed: {bad[0]['status']} {bad[0]['error']}")
 
-    def record(self, s: ss.Scenario, records: list[dict], worker, store) -> None:
-        """The scenario's rows: client figures, and for a gRPC run the services' deltas."""
+    def record(self, s: ss.Scenario, records: list[dict], worker, store,
+               extra: dict | None = None) -> None:
+        """The scenario's rows: client figures, and for a gRPC run the services' deltas
+        (worker: every worker's Info before and after, and a killed incarnation's at the
+        kill by worker index, or None)."""
         fig = sm.client_figures(records)
         hits, tiers, more = {"gpu_hit_rate": None}, {}, {}
         if worker is not None:
-            (w0, w1), (st0, st1) = worker, store
+            (w0, w1), (st0, st1) = serve_fleet.fleet_info(*worker), store
             hits = sm.hit_rates(w0, w1, st0, st1)
             recs = list(w1.cold_load_records)
-            tiers = sm.cold_by_tier(recs, sm.histogram_delta(w0, w1), records)
+            tiers = sm.cold_by_tier(recs, serve_fleet.histogram_delta(*worker), records)
             more["worker_cold_records"] = len(recs)
             if s.burst:
                 more.update(sm.burst_figures(records))
@@ -266,8 +304,11 @@ class Bench:
                 windows, source = sm.cold_windows(recs, records)
                 more.update(sm.itl_split(records, windows), cold_windows_from=source,
                             cold_stream=sm.cold_stream_figures(records))
+        more.update(extra or {})
         self.cdfs[s.name] = {"ttft": fig["_ttft"], "itl": fig["_itl"]}
         rows = serve_report.scenario_rows(s, fig, hits, tiers, more)
+        for r in rows:
+            r["workers"] = len(self.stack.workers) if self.stack else 1
         self.rows += rows
         r = rows[0]
         print(f"{s.name}: {r['out_tok_s']:.0f} tok/s, {r['req_s']:.2f} req/s, TTFT p50 "

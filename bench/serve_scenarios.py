@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 KEYS = ("adapters", "rank", "zipf", "rate", "concurrency", "requests", "warmup", "prompt",
         "output", "preload", "cold", "cold_n", "cold_adapters", "path", "twin", "burst",
-        "burst_prompt", "burst_at")
+        "burst_prompt", "burst_at", "kill_at", "kill_worker", "restart_after")
 COLD_ADAPTERS = ("fresh", "store", "host")
 
 
@@ -57,6 +57,11 @@ class Scenario:
     burst: int = 0                      # requests that all arrive at burst_at (a prefill burst)
     burst_prompt: tuple[int, int] = (1024, 1024)
     burst_at: float = 0.0               # seconds into the measured stream (0: half way)
+    # kill_at > 0: worker kill_worker is SIGKILLed that many seconds into the measured stream
+    # and started again restart_after seconds later (same flags, same port)
+    kill_at: float = 0.0
+    kill_worker: int = 0
+    restart_after: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -75,6 +80,8 @@ class Scenario:
             raise ValueError(f"scenario {self.name}: rate=sat*F needs 0 < F <= 2")
         if self.burst < 0 or self.burst_at < 0:
             raise ValueError(f"scenario {self.name}: burst and burst_at must be >= 0")
+        if self.kill_at < 0 or self.kill_worker < 0 or self.restart_after < 0:
+            raise ValueError(f"scenario {self.name}: kill_at, kill_worker, restart_after >= 0")
         if self.cold_adapters not in COLD_ADAPTERS:
             raise ValueError(f"scenario {self.name}: cold_adapters is one of {', '.join(COLD_ADAPTERS)}")
 
@@ -112,7 +119,7 @@ def _value(key: str, value: str, name: str):
             return parse_range(value, f"scenario {name}: {key}")
         if key == "rate":
             return "auto" if value == "auto" else float(value)
-        if key in ("zipf", "cold", "burst_at"):
+        if key in ("zipf", "cold", "burst_at", "kill_at", "restart_after"):
             return float(value)
         if key == "preload":
             return value not in ("0", "false", "no", "")

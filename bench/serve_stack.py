@@ -1,8 +1,8 @@
-"""The serving benchmark's services: adapter-store, one worker and the router, each started as
-`python -m services.NAME` on loopback with its log in the work directory, waited for through
-grpc.health.v1 (Check, waiting for the channel to connect); the adapters' S3 source (moto's
-server on loopback); and snapshots of the worker's Info and the store's Stats, for deltas
-over a scenario.
+"""The serving benchmark's services: adapter-store, W workers (one by default) and the router,
+each started as `python -m services.NAME` on loopback with its log in the work directory, waited
+for through grpc.health.v1 (Check, waiting for the channel to connect); a worker killed (SIGKILL)
+and started again on its port; the adapters' S3 source (moto's server on loopback); and
+snapshots of a worker's Info and residency and the store's Stats, for deltas over a scenario.
 """
 from __future__ import annotations
 
@@ -39,13 +39,17 @@ class PortClash(RuntimeError):
 class ServiceProc:
     """One service process; its stdout and stderr go to LOG_DIR/NAME.log."""
 
-    def __init__(self, name: str, args: list[str], log_dir: pathlib.Path, env: dict):
-        self.name, self.port = name, free_port()
+    def __init__(self, name: str, args: list[str], log_dir: pathlib.Path, env: dict,
+                 label: str | None = None, port: int | None = None, log_mode: str = "w"):
+        """label: the name of its log and in messages (default name); port: the one to
+        listen on (default a free one); log_mode "a" appends to the log (a restart)."""
+        self.name, self.label, self.port = name, label or name, port or free_port()
         self.addr = f"127.0.0.1:{self.port}"
+        self.args, self.log_dir, self.env = list(args), log_dir, env
         self.argv = [sys.executable, "-m", f"services.{name}", "--listen", self.addr,
                      "--metrics-port", "0", *args]
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")
+        self.log_path = log_dir / f"{self.label}.log"
+        self._log = open(self.log_path, log_mode)
         self.started = time.monotonic()
         self.serving_s: float | None = None      # start to SERVING, once wait() saw it
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=self._log,
@@ -65,10 +69,10 @@ class ServiceProc:
             return
         tail = self.tail()
         if "Address already in use" in tail:
-            raise PortClash(f"{self.name}: port {self.port} was taken")
-        print(f"--- {self.name} exited with {self.proc.returncode}; the end of "
+            raise PortClash(f"{self.label}: port {self.port} was taken")
+        print(f"--- {self.label} exited with {self.proc.returncode}; the end of "
               f"{self.log_path}:\n{tail}\n---", flush=True)
-        raise RuntimeError(f"{self.name} exited with {self.proc.returncode} (log {self.log_path})")
+        raise RuntimeError(f"{self.label} exited with {self.proc.returncode} (log {self.log_path})")
 
     def wait(self, timeout: float, progress=None, every: float = 15.0) -> None:
         """Until grpc.health.v1 Check says SERVING. Each Check waits (up to a second, then the
@@ -85,7 +89,7 @@ class ServiceProc:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     print(self.tail(), flush=True)
-                    raise TimeoutError(f"{self.name} not SERVING after {timeout:.0f}s")
+                    raise TimeoutError(f"{self.label} not SERVING after {timeout:.0f}s")
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(), wait_for_ready=True,
                                       timeout=min(left, 1.0))
@@ -113,6 +117,19 @@ class ServiceProc:
                 self.proc.wait()
         self._log.close()
 
+    def kill(self) -> None:
+        """SIGKILL (no drain: what a lost host looks like to the router), reaped."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
+    def restarted(self) -> "ServiceProc":
+        """The same command on the same port (the router's --worker addresses are static), its
+        output appended to the same log."""
+        return ServiceProc(self.name, self.args, self.log_dir, self.env, self.label, self.port,
+                           log_mode="a")
+
 
 def _store_progress(expected: int):
     def show(svc: ServiceProc) -> None:
@@ -125,18 +142,19 @@ def _store_progress(expected: int):
 
 def _last_line(svc: ServiceProc) -> None:
     line = svc.tail(1).strip()
-    print(f"{svc.name}: starting ({line[-140:]})", flush=True)
+    print(f"{svc.label}: starting ({line[-140:]})", flush=True)
 
 
 class Stack:
-    """adapter-store + worker (started together), then the router once the worker serves, so
-    the router finds it live at start."""
+    """adapter-store + the workers (started together), then the router once the workers serve,
+    so the router finds them live at start. worker_args: one flag list per worker."""
 
     def __init__(self, model: pathlib.Path, log_dir: pathlib.Path, store_args: list[str],
-                 worker_args: list[str], router_args: list[str], env: dict,
+                 worker_args: list[list[str]], router_args: list[str], env: dict,
                  expected_adapters: int, timeout: float):
         self.model, self.log_dir, self.env = model, log_dir, env
         self.store_args, self.worker_args, self.router_args = store_args, worker_args, router_args
+        self.workers: list[ServiceProc] = []
         self.expected, self.timeout = expected_adapters, timeout
         self.services: list[ServiceProc] = []
 
@@ -158,19 +176,23 @@ class Stack:
         self.store = ServiceProc("adapter_store", ["--model", str(self.model), "--db",
                                                    ":memory:", *self.store_args],
                                  self.log_dir, self.env)
-        self.worker = ServiceProc("worker", ["--model", str(self.model), "--store",
-                                             self.store.addr, *self.worker_args],
-                                  self.log_dir, self.env)
-        self.services = [self.store, self.worker]
+        one = len(self.worker_args) == 1
+        self.workers = [ServiceProc("worker", ["--model", str(self.model), "--store",
+                                               self.store.addr, *args], self.log_dir, self.env,
+                                    label="worker" if one else f"worker{i}")
+                        for i, args in enumerate(self.worker_args)]
+        self.worker = self.workers[0]
+        self.services = [self.store, *self.workers]
         self.store.wait(self.timeout, _store_progress(self.expected))
         print(f"adapter-store serving on {self.store.addr}", flush=True)
-        self.worker.wait(self.timeout, _last_line)
-        print(f"worker serving on {self.worker.addr}", flush=True)
+        for w in self.workers:
+            w.wait(self.timeout, _last_line)
+            print(f"{w.label} serving on {w.addr}", flush=True)
 
     def _start_router(self) -> None:
-        self.router = ServiceProc("router", ["--store", self.store.addr, "--worker",
-                                             self.worker.addr, *self.router_args],
-                                  self.log_dir, self.env)
+        targets = [a for w in self.workers for a in ("--worker", w.addr)]
+        self.router = ServiceProc("router", ["--store", self.store.addr, *targets,
+                                             *self.router_args], self.log_dir, self.env)
         self.services.append(self.router)
         self.router.wait(120, _last_line)
         with grpc.insecure_channel(self.router.addr, options=OPTIONS) as ch:
@@ -178,15 +200,47 @@ class Stack:
                 rpb.ModelInfoRequest(), timeout=30, metadata=(("authorization", "Bearer t0"),))
         if info.num_workers < 1:
             raise RuntimeError(f"the router sees no live worker (log {self.router.log_path})")
+        if len(self.workers) > 1:
+            self._wait_router_sees(len(self.workers), 60)
+            info.num_workers = len(self.workers)
         print(f"router serving on {self.router.addr} ({info.model_name}, "
-              f"{info.num_workers} worker)", flush=True)
+              f"{info.num_workers} worker{'s' if info.num_workers > 1 else ''})", flush=True)
+
+    def _wait_router_sees(self, n: int, timeout: float) -> float:
+        """Until the router's ModelInfo counts n live workers; returns the seconds it took."""
+        start = time.monotonic()
+        while router_workers(self.router.addr) < n:
+            if time.monotonic() - start > timeout:
+                raise RuntimeError(f"the router does not see {n} workers after {timeout:.0f}s "
+                                   f"(log {self.router.log_path})")
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+    def kill_worker(self, i: int) -> None:
+        self.workers[i].kill()
+
+    def restart_worker(self, i: int) -> float:
+        """Start worker i again (same flags and port) and wait for SERVING; returns seconds."""
+        start = time.monotonic()
+        w = self.workers[i] = self.workers[i].restarted()
+        self.services = [self.store, *self.workers, self.router]
+        if i == 0:
+            self.worker = w
+        w.wait(self.timeout, _last_line)
+        return time.monotonic() - start
 
     def check_alive(self) -> None:
         for s in self.services:
             s.check_alive()
 
     def commands(self) -> dict[str, str]:
-        return {s.name: s.command for s in self.services}
+        """Each service's command line; with several workers, "worker" is the first one's
+        (Stack.worker_commands has them all)."""
+        return {"adapter_store": self.store.command, "worker": self.worker.command,
+                "router": self.router.command}
+
+    def worker_commands(self) -> list[str]:
+        return [w.command for w in self.workers]
 
     def stop(self) -> None:
         for s in reversed(self.services):
@@ -201,6 +255,28 @@ def worker_info(addr: str, since: int | None = None) -> wpb.WorkerInfoResponse:
         return worker_pb2_grpc.WorkerStub(ch).Info(wpb.WorkerInfoRequest(
             cold_load_records=since is not None, cold_loads_since=since or 0),
                                                    timeout=60)
+
+
+def router_workers(addr: str) -> int:
+    """The live workers the router counts (its ModelInfo)."""
+    with grpc.insecure_channel(addr, options=OPTIONS) as ch:
+        return router_pb2_grpc.GenerationServiceStub(ch).ModelInfo(
+            rpb.ModelInfoRequest(), timeout=10,
+            metadata=(("authorization", "Bearer t0"),)).num_workers
+
+
+def residency(addr: str, timeout: float = 30.0) -> wpb.ResidencyUpdate:
+    """The worker's residency snapshot: the first message of a WatchResidency stream."""
+    with grpc.insecure_channel(addr, options=OPTIONS) as ch:
+        call = worker_pb2_grpc.WorkerStub(ch).WatchResidency(
+            wpb.WatchResidencyRequest(watcher="serve-bench"), timeout=timeout)
+        try:
+            for update in call:
+                if update.snapshot:
+                    return update
+        finally:
+            call.cancel()
+    raise RuntimeError(f"worker {addr}: the residency stream ended before a snapshot")
 
 
 def offload(addr: str, adapter_ids: list[str], to_host: bool) -> None:

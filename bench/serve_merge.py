@@ -1,0 +1,97 @@
+"""Several serving-benchmark results (one run each, e.g. one worker, then two, then the
+kill-and-restart run) as one results file in the same format: the first run's header with every
+run's header under "runs", every run's rows (each row says its "workers"), the CDFs keyed
+"wW:scenario", and a markdown with a comparison table (each scenario run with one worker and
+with more: throughput, its ratio, TTFT, per-worker hit rates and working sets) above each run's
+own tables.
+
+    python bench/serve_merge.py --out bench/results --name serve-2gpu-h200 \\
+        OUT/w1.json OUT/w2.json OUT/kill.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import serve_report  # noqa: E402
+
+
+def merge(docs: list[dict]) -> dict:
+    header = dict(docs[0]["header"])
+    header["runs"] = [d["header"] for d in docs]
+    rows, cdfs = [], {}
+    for d in docs:
+        rows += d["rows"]
+        for r in d["rows"]:
+            if r["scenario"] in d.get("cdfs", {}):
+                cdfs[f"w{r.get('workers', 1)}:{r['scenario']}"] = d["cdfs"][r["scenario"]]
+    return {"header": header, "rows": rows, "cdfs": cdfs}
+
+
+def _first(rows: list[dict]) -> dict[tuple, dict]:
+    out = {}
+    for r in rows:
+        out.setdefault((r["scenario"], r.get("workers", 1)), r)
+    return out
+
+
+def comparison(rows: list[dict]) -> list[str]:
+    """One line per scenario run with one worker and with W > 1."""
+    first = _first(rows)
+    lines = ["| scenario | workers | out tok/s | vs 1 worker | TTFT p50 / p99 ms | gpu hit | "
+             "per worker: hit, resident | on 2+ GPUs |", "|" + "---|" * 8]
+    f = serve_report._f
+    for (name, w), r in first.items():
+        one = first.get((name, 1))
+        if one is None or not any(k[0] == name and k[1] > 1 for k in first):
+            continue
+        ratio = (r["out_tok_s"] / one["out_tok_s"]) if one["out_tok_s"] else None
+        per = "; ".join(f"{f(p['gpu_hit_rate'], '{:.2f}')}, {p['resident']}"
+                        for p in r.get("per_worker") or [])
+        mr = r.get("multi_resident") or {}
+        lines.append(f"| {name} | {w} | {r['out_tok_s']:.0f} | {f(ratio, '{:.2f}x')} | "
+                     f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | "
+                     f"{f(r['gpu_hit_rate'], '{:.2f}')} | {per or '-'} | "
+                     f"{mr.get('count', '-') if mr else '-'} |")
+    return lines if len(lines) > 2 else []
+
+
+def markdown(doc: dict) -> str:
+    h = doc["header"]
+    parts = [f"# Serving benchmark, {len(h['runs'])} runs, {h['card']}, {h['date']}", ""]
+    table = comparison(doc["rows"])
+    if table:
+        parts += ["The same scenarios (same requests) with one worker and with more:", "",
+                  *table, ""]
+    for run in h["runs"]:
+        w = (run.get("workers") or {}).get("count", 1)
+        rows = [r for r in doc["rows"] if r.get("workers", 1) == w and
+                r["scenario"] in {s["name"] for s in run["scenarios"]}]
+        parts += [f"## {w} worker{'s' if w > 1 else ''}: {' '.join(run['argv'])}", "",
+                  serve_report.markdown(run, rows)]
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("inputs", nargs="+", help="results NAME.json files, in order")
+    p.add_argument("--out", required=True)
+    p.add_argument("--name", required=True)
+    a = p.parse_args(argv)
+    doc = merge([json.loads(pathlib.Path(x).read_text()) for x in a.inputs])
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / f"{a.name}.md").write_text(markdown(doc))
+    print(f"wrote {out / a.name}.json and .md", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
