@@ -89,3 +89,17 @@ def test_grpc_streams_cancelled_or_past_their_deadline_log_nothing(stack):
     finally:
         watch.close()
     assert_quiet(stack)
+
+
+def test_the_router_and_both_worker_processes_freeze_their_start_up_objects(stack):
+    """Start-up objects are moved out of the garbage collector's generations before serving
+    (services.common.runtime.freeze_startup_objects), in the router, the worker's core and its
+    gRPC front end: each logs how many."""
+    import re
+    for svc in stack.services:
+        if svc.name == "adapter_store":
+            continue
+        counts = [int(n) for n in re.findall(
+            r"start-up objects frozen for the garbage collector: (\d+)", svc.log())]
+        expected = 2 if svc.name == "worker" else 1      # the worker: its core and front end
+        assert len(counts) == expected and all(n > 1000 for n in counts), (svc.name, counts)

@@ -8,7 +8,7 @@ import sys
 from prometheus_client import REGISTRY
 
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, router_pb2_grpc
-from services.common.runtime import run_service
+from services.common.runtime import freeze_startup_objects, run_service
 from services.common.tenant_labels import TenantLabels
 from services.common.service_auth import read_token
 from services.common.server import channel, create_server, serve, server_credentials
@@ -73,6 +73,7 @@ async def main_async(cfg: RouterConfig) -> None:
         peers = Peers(list(cfg.peers), app.quotas, cfg.listen, cfg.peer_period, tls)
         peers.set_own_port(port)
         peers = loop.create_task(peers.run())
+    freeze_startup_objects(log)
     try:
         await serve(server, health, cfg.grace, name="router",
                     on_drain=gateway.stop if gateway else None)

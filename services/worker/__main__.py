@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from kernels import compile_watch, kernel_cache
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
-from services.common.runtime import run_service
+from services.common.runtime import freeze_startup_objects, run_service
 from services.common.server import create_server, serve, server_credentials, sync_channel
 from services.common.service_auth import describe, read_token
 from services.common.tenant_labels import TenantLabels
@@ -150,6 +150,7 @@ async def main_async(cfg: WorkerConfig) -> int:
     worker_id = cfg.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     setup_process(cfg)
     core = await build_core(cfg, worker_id)
+    freeze_startup_objects(log)
     built, servicer, feed = core.built, core.servicer, core.feed
     stop, stopped = threading.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()

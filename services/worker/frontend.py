@@ -25,7 +25,7 @@ from grpc_status import rpc_status
 
 from services.common.errors import LorafleetError
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
-from services.common.runtime import setup_logging
+from services.common.runtime import freeze_startup_objects, setup_logging
 from services.common.server import (CLIENT_OPTIONS, create_server, drain, server_credentials,
                                     set_serving)
 from services.common.service_auth import read_token
@@ -189,6 +189,7 @@ async def main_async(args) -> int:
         server_credentials(args.tls_cert, args.tls_key, args.tls_ca), reflection=args.reflection,
         service_token=read_token(args.service_token_file))
     await server.start()
+    freeze_startup_objects(log)
     await set_serving(health, True)
     front.send(("ready", port))
     draining, fatal = None, False
