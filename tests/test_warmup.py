@@ -122,3 +122,26 @@ def test_beside_decode_rows_the_warm_up_runs_the_capped_chunks_not_every_length(
     assert any(c > 0 for step in mixed for d, _, c in step if not d)   # a chunk after context
     alone = {sum(n for _, n, _ in step) for step in seen if not any(d for d, _, _ in step)}
     assert set(token_counts(80)) <= alone
+
+
+def test_with_column_blocks_the_warm_up_also_runs_steps_of_adapters_without_them():
+    """q/k/v run as column LoRA only while every adapter of a step has column blocks; a step
+    with one that got none runs q/k/v through SGMV, so the warm-up runs its many-adapter
+    steps both ways: with blocks, and (up to a couple more adapters than there are blocks)
+    without."""
+    from services.worker.perf_config import PerfConfig
+    built = build_engine(MODEL_DIR, EngineOptions(max_batch_tokens=48, max_running=24,
+                                                  pool_bytes=64 << 20, pool_slots=16,
+                                                  perf=PerfConfig(lora_columns=4)))
+    pool, placed = built.pool, []
+    place = pool.place
+    pool.place = lambda key, staged, columns=True: (placed.append((key, columns)),
+                                                    place(key, staged, columns))[1]
+    warm = Warmup(built.engine, pool, built.spec, 48, max_rank=16, max_running=24)
+    labels = [label for label, _ in warm.adapter_sets()]
+    assert "many adapters without columns" in labels
+    warm.run()
+    without = [k for k, c in placed if k.startswith("warmup-many-nc-")]
+    assert len(without) == 4 + 2 and not any(c for k, c in placed if k in without)
+    assert any(c for k, c in placed if k.startswith("warmup-many-") and k not in without)
+    assert pool.free_bytes == pool.capacity_bytes

@@ -125,12 +125,15 @@ class Warmup:
         mlp = tuple(m for g in ("gate_up", "down") for m in GROUPS[g])
         sets.append(("rank 8, MLP only", [("warmup-r8-mlp", zero_adapter(spec, 8, mlp), True)]))
         # several adapters a step: with column LoRA (q/k/v in the GEMM while every adapter of
-        # the step has column blocks), and without (q/k/v through SGMV: what a step meets with
-        # more adapters than there are column blocks)
+        # the step has column blocks; past their count q/k/v go through SGMV), and, up to that
+        # count, without (q/k/v through SGMV: a step with an adapter that got no blocks)
         sets.append(("many adapters", [(f"warmup-many-{i}", None, True)
                                         for i in range(self.max_distinct)]))
-        sets.append(("many adapters without columns", [(f"warmup-many-nc-{i}", None, False)
-                                                        for i in range(self.max_distinct)]))
+        cols = getattr(self.pool, "columns", None)
+        if cols is not None and cols.n_cols:
+            few = min(self.max_distinct, cols.n_cols + 2)
+            sets.append(("many adapters without columns",
+                         [(f"warmup-many-nc-{i}", None, False) for i in range(few)]))
         sets.append(("ranks 8, 16, 64 together",
                      [("warmup-mix-8", zero_adapter(spec, 8), True),
                       ("warmup-mix-16", zero_adapter(spec, 16), False),
