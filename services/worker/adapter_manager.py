@@ -18,7 +18,6 @@ in the host tier by then). Each finished load leaves a record of its stages (Col
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextvars
 import logging
 import threading
@@ -36,6 +35,7 @@ from services.worker.adapter_layout import StagedAdapter
 from services.worker.device_pool import DevicePool, PoolFull
 from services.worker.host_tier import HostTier
 from services.worker.model_spec import ModelSpec
+from services.worker.cold_records import ColdLoadLog, observe_stages, reload_cost
 from services.worker.store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -81,25 +81,7 @@ class _Job:
     host_victims: list[str] = field(default_factory=list)
 
 
-class ColdLoadLog:
-    """The newest finished cold loads, numbered (WorkerInfoResponse.cold_load_records)."""
-
-    def __init__(self, keep: int = 4096):
-        self.seq = 0
-        self._records: collections.deque = collections.deque(maxlen=keep)
-
-    def add(self, record: wpb.ColdLoadRecord) -> None:
-        self.seq += 1
-        record.seq = self.seq
-        self._records.append(record)
-
-    def since(self, seq: int) -> list[wpb.ColdLoadRecord]:
-        return [r for r in self._records if r.seq > seq]
-
-
 ROOM_MARGIN_S = 0.5      # a wait for adapter room ends this long before the request's deadline
-H2D_BYTES_PER_S = 4e9    # a placement's copy to the pool, for the reload cost (--eviction cost)
-STAGES = ("fetch", "digest", "layout", "room_wait", "host_to_device", "source")
 
 
 class AdapterManager:
@@ -217,7 +199,7 @@ class AdapterManager:
         job.record.total_s = time.monotonic() - start
         job.record.end_unix_s = time.time()
         self.log.add(job.record)
-        _observe_stages(job.record)
+        observe_stages(job.record)
         return job.record.tier
 
     # ---- the job, on a loader thread -------------------------------------------------------
@@ -286,7 +268,7 @@ class AdapterManager:
         with self._gpu_lock:
             try:
                 victims = self.gpu.admit(job.key, job.tenant, nbytes, pin=True,
-                                         cost=_reload_cost(job.record, nbytes))
+                                         cost=reload_cost(job.record, nbytes))
             except NoRoom:
                 return None
             for victim in victims:
@@ -395,16 +377,3 @@ class AdapterManager:
 
     def close(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)
-
-
-def _reload_cost(record: wpb.ColdLoadRecord, nbytes: int) -> float:
-    """Seconds this load took to get its bytes (fetch and layout: ~0 from the host tier) plus
-    the copy to the pool: what evicting it would cost (CachePolicy eviction="cost")."""
-    return record.fetch_s + record.layout_s + nbytes / H2D_BYTES_PER_S
-
-
-def _observe_stages(record: wpb.ColdLoadRecord) -> None:
-    for stage in STAGES:
-        seconds = getattr(record, f"{stage}_s")
-        if seconds:
-            metrics.COLD_LOAD_STAGE.labels(stage).observe(seconds)

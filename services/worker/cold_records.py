@@ -1,0 +1,40 @@
+"""A worker's records of its finished cold loads: the numbered log the Info RPC reads, the
+stage histograms, and the reload cost that cost-aware eviction weighs."""
+from __future__ import annotations
+
+import collections
+
+from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
+from services.worker import metrics
+
+H2D_BYTES_PER_S = 4e9    # a placement's copy to the pool, for the reload cost (--eviction cost)
+STAGES = ("fetch", "digest", "layout", "room_wait", "host_to_device", "source")
+
+
+class ColdLoadLog:
+    """The newest finished cold loads, numbered (WorkerInfoResponse.cold_load_records)."""
+
+    def __init__(self, keep: int = 4096):
+        self.seq = 0
+        self._records: collections.deque = collections.deque(maxlen=keep)
+
+    def add(self, record: wpb.ColdLoadRecord) -> None:
+        self.seq += 1
+        record.seq = self.seq
+        self._records.append(record)
+
+    def since(self, seq: int) -> list[wpb.ColdLoadRecord]:
+        return [r for r in self._records if r.seq > seq]
+
+
+def reload_cost(record: wpb.ColdLoadRecord, nbytes: int) -> float:
+    """Seconds this load took to get its bytes (fetch and layout: ~0 from the host tier) plus
+    the copy to the pool: what evicting it would cost (CachePolicy eviction="cost")."""
+    return record.fetch_s + record.layout_s + nbytes / H2D_BYTES_PER_S
+
+
+def observe_stages(record: wpb.ColdLoadRecord) -> None:
+    for stage in STAGES:
+        seconds = getattr(record, f"{stage}_s")
+        if seconds:
+            metrics.COLD_LOAD_STAGE.labels(stage).observe(seconds)
