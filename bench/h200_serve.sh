@@ -20,6 +20,8 @@
 #                                    # bench/results/serve-2gpu-h200.{json,md}. PART=w1|w2|kill|
 #                                    # merge runs one step (one device call each); QUICK=1: the
 #                                    # same on the CPU, tiny model, both workers on the CPU
+# PACK=1: everything in OUT as one results.tgz; SAVE_KCACHE=1: the kernel cache the run left, in
+# 15 MiB parts (carry them as tmp/kcache and pass KCACHE=tmp/kcache/triton-cache.tgz).
 # Needs the wheels the services import that the image lacks in .whl (README: the device tool's
 # notes) and the generated stubs (services/common/gen, carried). The checkpoint, adapters and
 # Triton's cache live under tmp/ and are reused while the machine stays warm.
@@ -121,7 +123,15 @@ elif [ "$MODE" = slora ]; then
 fi
 tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null
 if [ -n "${SAVE_KCACHE:-}" ]; then      # in parts: a file back from the device is 16 MiB at most
-  tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/triton-cache.tgz.part-"
-  du -ch "$OUT"/triton-cache.tgz.part-* | tail -1
+  # the cache the last worker used: startup's --kernel-cache directory, else Triton's
+  KDIR=$(ls -dt "$WORK"/kernel-cache-* 2>/dev/null | head -1)
+  [ "$MODE" = startup ] && [ -n "$KDIR" ] || KDIR=$TRITON_CACHE_DIR
+  tar czf - -C "$KDIR" . | split -b 15m - "$OUT/triton-cache.tgz.part-"
+  du -ch "$OUT"/triton-cache.tgz.part-* | tail -1   # here: into tmp/kcache/, for KCACHE=
+fi
+if [ -n "${PACK:-}" ]; then              # one file back (a device call returns ~8 at most)
+  tar czf /tmp/results.tgz -C "$OUT" --exclude='triton-cache.tgz.part-*' . &&
+    find "$OUT" -mindepth 1 -maxdepth 1 ! -name 'triton-cache.tgz.part-*' -exec rm -rf {} + &&
+    mv /tmp/results.tgz "$OUT/"
 fi
 ls -la "$OUT"
