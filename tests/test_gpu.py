@@ -215,3 +215,47 @@ def test_no_kernel_compiles_or_graph_captures_after_serving(tmp_path):
     assert not any(r["errors"] for r in doc["rows"])
     assert doc["compiles_after_serving"] == 0, doc["late_compiles"]
     assert doc["captures_after_serving"] == 0
+
+
+def _capture_and_warm(cache: str, opts) -> None:
+    """In a fresh process: the worker's graph capture and warm-up on this kernel cache."""
+    from kernels import kernel_cache
+    from services.worker.warmup import Warmup
+    kernel_cache.use(cache)
+    built = build_engine(MODEL_DIR, opts)
+    Warmup(built.engine, built.pool, built.spec, opts.max_batch_tokens, max_rank=32,
+           max_running=opts.max_running).run()
+
+
+@needs_cuda
+def test_precompile_children_compile_everything_the_capture_and_warm_up_need(tmp_path):
+    """services.worker.precompile: after two children have filled an empty kernel cache (one
+    layer each, shares of the graphs' forwards and of the warm-up), a fresh worker process's
+    graph capture and warm-up add no kernel to the cache: each one they need, the children
+    built."""
+    import multiprocessing
+    import os
+
+    from services.worker import precompile
+    from triton import knobs
+    cache = tmp_path / "kernels"
+    cache.mkdir()
+    saved, knobs.cache.dir = knobs.cache.dir, str(cache)     # where the children compile
+    try:
+        opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=256 << 20,
+                             max_batch_tokens=256, max_running=32, pool_bytes=64 << 20,
+                             pool_slots=16, graph_max_rank=32)
+        shape = precompile.WarmShape(max_batch_tokens=256, max_rank=32, max_running=32,
+                                     prefill_with_decode=0)
+        assert precompile.Children(str(MODEL_DIR), opts, shape, 2).wait(900) == 2
+    finally:
+        knobs.cache.dir = saved
+    before = set(os.listdir(cache))
+    assert before
+    worker = multiprocessing.get_context("spawn").Process(target=_capture_and_warm,
+                                                          args=(str(cache), opts))
+    worker.start()
+    worker.join(900)
+    assert worker.exitcode == 0
+    new = sorted(set(os.listdir(cache)) - before)
+    assert not new, new
