@@ -31,7 +31,7 @@ K8S_VERSION = "1.30.0"  # schemas shipped with kubernetes-validate; native gRPC 
 SERVICES = {"services.router": "router", "services.adapter_store": "adapter-store",
             "services.worker": "worker"}
 # Provided by the operator outside the manifests (README), except where an overlay creates them.
-EXTERNAL = {"Secret": {"lorafleet-s3", "lorafleet-tenants"},
+EXTERNAL = {"Secret": {"lorafleet-s3", "lorafleet-tenants", "lorafleet-service-token"},
             "PersistentVolumeClaim": {"lorafleet-models"}}
 
 
@@ -300,6 +300,28 @@ def test_router_discovers_workers_through_a_headless_service(docs):
     workers = [w for w, _, comp, _ in service_containers(docs) if comp == "worker"]
     assert workers and all(selects({"matchLabels": svc["spec"]["selector"]},
                                    w["spec"]["template"]["metadata"]["labels"]) for w in workers)
+
+
+# ---- internal authentication ----------------------------------------------------------------
+
+def test_every_service_authenticates_internal_calls_with_one_shared_token(target, docs):
+    """Each service reads --service-token-file from a mount of the one token Secret, so the
+    router's and the workers' calls to the workers and the store carry it and are checked."""
+    secrets = set()
+    for w, c, comp, args in service_containers(docs):
+        path = flag(args, "--service-token-file")
+        assert path, f"{comp}: no --service-token-file"
+        mount = next((m for m in c.get("volumeMounts", [])
+                      if path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+        assert mount and mount.get("readOnly"), f"{comp}: {path} is not on a read-only mount"
+        volume = next(v for v in w["spec"]["template"]["spec"]["volumes"]
+                      if v["name"] == mount["name"])
+        key = path[len(mount["mountPath"].rstrip("/")) + 1:]
+        assert any(i["path"] == key for i in volume["secret"].get("items", [])), (comp, volume)
+        secrets.add(volume["secret"]["secretName"])
+    assert secrets == {"lorafleet-service-token"}
+    made = named(docs, "Secret", "lorafleet-service-token")
+    assert (made is not None) == (target == "overlays/dev")   # elsewhere the operator's
 
 
 # ---- secrets --------------------------------------------------------------------------------
