@@ -35,7 +35,7 @@ from bench import serve_scenarios as ss  # noqa: E402
 from bench.serve_run import Bench  # noqa: E402
 from bench.serve_stack import free_port  # noqa: E402
 
-MEASURE = "startup-32:adapters=32,rank=16,zipf=0,concurrency=64,requests=256,warmup=0,preload=1"
+MEASURE = "startup-32:adapters=32,rank=16,zipf=0,concurrency=64,requests=640,warmup=0,preload=1"
 VARIED = ("varied-base:adapters=0,concurrency=64,requests=128,warmup=0,prompt=1:2048;"
           "varied-r8:adapters=64,rank=8,zipf=1.0,concurrency=64,requests=128,warmup=0,"
           "prompt=1:2048;"
