@@ -209,16 +209,21 @@ class Warmup:
     def _beside(self, row_slots: list[int], prompt_sets: list[list[Sequence]]) -> None:
         """Each set of prompts prefilled beside decode rows on these slots, one set after
         another: the rows' own prefill first, then steps of a set's chunks beside one decode
-        token a row; the rows last until the final set's last chunk (a decode-only step or two
-        after it at most: the graphs cover those)."""
+        token a row; then the rows are aborted."""
         chunks = sum(-(-sum(len(p.prompt) for p in prompts) // self.cap)
                      for prompts in prompt_sets)
-        decoding = [self._seq(3, slot, 2 + chunks, j) for j, slot in enumerate(row_slots)]
+        # tokens enough for every chunk, and for a decode-only step between two sets (an
+        # overlapped engine may launch one before the next set arrives)
+        new = 2 + chunks + 2 * len(prompt_sets)
+        decoding = [self._seq(3, slot, new, j) for j, slot in enumerate(row_slots)]
         self._drain(decoding, stop_after=1)          # their prefill: now they decode
         for prompts in prompt_sets:
             self._submit(prompts)
             while any(p.status is not Status.FINISHED for p in prompts) and self.engine.step():
                 self.report.steps += 1
+        for seq in decoding:                 # done with them: no decode-only steps to the end
+            if seq.status is not Status.FINISHED:
+                self.engine.abort(seq.request_id)
         self._drain([])
 
     def _prompts(self, n: int, slot: int, j: int) -> list[Sequence]:
