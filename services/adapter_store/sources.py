@@ -185,9 +185,9 @@ class SourceReader:
 
     # ---- file:// ----------------------------------------------------------------------------
 
-    def _read_file(self, ref: SourceRef, check: Callable,
-                   landing: Callable[[int], Destination] | None = None,
-                   trusted: tuple | None = None, deadline: float | None = None) -> RawAdapter:
+    def _folder(self, ref: SourceRef) -> pathlib.Path:
+        """A file:// adapter's directory, checked: inside --adapters-dir, present, and not a
+        pickled adapter (whatever then reads it)."""
         if self._root is None:
             raise Refusal("source", f"source: {ref.uri!r}: file:// sources need --adapters-dir")
         folder = self._contained(self._root / ref.path, ref)
@@ -195,6 +195,12 @@ class SourceReader:
             raise MissingFile(f"source {ref.uri}: no such adapter directory")
         if not (folder / WEIGHTS).exists() and (folder / PICKLE).exists():
             raise _pickle_refusal(ref)
+        return folder
+
+    def _read_file(self, ref: SourceRef, check: Callable,
+                   landing: Callable[[int], Destination] | None = None,
+                   trusted: tuple | None = None, deadline: float | None = None) -> RawAdapter:
+        folder = self._folder(ref)
         config = self._file(folder / CONFIG, ref, MAX_CONFIG_BYTES, deadline)[0]
         check(config)
         if landing is None:
@@ -208,13 +214,7 @@ class SourceReader:
         what a start-up scan reads (blocking). check(config) runs first, as in read(); the
         weights file is then opened and checked as read() checks it (a regular file inside the
         root, under the size cap, never a pickle) but not read."""
-        if self._root is None:
-            raise Refusal("source", f"source: {ref.uri!r}: file:// sources need --adapters-dir")
-        folder = self._contained(self._root / ref.path, ref)
-        if not folder.is_dir():
-            raise MissingFile(f"source {ref.uri}: no such adapter directory")
-        if not (folder / WEIGHTS).exists() and (folder / PICKLE).exists():
-            raise _pickle_refusal(ref)
+        folder = self._folder(ref)
         config = self._file(folder / CONFIG, ref, MAX_CONFIG_BYTES)[0]
         check(config)
         with self._open(folder / WEIGHTS, ref, self._max) as (_, info):
