@@ -23,14 +23,11 @@ Writes OUT/registry-cpu.json ({"header", "rows"}) and OUT/registry-cpu.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import shutil
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
@@ -210,16 +207,11 @@ def _copy_rows(db: pathlib.Path, seed_id: str, n: int) -> None:
 
 
 def header() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    import grpc
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-            "python": platform.python_version(), "grpcio": grpc.__version__,
-            "sqlite": sqlite3.sqlite_version, "commit": commit, "model": "tiny-llama",
+    from bench.serve_report import base_header
+    h = base_header("cpu")
+    return {**h, "cpu": h["card"], "load_avg_1m": os.getloadavg()[0],
+            "python": h["versions"]["python"], "grpcio": h["versions"].get("grpcio", "?"),
+            "sqlite": sqlite3.sqlite_version, "model": "tiny-llama",
             "adapter": f"{SEED.name} ({(SEED / FILES[1]).stat().st_size} bytes)"}
 
 
