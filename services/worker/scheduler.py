@@ -93,8 +93,8 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_running:
             return False
         budget = self.max_batch_tokens - len(self.running)
-        if self.running:
-            budget = min(budget, self.max_prefill_with_decode)
+        if self.max_prefill_with_decode < budget and any(s.is_decoding for s in self.running):
+            budget = self.max_prefill_with_decode
         if budget <= 0:
             return False
         seq = self.next_waiting()
