@@ -153,30 +153,39 @@ def sgmv_main(a) -> None:
         torch.cuda.empty_cache()
 
 
-def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
-                  graph_max_rank: int | None = None, max_new: int = 400, device: str = "cuda",
-                  prompt: int = 128):
-    """The Llama-7B-shaped engine (random bf16 weights, `layers` layers) with `batch` requests
-    of `prompt` tokens spread over `distinct` rank-16 q/k/v/o adapters (0: base only),
-    prefilled and a few decode steps in."""
+def build_engine(layers: int, distinct: int, cuda_graphs: bool,
+                 graph_max_rank: int | None = None, device: str = "cuda",
+                 max_model_len: int = 1024, max_batch_tokens: int = 8192,
+                 kv_cache_bytes: int = 4 << 30, **options):
+    """The Llama-7B-shaped engine (random bf16 weights, `layers` layers) with `distinct` rank-16
+    q/k/v/o adapters placed in its pool: (built, their slots). options: more EngineOptions."""
     from bench.e2e_gpu_bench import (_NullTokenizer, adapter_tensors, llama7b_spec,
                                      random_weights)
     from services.worker.adapter_layout import staged_from_tensors
     from services.worker.factory import EngineOptions, assemble
     from services.worker.perf_config import PerfConfig
-    from services.worker.sequence import Sequence, Stopping
     dev = torch.device(device)
     spec = llama7b_spec(layers)
     extra = {} if graph_max_rank is None else {"graph_max_rank": graph_max_rank}
-    opts = EngineOptions(device=device, dtype="bfloat16", kv_cache_bytes=4 << 30,
-                         max_batch_tokens=8192, max_running=128, pool_bytes=2 << 30,
-                         pool_slots=64, max_model_len=1024, cuda_graphs=cuda_graphs,
-                         perf=PerfConfig.from_env(os.environ), **extra)
+    opts = EngineOptions(device=device, dtype="bfloat16", kv_cache_bytes=kv_cache_bytes,
+                         max_batch_tokens=max_batch_tokens, max_running=128, pool_bytes=2 << 30,
+                         pool_slots=64, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
+                         perf=PerfConfig.from_env(os.environ), **extra, **options)
     built = assemble(spec, random_weights(spec, dev, torch.bfloat16), _NullTokenizer(), opts,
                      dev, torch.bfloat16)
     slots = [built.pool.place(f"a{i}", staged_from_tensors(
                  adapter_tensors(spec, 16, i + 1, dev), {"r": 16, "lora_alpha": 32}, spec))
              for i in range(distinct)]
+    return built, slots
+
+
+def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
+                  graph_max_rank: int | None = None, max_new: int = 400, device: str = "cuda",
+                  prompt: int = 128):
+    """build_engine's engine with `batch` requests of `prompt` tokens spread over its
+    `distinct` adapters (0: base only), prefilled and a few decode steps in."""
+    from services.worker.sequence import Sequence, Stopping
+    built, slots = build_engine(layers, distinct, cuda_graphs, graph_max_rank, device)
     eng = built.engine
     for i in range(batch):
         slot = slots[i % len(slots)] if slots else -1
