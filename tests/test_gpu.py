@@ -259,3 +259,42 @@ def test_precompile_children_compile_everything_the_capture_and_warm_up_need(tmp
     assert worker.exitcode == 0
     new = sorted(set(os.listdir(cache)) - before)
     assert not new, new
+
+
+@needs_cuda
+def test_gpu_mixed_steps_replayed_from_graphs_give_the_eager_logits():
+    """A mixed step (decode rows on adapters and the base model, a whole prompt, a prompt's
+    first chunk) replayed from its captured mixed graph: the eager step's logits for every
+    sampling row (bf16 tolerance), tokens sampled from them, and the KV the rows wrote."""
+    opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=16 << 20, block_size=16,
+                         max_batch_tokens=512, max_running=32)
+    built = build_engine(MODEL_DIR, opts)
+    g = built.engine.runner
+    assert g.mixed and g.mixed_sizes[-1] == 512
+    names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
+    slots = [built.pool.place(n, staged_from_peft_dir(DEMO_ADAPTERS / n, built.spec))
+             for n in names]
+    from services.worker.scheduler import Scheduled
+    blocks, batch = built.engine.scheduler.blocks, []
+    for i in range(10):
+        seq = Sequence(f"d{i}", list(range(3, 40 + 7 * i)), slot=([*slots, -1])[i % (len(slots)
+                                                                                      + 1)])
+        assert blocks.ensure(seq, len(seq.tokens))
+        seq.num_computed = len(seq.tokens) - 1
+        batch.append(Scheduled(seq, 1))
+    whole = Sequence("whole", list(range(5, 140)), slot=slots[0])
+    part = Sequence("part", list(range(9, 300)), slot=-1)
+    for seq, n in ((whole, len(whole.tokens)), (part, 100)):
+        assert blocks.ensure(seq, n)
+        batch.append(Scheduled(seq, n))
+    eager = g.runner.steps.eager(batch, g.runner.buffers)
+    want = g.model.forward(eager.input_ids, eager.ctx, g.runner.kv_cache).float()
+    replays = g.mixed_replays
+    sampled, tokens, _ = g.collect(g.launch(batch))
+    assert g.mixed_replays == replays + 1
+    assert [b.seq.request_id for b in sampled] == [b.seq.request_id for b in eager.sampled]
+    plan = g.steps.plan(batch, graph=True)
+    key = g._graph_key(g.mixed_size(batch), plan.mask, plan.rank, plan.columns, mixed=True)
+    got = g.mixed_outputs[key][:len(sampled)].float()
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    assert tokens == got.argmax(-1).tolist()

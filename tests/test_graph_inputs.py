@@ -72,3 +72,46 @@ def test_lora_mask_names_the_groups_the_batch_targets(hf_ckpt):
     graph = [choose(steps.tables, steps.columns, np.array(s, dtype=np.int64), True)[1]
              for s in ([-1], [slots["r8-rslora"]], [slots["r8-rslora"], slots["r64-all"]])]
     assert graph == [0, 16, 64]
+
+
+def test_a_mixed_step_from_the_graph_buffers_gives_the_eager_logits(hf_ckpt):
+    """A mixed step (decode rows on adapters and the base model, a prompt's last chunk, and a
+    chunk that does not end its prompt) written into the graph runner's static buffers, padded to
+    its mixed graph's token count, gives through the model the eager step's logits for every
+    sampling row, in the same order; the padding rows write no KV slot and attend nothing, and
+    the sample rows past the live ones read row 0."""
+    root, _, _ = hf_ckpt
+    built, slots = _engine(root)
+    runner = built.engine.runner
+    names = list(slots)
+    blocks = built.engine.scheduler.blocks
+    batch = []
+    for i in range(6):                                   # decode rows
+        seq = Sequence(f"d{i}", list(range(3, 9 + 3 * i)),
+                       slot=slots[names[i % len(names)]] if i % 3 else -1)
+        assert blocks.ensure(seq, len(seq.tokens))
+        seq.num_computed = len(seq.tokens) - 1
+        batch.append(Scheduled(seq, 1))
+    last = Sequence("p-last", list(range(5, 18)), slot=slots[names[0]])
+    assert blocks.ensure(last, len(last.tokens))
+    batch.append(Scheduled(last, len(last.tokens)))      # a whole prompt: samples
+    part = Sequence("p-part", list(range(7, 40)), slot=-1)
+    assert blocks.ensure(part, 12)
+    batch.append(Scheduled(part, 12))                    # the first 12 of 33: no sample
+    g = GraphRunner(runner)
+    size = g.mixed_size(batch)
+    assert size == 64 and g.mixed_seqs(size) >= len(batch)
+    eager = runner.steps.eager(batch, runner.buffers)
+    want = runner.model.forward(eager.input_ids, eager.ctx, runner.kv_cache)
+    plan = g.steps.plan(batch, graph=True)
+    sampled = g.fill_mixed(plan, size)
+    assert [b.seq.request_id for b in sampled] == [b.seq.request_id for b in eager.sampled]
+    assert "p-part" not in {b.seq.request_id for b in sampled}
+    ctx = g._ctx_mixed(size, plan.mask, plan.rank, plan.columns)
+    got = runner.model.forward(g.ids[:size], ctx, runner.kv_cache)
+    assert got.shape[0] == g.mixed_seqs(size)
+    torch.testing.assert_close(got[:len(sampled)], want, rtol=1e-4, atol=1e-4)
+    t = sum(b.num_tokens for b in batch)
+    assert (ctx.slot_mapping[t:] == -1).all() and (ctx.q_seq[t:] == -1).all()
+    assert (ctx.sample_rows[len(sampled):] == 0).all()
+    assert g.mixed_size(batch + [Scheduled(part, 64)]) is None          # too many tokens

@@ -23,6 +23,7 @@ class WorkerConfig:
     block_size: int = 16
     max_batch_tokens: int = 1024
     max_prefill_with_decode: int = 0    # prompt tokens a step takes beside decode rows (0: no cap)
+    graph_mixed_tokens: int = 1024      # mixed steps up to this many tokens replay CUDA graphs
     max_running: int = 128
     max_model_len: int = 0
     max_new_tokens: int = 64            # default when a request leaves it 0
@@ -67,6 +68,8 @@ class WorkerConfig:
             raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
         if self.max_prefill_with_decode < 0:
             raise ValueError("--max-prefill-with-decode must be >= 0 (0: no cap)")
+        if self.graph_mixed_tokens < 0:
+            raise ValueError("--graph-mixed-tokens must be >= 0 (0: mixed steps run eagerly)")
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
         if self.eviction not in ("lru", "cost"):
@@ -118,6 +121,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    help="most prompt tokens a step takes while sequences decode: a burst of "
                         "long prompts stalls the streams in flight less, and waits longer for "
                         "its first tokens (0: only --max-batch-tokens)")
+    p.add_argument("--graph-mixed-tokens", type=int, default=1024,
+                   help="on CUDA, steps with prompt tokens (beside decode rows or not) of up to "
+                        "this many tokens replay CUDA graphs captured at start, padded to the "
+                        "next captured size; larger ones run eagerly (0: all of them) (1024)")
     p.add_argument("--max-running", type=int, default=128, help="most sequences per step")
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's")
     p.add_argument("--max-new-tokens", type=int, default=64, help="default max_new_tokens")
@@ -144,6 +151,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         pool_slots=a.pool_slots, host_pool_bytes=a.host_pool_bytes, block_size=a.block_size,
         max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
         max_prefill_with_decode=a.max_prefill_with_decode,
+        graph_mixed_tokens=a.graph_mixed_tokens,
         max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
         tenant_share=a.tenant_share, eviction=a.eviction, worker_id=a.worker_id,
         **common_values(a),

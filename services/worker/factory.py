@@ -42,6 +42,7 @@ class EngineOptions:
     max_model_len: int = 0              # 0 = the model's max_position_embeddings
     cuda_graphs: bool = True            # capture decode steps on CUDA
     graph_max_rank: int = 64            # largest LoRA rank the graphs serve (tiles 16 .. this)
+    graph_mixed_tokens: int = 1024      # mixed steps up to this many tokens replay graphs (0: off)
     overlap: bool = True                # launch decode step N+1 before post-processing N
     share_prefixes: bool = True         # prompt blocks shared by sequences of one prefix
     fair: bool = True                   # admission in the tenants' VTC order (scheduler.py)
@@ -119,7 +120,7 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
                           max_prefill_with_decode=opts.max_prefill_with_decode)
     if device.type == "cuda" and opts.cuda_graphs:
         from services.worker.graph_runner import GraphRunner
-        runner = GraphRunner(runner)
+        runner = GraphRunner(runner, mixed_tokens=opts.graph_mixed_tokens)
         if before_capture is not None:
             before_capture()
         runner.capture(opts.graph_max_rank)

@@ -1,10 +1,17 @@
-"""Decode steps replayed from CUDA graphs (GPU only).
+"""Decode steps and mixed steps replayed from CUDA graphs (GPU only).
 
 A decode step (every scheduled row one token, no repetition penalty) of n sequences is padded to
-the nearest captured batch size B and replayed from the graph captured for B; any other step
-(prefill, mixed prefill + decode, or larger than the biggest graph) runs eagerly. The graphs read
-their inputs from static buffers that a step only fills: padding rows get slot -1 (no KV write),
-q_seq -1 (no attention) and a base-only LoRA segment.
+the nearest captured batch size B and replayed from the graph captured for B. A mixed step
+(prompt chunks, beside decode rows or not) of T tokens over S sequences is padded to the
+smallest captured token count M >= T whose graph holds S sequences (M // 2, at most the largest
+batch) and replayed from it: an eager step launches ~300 kernels from Python, which on the
+H200 took longer than the GPU's work up to ~1,000 tokens (bench/PERF_NOTES.md). Every kernel
+here reads its per-step metadata from device buffers (attention finds its runs from q_seq and
+q_pos, SGMV its segments from seg_start), so one graph serves any step that fits. Other steps
+(larger, penalties, prompt logprobs, more sequences than the largest graph) run eagerly. The
+graphs read their inputs from static buffers that a step only fills: padding rows get slot -1
+(no KV write), q_seq -1 (no attention) and no LoRA segment; a mixed graph computes the logits of
+each sequence's sampling row only (sample_rows).
 
 A graph holds LoRA launches only for the projection groups that the step's adapters target
 (services.worker.model_spec.GROUP_BIT): a base-only step replays a graph with none, a batch of
@@ -16,7 +23,8 @@ adapters, not the pool's: rank-16 adapters run rank-16 kernels even while a rank
 resident (on the H200, batch 64 with 32 rank-16 adapters spends 38 us a layer in LoRA with the 16
 tile against 83 with the 64 one).
 
-Every graph is captured at start, before the worker serves: for each batch size, none (base only),
+Every graph is captured at start, before the worker serves: for each batch size (and each mixed
+token count), none (base only),
 all groups at each start tile (16 and the largest, capture's max_rank), and at tile 16 q/k/v/o (the
 common attention-only adapters), the tile-16 ones also with column LoRA. Nothing is captured while
 serving (a capture stalls every row in flight): a step whose (mask, tile) has no graph of its own
@@ -28,7 +36,7 @@ never touches the pool's tables, which the adapter manager updates from its own 
 buffers are filled by the same step-input builder as eager steps
 (services.worker.step_inputs.StepBuilder.fill).
 
-Overlap. `launch` starts a decode step and returns at once (the sampled tokens come back through
+Overlap. `launch` starts a decode or mixed step and returns at once (the sampled tokens come back through
 a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
 flight (`prev`): its rows' input tokens are then gathered on the device from prev's sampled tokens,
 so the engine can queue step N+1 before it has read step N's tokens, and the GPU does not idle
@@ -38,55 +46,34 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kernels.sgmv_ref import rank_tile
 from services.worker import metrics
+from services.worker.graph_inputs import PendingStep, StaticInputs
 from services.worker.lora_meta import LoraMeta
 from services.worker.model import StepContext
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
 from services.worker.runner import ModelRunner
 from services.worker.sampling import pack_logprobs, sample, unpack_logprobs
 from services.worker.scheduler import Scheduled
-from services.worker.step_inputs import HostViews, StepPlan, sampling_batch
+from services.worker.step_inputs import StepPlan, sampling_batch
 
 log = logging.getLogger(__name__)
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448,
                  512)
 ATTENTION = GROUP_BIT["qkv"] | GROUP_BIT["o"]          # q/k/v/o adapters: a start graph too
-
-
-class _HostSet:
-    """Pinned staging buffers for one step: host64 [4, top] (ids, positions, slots, gather
-    index), host32 (q_seq, q_pos, seg_start, seg_slot, block tables), the sampled tokens' copy
-    target; the step builder's views of them (services.worker.step_inputs.HostViews)."""
-
-    def __init__(self, top: int, mb: int, pin: bool):
-        self.host64 = torch.zeros(4, top, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(4 * top + 1 + top * mb, dtype=torch.int32, pin_memory=pin)
-        self.tokens = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
-        h = self.host64.numpy()
-        q_seq, q_pos, seg_start, seg_slot, tables = (
-            t.numpy() for t in GraphRunner._split32(self.host32, top, mb))
-        self.views = HostViews(h[0], h[1], h[2], q_seq, seg_start, seg_slot, tables,
-                               q_pos=q_pos, src=h[3])
-
-
-@dataclass
-class PendingStep:
-    """A launched decode step: its rows in replay order and its sampled tokens on the way."""
-    batch: list[Scheduled]
-    tokens: torch.Tensor                 # int64 [n] on the device
-    host: torch.Tensor                   # int64 [n], pinned: the copy's destination
-    done: torch.cuda.Event | None        # recorded after the copy (None on CPU)
-    logprobs: torch.Tensor | None = None  # pack_logprobs' rows, host (pinned): when asked
+# mixed steps' token counts with a graph of their own, up to GraphRunner's mixed_tokens: above
+# ~1,000 tokens a step's GPU time hides its launches (bench/PERF_NOTES.md, mixed steps)
+MIXED_SIZES = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
 class GraphRunner:
-    def __init__(self, runner: ModelRunner, sizes=DEFAULT_SIZES):
+    def __init__(self, runner: ModelRunner, sizes=DEFAULT_SIZES, mixed_tokens: int = 1024):
+        """mixed_tokens: the largest token count of a mixed step replayed from a graph
+        (MIXED_SIZES up to it and the engine's token budget; 0: mixed steps run eagerly)."""
         self.runner = runner
         self.model = runner.model
         self.steps = runner.steps                 # the step-input builder, eager steps' too
@@ -97,29 +84,31 @@ class GraphRunner:
         cap = runner.buffers.max_seqs
         self.sizes = sorted({s for s in sizes if s < cap} | {min(cap, max(sizes))})
         top = self.sizes[-1]
+        limit = min(mixed_tokens, runner.buffers.max_tokens)
+        self.mixed_sizes = [t for t in MIXED_SIZES if t <= limit]
+        self.mixed_on = bool(self.mixed_sizes)    # off while the warm-up runs eager steps
+        rows = max([top, *self.mixed_sizes])
         self.max_blocks = runner.buffers.max_blocks
         self.block_size = runner.block_size
-        mb = self.max_blocks
-        # two packed buffers (int64 rows, int32 metadata) -> two host-to-device copies a step
-        # rows: input ids, positions, KV slots, and for a step launched from one in flight the
-        # index of each row's token in that step's sampled tokens
-        self.dev64 = torch.zeros(4, top, dtype=torch.int64, device=dev)
-        self.dev32 = torch.zeros(4 * top + 1 + top * mb, dtype=torch.int32, device=dev)
-        # two sets of pinned staging buffers, used in turn: with overlap, step N+1 is filled
-        # while step N's copies may still be queued behind step N-1
-        self._sets = [_HostSet(top, mb, dev.type == "cuda") for _ in range(2)]
-        self._flip = 0
-        self._filled = self._sets[0]              # the set the last _fill wrote
-        self.ids, self.pos, self.slots = self.dev64[0], self.dev64[1], self.dev64[2]
-        self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = self._split32(
-            self.dev32, top, mb)
-        # (batch, LoRA mask, rank tile (0 without LoRA), column LoRA) -> graph
+        self.inputs = StaticInputs(self.steps, rows, top, self.max_blocks, dev)
+        inp = self.inputs
+        self.ids, self.pos, self.slots, self.sample_rows = inp.ids, inp.pos, inp.slots, \
+            inp.sample_rows
+        self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = (
+            inp.q_seq, inp.q_pos, inp.seg_start, inp.seg_slot, inp.tables)
+        # (batch, LoRA mask, rank tile (0 without LoRA), column LoRA) -> graph; mixed steps'
+        # graphs by (token count, mask, tile, columns)
         self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int, int, bool], torch.Tensor] = {}
+        self.mixed: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.mixed_outputs: dict[tuple[int, int, int, bool], torch.Tensor] = {}
+        self._mixed_logits: torch.Tensor | None = None   # their logits: views of one buffer
         self.pool = None                                                 # graphs share one
         self.captured: set[int] = set()          # batch sizes captured at start
         self._choice: dict[tuple, tuple[int, int, int, bool] | None] = {}
+        self._mixed_choice: dict[tuple, tuple[int, int, int, bool] | None] = {}
         self.replays = 0
+        self.mixed_replays = 0
         self.rank = 0                            # capture's max_rank (its tile: the largest)
         self.start_tiles: tuple[int, ...] = ()   # tiles captured at start for all groups
         self.timings: list | None = None     # set to a list to record (batch, start, end) events
@@ -133,6 +122,23 @@ class GraphRunner:
                            q_pos=self.q_pos[:b], sample_rows=None,   # every row samples
                            max_context=self.max_blocks * self.block_size, lora=lora)
 
+    def mixed_seqs(self, t: int) -> int:
+        """The sequences a mixed graph of t tokens holds (fewer than t: its attention launch
+        is the prefill one, kernels.attention_triton, as an eager mixed step's)."""
+        return min(self.sizes[-1], t - t // 8)
+
+    def _ctx_mixed(self, t: int, mask: int, tile: int = 0, columns: bool = False
+                   ) -> StepContext:
+        """The static buffers' context for a mixed step of t tokens (rows) over mixed_seqs(t)
+        sequences, each sampling from the row sample_rows names."""
+        s = self.mixed_seqs(t)
+        lora = LoraMeta(self.seg_start[:s + 1], self.seg_slot[:s], mask, tile or self.rank,
+                        columns, self.steps.tables)
+        return StepContext(positions=self.pos[:t], slot_mapping=self.slots[:t],
+                           block_tables=self.tables[:s], q_seq=self.q_seq[:t],
+                           q_pos=self.q_pos[:t], sample_rows=self.sample_rows[:s],
+                           max_context=self.max_blocks * self.block_size, lora=lora)
+
     def capture(self, max_rank: int = 64) -> None:
         """Capture every decode graph (see the module docstring), largest batch first, sharing
         one memory pool; progress in the log.
@@ -144,18 +150,22 @@ class GraphRunner:
         keys = self._plan(max_rank)
         for i, (mask, tile, columns) in enumerate(keys):
             t = time.monotonic()
+            for n in reversed(self.mixed_sizes):          # the largest first: pool reuse
+                self._capture_one(n, mask, tile, columns, mixed=True)
             for b in reversed(self.sizes):
                 self._capture_one(b, mask, tile, columns)
-            log.info("captured LoRA groups %s, rank tile %d%s for %d batch sizes in %.1fs "
-                     "(%d of %d)", bin(mask), tile, ", column LoRA" if columns else "",
-                     len(self.sizes), time.monotonic() - t, i + 1, len(keys))
+            log.info("captured LoRA groups %s, rank tile %d%s for %d batch sizes and %d mixed "
+                     "token counts in %.1fs (%d of %d)", bin(mask), tile,
+                     ", column LoRA" if columns else "", len(self.sizes), len(self.mixed_sizes),
+                     time.monotonic() - t, i + 1, len(keys))
         self.captured = set(self.sizes)
         from kernels.sgmv_split import barrier_timeouts
         if barrier_timeouts(self.model.device):
             log.error("an SGMV grid barrier timed out while capturing: LoRA output is wrong")
-        log.info("captured %d decode graphs (batch %s, rank tiles %s) in %.1fs",
-                 len(self.graphs), ",".join(map(str, self.sizes)),
-                 ",".join(map(str, self.start_tiles)) or "-", time.monotonic() - start)
+        log.info("captured %d decode graphs (batch %s, rank tiles %s) and %d mixed-step graphs "
+                 "(tokens %s) in %.1fs", len(self.graphs), ",".join(map(str, self.sizes)),
+                 ",".join(map(str, self.start_tiles)) or "-", len(self.mixed),
+                 ",".join(map(str, self.mixed_sizes)) or "-", time.monotonic() - start)
 
     def _plan(self, max_rank: int) -> list[tuple[int, int, bool]]:
         self.rank = max_rank
@@ -165,7 +175,8 @@ class GraphRunner:
     def warm_forwards(self, max_rank: int, part: int = 0, parts: int = 1) -> int:
         """The warm-up forwards of every parts-th graph that capture() would make, from the
         part-th, without capturing (services.worker.precompile); how many."""
-        items = [(b, *key) for key in self._plan(max_rank) for b in reversed(self.sizes)]
+        items = [(b, *key, False) for key in self._plan(max_rank) for b in reversed(self.sizes)]
+        items += [(n, *key, True) for key in self.start_keys() for n in self.mixed_sizes]
         for item in items[part::parts]:
             self._warm(*item)
         torch.cuda.synchronize()
@@ -183,28 +194,37 @@ class GraphRunner:
             keys += [(ALL_GROUPS, small, True), (ATTENTION, small, True)]
         return keys + [(0, 0, False)]
 
-    def _capture_one(self, b: int, mask: int, tile: int = 0, columns: bool = False) -> None:
-        """Capture the decode graph for batch size b and these LoRA choices (inputs: whatever
-        the static buffers hold; the warm-up passes rewrite the same KV slots with the same
-        values)."""
+    def _capture_one(self, b: int, mask: int, tile: int = 0, columns: bool = False,
+                     mixed: bool = False) -> None:
+        """Capture the decode graph for batch size b (mixed: the mixed-step graph of b tokens)
+        and these LoRA choices (inputs: whatever the static buffers hold; the warm-up passes
+        rewrite the same KV slots with the same values)."""
         key = (b, mask, tile, columns)
         kv = self.runner.kv_cache
-        ctx = self._warm(*key)
+        ctx = self._warm(*key, mixed=mixed)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the adapter manager's loader threads may copy while a capture runs
+        if mixed and self._mixed_logits is None:      # one for all mixed graphs
+            w = self.model.w["lm_head"]
+            self._mixed_logits = torch.empty(self.sizes[-1], w.shape[0], dtype=w.dtype,
+                                             device=w.device)
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.outputs[key] = self.model.forward(self.ids[:b], ctx, kv)
+            out = self.model.forward(self.ids[:b], ctx, kv)
+            if mixed:
+                out = self._mixed_logits[:out.shape[0]].copy_(out)
         self.pool = graph.pool()
-        self.graphs[key] = graph
+        (self.mixed_outputs if mixed else self.outputs)[key] = out
+        (self.mixed if mixed else self.graphs)[key] = graph
         metrics.count_capture()
         torch.cuda.synchronize()
 
-    def _warm(self, b: int, mask: int, tile: int, columns: bool) -> StepContext:
+    def _warm(self, b: int, mask: int, tile: int, columns: bool, mixed: bool = False
+              ) -> StepContext:
         """A graph's warm-up forwards (Triton compiles, autotunes, lazy cuBLAS state) on the
         first layer only: every layer runs the same kernels on the same shapes (as in
         services.worker.warmup). Returns the graph's step context."""
-        ctx = self._ctx(b, mask, tile, columns)
+        ctx = (self._ctx_mixed if mixed else self._ctx)(b, mask, tile, columns)
         self.model.layer_limit = 1
         try:
             for _ in range(2):
@@ -235,12 +255,15 @@ class GraphRunner:
         With prev (a step still in flight), every row continues a sequence of prev: its input
         token is the one prev sampled for it, still only on the device, and its output counter
         is one ahead of seq.tokens."""
-        b = self._bucket(len(batch))
         decode = all(x.num_tokens == 1 for x in batch) and (
             prev is not None or all(x.samples for x in batch))
         # a penalty reads the tokens so far, the one in flight included: such steps run eagerly
-        penalized = any(x.seq.sampling.history for x in batch)
-        if b is None or not decode or penalized or b not in self.captured:
+        if any(x.seq.sampling.history for x in batch):
+            return None
+        if not decode:
+            return self._launch_mixed(batch) if prev is None and self.mixed_on else None
+        b = self._bucket(len(batch))
+        if b is None or b not in self.captured:
             return None
         plan = self.steps.plan(batch, graph=True)
         key = None if plan.rank > rank_tile(self.rank) else self._graph_key(
@@ -255,7 +278,7 @@ class GraphRunner:
         self._fill(plan, b, src)
         if src is not None:
             n = len(batch)
-            torch.index_select(prev.tokens, 0, self.dev64[3, :n], out=self.ids[:n])
+            torch.index_select(prev.tokens, 0, self.inputs.dev64[3, :n], out=self.ids[:n])
         if self.timings is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -265,11 +288,54 @@ class GraphRunner:
         else:
             self.graphs[key].replay()
         self.replays += 1
-        logits = self.outputs[key][:len(batch)]
-        params = sampling_batch(batch, self.model.device, ahead=0 if prev is None else 1,
-                                eos=self.eos)
+        return self._sampled(batch, self.outputs[key][:len(batch)], ahead=int(prev is not None))
+
+    def _launch_mixed(self, batch: list[Scheduled]) -> PendingStep | None:
+        """Start a mixed step (prompt chunks, with or without decode rows) from the graph of
+        the smallest token count that holds it, as launch does a decode step; None when none
+        does (too many tokens or sequences, an adapter above the graphs' ranks, prompt
+        logprobs asked)."""
+        size = self.mixed_size(batch)
+        if size is None or any(x.seq.prompt_lps is not None for x in batch):
+            return None
+        plan = self.steps.plan(batch, graph=True)
+        key = None if plan.rank > rank_tile(self.rank) else self._graph_key(
+            size, plan.mask, plan.rank, plan.columns, mixed=True)
+        if key is None:
+            return None
+        sampled = self.fill_mixed(plan, size)
+        self.mixed[key].replay()
+        self.mixed_replays += 1
+        return self._sampled(sampled, self.mixed_outputs[key][:len(sampled)], ahead=0)
+
+    def mixed_size(self, batch: list[Scheduled]) -> int | None:
+        """The token count of the mixed graph a step fits (None: none)."""
+        t, n = sum(x.num_tokens for x in batch), len(batch)
+        return next((m for m in self.mixed_sizes if m >= t and self.mixed_seqs(m) >= n), None)
+
+    def fill_mixed(self, plan: StepPlan, size: int) -> list[Scheduled]:
+        """Write a mixed step's inputs for the graph of `size` tokens (as _fill); returns the
+        entries that sample, in the order of the graph's logits rows."""
+        n = len(plan.batch)
+        lens = np.fromiter((x.num_tokens for x in plan.batch), dtype=np.int64, count=n)
+        samples = np.fromiter((x.samples for x in plan.batch), dtype=bool, count=n)
+        rows = np.cumsum(lens)[samples] - 1           # each sampling sequence's last row
+        self._fill(plan, size, lens=lens, seqs=self.mixed_seqs(size), sample_rows=rows)
+        return [x for x, s in zip(plan.batch, samples) if s]
+
+    def _sampled(self, batch: list[Scheduled], logits: torch.Tensor, ahead: int
+                 ) -> PendingStep:
+        """Sample a launched step's rows (batch, in logits' row order) and start the copy of
+        their tokens (and logprobs, when asked) to the host."""
+        if not batch:         # prompt chunks only: nothing sampled, but an event all the same
+            done = torch.cuda.Event() if logits.is_cuda else None  # (collect waits: the
+            if done is not None:                  # staging set is not refilled under a copy)
+                done.record()
+            return PendingStep([], logits.new_empty(0, dtype=torch.int64),
+                               torch.empty(0, dtype=torch.int64), done)
+        params = sampling_batch(batch, self.model.device, ahead=ahead, eos=self.eos)
         tokens = sample(logits, params)
-        host = self._filled.tokens[:len(batch)]
+        host = self.inputs.filled.tokens[:len(batch)]
         host.copy_(tokens, non_blocking=True)
         lp = None
         if params.logprobs >= 0:         # asked for: their copy rides the same event
@@ -282,21 +348,24 @@ class GraphRunner:
             done.record()
         return PendingStep(batch, tokens, host, done, lp)
 
-    def _graph_key(self, b: int, mask: int, tile: int, columns: bool = False
-                   ) -> tuple[int, int, int, bool] | None:
-        """The graph a decode step replays (see the module docstring): its own key, else the
-        captured one of batch b with the fewest groups that cover mask's and the smallest tile
-        >= tile (a column-LoRA one only for a step with column LoRA, and preferred then); None:
-        no graph serves it (the step runs eagerly). Memoised."""
+    def _graph_key(self, b: int, mask: int, tile: int, columns: bool = False,
+                   mixed: bool = False) -> tuple[int, int, int, bool] | None:
+        """The graph a decode step (mixed: a mixed step of b tokens) replays (see the module
+        docstring): its own key, else the captured one of size b with the fewest groups that
+        cover mask's and the smallest tile >= tile (a column-LoRA one only for a step with
+        column LoRA, and preferred then); None: no graph serves it (the step runs eagerly).
+        Memoised."""
+        graphs, choice = (self.mixed, self._mixed_choice) if mixed else (self.graphs,
+                                                                         self._choice)
         key = (b, mask, tile, columns)
-        if key in self.graphs:
+        if key in graphs:
             return key
-        if key not in self._choice:
+        if key not in choice:
             fits = [(bin(m).count("1"), t, not c, (bb, m, t, c))
-                    for bb, m, t, c in self.graphs if bb == b and t >= tile and m & mask == mask
+                    for bb, m, t, c in graphs if bb == b and t >= tile and m & mask == mask
                     and (columns or not c)]
-            self._choice[key] = min(fits)[3] if fits else None
-        return self._choice[key]
+            choice[key] = min(fits)[3] if fits else None
+        return choice[key]
 
     @staticmethod
     def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int], list | None]:
@@ -310,21 +379,8 @@ class GraphRunner:
                                   [b.seq.sampling.logprobs for b in pending.batch])
         return pending.batch, pending.host.tolist(), lps
 
-    @staticmethod
-    def _split32(buf: torch.Tensor, top: int, mb: int):
-        """Views of the int32 buffer: q_seq [top], q_pos [top], seg_start [top+1],
-        seg_slot [top], block tables [top, mb]."""
-        q_seq, q_pos = buf[:top], buf[top:2 * top]
-        seg_start, seg_slot = buf[2 * top:3 * top + 1], buf[3 * top + 1:4 * top + 1]
-        return q_seq, q_pos, seg_start, seg_slot, buf[4 * top + 1:].view(top, mb)
-
-    def _fill(self, plan: StepPlan, b: int, src: np.ndarray | None = None) -> None:
-        """Write a decode step's inputs for batch size b into the next set of pinned buffers
-        (the step builder: padding rows inert), then two host-to-device copies. src: for a step
-        launched from one in flight, where each row's input token is in that step's sampled
-        tokens (the ids are then gathered on the device)."""
-        hs = self._filled = self._sets[self._flip]
-        self._flip ^= 1
-        self.steps.fill(plan, hs.views, pad=b, src=src)
-        self.dev64.copy_(hs.host64, non_blocking=True)
-        self.dev32.copy_(hs.host32, non_blocking=True)
+    def _fill(self, plan: StepPlan, b: int, src: np.ndarray | None = None,
+              lens: np.ndarray | None = None, seqs: int | None = None,
+              sample_rows: np.ndarray | None = None) -> None:
+        """StaticInputs.fill (the step's inputs into the static buffers)."""
+        self.inputs.fill(plan, b, src, lens, seqs, sample_rows)

@@ -135,7 +135,8 @@ def child(model_dir: str, opts, warm: WarmShape, part: int, parts: int, cache: s
     built = build_engine(model_dir, child_options(opts, layers), layers=1)
     if built.device.type == "cuda":
         from services.worker.graph_runner import GraphRunner
-        n = GraphRunner(built.engine.runner).warm_forwards(opts.graph_max_rank, part, parts)
+        graphs = GraphRunner(built.engine.runner, mixed_tokens=opts.graph_mixed_tokens)
+        n = graphs.warm_forwards(opts.graph_max_rank, part, parts)
         log.info("%d graph shapes' forwards in %.1fs", n, time.monotonic() - start)
     report = Warmup(built.engine, built.pool, built.spec, warm.max_batch_tokens,
                     max_rank=warm.max_rank, max_running=warm.max_running,

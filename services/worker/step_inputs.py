@@ -109,13 +109,16 @@ class StepBuilder:
                                                               graph))
 
     def fill(self, plan: StepPlan, v: HostViews, lens: np.ndarray | None = None,
-             pad: int = 0, src: np.ndarray | None = None) -> tuple[int, np.ndarray | None, int]:
+             pad: int = 0, src: np.ndarray | None = None, pad_seqs: int | None = None
+             ) -> tuple[int, np.ndarray | None, int]:
         """Write the plan's rows and segments into v; returns (rows T, the row end of each sequence
         (None when each has one row), segments G). lens: each sequence's rows this step (None: one,
-        a decode step); pad: rows (and sequences, and segments) to pad to with inert ones; src: for
-        a step launched from one in flight, where each row's input token is in that step's sampled
-        tokens (the ids are then gathered on the device, not written here)."""
+        a decode step); pad: rows to pad to with inert ones, and sequences (block-table rows) and
+        segments to pad_seqs (default: pad); src: for a step launched from one in flight, where
+        each row's input token is in that step's sampled tokens (the ids are then gathered on the
+        device, not written here)."""
         seqs, n, bs = plan.seqs, len(plan.seqs), self.block_size
+        pad_seqs = pad if pad_seqs is None else pad_seqs
         first = [q.num_computed for q in seqs]
         if lens is None:                          # one row a sequence, at its next position
             t, ends, q_seq = n, None, np.arange(n)
@@ -134,7 +137,7 @@ class StepBuilder:
             q_seq = np.repeat(np.arange(n), lens)
             pos = np.arange(t) - (ends - lens)[q_seq] + np.asarray(first)[q_seq]
             v.pos[:t] = pos
-        self._sync_tables(seqs, max(n, pad), v)
+        self._sync_tables(seqs, max(n, pad_seqs), v)
         v.slots[:t] = v.tables[q_seq, pos // bs].astype(np.int64) * bs + pos % bs
         v.q_seq[:t] = q_seq
         if v.q_pos is not None:
@@ -143,7 +146,7 @@ class StepBuilder:
             v.ids[t:pad], v.pos[t:pad], v.slots[t:pad], v.q_seq[t:pad] = 0, 0, -1, -1
             if v.q_pos is not None:
                 v.q_pos[t:pad] = 0
-        return t, ends, self._segments(plan.slots, ends, t, v, pad)
+        return t, ends, self._segments(plan.slots, ends, t, v, pad_seqs)
 
     def eager(self, batch: list[Scheduled], buf: InputBuffers) -> StepInputs:
         """An eager step: fill the runner's host buffers, copy them over, the StepInputs."""

@@ -1,7 +1,10 @@
 """Before a worker says SERVING: run each kind of eager step it can meet once.
 
-Decode steps replay CUDA graphs captured at start (services.worker.graph_runner). The other
-steps (prefill, prefill beside decode rows, adapters above the graphs' rank tiles) run eagerly,
+Decode steps, and mixed steps of up to --graph-mixed-tokens tokens, replay CUDA graphs
+captured at start (services.worker.graph_runner), whose kernels the capture compiled. The other
+steps (larger prefill steps, adapters above the graphs' rank tiles, penalties, prompt logprobs;
+while the warm-up runs, every step with prompt tokens: the eager path must be ready for any of
+them) run eagerly,
 and an eager step whose shapes a Triton kernel has not seen needs a new specialization of it:
 seconds of compiling on a cold kernel cache, milliseconds of loading on a warm one, either way
 a stall of every row of that step. Triton specializes an integer argument by whether it is 1
@@ -144,12 +147,17 @@ class Warmup:
     def run(self) -> Report:
         """Every set's shapes, through the first layer only (the kernels of one layer are those
         of all; decode steps still replay their full-model graphs)."""
-        model = self.engine.runner.model
+        runner = self.engine.runner
+        model, mixed = runner.model, getattr(runner, "mixed_on", None)
         model.layer_limit = 1
+        if mixed is not None:      # the eager steps' shapes (mixed graphs warmed at capture)
+            runner.mixed_on = False
         try:
             return self._run()
         finally:
             model.layer_limit = None
+            if mixed is not None:
+                runner.mixed_on = mixed
 
     def _run(self) -> Report:
         start = time.monotonic()

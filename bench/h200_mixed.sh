@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Mixed steps from CUDA graphs on the H200 (device tool), each part packed into one file of $OUT
+# as it ends (a run cut short still returns what finished):
+#   1. tests.tgz    the GPU tests of graphs against eager steps (tiny model)
+#   2. mixed.tgz    bench/mixed_step_bench.py: 64 decode rows beside 0-1,024 prompt tokens, base
+#                   and 32 rank-16 adapters, eager against graph (7B shape, 32 layers)
+#   3. resident-*.tgz  bench/h200_serve.sh resident (closed loop and the prefill burst), for each
+#                   EXTRA of CAPS (worker flags; "-" for none)
+# Carry .whl, services/common/gen and tmp/kcache (KCACHE as h200_serve.sh takes it).
+set -u
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/tmp/triton-cache}
+O=${OUT:-bench/results}; T=$PWD/tmp/mixed-run; mkdir -p "$T" "$TRITON_CACHE_DIR"
+if [ -n "${KCACHE:-}" ] && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then
+  cat "$KCACHE".part-* | tar xz -C "$TRITON_CACHE_DIR"
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+  2>/dev/null
+export PYTHONPATH=/tmp/site
+pack() { tar czf "$O/$1.tgz" -C "$2" . && rm -rf "$2"; ls -la "$O"; }
+mkdir -p "$T/tests"
+timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k \
+  "mixed_steps or graphs_match_eager or overlapped or sampling_params or greedy_matches" 2>&1 |
+  tee "$T/tests/pytest.txt" | tail -25
+pack tests "$T/tests"
+mkdir -p "$T/mixed"
+timeout "${BENCH_S:-150}" python3 bench/mixed_step_bench.py --layers 32 --decode 64 \
+  --chunks 0,64,128,256,512,1024 --distincts 0,32 --out "$T/mixed" --name mixed-step-h200 \
+  ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -v -i warn | tail -20
+pack mixed "$T/mixed"
+for C in ${CAPS:--}; do
+  N=resident-${C//[^0-9a-z]/}; mkdir -p "$T/$N"
+  X=""; [ "$C" != - ] && X="--worker-flag=$C"
+  OUT="$T/$N" EXTRA="$X" BUDGET=${SERVE_S:-140} bash bench/h200_serve.sh resident 2>&1 |
+    grep --line-buffered -E "^(resident|prefill|- prefill|worker: SERV|===)" 
+  pack "$N" "$T/$N"
+done

@@ -1,0 +1,93 @@
+"""The static inputs that captured CUDA graphs read (services.worker.graph_runner), and a step
+launched from one (`PendingStep`).
+
+`StaticInputs` owns two packed device buffers (int64 rows: input ids, positions, KV slots, the
+gather index of a step launched from one in flight, a mixed step's sample rows; int32: q_seq and
+q_pos per row, the LoRA segments and block tables per sequence) and two sets of pinned host
+staging buffers used in turn: with overlap, step N+1 is filled while step N's copies may still
+be queued behind step N-1. A step is written by the step-input builder (services.worker.
+step_inputs.StepBuilder.fill) into the next host set, then two host-to-device copies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker.scheduler import Scheduled
+from services.worker.step_inputs import HostViews, StepBuilder, StepPlan
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its sampling rows in sample order and their tokens on the way."""
+    batch: list[Scheduled]
+    tokens: torch.Tensor                 # int64 [n] on the device
+    host: torch.Tensor                   # int64 [n], pinned: the copy's destination
+    done: torch.cuda.Event | None        # recorded after the copy (None on CPU)
+    logprobs: torch.Tensor | None = None  # pack_logprobs' rows, host (pinned): when asked
+
+
+def size32(rows: int, seqs: int, mb: int) -> int:
+    return 2 * rows + 2 * seqs + 1 + seqs * mb
+
+
+def split32(buf: torch.Tensor, rows: int, seqs: int, mb: int):
+    """Views of the int32 buffer: q_seq [rows], q_pos [rows], seg_start [seqs+1],
+    seg_slot [seqs], block tables [seqs, mb]."""
+    q_seq, q_pos = buf[:rows], buf[rows:2 * rows]
+    at = 2 * rows
+    seg_start, seg_slot = buf[at:at + seqs + 1], buf[at + seqs + 1:at + 2 * seqs + 1]
+    return q_seq, q_pos, seg_start, seg_slot, buf[at + 2 * seqs + 1:].view(seqs, mb)
+
+
+class _HostSet:
+    """One set of pinned staging buffers (host64 [5, rows], host32 as split32), the sampled
+    tokens' copy target; the step builder's views of them."""
+
+    def __init__(self, rows: int, seqs: int, mb: int, pin: bool):
+        self.host64 = torch.zeros(5, rows, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(size32(rows, seqs, mb), dtype=torch.int32, pin_memory=pin)
+        self.tokens = torch.zeros(seqs, dtype=torch.int64, pin_memory=pin)
+        h = self.host64.numpy()
+        q_seq, q_pos, seg_start, seg_slot, tables = (
+            t.numpy() for t in split32(self.host32, rows, seqs, mb))
+        self.views = HostViews(h[0], h[1], h[2], q_seq, seg_start, seg_slot, tables,
+                               q_pos=q_pos, src=h[3])
+        self.sample_rows = h[4]
+
+
+class StaticInputs:
+    """Buffers for steps of up to `rows` rows over up to `seqs` sequences (block tables of mb
+    blocks), and their fill."""
+
+    def __init__(self, steps: StepBuilder, rows: int, seqs: int, mb: int, dev: torch.device):
+        self.steps = steps
+        self.dev64 = torch.zeros(5, rows, dtype=torch.int64, device=dev)
+        self.dev32 = torch.zeros(size32(rows, seqs, mb), dtype=torch.int32, device=dev)
+        self._sets = [_HostSet(rows, seqs, mb, dev.type == "cuda") for _ in range(2)]
+        self._flip = 0
+        self.filled = self._sets[0]              # the set the last fill wrote
+        self.ids, self.pos, self.slots = self.dev64[0], self.dev64[1], self.dev64[2]
+        self.sample_rows = self.dev64[4]
+        self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = split32(
+            self.dev32, rows, seqs, mb)
+
+    def fill(self, plan: StepPlan, b: int, src: np.ndarray | None = None,
+             lens: np.ndarray | None = None, seqs: int | None = None,
+             sample_rows: np.ndarray | None = None) -> None:
+        """Write a step's inputs for b rows into the next host set (the step builder: padding
+        rows inert), then two host-to-device copies. src: for a decode step launched from one
+        in flight, where each row's input token is in that step's sampled tokens (the ids are
+        then gathered on the device). A mixed step: lens, each sequence's rows; seqs, the
+        sequences its graph holds; sample_rows, the rows that sample (the rest of the seqs
+        entries read row 0)."""
+        hs = self.filled = self._sets[self._flip]
+        self._flip ^= 1
+        self.steps.fill(plan, hs.views, lens, pad=b, src=src, pad_seqs=seqs)
+        if sample_rows is not None:
+            hs.sample_rows[:len(sample_rows)] = sample_rows
+            hs.sample_rows[len(sample_rows):seqs] = 0
+        self.dev64.copy_(hs.host64, non_blocking=True)
+        self.dev32.copy_(hs.host32, non_blocking=True)
