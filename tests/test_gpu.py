@@ -265,7 +265,7 @@ def test_precompile_children_compile_everything_the_capture_and_warm_up_need(tmp
 def test_gpu_mixed_steps_replayed_from_graphs_give_the_eager_logits():
     """A mixed step (decode rows on adapters and the base model, a whole prompt, a prompt's
     first chunk) replayed from its captured mixed graph: the eager step's logits for every
-    sampling row (bf16 tolerance), tokens sampled from them, and the KV the rows wrote."""
+    sampling row, in the eager order (bf16 tolerance), and the tokens sampled from them."""
     opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=16 << 20, block_size=16,
                          max_batch_tokens=512, max_running=32)
     built = build_engine(MODEL_DIR, opts)

@@ -115,3 +115,23 @@ def test_a_mixed_step_from_the_graph_buffers_gives_the_eager_logits(hf_ckpt):
     assert (ctx.slot_mapping[t:] == -1).all() and (ctx.q_seq[t:] == -1).all()
     assert (ctx.sample_rows[len(sampled):] == 0).all()
     assert g.mixed_size(batch + [Scheduled(part, 64)]) is None          # too many tokens
+
+
+def test_mixed_graph_sizes_take_the_budget_and_the_warm_up_turns_them_off(hf_ckpt):
+    """The mixed graphs' token counts end at the step budget (a full-budget step is the usual one
+    under a backlog of prompts), none with --graph-mixed-tokens 0; they serve steps only once
+    captured, and the warm-up's eager_mixed turns them off for its duration, through a
+    FaultyRunner wrapper too."""
+    from services.worker.fault_inject import FaultyRunner
+    root, _, _ = hf_ckpt
+    built, _ = _engine(root)
+    runner = built.engine.runner
+    assert GraphRunner(runner).mixed_sizes == [64]
+    assert GraphRunner(runner, mixed_tokens=40).mixed_sizes == [40]
+    assert GraphRunner(runner, mixed_tokens=0).mixed_sizes == []
+    g = GraphRunner(runner)
+    assert not g.mixed_on                     # nothing captured
+    g.mixed_on = True
+    with FaultyRunner(g, 1000).eager_mixed():
+        assert not g.mixed_on
+    assert g.mixed_on

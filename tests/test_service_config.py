@@ -80,6 +80,7 @@ def test_router_and_worker_take_the_store_address_from_the_environment(monkeypat
     (["--warmup", "sometimes"], "--warmup"),
     (["--frontend", "remote"], "--frontend"),
     (["--eviction", "lfu"], "--eviction"),
+    (["--graph-mixed-tokens", "-1"], "--graph-mixed-tokens must be >= 0"),
 ])
 def test_the_worker_refuses_a_bad_kernel_cache_warmup_or_frontend(flags, named):
     proc = subprocess.run([sys.executable, "-m", "services.worker", "--metrics-port", "0",
@@ -92,6 +93,13 @@ def test_the_worker_eviction_flag_reaches_its_config():
     from services.worker.config import parse_args
     assert parse_args([]).eviction == "lru"
     assert parse_args(["--eviction", "cost"]).eviction == "cost"
+
+
+def test_the_worker_mixed_graph_flag_reaches_its_engine_options():
+    from services.worker.__main__ import engine_options
+    from services.worker.config import parse_args
+    assert engine_options(parse_args([])).graph_mixed_tokens == 1024
+    assert engine_options(parse_args(["--graph-mixed-tokens", "0"])).graph_mixed_tokens == 0
 
 
 def test_only_config_and_main_modules_read_the_environment():

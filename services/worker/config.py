@@ -121,10 +121,6 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    help="most prompt tokens a step takes while sequences decode: a burst of "
                         "long prompts stalls the streams in flight less, and waits longer for "
                         "its first tokens (0: only --max-batch-tokens)")
-    p.add_argument("--graph-mixed-tokens", type=int, default=1024,
-                   help="on CUDA, steps with prompt tokens (beside decode rows or not) of up to "
-                        "this many tokens replay CUDA graphs captured at start, padded to the "
-                        "next captured size; larger ones run eagerly (0: all of them) (1024)")
     p.add_argument("--max-running", type=int, default=128, help="most sequences per step")
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's")
     p.add_argument("--max-new-tokens", type=int, default=64, help="default max_new_tokens")
@@ -166,6 +162,11 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 def _add_start_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the worker's processes, kernels, warm-up and metrics."""
+    p.add_argument("--graph-mixed-tokens", type=int, default=1024,
+                   help="on CUDA, steps with prompt tokens (beside decode rows or not) of up to "
+                        "this many tokens (at most 1024: above, a step's GPU time hides its "
+                        "launches) replay CUDA graphs captured at start, padded to the next "
+                        "captured size; larger ones run eagerly (0: all of them) (1024)")
     p.add_argument("--frontend", default="process", choices=("process", "inline"),
                    help="process: the public gRPC port is served by a process of its own, "
                         "which streams tokens while this one runs the engine; inline: one "

@@ -6,7 +6,9 @@ gathered on the device) before the first one's tokens are read and post-processe
 per-row work (detokenization, stop checks, events) and the next step's metadata run while the
 GPU computes. This holds while every running sequence decodes; any other
 step (arrivals, a queued request that could start, prefill, preemption, KV blocks short for the
-next token) first collects the step in flight. A
+next token) first collects the step in flight. (A mixed step replayed from a graph is launched
+the same way; the decode step after it is launched from it when every running sequence sampled
+in it.) A
 sequence that stops on EOS or a stop sequence has had one more token computed, which is dropped;
 one that reaches max_new_tokens is left out of the next step in advance.
 

@@ -3,8 +3,8 @@
 A decode step (every scheduled row one token, no repetition penalty) of n sequences is padded to
 the nearest captured batch size B and replayed from the graph captured for B. A mixed step
 (prompt chunks, beside decode rows or not) of T tokens over S sequences is padded to the
-smallest captured token count M >= T whose graph holds S sequences (M // 2, at most the largest
-batch) and replayed from it: an eager step launches ~300 kernels from Python, which on the
+smallest captured token count M >= T whose graph holds S sequences (M - M // 8, at most the
+largest batch) and replayed from it: an eager step launches ~400 kernels from Python, which on the
 H200 took longer than the GPU's work up to ~1,000 tokens (bench/PERF_NOTES.md). Every kernel
 here reads its per-step metadata from device buffers (attention finds its runs from q_seq and
 q_pos, SGMV its segments from seg_start), so one graph serves any step that fits. Other steps
@@ -44,6 +44,7 @@ while the host post-processes step N (services.worker.engine).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -85,8 +86,11 @@ class GraphRunner:
         self.sizes = sorted({s for s in sizes if s < cap} | {min(cap, max(sizes))})
         top = self.sizes[-1]
         limit = min(mixed_tokens, runner.buffers.max_tokens)
-        self.mixed_sizes = [t for t in MIXED_SIZES if t <= limit]
-        self.mixed_on = bool(self.mixed_sizes)    # off while the warm-up runs eager steps
+        # and the budget itself when it is not one (a full-budget step is the common one
+        # under a backlog of prompts)
+        self.mixed_sizes = sorted({t for t in MIXED_SIZES if t <= limit}
+                                  | ({limit} if 0 < limit <= MIXED_SIZES[-1] else set()))
+        self.mixed_on = False              # once captured (off again while the warm-up runs)
         rows = max([top, *self.mixed_sizes])
         self.max_blocks = runner.buffers.max_blocks
         self.block_size = runner.block_size
@@ -101,6 +105,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int, int, bool], torch.Tensor] = {}
         self.mixed: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
+        # (views of one buffer: a mixed graph's logits hold until the next mixed replay)
         self.mixed_outputs: dict[tuple[int, int, int, bool], torch.Tensor] = {}
         self._mixed_logits: torch.Tensor | None = None   # their logits: views of one buffer
         self.pool = None                                                 # graphs share one
@@ -140,7 +145,7 @@ class GraphRunner:
                            max_context=self.max_blocks * self.block_size, lora=lora)
 
     def capture(self, max_rank: int = 64) -> None:
-        """Capture every decode graph (see the module docstring), largest batch first, sharing
+        """Capture every decode and mixed graph (see the module docstring), largest first, sharing
         one memory pool; progress in the log.
 
         The SGMV kernel's rank tile is baked into a graph: graphs serve steps whose adapters have
@@ -159,6 +164,7 @@ class GraphRunner:
                      ", column LoRA" if columns else "", len(self.sizes), len(self.mixed_sizes),
                      time.monotonic() - t, i + 1, len(keys))
         self.captured = set(self.sizes)
+        self.mixed_on = bool(self.mixed)
         from kernels.sgmv_split import barrier_timeouts
         if barrier_timeouts(self.model.device):
             log.error("an SGMV grid barrier timed out while capturing: LoRA output is wrong")
@@ -240,7 +246,7 @@ class GraphRunner:
         return None
 
     def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int], list | None]:
-        """One step, waited for: from a graph when it is a decode step that has one, else
+        """One step, waited for: from a graph when it is a decode or mixed step that has one, else
         eagerly; returns the rows that sampled, their tokens and logprobs (ModelRunner.run)."""
         pending = self.launch(batch)
         if pending is None:
@@ -249,7 +255,7 @@ class GraphRunner:
 
     def launch(self, batch: list[Scheduled], prev: PendingStep | None = None
                ) -> PendingStep | None:
-        """Start a decode step from its graph and return without waiting; None (nothing
+        """Start a decode or mixed step from its graph and return without waiting; None (nothing
         launched) when the step cannot run from a graph.
 
         With prev (a step still in flight), every row continues a sequence of prev: its input
@@ -307,6 +313,15 @@ class GraphRunner:
         self.mixed[key].replay()
         self.mixed_replays += 1
         return self._sampled(sampled, self.mixed_outputs[key][:len(sampled)], ahead=0)
+
+    @contextlib.contextmanager
+    def eager_mixed(self):
+        """Mixed steps run eagerly for the duration (the warm-up: the eager path's shapes)."""
+        saved, self.mixed_on = self.mixed_on, False
+        try:
+            yield
+        finally:
+            self.mixed_on = saved
 
     def mixed_size(self, batch: list[Scheduled]) -> int | None:
         """The token count of the mixed graph a step fits (None: none)."""

@@ -1,8 +1,8 @@
 """Build one step's model inputs in one place, `StepBuilder`: row order, token ids, positions,
 KV slots, block tables, the LoRA segments and the step's LoRA metadata (services.worker.
-lora_meta), for eager steps into the runner's own buffers (`eager`) and for decode steps
-replayed from CUDA graphs into the graph runner's static, padded ones (`fill`, called by
-services.worker.graph_runner); and the sampling parameters (`sampling_batch`).
+lora_meta), for eager steps into the runner's own buffers (`eager`) and for decode and mixed
+steps replayed from CUDA graphs into the graph runner's static, padded ones (`fill`, called by
+services.worker.graph_inputs); and the sampling parameters (`sampling_batch`).
 
 Rows are ordered by adapter slot, so rows sharing an adapter form one contiguous segment for
 the SGMV kernel; a sequence's rows stay together and in order. Per row the builder only reads

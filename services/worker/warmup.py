@@ -24,6 +24,7 @@ were. kernels.compile_watch counts what it compiled.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -148,16 +149,16 @@ class Warmup:
         """Every set's shapes, through the first layer only (the kernels of one layer are those
         of all; decode steps still replay their full-model graphs)."""
         runner = self.engine.runner
-        model, mixed = runner.model, getattr(runner, "mixed_on", None)
+        # the eager path's shapes: mixed steps run eagerly meanwhile (their graphs' kernels
+        # were compiled at capture)
+        eager = getattr(runner, "eager_mixed", contextlib.nullcontext)
+        model = runner.model
         model.layer_limit = 1
-        if mixed is not None:      # the eager steps' shapes (mixed graphs warmed at capture)
-            runner.mixed_on = False
         try:
-            return self._run()
+            with eager():
+                return self._run()
         finally:
             model.layer_limit = None
-            if mixed is not None:
-                runner.mixed_on = mixed
 
     def _run(self) -> Report:
         start = time.monotonic()
