@@ -135,3 +135,24 @@ def test_mixed_graph_sizes_take_the_budget_and_the_warm_up_turns_them_off(hf_ckp
     with FaultyRunner(g, 1000).eager_mixed():
         assert not g.mixed_on
     assert g.mixed_on
+
+
+def test_a_launched_steps_sampling_and_collect_on_cpu_tensors():
+    """graph_inputs.start_sampling then collect: each sampling row's greedy token (and its
+    logprobs when asked), in the batch's order, through the host buffer it was given; a step
+    that sampled nothing collects nothing."""
+    from services.worker.graph_inputs import collect, start_sampling
+    from services.worker.sequence import Sampling
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.5], [2.0, 0.0, 1.0, 0.0]])
+    rows = []
+    for i in range(2):
+        seq = Sequence(f"s{i}", [1, 2, 3], sampling=Sampling(logprobs=1))
+        seq.num_computed = 2
+        rows.append(Scheduled(seq, 1))
+    host = torch.zeros(8, dtype=torch.int64)
+    batch, tokens, lps = collect(start_sampling(rows, logits, 0, (), host))
+    assert batch == rows and tokens == [1, 0] and host[:2].tolist() == [1, 0]
+    want = torch.log_softmax(logits, -1)
+    assert [round(lp[0], 5) for lp in lps] == [round(float(want[0, 1]), 5),
+                                               round(float(want[1, 0]), 5)]
+    assert collect(start_sampling([], logits[:0], 0, (), host)) == ([], [], None)

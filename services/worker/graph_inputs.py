@@ -1,5 +1,6 @@
 """The static inputs that captured CUDA graphs read (services.worker.graph_runner), and a step
-launched from one (`PendingStep`).
+launched from one (`PendingStep`: `start_sampling` samples its rows and starts their copy to the
+host, `collect` waits for them).
 
 `StaticInputs` owns two packed device buffers (int64 rows: input ids, positions, KV slots, the
 gather index of a step launched from one in flight, a mixed step's sample rows; int32: q_seq and
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.worker.sampling import pack_logprobs, sample, unpack_logprobs
 from services.worker.scheduler import Scheduled
-from services.worker.step_inputs import HostViews, StepBuilder, StepPlan
+from services.worker.step_inputs import HostViews, StepBuilder, StepPlan, sampling_batch
 
 
 @dataclass
@@ -91,3 +93,42 @@ class StaticInputs:
             hs.sample_rows[len(sample_rows):seqs] = 0
         self.dev64.copy_(hs.host64, non_blocking=True)
         self.dev32.copy_(hs.host32, non_blocking=True)
+
+
+def start_sampling(batch: list[Scheduled], logits: torch.Tensor, ahead: int,
+                   eos: tuple[int, ...], host_tokens: torch.Tensor) -> PendingStep:
+    """Sample a launched step's rows (batch, in logits' row order; ahead: 1 when launched from
+    a step in flight) and start the copy of their tokens (into host_tokens, pinned) and
+    logprobs, when asked, to the host."""
+    if not batch:         # prompt chunks only: nothing sampled, but an event all the same
+        done = torch.cuda.Event() if logits.is_cuda else None  # (collect waits: the
+        if done is not None:                  # staging set is not refilled under a copy)
+            done.record()
+        return PendingStep([], logits.new_empty(0, dtype=torch.int64),
+                           torch.empty(0, dtype=torch.int64), done)
+    params = sampling_batch(batch, logits.device, ahead=ahead, eos=eos)
+    tokens = sample(logits, params)
+    host = host_tokens[:len(batch)]
+    host.copy_(tokens, non_blocking=True)
+    lp = None
+    if params.logprobs >= 0:         # asked for: their copy rides the same event
+        packed = pack_logprobs(logits, tokens, params.logprobs)
+        lp = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=tokens.is_cuda)
+        lp.copy_(packed, non_blocking=True)
+    done = None
+    if tokens.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+    return PendingStep(batch, tokens, host, done, lp)
+
+
+def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int], list | None]:
+    """Wait for a launched step's tokens: (its rows, their new token ids, their logprobs
+    or None, as ModelRunner.run)."""
+    if pending.done is not None:
+        pending.done.synchronize()
+    lps = None
+    if pending.logprobs is not None:
+        lps = unpack_logprobs(pending.logprobs.tolist(),
+                              [b.seq.sampling.logprobs for b in pending.batch])
+    return pending.batch, pending.host.tolist(), lps

@@ -53,14 +53,13 @@ import torch
 
 from kernels.sgmv_ref import rank_tile
 from services.worker import metrics
-from services.worker.graph_inputs import PendingStep, StaticInputs
+from services.worker.graph_inputs import PendingStep, StaticInputs, collect, start_sampling
 from services.worker.lora_meta import LoraMeta
 from services.worker.model import StepContext
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
 from services.worker.runner import ModelRunner
-from services.worker.sampling import pack_logprobs, sample, unpack_logprobs
 from services.worker.scheduler import Scheduled
-from services.worker.step_inputs import StepPlan, sampling_batch
+from services.worker.step_inputs import StepPlan
 
 log = logging.getLogger(__name__)
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448,
@@ -340,28 +339,10 @@ class GraphRunner:
 
     def _sampled(self, batch: list[Scheduled], logits: torch.Tensor, ahead: int
                  ) -> PendingStep:
-        """Sample a launched step's rows (batch, in logits' row order) and start the copy of
-        their tokens (and logprobs, when asked) to the host."""
-        if not batch:         # prompt chunks only: nothing sampled, but an event all the same
-            done = torch.cuda.Event() if logits.is_cuda else None  # (collect waits: the
-            if done is not None:                  # staging set is not refilled under a copy)
-                done.record()
-            return PendingStep([], logits.new_empty(0, dtype=torch.int64),
-                               torch.empty(0, dtype=torch.int64), done)
-        params = sampling_batch(batch, self.model.device, ahead=ahead, eos=self.eos)
-        tokens = sample(logits, params)
-        host = self.inputs.filled.tokens[:len(batch)]
-        host.copy_(tokens, non_blocking=True)
-        lp = None
-        if params.logprobs >= 0:         # asked for: their copy rides the same event
-            packed = pack_logprobs(logits, tokens, params.logprobs)
-            lp = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=tokens.is_cuda)
-            lp.copy_(packed, non_blocking=True)
-        done = None
-        if tokens.is_cuda:
-            done = torch.cuda.Event()
-            done.record()
-        return PendingStep(batch, tokens, host, done, lp)
+        """graph_inputs.start_sampling into this step's host set."""
+        return start_sampling(batch, logits, ahead, self.eos, self.inputs.filled.tokens)
+
+    collect = staticmethod(collect)
 
     def _graph_key(self, b: int, mask: int, tile: int, columns: bool = False,
                    mixed: bool = False) -> tuple[int, int, int, bool] | None:
@@ -382,17 +363,6 @@ class GraphRunner:
             choice[key] = min(fits)[3] if fits else None
         return choice[key]
 
-    @staticmethod
-    def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int], list | None]:
-        """Wait for a launched step's tokens: (its rows, their new token ids, their logprobs
-        or None, as ModelRunner.run)."""
-        if pending.done is not None:
-            pending.done.synchronize()
-        lps = None
-        if pending.logprobs is not None:
-            lps = unpack_logprobs(pending.logprobs.tolist(),
-                                  [b.seq.sampling.logprobs for b in pending.batch])
-        return pending.batch, pending.host.tolist(), lps
 
     def _fill(self, plan: StepPlan, b: int, src: np.ndarray | None = None,
               lens: np.ndarray | None = None, seqs: int | None = None,
