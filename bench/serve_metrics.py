@@ -13,7 +13,8 @@ import collections
 from services.common.gen.lorafleet.v1 import common_pb2
 
 COLD_TIERS = ("source", "store_host", "worker_host")
-STAGES = ("fetch_s", "digest_s", "layout_s", "room_wait_s", "host_to_device_s", "source_s")
+STAGES = ("fetch_s", "digest_s", "layout_s", "room_wait_s", "host_to_device_s", "copy_wait_s",
+          "device_s", "source_s")
 
 
 def pct(xs, q: float) -> float | None:

@@ -316,6 +316,9 @@ def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stag
     for r in recs:
         assert r.bytes == len(BLOB) and r.total_s > 0 and r.host_to_device_s > 0
         assert r.end_unix_s > 0
+        # its parts: a CPU worker copies inline (no device wait); one load at a time here, so
+        # any wait for the copy path is short, and within the stage
+        assert r.device_s == 0 and 0 <= r.copy_wait_s < r.host_to_device_s
     source, store_host, worker_host = recs
     assert source.source_s > 0 and store_host.source_s == 0
     for r in (source, store_host):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -28,12 +29,12 @@ class HeldPool(DevicePool):
         super().__init__(*args)
         self.started, self.release, self.fail = threading.Event(), threading.Event(), False
 
-    def _write(self, staged, segs, values):
+    def _write(self, staged, segs, values, timing=None):
         self.started.set()
         assert self.release.wait(30)
         if self.fail:
             raise RuntimeError("copy failed")
-        super()._write(staged, segs, values)
+        super()._write(staged, segs, values, timing)
 
 
 @pytest.fixture
@@ -60,6 +61,28 @@ def test_a_slot_is_visible_only_once_placed(pool_and_layout):
     assert pool.tables.ranks_host[slot] == layout.plan.rank
     assert int(pool.tables.ranks[slot]) == layout.plan.rank
     assert float(pool.tables.scales[slot]) == pytest.approx(layout.plan.scale)
+
+
+def test_a_placement_times_its_wait_for_the_copy_path(pool_and_layout):
+    """fill's timing: the seconds it waited for the copy path while another placement held it
+    ("copy_wait"), and none for the device on a CPU pool, which copies inline."""
+    _, layout = pool_and_layout
+    plain = DevicePool(load_spec(MODEL_DIR), torch.device("cpu"), torch.float32, 1 << 22, 4)
+    timing = {}
+    plain.fill("quick", layout, plain.reserve("quick", layout), timing=timing)
+    assert timing["device"] == 0.0 and 0 <= timing["copy_wait"] < 0.05
+    held = threading.Event()
+
+    def hold():
+        with plain._copy.lock:
+            held.set()
+            time.sleep(0.3)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    plain.fill("waited", layout, plain.reserve("waited", layout), timing=timing)
+    holder.join()
+    assert timing["copy_wait"] >= 0.2 and plain.slot_of("waited") is not None
 
 
 def test_a_failed_copy_gives_back_its_range_and_slot(pool_and_layout):

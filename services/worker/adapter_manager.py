@@ -218,10 +218,14 @@ class AdapterManager:
             reserved = self._admit(job, staged)
             if reserved is not None:
                 t = time.monotonic()
+                parts: dict = {}
                 with _tracer.start_as_current_span("lora.host_to_device") as span:
                     span.set_attribute("lora.bytes", staged.nbytes)
-                    self._fill(job.key, staged, reserved)
+                    self._fill(job.key, staged, reserved, parts)
+                    span.set_attributes({f"lora.{k}_s": v for k, v in parts.items()})
                 job.record.host_to_device_s += time.monotonic() - t
+                job.record.copy_wait_s += parts.get("copy_wait", 0.0)
+                job.record.device_s += parts.get("device", 0.0)
                 job.placed = True
         finally:
             self.host.unpin(job.key)
@@ -288,9 +292,10 @@ class AdapterManager:
                 self.gpu.remove(victim)
                 self._drop_slot(victim, job)
 
-    def _fill(self, key: str, staged: StagedAdapter, reserved: tuple[int, int]) -> None:
+    def _fill(self, key: str, staged: StagedAdapter, reserved: tuple[int, int],
+              timing: dict | None = None) -> None:
         try:
-            self.pool.fill(key, staged, reserved)
+            self.pool.fill(key, staged, reserved, timing=timing)
         except BaseException:
             with self._gpu_lock:
                 self.gpu.unpin(key)

@@ -8,7 +8,8 @@ from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
 from services.worker import metrics
 
 H2D_BYTES_PER_S = 4e9    # a placement's copy to the pool, for the reload cost (--eviction cost)
-STAGES = ("fetch", "digest", "layout", "room_wait", "host_to_device", "source")
+STAGES = ("fetch", "digest", "layout", "room_wait", "host_to_device", "copy_wait", "device",
+          "source")
 
 
 class ColdLoadLog:

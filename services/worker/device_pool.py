@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 
 import numpy as np
 import torch
@@ -112,8 +113,9 @@ class DevicePool:
             self._release(reserved[0], reserved[1], staged.plan.numel)
 
     def fill(self, key: str, staged: StagedAdapter, reserved: tuple[int, int],
-             columns: bool = True) -> int:
-        """Write the adapter into its reserved slot and range; returns the slot.
+             columns: bool = True, timing: dict | None = None) -> int:
+        """Write the adapter into its reserved slot and range; returns the slot. timing: gets
+        "copy_wait" and "device" seconds (see _CopyPath.run).
 
         The key becomes visible (`slot_of`) only once its weights and tables are written, so a
         concurrent lookup never gets a half-placed slot (one did: a second request for an
@@ -125,7 +127,7 @@ class DevicePool:
             if self.columns is not None and columns:
                 block = self.columns.assign(slot, plan.rank, bool((plan.qkv_a >= 0).any()))
             self._write(staged, self._segments(plan, start, block),
-                        self._slot_values(plan, start, slot, block))
+                        self._slot_values(plan, start, slot, block), timing)
         except BaseException:
             self.unreserve(staged, reserved)
             raise
@@ -135,9 +137,10 @@ class DevicePool:
             self.tables.max_rank = max(r for _, _, _, r in self._placed.values())
         return slot
 
-    def _write(self, staged: StagedAdapter, segs: np.ndarray, values: np.ndarray) -> None:
+    def _write(self, staged: StagedAdapter, segs: np.ndarray, values: np.ndarray,
+               timing: dict | None = None) -> None:
         """The device work of one placement (its weights, then its slot's table entries)."""
-        self._copy.run(staged, segs, values)
+        self._copy.run(staged, segs, values, timing)
 
     def _segments(self, plan, start: int, block: int) -> np.ndarray:
         """The plan's segments for this placement: destinations in the pool (and the column
@@ -270,11 +273,19 @@ class _CopyPath:
             self.dst_ptrs = torch.tensor([d.data_ptr() for d in self._dsts()],
                                          dtype=torch.int64).to(self.device)
 
-    def run(self, staged: StagedAdapter, segs: np.ndarray, values: np.ndarray) -> None:
+    def run(self, staged: StagedAdapter, segs: np.ndarray, values: np.ndarray,
+            timing: dict | None = None) -> None:
+        """One placement's copies and kernels, waited for. timing (when given) gets the seconds
+        spent waiting for the lock ("copy_wait": another placement's turn) and, after the
+        launches, for the device ("device")."""
         plan, pool = staged.plan, self.pool
         pad = -plan.data_start % SRC_ALIGN
         n_seg, n_val = segs.size, values.shape[1]
+        asked = time.monotonic()
         with self.lock, _gil_first():
+            launched = time.monotonic()
+            if timing is not None:
+                timing["copy_wait"] = launched - asked
             with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
                 self._grow(pad + staged.nbytes, n_seg + 2 * n_val)
                 host = self.host.numpy()
@@ -295,7 +306,10 @@ class _CopyPath:
                 if self.cuda:
                     self.done.record(self.stream)
             if self.cuda:
+                launched = time.monotonic()
                 self.done.synchronize()     # this thread waits; the compute stream never does
+            if timing is not None:
+                timing["device"] = time.monotonic() - launched if self.cuda else 0.0
 
     def warm_up(self, fold: bool) -> None:
         """One tiny launch per source dtype (see DevicePool.warm_up)."""
