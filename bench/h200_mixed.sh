@@ -6,7 +6,8 @@
 #                   and 32 rank-16 adapters, eager against graph (7B shape, 32 layers)
 #   3. resident-*.tgz  bench/h200_serve.sh resident (closed loop and the prefill burst), for each
 #                   EXTRA of CAPS (worker flags; "-" for none)
-# Carry .whl, services/common/gen and tmp/kcache (KCACHE as h200_serve.sh takes it).
+# PARTS (default "tests mixed resident") picks which run. Carry .whl, services/common/gen and
+# tmp/kcache (KCACHE as h200_serve.sh takes it).
 set -u
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/tmp/triton-cache}
 O=${OUT:-bench/results}; T=$PWD/tmp/mixed-run; mkdir -p "$T" "$TRITON_CACHE_DIR"
@@ -17,16 +18,23 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
   2>/dev/null
 export PYTHONPATH=/tmp/site
 pack() { tar czf "$O/$1.tgz" -C "$2" . && rm -rf "$2"; ls -la "$O"; }
+PARTS=${PARTS:-tests mixed resident}
+has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+if has tests; then
 mkdir -p "$T/tests"
 timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k \
   "mixed_steps or graphs_match_eager or overlapped or sampling_params or greedy_matches" 2>&1 |
   tee "$T/tests/pytest.txt" | tail -25
 pack tests "$T/tests"
+fi
+if has mixed; then
 mkdir -p "$T/mixed"
 timeout "${BENCH_S:-150}" python3 bench/mixed_step_bench.py --layers 32 --decode 64 \
   --chunks 0,64,128,256,512,1024 --distincts 0,32 --out "$T/mixed" --name mixed-step-h200 \
   ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -v -i warn | tail -20
 pack mixed "$T/mixed"
+fi
+has resident || exit 0
 for C in ${CAPS:--}; do
   N=resident-${C//[^0-9a-z]/}; mkdir -p "$T/$N"
   X=""; [ "$C" != - ] && X="--worker-flag=$C"
