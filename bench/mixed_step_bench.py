@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _seqs(built, slots: list[int], decode: int, context: int, chunk: int):
+def mixed_batch(built, slots: list[int], decode: int, context: int, chunk: int):
     """decode sequences with `context` tokens in the cache (one row each) and one new
     sequence with a `chunk`-token prompt (one run of rows), their KV blocks taken; each on an
     adapter of slots in turn (none: base rows)."""
@@ -47,6 +47,12 @@ def _seqs(built, slots: list[int], decode: int, context: int, chunk: int):
         seq.num_computed = 0 if prefill else context
         batch.append(Scheduled(seq, n if prefill else 1))
     return batch
+
+
+def kv_bytes(layers: int, tokens: int) -> int:
+    """K and V of `tokens` tokens in `layers` layers of the Llama-7B shape (32 KV heads of
+    128, bf16), with a quarter to spare."""
+    return tokens * 2 * layers * 32 * 128 * 2 * 5 // 4
 
 
 def _release(built, batch) -> None:
@@ -112,13 +118,14 @@ def main() -> int:
     built, slots = build_engine(a.layers, max(distincts), cuda_graphs=cuda, device=a.device,
                                 max_model_len=max(a.context + 64, max(chunks) + 64),
                                 max_batch_tokens=max(budget, 256), graph_max_rank=16,
-                                kv_cache_bytes=24 << 30)
+                                kv_cache_bytes=kv_bytes(a.layers, a.decode * (a.context + 32)
+                                                        + max(chunks) + 256))
     graph = built.engine.runner
     eager = getattr(graph, "runner", graph)            # the ModelRunner under a GraphRunner
     rows = []
     for d in distincts:
         for c in chunks:
-            batch = _seqs(built, slots[:d], a.decode, a.context, c)
+            batch = mixed_batch(built, slots[:d], a.decode, a.context, c)
             for path in a.paths.split(","):
                 run = (eager if path == "eager" else graph).run
                 wall, busy = measure(lambda: run(batch), a.reps, cuda)

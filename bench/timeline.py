@@ -7,6 +7,7 @@ replay's span.
     python bench/timeline.py sgmv --shapes 64:64:8,16:64:32 [--chain 8] \
         [--configs "base;k_chunk=512"]
     python bench/timeline.py decode --layers 4 --batch 64 --distinct 32
+    python bench/timeline.py mixed --layers 4 --decode 64 --chunk 128 --distinct 32 [--path eager]
 
 Prints, per kernel name: calls per replay, mean duration and mean increment (µs), and their sum.
 
@@ -206,6 +207,23 @@ def decode_main(a) -> None:
                rows, span)
 
 
+def mixed_main(a) -> None:
+    """A mixed step (decode rows beside one prompt chunk), replayed from its graph or run
+    eagerly, kernel by kernel."""
+    from bench.mixed_step_bench import kv_bytes, mixed_batch
+    built, slots = build_engine(a.layers, a.distinct, True, a.grank,
+                                max_model_len=max(a.context, a.chunk) + 64,
+                                max_batch_tokens=max(a.decode + a.chunk, 256),
+                                kv_cache_bytes=kv_bytes(a.layers, a.decode * (a.context + 32)
+                                                        + a.chunk + 256))
+    graphs = built.engine.runner
+    batch = mixed_batch(built, slots, a.decode, a.context, a.chunk)
+    run = graphs.run if a.path == "graph" else graphs.runner.run
+    rows, span = summarize(profile_replays(lambda: run(batch), a.reps), per=a.layers)
+    print_rows(f"mixed, {a.decode} decode rows at {a.context} tokens beside a {a.chunk}-token "
+               f"chunk, {a.distinct} adapters, {a.path}, per layer of {a.layers}", rows, span)
+
+
 def step_main(a) -> None:
     eng = decode_engine(a.layers, a.batch, a.distinct, True, a.grank)
     torch.cuda.synchronize()
@@ -234,6 +252,15 @@ def main() -> int:
     d.add_argument("--reps", type=int, default=10)
     d.add_argument("--grank", type=int, default=None,
                    help="the largest rank the graphs serve (default: the worker's)")
+    m = sub.add_parser("mixed", help="a mixed step: decode rows beside one prompt chunk")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--decode", type=int, default=64)
+    m.add_argument("--context", type=int, default=256)
+    m.add_argument("--chunk", type=int, default=128)
+    m.add_argument("--distinct", type=int, default=32)
+    m.add_argument("--path", choices=("graph", "eager"), default="graph")
+    m.add_argument("--reps", type=int, default=10)
+    m.add_argument("--grank", type=int, default=16)
     st = sub.add_parser("step", help="decode steps in an NVTX range 'step' (for ncu)")
     st.add_argument("--layers", type=int, default=2)
     st.add_argument("--batch", type=int, default=64)
@@ -242,7 +269,8 @@ def main() -> int:
     st.add_argument("--grank", type=int, default=None)
     a = p.parse_args()
     with torch.inference_mode():
-        {"sgmv": sgmv_main, "decode": decode_main, "step": step_main}[a.cmd](a)
+        {"sgmv": sgmv_main, "decode": decode_main, "mixed": mixed_main,
+         "step": step_main}[a.cmd](a)
     return 0
 
 
