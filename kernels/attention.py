@@ -24,11 +24,13 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, impl: str = "auto"):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
-                    impl: str = "auto"):
-    """Causal attention of each row over its sequence's cache; see paged_attention_ref."""
+                    impl: str = "auto", split_kinds: bool = False):
+    """Causal attention of each row over its sequence's cache; see paged_attention_ref.
+    split_kinds: the kernels' launch choice for steps with prompt chunks (see
+    paged_attention_triton; the same outputs)."""
     if _use_triton(impl, q):
         from kernels.attention_triton import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale,
-                                      max_context)
+                                      max_context, split_kinds=split_kinds)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale,
                                max_context)

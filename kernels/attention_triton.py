@@ -61,7 +61,7 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
                        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ALIGNED: tl.constexpr,
-                       SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+                       SPLITS: tl.constexpr, USE_PDL: tl.constexpr, ROW_KIND: tl.constexpr):
     t0 = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)                          # the part of the context (SPLITS > 1)
@@ -69,8 +69,14 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
     pos0 = tl.load(q_pos_ptr + t0)
     prev_seq = tl.load(q_seq_ptr + t0 - 1, mask=t0 > 0, other=-1)
     prev_pos = tl.load(q_pos_ptr + t0 - 1, mask=t0 > 0, other=-2)
+    next_seq = tl.load(q_seq_ptr + t0 + 1, mask=t0 + 1 < T, other=-1)
     wait_then_release(USE_PDL)                     # q and this step's K/V: after it
     leads = (t0 == 0) | _starts_run(seq0, prev_seq, pos0, prev_pos, ROWS)
+    lone = (seq0 != prev_seq) & (seq0 != next_seq)  # its sequence's only row this step
+    if ROW_KIND == 1:                              # split_kinds' decode launch: those rows
+        leads = leads & lone
+    elif ROW_KIND == 2:                            # ... and its prefill launch: the others
+        leads = leads & (~lone)
     # Query tile rows m = (run row ri, head g in the kv group).
     M: tl.constexpr = ROWS * GROUP_PAD
     m = tl.arange(0, M)
@@ -148,26 +154,37 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
 
 
 @triton.jit
-def _split_combine_kernel(out_ptr, part_ptr, ml_ptr, q_seq_ptr, H_q, stride_ot, stride_oh,
+def _split_combine_kernel(out_ptr, part_ptr, ml_ptr, q_seq_ptr, T, H_q, stride_ot, stride_oh,
                           SPLITS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          USE_PDL: tl.constexpr, ROW_KIND: tl.constexpr):
     """out[t, h] from the SPLITS parts of its context: each part's acc weighted by
-    exp2(m_part - max m), over the weighted sum of the parts' l (zeros for padding rows)."""
+    exp2(m_part - max m), over the weighted sum of the parts' l (zeros for padding rows).
+    ROW_KIND 1: only rows that are their sequence's only one (another launch owns the rest,
+    whose parts were not written)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     seq = tl.load(q_seq_ptr + t)                   # a step input: before the PDL wait
+    prev = tl.load(q_seq_ptr + t - 1, mask=t > 0, other=-1)
+    nxt = tl.load(q_seq_ptr + t + 1, mask=t + 1 < T, other=-1)
     wait_then_release(USE_PDL)
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, D_PAD)
     part = (t * H_q + h) * SPLITS + sp
-    live = sp < tl.where(seq >= 0, SPLITS, 0)      # a padding row's parts were never written
+    n_live = tl.where(seq >= 0, SPLITS, 0)         # a padding row's parts were never written
+    n_out = D
+    if ROW_KIND == 1:                              # not a row another launch owns
+        mine = (seq < 0) | ((seq != prev) & (seq != nxt))
+        n_live = tl.where(mine, n_live, 0)
+        n_out = tl.where(mine, D, 0)
+    live = sp < n_live
+    ok = d < n_out
     m = tl.load(ml_ptr + part * 2, mask=live, other=-1.0e30)
     w = tl.math.exp2(m - tl.max(m, axis=0))
     l_sum = tl.sum(w * tl.load(ml_ptr + part * 2 + 1, mask=live, other=0.0), axis=0)
     acc = tl.load(part_ptr + part[:, None] * D_PAD + d[None, :], mask=live[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)  # padding: 0
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < D)
+             mask=ok)
 
 
 @triton.jit
@@ -275,35 +292,52 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, max_context: int, rows_per_program: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None,
-                           splits: int | None = None) -> torch.Tensor:
+                           splits: int | None = None, split_kinds: bool = False) -> torch.Tensor:
     """Causal paged attention of each row over its sequence's cache; see kernels.attention_ref.
 
     rows_per_program bounds a prefill run (default: 1 when T <= S, as in decode, else enough
     rows for a 64-row query tile). splits > 1 (a power of two; default: the launch's, 1) cuts
     each row's context into that many parts, each its own program, and a second launch
-    combines them (flash-decoding). Returns a new [T, H_q, D] tensor. No host syncs.
+    combines them (flash-decoding). split_kinds, for a step with prefill runs (T > S): the rows
+    that are their sequence's only one (decode rows) take the decode launch (decode_config for
+    S rows), the others the prefill launch that the arguments above shape. Returns a new
+    [T, H_q, D] tensor. No host syncs.
     """
     _check(q, k_cache, v_cache, block_tables, q_seq, q_pos)
+    t_rows, s_rows, h_kv = q.shape[0], block_tables.shape[0], k_cache.shape[2]
+    group = q.shape[1] // h_kv
+    decode = t_rows <= s_rows
+    out = torch.empty_like(q)
+    if t_rows == 0:
+        return out
+    kinds = split_kinds and not decode
+    if kinds:
+        _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
+                decode_config(s_rows, h_kv, group), 1, kind=1)
+    cfg = (decode_config(t_rows, h_kv, group) if decode
+           else {"block_n": 64, "num_warps": 4, "num_stages": 2})
+    cfg = {"block_n": block_n or cfg["block_n"], "num_warps": num_warps or cfg["num_warps"],
+           "num_stages": num_stages or cfg["num_stages"], "splits": splits or cfg.get("splits", 1)}
+    if rows_per_program is None:
+        rows_per_program = 1 if decode else max(1, 64 // triton.next_power_of_2(group))
+    _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context, cfg,
+            rows_per_program, kind=2 if kinds else 0)
+    return out
+
+
+def _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
+            cfg: dict, rows_per_program: int, kind: int) -> None:
+    """One attention launch into out (and its combine when the context is cut into parts),
+    over the rows of `kind`: 0 all, 1 those that are their sequence's only row, 2 the rest."""
     t_rows, h_q, d = q.shape
     bs, h_kv = k_cache.shape[1], k_cache.shape[2]
     group = h_q // h_kv
     group_pad = triton.next_power_of_2(group)
-    decode = t_rows <= block_tables.shape[0]
-    cfg = (decode_config(t_rows, h_kv, group) if decode
-           else {"block_n": 64, "num_warps": 4, "num_stages": 2})
-    block_n = block_n or cfg["block_n"]
-    num_warps = num_warps or cfg["num_warps"]
-    num_stages = num_stages or cfg["num_stages"]
-    splits = splits or cfg.get("splits", 1)
+    block_n, splits = cfg["block_n"], cfg.get("splits", 1)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
-    if rows_per_program is None:
-        rows_per_program = 1 if decode else max(1, 64 // group_pad)
     rows = max(triton.next_power_of_2(rows_per_program), triton.cdiv(16, group_pad))
     ctx_cap = min(block_tables.shape[1], triton.cdiv(max_context, bs)) * bs
-    out = torch.empty_like(q)
-    if t_rows == 0:
-        return out
     d_pad = max(16, triton.next_power_of_2(d))
     part = ml = out                                 # (unused unless splits > 1)
     if splits > 1:
@@ -318,11 +352,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=group_pad, ROWS=rows, D=d, D_PAD=d_pad, BLOCK_N=block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=(q.dtype == torch.bfloat16 and not q.is_cuda),
-        ALIGNED=(block_n == bs), SPLITS=splits,
-        num_warps=num_warps, num_stages=num_stages, **launch_args(q.device))
+        ALIGNED=(block_n == bs), SPLITS=splits, ROW_KIND=kind,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(q.device))
     if splits > 1:
         _split_combine_kernel[(t_rows, h_q)](
-            out, part, ml, q_seq, h_q, out.stride(0), out.stride(1), SPLITS=splits, D=d,
-            D_PAD=d_pad, num_warps=1 if d_pad * splits <= 1024 else 4,
+            out, part, ml, q_seq, t_rows, h_q, out.stride(0), out.stride(1), SPLITS=splits,
+            D=d, D_PAD=d_pad, ROW_KIND=kind, num_warps=1 if d_pad * splits <= 1024 else 4,
             **launch_args(q.device))
-    return out

@@ -123,8 +123,34 @@ SPLIT_CASES = {"step_mha_bf16_split2": ("step_mha_bf16_one_block_tiles", 2),
                "mixed_mha_fp16_runs4_split2": ("mixed_mha_fp16_runs4", 2)}
 
 
+# split_kinds: the mixed rows' decode rows in a launch of their own (decode_config's for S rows:
+# with this few programs, the context in 8 parts; "one_part": its one-block launch forced),
+# the runs in the prefill launch
+KIND_CASES = {"mixed_gqa2_bf16_kinds": ("mixed_gqa2_bf16", None),
+              "mixed_mha_fp16_runs4_kinds": ("mixed_mha_fp16_runs4", None),
+              "mixed_gqa3_fp32_d24_kinds_one_part": ("mixed_gqa3_fp32_d24", "one_part")}
+
+
+def run_kinds_case(name: str, device: str = "cpu") -> dict:
+    from kernels import attention_triton as at
+    base, override = KIND_CASES[name]
+    spec = CASES[base]
+    c = build_case(spec, seed=len(base), device=device)
+    if override:
+        at.DECODE_OVERRIDE.update(at.DECODE_CONFIG)
+    try:
+        out = at.paged_attention_triton(*_args(c), rows_per_program=spec[5], block_n=spec[6],
+                                        splits=1 if spec[6] else None, split_kinds=True)
+    finally:
+        at.DECODE_OVERRIDE.clear()
+    err, tol = max_err(out, sdpa_reference(c)), TOL[c["dtype"]]
+    return {"case": name, "err": err, "tol": tol, "ok": err <= tol}
+
+
 def run_triton_case(name: str, device: str = "cpu") -> dict:
     from kernels.attention_triton import paged_attention_triton
+    if name in KIND_CASES:
+        return run_kinds_case(name, device)
     base, splits = SPLIT_CASES.get(name, (name, None))
     spec = CASES[base]
     if splits is None and spec[6] is not None:
@@ -161,7 +187,8 @@ def run_write_kv_case(device: str = "cpu") -> dict:
 @pytest.fixture(scope="module")
 def interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__, *CASES, *SPLIT_CASES, "write_kv"], env=env,
+    proc = subprocess.run([sys.executable, __file__, *CASES, *SPLIT_CASES, *KIND_CASES,
+                           "write_kv"], env=env,
                           cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -171,7 +198,7 @@ def interpreted():
     return {r["case"]: r for r in rows}
 
 
-@pytest.mark.parametrize("name", [*CASES, *SPLIT_CASES, "write_kv"])
+@pytest.mark.parametrize("name", [*CASES, *SPLIT_CASES, *KIND_CASES, "write_kv"])
 def test_triton_matches_sdpa(interpreted, name):
     assert interpreted[name]["ok"], interpreted[name]
 
@@ -197,7 +224,7 @@ def test_dispatch_and_checks():
 
 # _paged_attn_kernel's and _split_combine_kernel's argument types (compile_for_sm90)
 ATTN_TYPES = ["*bf16"] * 4 + ["*i32"] * 3 + ["*fp32"] * 2 + ["i32"] * 4 + ["fp32"] + ["i32"] * 11
-COMBINE_TYPES = ["*bf16", "*fp32", "*fp32", "*i32"] + ["i32"] * 3
+COMBINE_TYPES = ["*bf16", "*fp32", "*fp32", "*i32"] + ["i32"] * 4
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
@@ -207,13 +234,18 @@ def test_kernels_compile_for_hopper():
                                           _write_kv_kernel)
     types = ATTN_TYPES
     consts = dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64,
-                  DOT_PREC="tf32", UPCAST=False, ALIGNED=False, SPLITS=1, USE_PDL=False)
+                  DOT_PREC="tf32", UPCAST=False, ALIGNED=False, SPLITS=1, USE_PDL=False,
+                  ROW_KIND=0)
     assert compile_for_sm90(_paged_attn_kernel, types, consts).asm["cubin"]
-    # the context in 4 parts, and their combine
+    # the context in 4 parts, and their combine; split_kinds' two launches
     assert compile_for_sm90(_paged_attn_kernel, types, dict(consts, SPLITS=4)).asm["cubin"]
-    assert compile_for_sm90(_split_combine_kernel, COMBINE_TYPES,
-                            dict(SPLITS=4, D=128, D_PAD=128, USE_PDL=True),
-                            num_warps=1).asm["cubin"]
+    for kind in (0, 1):
+        assert compile_for_sm90(_split_combine_kernel, COMBINE_TYPES,
+                                dict(SPLITS=4, D=128, D_PAD=128, USE_PDL=True, ROW_KIND=kind),
+                                num_warps=1).asm["cubin"]
+    for kind in (1, 2):
+        assert compile_for_sm90(_paged_attn_kernel, types, dict(consts, ROW_KIND=kind)
+                                ).asm["cubin"]
     types = ["*bf16"] * 4 + ["*i64"] + ["i32"] * 3
     assert compile_for_sm90(_write_kv_kernel, types, dict(BLOCK=1024, USE_PDL=False)).asm["cubin"]
 
@@ -232,7 +264,8 @@ def test_decode_configs_compile_for_hopper(t_rows, h_kv):
     types = ATTN_TYPES
     consts = dict(GROUP=group, GROUP_PAD=group, ROWS=triton.cdiv(16, group), D=128, D_PAD=128,
                   BLOCK_N=cfg["block_n"], DOT_PREC="tf32", UPCAST=False,
-                  ALIGNED=cfg["block_n"] == 16, SPLITS=cfg.get("splits", 1), USE_PDL=True)
+                  ALIGNED=cfg["block_n"] == 16, SPLITS=cfg.get("splits", 1), USE_PDL=True,
+                  ROW_KIND=0)
     assert compile_for_sm90(_paged_attn_kernel, types, consts, num_stages=cfg["num_stages"],
                             num_warps=cfg["num_warps"]).asm["cubin"]
 

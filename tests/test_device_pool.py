@@ -242,6 +242,19 @@ def test_column_blocks_default_on_cuda_only():
         PerfConfig(lora_columns=-1)
 
 
+def test_split_attention_is_off_unless_asked_and_reaches_the_model(tmp_path):
+    """LORAFLEET_SPLIT_ATTENTION: 0 by default, 1 turns it on, anything else is an error
+    naming it; the engine's model takes the value its options carry."""
+    from services.worker.factory import EngineOptions, build_engine
+    from services.worker.perf_config import PerfConfig
+    assert not PerfConfig.from_env({}).split_attention
+    assert PerfConfig.from_env({"LORAFLEET_SPLIT_ATTENTION": "1"}).split_attention
+    with pytest.raises(ValueError, match="LORAFLEET_SPLIT_ATTENTION"):
+        PerfConfig.from_env({"LORAFLEET_SPLIT_ATTENTION": "yes"})
+    built = build_engine(MODEL_DIR, EngineOptions(perf=PerfConfig(split_attention=True)))
+    assert built.engine.runner.model.split_attention
+
+
 def test_a_placement_runs_with_a_short_switch_interval_and_restores_it(monkeypatch):
     """A placement's device calls each give the GIL up; the interval a waiter waits before the
     engine thread must drop it is cut for the placement only (device_pool.PLACEMENT_SWITCH_S)."""

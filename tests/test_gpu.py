@@ -262,12 +262,15 @@ def test_precompile_children_compile_everything_the_capture_and_warm_up_need(tmp
 
 
 @needs_cuda
-def test_gpu_mixed_steps_replayed_from_graphs_give_the_eager_logits():
+@pytest.mark.parametrize("split_attention", [False, True])
+def test_gpu_mixed_steps_replayed_from_graphs_give_the_eager_logits(split_attention):
     """A mixed step (decode rows on adapters and the base model, a whole prompt, a prompt's
     first chunk) replayed from its captured mixed graph: the eager step's logits for every
-    sampling row, in the eager order (bf16 tolerance), and the tokens sampled from them."""
+    sampling row, in the eager order (bf16 tolerance), and the tokens sampled from them; with
+    the decode rows' attention in a launch of its own or not (PerfConfig.split_attention)."""
     opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=16 << 20, block_size=16,
-                         max_batch_tokens=512, max_running=32)
+                         max_batch_tokens=512, max_running=32,
+                         perf=PerfConfig(split_attention=split_attention))
     built = build_engine(MODEL_DIR, opts)
     g = built.engine.runner
     assert g.mixed and g.mixed_sizes[-1] == 512
@@ -289,6 +292,11 @@ def test_gpu_mixed_steps_replayed_from_graphs_give_the_eager_logits():
         batch.append(Scheduled(seq, n))
     eager = g.runner.steps.eager(batch, g.runner.buffers)
     want = g.model.forward(eager.input_ids, eager.ctx, g.runner.kv_cache).float()
+    if split_attention:                       # the same logits as one launch for all rows
+        g.model.split_attention = False
+        one = g.model.forward(eager.input_ids, eager.ctx, g.runner.kv_cache).float()
+        g.model.split_attention = True
+        assert (one - want).abs().max() <= 0.03 * want.abs().max()
     replays = g.mixed_replays
     sampled, tokens, _ = g.collect(g.launch(batch))
     assert g.mixed_replays == replays + 1

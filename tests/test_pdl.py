@@ -25,9 +25,9 @@ KERNELS = {
     "attention_triton._paged_attn_kernel": (
         [BF16] * 4 + ["*i32"] * 3 + [F32] * 2 + [I32] * 4 + ["fp32"] + [I32] * 11,
         dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64, DOT_PREC="tf32",
-             UPCAST=False, ALIGNED=False, SPLITS=4)),
+             UPCAST=False, ALIGNED=False, SPLITS=4, ROW_KIND=0)),
     "attention_triton._split_combine_kernel": (
-        [BF16, F32, F32, "*i32"] + [I32] * 3, dict(SPLITS=4, D=128, D_PAD=128)),
+        [BF16, F32, F32, "*i32"] + [I32] * 4, dict(SPLITS=4, D=128, D_PAD=128, ROW_KIND=0)),
     "attention_triton._write_kv_kernel": ([BF16] * 4 + [I64] + [I32] * 3, dict(BLOCK=1024)),
     "sgmv_split._shrink_kernel": (
         [BF16] * 2 + [I64, "*i32", "*i32", "*i32", F32, F32, "*i32"] + [I32] * 7,

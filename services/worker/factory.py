@@ -109,6 +109,7 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
         if n_cols else None
     model = LlamaModel(spec, weights, device, dtype,
                        norms_for(norm_fold is not None, spec.rms_norm_eps), columns)
+    model.split_attention = opts.perf.split_attention
     pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots,
                       columns=columns, norm_fold=norm_fold)
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)

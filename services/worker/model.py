@@ -80,6 +80,9 @@ class LlamaModel:
         # same shapes, so one layer meets every specialization a step needs); None: all
         self.layer_limit: int | None = None
         self.column_impl = "auto"      # lora_expand_columns: the kernel on CUDA, else torch
+        # a step with prompt chunks: its decode rows in the decode attention launch
+        # (PerfConfig.split_attention; the same outputs)
+        self.split_attention = False
         self.columns = columns
 
     def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,
@@ -119,7 +122,8 @@ class LlamaModel:
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
         attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
-                               self.scale, ctx.max_context).reshape(-1, s.q_size)
+                               self.scale, ctx.max_context,
+                               split_kinds=self.split_attention).reshape(-1, s.q_size)
         y = norms.project(h, attn, w["o"], w.get("o_bias"))
         self._lora("o", i, y, attn, meta)
         x = norms.close(h, y, w["post_norm"])

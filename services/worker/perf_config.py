@@ -14,6 +14,10 @@ read); benchmarks and tests pass values.
                              launch on sm_90+ | 0
     LORAFLEET_SGMV_SPLIT     fields of kernels.sgmv_split.SplitConfig set over its pick
                              ("k_chunk=512,progs_per_sm=2"; A/B runs)
+    LORAFLEET_SPLIT_ATTENTION  0 (default) | 1: in a step with prompt chunks, the decode rows'
+                             attention in the decode launch and the chunks' in the prefill
+                             launch (kernels.attention_triton split_kinds), not all rows in the
+                             prefill one (an A/B, not yet measured)
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ class PerfConfig:
     lora_columns: int | None = None         # None: CUDA_COLUMNS on CUDA, 0 elsewhere
     pdl: bool = True
     sgmv_split: str = ""
+    split_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.blas not in BLAS_BACKENDS:
@@ -70,4 +75,5 @@ class PerfConfig:
                    weight_layout=env.get("LORAFLEET_WEIGHT_LAYOUT", "kn"),
                    lora_columns=int(cols) if cols is not None else None,
                    pdl=env.get("LORAFLEET_PDL", "1") != "0",
-                   sgmv_split=env.get("LORAFLEET_SGMV_SPLIT", ""))
+                   sgmv_split=env.get("LORAFLEET_SGMV_SPLIT", ""),
+                   split_attention=flag("LORAFLEET_SPLIT_ATTENTION", "0"))
