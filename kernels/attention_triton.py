@@ -69,14 +69,14 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
     pos0 = tl.load(q_pos_ptr + t0)
     prev_seq = tl.load(q_seq_ptr + t0 - 1, mask=t0 > 0, other=-1)
     prev_pos = tl.load(q_pos_ptr + t0 - 1, mask=t0 > 0, other=-2)
-    next_seq = tl.load(q_seq_ptr + t0 + 1, mask=t0 + 1 < T, other=-1)
+    if ROW_KIND != 0:                              # split_kinds: which launch owns the row
+        next_seq = tl.load(q_seq_ptr + t0 + 1, mask=t0 + 1 < T, other=-1)
     wait_then_release(USE_PDL)                     # q and this step's K/V: after it
     leads = (t0 == 0) | _starts_run(seq0, prev_seq, pos0, prev_pos, ROWS)
-    lone = (seq0 != prev_seq) & (seq0 != next_seq)  # its sequence's only row this step
-    if ROW_KIND == 1:                              # split_kinds' decode launch: those rows
-        leads = leads & lone
-    elif ROW_KIND == 2:                            # ... and its prefill launch: the others
-        leads = leads & (~lone)
+    if ROW_KIND == 1:                              # the decode launch: a sequence's only row
+        leads = leads & (seq0 != prev_seq) & (seq0 != next_seq)
+    elif ROW_KIND == 2:                            # the prefill launch: the others
+        leads = leads & ((seq0 == prev_seq) | (seq0 == next_seq))
     # Query tile rows m = (run row ri, head g in the kv group).
     M: tl.constexpr = ROWS * GROUP_PAD
     m = tl.arange(0, M)
@@ -164,8 +164,9 @@ def _split_combine_kernel(out_ptr, part_ptr, ml_ptr, q_seq_ptr, T, H_q, stride_o
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     seq = tl.load(q_seq_ptr + t)                   # a step input: before the PDL wait
-    prev = tl.load(q_seq_ptr + t - 1, mask=t > 0, other=-1)
-    nxt = tl.load(q_seq_ptr + t + 1, mask=t + 1 < T, other=-1)
+    if ROW_KIND == 1:
+        prev = tl.load(q_seq_ptr + t - 1, mask=t > 0, other=-1)
+        nxt = tl.load(q_seq_ptr + t + 1, mask=t + 1 < T, other=-1)
     wait_then_release(USE_PDL)
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, D_PAD)
