@@ -8,6 +8,7 @@
 #                   count makes SGMV take its fused kernel and an eager step the split one
 #   3. resident-*.tgz  bench/h200_serve.sh resident (closed loop and the prefill burst), for each
 #                   EXTRA of CAPS (worker flags; "-" for none)
+#   4. split.tgz    (PARTS=split) LORAFLEET_SPLIT_ATTENTION 0 against 1, interleaved, twice
 # PARTS (default "tests mixed resident") picks which run. Carry .whl, services/common/gen and
 # tmp/kcache (KCACHE as h200_serve.sh takes it).
 set -u
@@ -35,6 +36,15 @@ timeout "${BENCH_S:-150}" python3 bench/mixed_step_bench.py --layers 32 --decode
   --chunks 0,64,128,256,512,1024 --distincts ${DISTINCTS:-0,1,32} --out "$T/mixed" --name mixed-step-h200 \
   ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -v -i warn | tail -20
 pack mixed "$T/mixed"
+fi
+if has split; then                     # LORAFLEET_SPLIT_ATTENTION A/B, interleaved, twice
+mkdir -p "$T/split"
+for i in 1 2; do for S in 0 1; do
+  LORAFLEET_SPLIT_ATTENTION=$S timeout "${BENCH_S:-150}" python3 bench/mixed_step_bench.py \
+    --layers 32 --decode 64 --chunks 0,64,128,256 --distincts 0,32 --out "$T/split" \
+    --name "mixed-step-split$S-run$i-h200" ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep --line-buffered "graph:"
+done; done
+pack split "$T/split"
 fi
 has resident || exit 0
 for C in ${CAPS:--}; do
