@@ -283,9 +283,8 @@ class _CopyPath:
         n_seg, n_val = segs.size, values.shape[1]
         asked = time.monotonic()
         with self.lock, _gil_first():
-            launched = time.monotonic()
             if timing is not None:
-                timing["copy_wait"] = launched - asked
+                timing["copy_wait"] = time.monotonic() - asked
             with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
                 self._grow(pad + staged.nbytes, n_seg + 2 * n_val)
                 host = self.host.numpy()
@@ -305,11 +304,13 @@ class _CopyPath:
                 pool._meta32.view(-1).index_copy_(0, upd[0, p:], upd[1, p:].to(torch.int32))
                 if self.cuda:
                     self.done.record(self.stream)
+            waited = 0.0                    # a CPU pool copies inline: nothing to wait for
             if self.cuda:
-                launched = time.monotonic()
+                queued = time.monotonic()
                 self.done.synchronize()     # this thread waits; the compute stream never does
+                waited = time.monotonic() - queued
             if timing is not None:
-                timing["device"] = time.monotonic() - launched if self.cuda else 0.0
+                timing["device"] = waited
 
     def warm_up(self, fold: bool) -> None:
         """One tiny launch per source dtype (see DevicePool.warm_up)."""

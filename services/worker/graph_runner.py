@@ -36,8 +36,8 @@ never touches the pool's tables, which the adapter manager updates from its own 
 buffers are filled by the same step-input builder as eager steps
 (services.worker.step_inputs.StepBuilder.fill).
 
-Overlap. `launch` starts a decode or mixed step and returns at once (the sampled tokens come back through
-a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
+Overlap. `launch` starts a decode or mixed step and returns at once (the sampled tokens come back
+through a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
 flight (`prev`): its rows' input tokens are then gathered on the device from prev's sampled tokens,
 so the engine can queue step N+1 before it has read step N's tokens, and the GPU does not idle
 while the host post-processes step N (services.worker.engine).
@@ -180,8 +180,9 @@ class GraphRunner:
     def warm_forwards(self, max_rank: int, part: int = 0, parts: int = 1) -> int:
         """The warm-up forwards of every parts-th graph that capture() would make, from the
         part-th, without capturing (services.worker.precompile); how many."""
-        items = [(b, *key, False) for key in self._plan(max_rank) for b in reversed(self.sizes)]
-        items += [(n, *key, True) for key in self.start_keys() for n in self.mixed_sizes]
+        keys = self._plan(max_rank)
+        items = [(b, *key, False) for key in keys for b in reversed(self.sizes)]
+        items += [(n, *key, True) for key in keys for n in self.mixed_sizes]
         for item in items[part::parts]:
             self._warm(*item)
         torch.cuda.synchronize()
@@ -209,11 +210,11 @@ class GraphRunner:
         ctx = self._warm(*key, mixed=mixed)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the adapter manager's loader threads may copy while a capture runs
         if mixed and self._mixed_logits is None:      # one for all mixed graphs
             w = self.model.w["lm_head"]
             self._mixed_logits = torch.empty(self.sizes[-1], w.shape[0], dtype=w.dtype,
                                              device=w.device)
+        # thread_local: the adapter manager's loader threads may copy while a capture runs
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.model.forward(self.ids[:b], ctx, kv)
             if mixed:
