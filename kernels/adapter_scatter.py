@@ -15,6 +15,12 @@ Semantics (segs int64 [S, NFIELDS], one row a segment: a matrix moved from src t
         x = x.float() * fold[f, :C].float() if f >= 0 else x      # the norm fold
         dsts[d].as_strided((R, C), (d_rs, d_cs), d_off)[...] = x   # in dsts' dtype
 
+and, with tables = (writes, n_wide, wide, narrow), the slot tables' writes after them:
+
+    pos, val = writes                       # int64 [2, n]
+    wide.view(-1)[pos[:n_wide]] = val[:n_wide]       # int64 table (flat positions)
+    narrow.view(-1)[pos[n_wide:]] = val[n_wide:]     # int32 table
+
 Shapes: src [E_src] (the staged bytes viewed as the tensors' dtype), dsts: flat tensors of one
 dtype (the pool, then the extended q/k/v weights), fold [F, K] or None. Offsets and strides are
 in elements. Segments must not overlap in their destinations (the pool's plan guarantees it).
@@ -35,7 +41,8 @@ BLOCK = 2048              # elements a program moves
 
 def adapter_scatter_ref(src: torch.Tensor, dsts: Sequence[torch.Tensor], segs: torch.Tensor,
                         fold: torch.Tensor | None = None, *, max_elems: int = 0,
-                        dst_ptrs: torch.Tensor | None = None) -> None:
+                        dst_ptrs: torch.Tensor | None = None, tables: tuple | None = None
+                        ) -> None:
     """The semantics in torch, a segment at a time (max_elems, dst_ptrs: unused here)."""
     for d, d_off, s_off, rows, cols, s_rs, d_rs, d_cs, f, flags in segs.tolist():
         dst = dsts[d]
@@ -46,32 +53,41 @@ def adapter_scatter_ref(src: torch.Tensor, dsts: Sequence[torch.Tensor], segs: t
         if f >= 0:
             x = x * fold[f, :cols].float()
         dst.as_strided((rows, cols), (d_rs, d_cs), dst.storage_offset() + d_off).copy_(x)
+    if tables is not None:
+        writes, n_wide, wide, narrow = tables
+        wide.view(-1).index_copy_(0, writes[0, :n_wide], writes[1, :n_wide])
+        narrow.view(-1).index_copy_(0, writes[0, n_wide:], writes[1, n_wide:].to(narrow.dtype))
 
 
 def adapter_scatter(src: torch.Tensor, dsts: Sequence[torch.Tensor], segs: torch.Tensor,
                     fold: torch.Tensor | None = None, *, max_elems: int,
-                    dst_ptrs: torch.Tensor | None = None, impl: str = "auto") -> None:
-    """Run the segments (see the module docstring); on CUDA one Triton launch.
+                    dst_ptrs: torch.Tensor | None = None, tables: tuple | None = None,
+                    impl: str = "auto") -> None:
+    """Run the segments and the table writes (see the module docstring); on CUDA one Triton
+    launch.
 
     max_elems: the host's bound on rows * cols over the segments (the launch's second grid
     dimension). dst_ptrs: int64 [len(dsts)] on the device, the dsts' data_ptr()s, kept by the
     caller so a placement does not copy them again (built here when None). impl: "auto"
     (Triton on CUDA, else torch), "triton" (also on CPU under TRITON_INTERPRET=1), "torch".
     """
-    _check(src, dsts, segs, fold)
+    _check(src, dsts, segs, fold, tables)
     if impl == "torch" or (impl == "auto" and src.device.type != "cuda"):
-        adapter_scatter_ref(src, dsts, segs, fold)
+        adapter_scatter_ref(src, dsts, segs, fold, tables=tables)
         return
-    if segs.shape[0] == 0 or max_elems <= 0:
+    n_writes = 0 if tables is None else tables[0].shape[1]
+    if (segs.shape[0] == 0 or max_elems <= 0) and n_writes == 0:
         return
     if dst_ptrs is None:
         dst_ptrs = torch.tensor([d.data_ptr() for d in dsts], dtype=torch.int64,
                                 device=src.device)
     from kernels import adapter_scatter_triton as tri
-    tri.launch(src, dsts[0].dtype, dst_ptrs, segs, fold, max_elems)
+    tri.launch(src, dsts[0].dtype, dst_ptrs, segs, segs.shape[0] if max_elems > 0 else 0,
+               fold, max_elems, None if tables is None else
+               (tables[0], n_writes, tables[1], tables[2], tables[3]))
 
 
-def _check(src, dsts, segs, fold) -> None:
+def _check(src, dsts, segs, fold, tables=None) -> None:
     if not dsts or any(d.dtype != dsts[0].dtype or d.device != src.device for d in dsts):
         raise ValueError("dsts: one dtype, on src's device")
     if segs.dtype != torch.int64 or segs.dim() != 2 or segs.shape[1] != NFIELDS \
@@ -83,3 +99,12 @@ def _check(src, dsts, segs, fold) -> None:
     if fold is not None and (fold.dim() != 2 or not fold.is_contiguous()
                              or fold.device != src.device):
         raise ValueError("fold: a contiguous [F, K] tensor on src's device")
+    if tables is not None:
+        writes, n_wide, wide, narrow = tables
+        if writes.dtype != torch.int64 or writes.dim() != 2 or writes.shape[0] != 2 \
+                or writes.stride(1) != 1 or not 0 <= n_wide <= writes.shape[1]:
+            raise ValueError("tables: writes int64 [2, n] (rows contiguous), 0 <= n_wide <= n")
+        if wide.dtype != torch.int64 or narrow.dtype != torch.int32 \
+                or not (wide.is_contiguous() and narrow.is_contiguous()) \
+                or {writes.device, wide.device, narrow.device} != {src.device}:
+            raise ValueError("tables: contiguous int64 and int32 tables on src's device")

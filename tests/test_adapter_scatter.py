@@ -41,6 +41,13 @@ def hand_made(device: str) -> None:
         [1, 104, 0, 2, 40, 0, 1, 30, -1, ZERO],         # zeros, src not read
         [0, 1000, 1000, 1, big, big, big, 1, -1, 0],    # longer than one program's block
     ], dtype=torch.int64, device=device)
+    # table writes as a placement makes them: int64 offsets (more than one program's block of
+    # 256), then three int32 entries (a negative one: a scale's bits)
+    n_wide = 300
+    writes = torch.stack([torch.cat([torch.randperm(600, generator=g)[:n_wide],
+                                     torch.tensor([5, 12, 19])]),
+                          torch.cat([torch.randint(0, 1 << 40, (n_wide,), generator=g),
+                                     torch.tensor([16, 3, -1082130432])])]).to(device)
     for src_dt, dst_dt in DTYPES:
         src = torch.randn(1000 + big, generator=g).to(device, src_dt)
         fold = (1 + 0.3 * torch.randn(3, 40, generator=g)).to(device, dst_dt)
@@ -49,12 +56,20 @@ def hand_made(device: str) -> None:
         outs = []
         for impl in ("triton", "torch"):
             p, e = pool.clone(), ext.clone()
-            adapter_scatter(src, [p, e], segs, fold, max_elems=big, impl=impl)
-            outs.append((p, e))
+            wide = torch.full((600,), -1, dtype=torch.int64, device=device)
+            narrow = torch.zeros(3, 7, dtype=torch.int32, device=device)
+            adapter_scatter(src, [p, e], segs, fold, max_elems=big, impl=impl,
+                            tables=(writes, n_wide, wide, narrow))
+            outs.append((p, e, wide, narrow))
         for got, want in zip(outs[0], outs[1]):
             same(got, want, device, rounds=True)
         written = ~torch.isnan(outs[0][0].float())
         assert int(written.sum()) == 4 * 40 * 3 + big           # nothing else touched
+        wide, narrow = outs[0][2].cpu(), outs[0][3].cpu().view(-1)
+        pos, val = writes.cpu()
+        assert wide[pos[:n_wide]].tolist() == val[:n_wide].tolist()
+        assert narrow[pos[n_wide:]].tolist() == val[n_wide:].to(torch.int32).tolist()
+        assert int((wide != -1).sum()) == n_wide and int((narrow != 0).sum()) == 3
 
 
 def real_plan(device: str) -> None:
@@ -121,3 +136,18 @@ def test_scatter_kernel_matches_the_reference_on_a_placement_plan():
 def test_scatter_kernel_on_cuda():
     hand_made("cuda")
     real_plan("cuda")
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("fold,tables", [(True, True), (False, True), (True, False)])
+def test_scatter_kernel_compiles_for_hopper(fold, tables):
+    """Both forms compile for sm_90 (ptxas, no GPU): with the table-writing program row, as a
+    placement launches it, and without, as the public call without tables does."""
+    from test_sgmv import compile_for_sm90
+    from kernels.adapter_scatter_triton import _scatter_kernel
+    import triton.language as tl
+    types = ["*bf16", "*i64", "*i64", "*bf16", "i32", "*i64", "i32", "i32", "i32", "*i64",
+             "*i32"]
+    consts = dict(DST_DTYPE=tl.bfloat16, HAS_FOLD=fold, NF=10, ZERO_FLAG=1, BLOCK_E=2048,
+                  HAS_TABLES=tables, BLOCK_W=256)
+    assert compile_for_sm90(_scatter_kernel, types, consts).asm["cubin"]

@@ -257,17 +257,23 @@ def test_split_attention_is_off_unless_asked_and_reaches_the_model(tmp_path):
 
 def test_a_placement_runs_with_a_short_switch_interval_and_restores_it(monkeypatch):
     """A placement's device calls each give the GIL up; the interval a waiter waits before the
-    engine thread must drop it is cut for the placement only (device_pool.PLACEMENT_SWITCH_S)."""
+    engine thread must drop it is cut for the placement only (services.worker.gil), and
+    concurrent users keep it cut until the last one leaves."""
     import sys
     from kernels import adapter_scatter
-    from services.worker import device_pool
+    from services.worker import gil
     spec = load_spec(MODEL_DIR)
     staged = staged_from_peft_dir(DEMO_ADAPTERS / "pirate", spec)
     pool = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 22, 4)
-    seen, scatter = [], adapter_scatter.adapter_scatter
-    monkeypatch.setattr(adapter_scatter, "adapter_scatter",
+    seen, scatter = [], adapter_scatter.adapter_scatter_ref     # what a CPU pool launches
+    monkeypatch.setattr(adapter_scatter, "adapter_scatter_ref",
                         lambda *a, **k: (seen.append(sys.getswitchinterval()), scatter(*a, **k)))
     before = sys.getswitchinterval()
     pool.place("a", staged)
-    assert seen == [pytest.approx(min(before, device_pool.PLACEMENT_SWITCH_S))]
+    assert seen == [pytest.approx(min(before, gil.FAST_SWITCH_S))]
+    assert sys.getswitchinterval() == before
+    gil.enter()                         # a load in flight on the event loop's side
+    pool.place("b", staged)             # the placement's own enter and leave nest inside it
+    assert sys.getswitchinterval() == pytest.approx(min(before, gil.FAST_SWITCH_S))
+    gil.leave()
     assert sys.getswitchinterval() == before

@@ -150,9 +150,10 @@ def test_gpu_sampling_params_match_cpu_with_many_in_flight():
 @needs_cuda
 @pytest.mark.parametrize("kn", [False, True])
 def test_a_cuda_pool_places_adapters_as_the_cpu_pool_does(kn):
-    """The CUDA placement (one copy, the Triton scatter, index_copy'd tables) writes what the
-    CPU placement (the torch reference) writes, bit for bit: pool contents, device tables and
-    column blocks, with folded norms, bf16 and fp32 adapters, after a removal and a reuse."""
+    """The CUDA placement (one copy, one Triton launch that scatters the weights and writes the
+    slot's table entries) writes what the CPU placement (the torch reference) writes, bit for
+    bit: pool contents, device tables and column blocks, with folded norms, bf16 and fp32
+    adapters, after a removal and a reuse."""
     from services.worker.device_pool import DevicePool
     from services.worker.lora_columns import LoraColumns
     from services.worker.model_spec import load_spec

@@ -38,8 +38,8 @@ from services.worker.store_client import StoreClient
 log = logging.getLogger("lorafleet.worker")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # How long the engine thread may hold the GIL while another thread waits for it (CPython's
-# default is 5 ms). A cold load's placement is ~10 device calls on a loader thread, each a GIL
-# wait behind the engine thread: at 5 ms each, a 0.6 ms copy took 5 ms p50 under decode load.
+# default is 5 ms; at 5 ms a cold load's 0.6 ms copy took 5 ms p50 under decode load). While a
+# cold load is in flight the interval is shorter still (services.worker.gil).
 GIL_SWITCH_S = 0.0005
 PRECOMPILE_TIMEOUT_S = 900.0        # precompile's children are stopped after this
 

@@ -30,7 +30,7 @@ from services.common.cache_policy import CachePolicy, NoRoom
 from services.common.errors import ResourceExhausted
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import tracer
-from services.worker import metrics
+from services.worker import gil, metrics
 from services.worker.adapter_layout import StagedAdapter
 from services.worker.device_pool import DevicePool, PoolFull
 from services.worker.host_tier import HostTier
@@ -183,8 +183,9 @@ class AdapterManager:
             while True:
                 ctx = contextvars.copy_context()
                 try:
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._loader, ctx.run, self._cold_job, job)
+                    with gil.first():       # the hops to the loader thread and back
+                        await asyncio.get_running_loop().run_in_executor(
+                            self._loader, ctx.run, self._cold_job, job)
                 finally:
                     self._apply(job)
                 if job.placed:

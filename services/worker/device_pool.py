@@ -4,14 +4,13 @@ Mechanism only: which adapter to evict is decided by the adapter manager's polic
 staged adapter (services.worker.adapter_layout) is a handful of device operations, whatever its
 tensor count, on a copy stream of its own: its safetensors bytes copied as they are, one
 kernels.adapter_scatter launch that lays every tensor out (B transposed, norms folded into A,
-column LoRA blocks written), and one write of each slot table. The slot tables live in two flat
-buffers (int64 offsets of every group, int32 ranks / column blocks / scales), with the slot the
-innermost dimension, so a slot's entries are every n_slots-th element: one index_copy each.
+column LoRA blocks written) and writes the slot's table entries. The slot tables live in two
+flat buffers (int64 offsets of every group, int32 ranks / column blocks / scales), with the slot
+the innermost dimension, so a slot's entries are every n_slots-th element.
 """
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from kernels import adapter_scatter as sc
+from services.worker import gil
 from services.worker.adapter_layout import OFFSET_ALIGN, SRC_ALIGN, StagedAdapter
 from services.worker.lora_columns import LoraColumns
 from services.worker.lora_tables import LoraTables
@@ -223,28 +223,15 @@ def _fold_table(norm_fold, layers: int) -> tuple[torch.Tensor | None, np.ndarray
     return torch.cat(rows).contiguous(), base
 
 
-# While a placement runs: every torch call gives the GIL up, and getting it back waits for
-# the engine thread to drop it, which it does when the waiter has waited the switch interval;
-# a placement makes ~15 such calls (at 0.5 ms each: a 0.6 ms copy took 4-5 ms under load).
-PLACEMENT_SWITCH_S = 5e-5
-
-
-@contextlib.contextmanager
-def _gil_first():
-    """The interpreter's switch interval at PLACEMENT_SWITCH_S for the duration (one
-    placement at a time holds _CopyPath.lock, so the saved value is the process's own)."""
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(min(saved, PLACEMENT_SWITCH_S))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(saved)
-
-
 class _CopyPath:
     """The device side of a placement, one at a time: a staging copy of the adapter's bytes
     (grown to the largest adapter seen), one pinned scratch buffer for the segments and the
-    slot values, their device twin, and on CUDA a copy stream and an event."""
+    table writes, their device twin, and on CUDA a copy stream and an event.
+
+    A placement is five device calls: the bytes' copy, the scratch's copy, one scatter launch
+    that also writes the slot's table entries, an event record and its wait. The views they
+    take are kept from one placement to the next (each torch call gives the GIL up, and under
+    load getting it back waits behind the engine thread)."""
 
     def __init__(self, device: torch.device, pool: DevicePool):
         self.device, self.pool = device, pool
@@ -255,73 +242,97 @@ class _CopyPath:
         self.done = torch.cuda.Event() if self.cuda else None
         self.lock = threading.Lock()
         self.staging = torch.empty(0, dtype=torch.uint8, device=device)
-        self.host = torch.empty(0, dtype=torch.int64, pin_memory=self.cuda)
-        self.dev = torch.empty(0, dtype=torch.int64, device=device)
+        self.src: dict[torch.dtype, torch.Tensor] = {}       # staging as each source dtype
+        self.seg_cap = self.write_cap = 0
+        self.host = self.dev = self.host_np = self.writes = None
         self.dst_ptrs: torch.Tensor | None = None
 
     def _dsts(self) -> list[torch.Tensor]:
         cols = self.pool.columns
         return [self.pool.tables.pool] + (cols.flat if cols is not None else [])
 
-    def _grow(self, staging: int, scratch: int) -> None:
+    def _grow(self, staging: int, n_seg: int, n_val: int) -> None:
         if self.staging.numel() < staging:
             self.staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
-        if self.host.numel() < scratch:
-            self.host = torch.empty(2 * scratch, dtype=torch.int64, pin_memory=self.cuda)
-            self.dev = torch.empty(2 * scratch, dtype=torch.int64, device=self.device)
+            self.src = {}
+        if n_seg > self.seg_cap or n_val > self.write_cap:
+            # segment rows, then the writes' positions and values (at a multiple of 80 bytes:
+            # 16-byte aligned, as the kernel's compile assumed)
+            self.seg_cap = max(2 * n_seg, self.seg_cap)
+            self.write_cap = max(2 * n_val, self.write_cap)
+            n = self.seg_cap * sc.NFIELDS + 2 * self.write_cap
+            self.host = torch.empty(n, dtype=torch.int64, pin_memory=self.cuda)
+            self.dev = torch.empty(n, dtype=torch.int64, device=self.device)
+            self.host_np = self.host.numpy()
+            self.writes = self.dev[self.seg_cap * sc.NFIELDS:].view(2, self.write_cap)
         if self.dst_ptrs is None:
             self.dst_ptrs = torch.tensor([d.data_ptr() for d in self._dsts()],
                                          dtype=torch.int64).to(self.device)
 
+    def _src(self, dtype: torch.dtype) -> torch.Tensor:
+        view = self.src.get(dtype)
+        if view is None:
+            n = self.staging.numel() // dtype.itemsize * dtype.itemsize
+            view = self.src[dtype] = self.staging[:n].view(dtype)
+        return view
+
+    def _stage_scratch(self, segs: np.ndarray, values: np.ndarray) -> None:
+        """The segments and the table writes into the pinned scratch (host work only)."""
+        host, w0 = self.host_np, self.seg_cap * sc.NFIELDS
+        host[:segs.size] = segs.ravel()
+        n_val = values.shape[1]
+        host[w0:w0 + n_val] = values[0]
+        host[w0 + self.write_cap:w0 + self.write_cap + n_val] = values[1]
+
     def run(self, staged: StagedAdapter, segs: np.ndarray, values: np.ndarray,
             timing: dict | None = None) -> None:
-        """One placement's copies and kernels, waited for. timing (when given) gets the seconds
-        spent waiting for the lock ("copy_wait": another placement's turn) and, after the
-        launches, for the device ("device")."""
+        """One placement's copies and kernel, waited for. values: the slot's table writes
+        (DevicePool._slot_values: the int64 offsets, then 3 int32 entries). timing (when
+        given) gets the seconds spent waiting for the lock ("copy_wait": another placement's
+        turn), launching ("launch") and, after the launches, waiting for the device
+        ("device")."""
         plan, pool = staged.plan, self.pool
         pad = -plan.data_start % SRC_ALIGN
-        n_seg, n_val = segs.size, values.shape[1]
+        n_seg, n_val = segs.shape[0], values.shape[1]
         asked = time.monotonic()
-        with self.lock, _gil_first():
-            if timing is not None:
-                timing["copy_wait"] = time.monotonic() - asked
+        with self.lock, gil.first():
+            started = time.monotonic()
             with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-                self._grow(pad + staged.nbytes, n_seg + 2 * n_val)
-                host = self.host.numpy()
-                host[:n_seg] = segs.ravel()
-                host[n_seg:n_seg + 2 * n_val] = values.ravel()
+                self._grow(pad + staged.nbytes, n_seg, n_val)
+                self._stage_scratch(segs, values)
                 self.staging[pad:pad + staged.nbytes].copy_(staged.blob, non_blocking=True)
-                dev = self.dev[:n_seg + 2 * n_val]
-                dev.copy_(self.host[:n_seg + 2 * n_val], non_blocking=True)
-                itemsize = plan.src_dtype.itemsize
-                src = self.staging[:self.staging.numel() // itemsize * itemsize].view(
-                    plan.src_dtype)
-                sc.adapter_scatter(src, self._dsts(), dev[:n_seg].view(-1, sc.NFIELDS),
-                                   pool._fold, max_elems=plan.max_elems, dst_ptrs=self.dst_ptrs)
-                upd = dev[n_seg:].view(2, n_val)
-                p = n_val - 3
-                pool._off64.index_copy_(0, upd[0, :p], upd[1, :p])
-                pool._meta32.view(-1).index_copy_(0, upd[0, p:], upd[1, p:].to(torch.int32))
+                self.dev.copy_(self.host, non_blocking=True)
+                tables = (self.writes, n_val, n_val - 3, pool._off64, pool._meta32)
                 if self.cuda:
+                    from kernels import adapter_scatter_triton as tri
+                    tri.launch(self._src(plan.src_dtype), pool.dtype, self.dst_ptrs, self.dev,
+                               n_seg, pool._fold, plan.max_elems, tables)
                     self.done.record(self.stream)
-            waited = 0.0                    # a CPU pool copies inline: nothing to wait for
-            if self.cuda:
-                queued = time.monotonic()
+                else:
+                    sc.adapter_scatter_ref(
+                        self._src(plan.src_dtype), self._dsts(),
+                        self.dev[:n_seg * sc.NFIELDS].view(n_seg, sc.NFIELDS), pool._fold,
+                        tables=(self.writes[:, :n_val], n_val - 3, pool._off64, pool._meta32))
+            launched = waited = time.monotonic()
+            if self.cuda:                   # a CPU pool copies inline: nothing to wait for
                 self.done.synchronize()     # this thread waits; the compute stream never does
-                waited = time.monotonic() - queued
+                waited = time.monotonic()
             if timing is not None:
-                timing["device"] = waited
+                timing.update(copy_wait=started - asked, launch=launched - started,
+                              device=waited - launched)
 
     def warm_up(self, fold: bool) -> None:
         """One tiny launch per source dtype (see DevicePool.warm_up)."""
         pool = self.pool
         with self.lock, torch.cuda.stream(self.stream):
-            self._grow(64, sc.NFIELDS)
-            # an empty segment (0 rows): it compiles the kernel and writes nothing
+            self._grow(64, 1, 3)
+            # an empty segment (0 rows) and no table writes: it compiles the kernel as a
+            # placement launches it and writes nothing
             segs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 0 if fold else -1, sc.ZERO]],
                                 dtype=torch.int64, device=self.device)
+            from kernels import adapter_scatter_triton as tri
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
-                sc.adapter_scatter(self.staging[:64].view(dtype), self._dsts(), segs,
-                                   pool._fold, max_elems=1, dst_ptrs=self.dst_ptrs)
+                tri.launch(self.staging[:64].view(dtype), pool.dtype, self.dst_ptrs, segs, 1,
+                           pool._fold, 1, (self.writes, 0, 0, pool._off64, pool._meta32))
             self.stream.synchronize()
 
