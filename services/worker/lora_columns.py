@@ -94,30 +94,44 @@ class LoraColumns:
         """kernels.adapter_scatter rows that write block c: each q/k/v A the adapter has (its
         pool segment in `segs`, index qkv_a[layer, slice]), copied to its 16 rows of the block
         in layer l's extended weight (dsts index 1 + l), and zeros in the rows past the rank
-        and in the rows of slices it lacks."""
+        and in the rows of slices it lacks. In (layer, slice) order, the copy before the zeros;
+        array work only (a placement runs it on a loader thread beside the engine's)."""
         from kernels import adapter_scatter as sc
-        rows = []
-        for layer, ext in enumerate(self.ext):
-            k = ext.shape[1]
-            # element (row i, column kk) of the block: row-major [N + width, K] storage, or the
-            # column-major one ([K, N + width] in memory)
-            d_rs, d_cs = (1, ext.shape[0]) if _column_major(ext) else (k, 1)
-            for j in range(self.n_slices):
-                base = self.n_base + (c * self.n_slices + j) * RANK_TILE
-                at = int(qkv_a[layer, j])
-                if at >= 0:
-                    row = segs[at].copy()
-                    row[[sc.DST, sc.DST_OFF, sc.DST_RS, sc.DST_CS]] = (1 + layer, base * d_rs,
-                                                                       d_rs, d_cs)
-                    rows.append(row)
-                n_zero, first = (RANK_TILE - rank, base + rank) if at >= 0 else (RANK_TILE, base)
-                if n_zero > 0:
-                    zero = np.zeros(sc.NFIELDS, dtype=np.int64)
-                    zero[[sc.DST, sc.DST_OFF, sc.ROWS, sc.COLS, sc.DST_RS, sc.DST_CS, sc.FOLD,
-                          sc.FLAGS]] = (1 + layer, first * d_rs, n_zero, k, d_rs, d_cs, -1,
-                                        sc.ZERO)
-                    rows.append(zero)
-        return np.stack(rows) if rows else np.zeros((0, sc.NFIELDS), dtype=np.int64)
+        if not self.ext:
+            return np.zeros((0, sc.NFIELDS), dtype=np.int64)
+        geo = self._geometry()                               # [L, 4]: dst, k, d_rs, d_cs
+        n_layers, n_sl = len(self.ext), self.n_slices
+        base = self.n_base + (c * n_sl + np.arange(n_sl)) * RANK_TILE          # [J]
+        has = qkv_a >= 0                                                        # [L, J]
+        rows = np.zeros((n_layers, n_sl, 2, sc.NFIELDS), dtype=np.int64)
+        d_rs, d_cs = geo[:, 2:3], geo[:, 3:4]                                   # [L, 1]
+        copy = rows[:, :, 0]
+        copy[:] = segs[np.maximum(qkv_a, 0)]
+        copy[..., sc.DST] = geo[:, 0:1]
+        copy[..., sc.DST_OFF] = base * d_rs
+        copy[..., sc.DST_RS], copy[..., sc.DST_CS] = d_rs, d_cs
+        zero = rows[:, :, 1]
+        first = np.where(has, base + rank, base)
+        zero[..., sc.DST] = geo[:, 0:1]
+        zero[..., sc.DST_OFF] = first * d_rs
+        zero[..., sc.ROWS] = np.where(has, RANK_TILE - rank, RANK_TILE)
+        zero[..., sc.COLS] = geo[:, 1:2]
+        zero[..., sc.DST_RS], zero[..., sc.DST_CS] = d_rs, d_cs
+        zero[..., sc.FOLD], zero[..., sc.FLAGS] = -1, sc.ZERO
+        keep = np.stack([has, zero[..., sc.ROWS] > 0], axis=-1)
+        return rows[keep]
+
+    def _geometry(self) -> np.ndarray:
+        """int64 [L, 4]: each layer's dsts index, K, and its block's row and column strides
+        (element (row i, column kk) of row-major [N + width, K] storage, or of the column-major
+        one, [K, N + width] in memory). Fixed once built; kept."""
+        geo = getattr(self, "_geo", None)
+        if geo is None:
+            geo = np.array([(1 + layer, ext.shape[1]) + ((1, ext.shape[0]) if _column_major(ext)
+                            else (ext.shape[1], 1)) for layer, ext in enumerate(self.ext)],
+                           dtype=np.int64).reshape(-1, 4)
+            self._geo = geo
+        return geo
 
     def release(self, slot: int) -> None:
         """Free the slot's block (the caller guarantees no step uses the slot). Host only: the
