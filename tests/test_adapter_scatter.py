@@ -116,6 +116,44 @@ def real_plan(device: str) -> None:
             same(got, want.to(dst_dt), device, rounds=src_dt != dst_dt)
 
 
+def pool_placements(device: str) -> None:
+    """A pool that places through the Triton launch (the CUDA path: one launch that scatters
+    the weights and writes the slot's table entries, from the kept scratch) against one that
+    places through the torch reference: pool contents, device tables and column blocks, with
+    folded norms, after a removal and a reuse of the slot."""
+    from services.worker.device_pool import DevicePool
+    from services.worker.lora_columns import LoraColumns
+    from services.worker.model_spec import load_spec
+    from services.worker.adapter_layout import staged_from_peft_dir
+    spec = load_spec(ROOT / "models" / "tiny-llama")
+    adapters = ROOT / "models" / "adapters"
+    g = torch.Generator().manual_seed(5)
+    fold = {k: 1 + 0.2 * torch.randn(spec.num_layers, spec.hidden_size, generator=g)
+            for k in ("qkv", "gate_up")}
+    n_qkv = spec.slice_starts("qkv")[-1]
+    base = [torch.randn(n_qkv, spec.hidden_size, generator=g) for _ in range(spec.num_layers)]
+    pools = []
+    for triton_path in (False, True):
+        layers = [{"qkv": w.t().contiguous().t().to(device, torch.bfloat16)} for w in base]
+        cols = LoraColumns({"layers": layers}, 3, 2, torch.device(device))
+        pool = DevicePool(spec, torch.device(device), torch.bfloat16, 1 << 22, 4, columns=cols,
+                          norm_fold={k: v.to(device, torch.bfloat16) for k, v in fold.items()})
+        pool._copy.triton = triton_path or device == "cuda"
+        names = sorted(p.name for p in adapters.iterdir() if p.is_dir())
+        for n in names:
+            pool.place(n, staged_from_peft_dir(adapters / n, spec))
+        pool.remove(names[0])
+        pool.place("again", staged_from_peft_dir(adapters / names[0], spec))
+        pools.append(pool)
+    ref, tri = pools
+    same(tri.tables.pool.cpu(), ref.tables.pool.cpu(), device, rounds=True)
+    assert torch.equal(ref._off64.cpu(), tri._off64.cpu())
+    assert torch.equal(ref._meta32.cpu(), tri._meta32.cpu())
+    assert int((tri._off64 >= 0).sum()) > 0 and int(tri._meta32[0].sum()) > 0
+    for a, b in zip(ref.columns.ext, tri.columns.ext):
+        same(b.cpu(), a.cpu(), device, rounds=True)
+
+
 def _child(fn: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     code = f"from tests.test_adapter_scatter import {fn}; {fn}('cpu')"
@@ -132,10 +170,15 @@ def test_scatter_kernel_matches_the_reference_on_a_placement_plan():
     _child("real_plan")
 
 
+def test_a_pool_placing_through_the_kernel_writes_what_the_reference_writes():
+    _child("pool_placements")
+
+
 @pytest.mark.gpu
 def test_scatter_kernel_on_cuda():
     hand_made("cuda")
     real_plan("cuda")
+    pool_placements("cuda")
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")

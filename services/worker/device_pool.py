@@ -236,6 +236,7 @@ class _CopyPath:
     def __init__(self, device: torch.device, pool: DevicePool):
         self.device, self.pool = device, pool
         self.cuda = device.type == "cuda"
+        self.triton = self.cuda           # the Triton launch (a CPU test sets it, interpreted)
         # high priority: under decode load the compute stream's kernels (launched early under
         # PDL) hold every SM, and a default-priority layout kernel waited behind whole steps
         self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
@@ -303,16 +304,17 @@ class _CopyPath:
                 self.staging[pad:pad + staged.nbytes].copy_(staged.blob, non_blocking=True)
                 self.dev.copy_(self.host, non_blocking=True)
                 tables = (self.writes, n_val, n_val - 3, pool._off64, pool._meta32)
-                if self.cuda:
+                if self.triton:
                     from kernels import adapter_scatter_triton as tri
                     tri.launch(self._src(plan.src_dtype), pool.dtype, self.dst_ptrs, self.dev,
                                n_seg, pool._fold, plan.max_elems, tables)
-                    self.done.record(self.stream)
                 else:
                     sc.adapter_scatter_ref(
                         self._src(plan.src_dtype), self._dsts(),
                         self.dev[:n_seg * sc.NFIELDS].view(n_seg, sc.NFIELDS), pool._fold,
                         tables=(self.writes[:, :n_val], n_val - 3, pool._off64, pool._meta32))
+                if self.cuda:
+                    self.done.record(self.stream)
             launched = waited = time.monotonic()
             if self.cuda:                   # a CPU pool copies inline: nothing to wait for
                 self.done.synchronize()     # this thread waits; the compute stream never does
