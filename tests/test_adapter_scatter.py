@@ -116,11 +116,13 @@ def real_plan(device: str) -> None:
             same(got, want.to(dst_dt), device, rounds=src_dt != dst_dt)
 
 
-def pool_placements(device: str) -> None:
+def pool_placements(device: str, kn: bool = True) -> None:
     """A pool that places through the Triton launch (the CUDA path: one launch that scatters
-    the weights and writes the slot's table entries, from the kept scratch) against one that
-    places through the torch reference: pool contents, device tables and column blocks, with
-    folded norms, after a removal and a reuse of the slot."""
+    the weights and writes the slot's table entries, from the kept scratch) on `device` (the
+    CPU: interpreted) against a CPU pool that places through the torch reference: pool
+    contents, device tables and column blocks, with folded norms, bf16 and fp32 adapters,
+    after a removal and a reuse of the slot. kn: the extended q/k/v weights column-major, as
+    a CUDA model keeps them."""
     from services.worker.device_pool import DevicePool
     from services.worker.lora_columns import LoraColumns
     from services.worker.model_spec import load_spec
@@ -133,12 +135,14 @@ def pool_placements(device: str) -> None:
     n_qkv = spec.slice_starts("qkv")[-1]
     base = [torch.randn(n_qkv, spec.hidden_size, generator=g) for _ in range(spec.num_layers)]
     pools = []
-    for triton_path in (False, True):
-        layers = [{"qkv": w.t().contiguous().t().to(device, torch.bfloat16)} for w in base]
-        cols = LoraColumns({"layers": layers}, 3, 2, torch.device(device))
-        pool = DevicePool(spec, torch.device(device), torch.bfloat16, 1 << 22, 4, columns=cols,
-                          norm_fold={k: v.to(device, torch.bfloat16) for k, v in fold.items()})
-        pool._copy.triton = triton_path or device == "cuda"
+    for dev, triton_path in (("cpu", False), (device, True)):
+        layers = [{"qkv": (w.t().contiguous().t() if kn else w.clone()).to(dev, torch.bfloat16)}
+                  for w in base]
+        cols = LoraColumns({"layers": layers}, 3, 2, torch.device(dev))
+        pool = DevicePool(spec, torch.device(dev), torch.bfloat16, 1 << 22, 4, columns=cols,
+                          norm_fold={k: v.to(dev, torch.bfloat16) for k, v in fold.items()})
+        pool._copy.triton = triton_path
+        pool.warm_up()
         names = sorted(p.name for p in adapters.iterdir() if p.is_dir())
         for n in names:
             pool.place(n, staged_from_peft_dir(adapters / n, spec))
@@ -146,12 +150,12 @@ def pool_placements(device: str) -> None:
         pool.place("again", staged_from_peft_dir(adapters / names[0], spec))
         pools.append(pool)
     ref, tri = pools
-    same(tri.tables.pool.cpu(), ref.tables.pool.cpu(), device, rounds=True)
-    assert torch.equal(ref._off64.cpu(), tri._off64.cpu())
-    assert torch.equal(ref._meta32.cpu(), tri._meta32.cpu())
+    same(tri.tables.pool.cpu(), ref.tables.pool, device, rounds=True)
+    assert torch.equal(ref._off64, tri._off64.cpu())
+    assert torch.equal(ref._meta32, tri._meta32.cpu())
     assert int((tri._off64 >= 0).sum()) > 0 and int(tri._meta32[0].sum()) > 0
     for a, b in zip(ref.columns.ext, tri.columns.ext):
-        same(b.cpu(), a.cpu(), device, rounds=True)
+        same(b.cpu(), a, device, rounds=True)
 
 
 def _child(fn: str) -> None:
@@ -178,7 +182,8 @@ def test_a_pool_placing_through_the_kernel_writes_what_the_reference_writes():
 def test_scatter_kernel_on_cuda():
     hand_made("cuda")
     real_plan("cuda")
-    pool_placements("cuda")
+    for kn in (False, True):
+        pool_placements("cuda", kn)
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")

@@ -150,41 +150,11 @@ def test_gpu_sampling_params_match_cpu_with_many_in_flight():
 @needs_cuda
 @pytest.mark.parametrize("kn", [False, True])
 def test_a_cuda_pool_places_adapters_as_the_cpu_pool_does(kn):
-    """The CUDA placement (one copy, one Triton launch that scatters the weights and writes the
-    slot's table entries) writes what the CPU placement (the torch reference) writes, bit for
-    bit: pool contents, device tables and column blocks, with folded norms, bf16 and fp32
-    adapters, after a removal and a reuse."""
-    from services.worker.device_pool import DevicePool
-    from services.worker.lora_columns import LoraColumns
-    from services.worker.model_spec import load_spec
-    spec = load_spec(MODEL_DIR)
-    g = torch.Generator().manual_seed(5)
-    fold = {k: 1 + 0.2 * torch.randn(spec.num_layers, spec.hidden_size, generator=g)
-            for k in ("qkv", "gate_up")}
-    n_qkv = spec.slice_starts("qkv")[-1]
-    base = [torch.randn(n_qkv, spec.hidden_size, generator=g) for _ in range(spec.num_layers)]
-    pools = []
-    for dev in ("cpu", "cuda"):
-        layers = [{"qkv": (w.t().contiguous().t() if kn else w.clone()).to(dev, torch.bfloat16)}
-                  for w in base]
-        cols = LoraColumns({"layers": layers}, 3, 2, torch.device(dev))
-        pool = DevicePool(spec, torch.device(dev), torch.bfloat16, 1 << 22, 4, columns=cols,
-                          norm_fold={k: v.to(dev, torch.bfloat16) for k, v in fold.items()})
-        pool.warm_up()
-        names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
-        for n in names:
-            pool.place(n, staged_from_peft_dir(DEMO_ADAPTERS / n, spec))
-        pool.remove(names[0])
-        pool.place("again", staged_from_peft_dir(DEMO_ADAPTERS / names[0], spec))
-        pools.append(pool)
-    cpu, cuda = pools
-    assert torch.equal(cpu.tables.pool, cuda.tables.pool.cpu())
-    for g_ in cpu.tables.a_off:
-        assert torch.equal(cpu.tables.a_off[g_], cuda.tables.a_off[g_].cpu())
-        assert torch.equal(cpu.tables.b_off[g_], cuda.tables.b_off[g_].cpu())
-    assert torch.equal(cpu._meta32, cuda._meta32.cpu())
-    for a, b in zip(cpu.columns.ext, cuda.columns.ext):
-        assert torch.equal(a, b.cpu())
+    """The CUDA placement (one Triton launch that scatters the weights and writes the slot's
+    table entries) writes what the CPU placement (the torch reference) writes, bit for bit
+    (tests/test_adapter_scatter.py: pool_placements)."""
+    from test_adapter_scatter import pool_placements
+    pool_placements("cuda", kn)
 
 
 def test_no_kernel_compiles_or_graph_captures_after_serving(tmp_path):
