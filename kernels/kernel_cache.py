@@ -17,4 +17,10 @@ def use(directory: str) -> int:
     path.mkdir(parents=True, exist_ok=True)
     from triton import knobs
     knobs.cache.dir = str(path)
-    return sum(1 for entry in path.iterdir() if entry.is_dir())
+    return count(path)
+
+
+def count(directory) -> int:
+    """How many compiled kernels a cache directory holds (one directory each); 0 if absent."""
+    path = pathlib.Path(directory)
+    return sum(1 for entry in path.iterdir() if entry.is_dir()) if path.is_dir() else 0

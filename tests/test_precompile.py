@@ -58,8 +58,11 @@ def test_the_warm_up_shares_add_up_to_the_whole_warm_up():
 def test_child_processes_run_their_shares_and_a_finished_warm_up_is_remembered(cache):
     digest = precompile.fingerprint(str(MODEL_DIR), OPTS, SHAPE)
     assert not precompile.is_warm(digest)
+    (cache / "AAAA").mkdir(parents=True)                 # a kernel cached before the start
     children = precompile.Children(str(MODEL_DIR), OPTS, SHAPE, 2)
+    (cache / "BBBB").mkdir()                             # one the children add
     assert children.wait(300) == 2
+    assert (children.cached_before, children.compiled) == (1, 1)   # what the log reports
     precompile.mark_warm(digest)
     assert precompile.is_warm(digest)
     other = precompile.fingerprint(str(MODEL_DIR), OPTS, dataclasses.replace(SHAPE, max_rank=32))

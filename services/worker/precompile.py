@@ -83,8 +83,11 @@ class Children:
     """The child processes of one start."""
 
     def __init__(self, model_dir: str, opts, warm: WarmShape, procs: int):
+        from kernels import kernel_cache
         ctx = multiprocessing.get_context("spawn")       # CUDA does not survive a fork
         self.started = time.monotonic()
+        self.cached_before = kernel_cache.count(cache_dir())
+        self.compiled = 0                                # kernels the children added
         self.procs = [ctx.Process(target=child, name=f"precompile-{i}", daemon=True,
                                   args=(model_dir, opts, warm, i, procs, str(cache_dir())))
                       for i in range(procs)]
@@ -108,8 +111,12 @@ class Children:
                             p.name, p.exitcode)
             else:
                 ok += 1
-        log.info("precompile: %d of %d children done in %.1fs", ok, len(self.procs),
-                 time.monotonic() - self.started)
+        from kernels import kernel_cache
+        after = kernel_cache.count(cache_dir())
+        self.compiled = after - self.cached_before
+        log.info("precompile: %d of %d children done in %.1fs; they compiled %d kernels (the "
+                 "cache held %d before)", ok, len(self.procs), time.monotonic() - self.started,
+                 self.compiled, self.cached_before)
         return ok
 
 
