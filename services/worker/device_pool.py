@@ -303,11 +303,11 @@ class _CopyPath:
                 self._stage_scratch(segs, values)
                 self.staging[pad:pad + staged.nbytes].copy_(staged.blob, non_blocking=True)
                 self.dev.copy_(self.host, non_blocking=True)
-                tables = (self.writes, n_val, n_val - 3, pool._off64, pool._meta32)
                 if self.triton:
                     from kernels import adapter_scatter_triton as tri
                     tri.launch(self._src(plan.src_dtype), pool.dtype, self.dst_ptrs, self.dev,
-                               n_seg, pool._fold, plan.max_elems, tables)
+                               n_seg, pool._fold, plan.max_elems,
+                               (self.writes, n_val, n_val - 3, pool._off64, pool._meta32))
                 else:
                     sc.adapter_scatter_ref(
                         self._src(plan.src_dtype), self._dsts(),

@@ -59,6 +59,12 @@ class LoraColumns:
             if bias is not None:
                 layer[GROUP + "_ext_bias"] = torch.cat([bias, bias.new_zeros(self.width)])
         self.n_base = self.ext[0].shape[0] - self.width if self.ext else 0
+        # each layer's dsts index, K, and its block's row and column strides: element (row i,
+        # column kk) of row-major [N + width, K] storage, or of the column-major one
+        # ([K, N + width] in memory)
+        self._geo = np.array([(1 + layer, e.shape[1]) + ((1, e.shape[0]) if _column_major(e)
+                              else (e.shape[1], 1)) for layer, e in enumerate(self.ext)],
+                             dtype=np.int64).reshape(-1, 4)
         self.col_slot = torch.full((0,), -1, dtype=torch.int32, device=device)
         self.col_host = np.full(0, -1, dtype=np.int64)
         self._free = list(range(n_cols - 1, -1, -1))
@@ -99,7 +105,7 @@ class LoraColumns:
         from kernels import adapter_scatter as sc
         if not self.ext:
             return np.zeros((0, sc.NFIELDS), dtype=np.int64)
-        geo = self._geometry()                               # [L, 4]: dst, k, d_rs, d_cs
+        geo = self._geo                                      # [L, 4]: dst, k, d_rs, d_cs
         n_layers, n_sl = len(self.ext), self.n_slices
         base = self.n_base + (c * n_sl + np.arange(n_sl)) * RANK_TILE          # [J]
         has = qkv_a >= 0                                                        # [L, J]
@@ -120,18 +126,6 @@ class LoraColumns:
         zero[..., sc.FOLD], zero[..., sc.FLAGS] = -1, sc.ZERO
         keep = np.stack([has, zero[..., sc.ROWS] > 0], axis=-1)
         return rows[keep]
-
-    def _geometry(self) -> np.ndarray:
-        """int64 [L, 4]: each layer's dsts index, K, and its block's row and column strides
-        (element (row i, column kk) of row-major [N + width, K] storage, or of the column-major
-        one, [K, N + width] in memory). Fixed once built; kept."""
-        geo = getattr(self, "_geo", None)
-        if geo is None:
-            geo = np.array([(1 + layer, ext.shape[1]) + ((1, ext.shape[0]) if _column_major(ext)
-                            else (ext.shape[1], 1)) for layer, ext in enumerate(self.ext)],
-                           dtype=np.int64).reshape(-1, 4)
-            self._geo = geo
-        return geo
 
     def release(self, slot: int) -> None:
         """Free the slot's block (the caller guarantees no step uses the slot). Host only: the
