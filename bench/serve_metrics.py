@@ -14,7 +14,7 @@ from services.common.gen.lorafleet.v1 import common_pb2
 
 COLD_TIERS = ("source", "store_host", "worker_host")
 STAGES = ("fetch_s", "digest_s", "layout_s", "room_wait_s", "host_to_device_s", "copy_wait_s",
-          "device_s", "source_s")
+          "launch_s", "device_s", "handoff_s", "source_s")
 
 
 def pct(xs, q: float) -> float | None:

@@ -272,11 +272,14 @@ def test_a_bad_shm_dir_is_refused_at_start(tmp_path):
         assert run.returncode == 2 and "not a directory" in run.stderr, run.stderr[-500:]
 
 
-@pytest.mark.parametrize("shm", [True, False])
-def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stage(tmp_path, shm):
+@pytest.mark.parametrize("shm,placement", [(True, "inline"), (False, "loader")])
+def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stage(
+        tmp_path, shm, placement):
     """The worker's cold loads stage by stage (WorkerInfoResponse.cold_load_records): from the
     source, the store's host tier, its own host tier; through the store's shared memory (no
-    digest: the bytes never left host memory) or a stream (digest checked)."""
+    digest: the bytes never left host memory) or a stream (digest checked). A load that fetches
+    runs on a loader thread (its handoff is timed); one from the worker's host tier is placed on
+    the event loop (no handoff), or with --host-placement loader on a loader thread too."""
     from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
     adapters, shm_dir = tmp_path / "adapters", tmp_path / "shm"
     adapters.mkdir()
@@ -286,8 +289,8 @@ def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stag
                                       "--adapters-dir", str(adapters), "--shm-dir", str(shm_dir)],
                     tmp_path).wait()
     worker = Service("worker", ["--model", str(MODEL_DIR), "--store", store.addr,
-                                "--device", "cpu"] + (["--store-shm-dir", str(shm_dir)] if shm
-                                                      else []), tmp_path).wait()
+                                "--device", "cpu", "--host-placement", placement] +
+                     (["--store-shm-dir", str(shm_dir)] if shm else []), tmp_path).wait()
     try:
         version = StoreApi(store.addr).resolve("pirate").version
         with grpc.insecure_channel(worker.addr) as ch:
@@ -319,12 +322,15 @@ def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stag
         # its parts: a CPU worker copies inline (no device wait); one load at a time here, so
         # any wait for the copy path is short, and within the stage
         assert r.device_s == 0 and 0 <= r.copy_wait_s < r.host_to_device_s
+        assert 0 < r.launch_s < r.host_to_device_s
     source, store_host, worker_host = recs
     assert source.source_s > 0 and store_host.source_s == 0
     for r in (source, store_host):
         assert r.fetch_s > 0 and r.layout_s > 0
         assert (r.digest_s == 0) == shm
     assert worker_host.fetch_s == 0 and worker_host.digest_s == 0
+    assert source.handoff_s > 0 and store_host.handoff_s > 0
+    assert (worker_host.handoff_s == 0) == (placement == "inline")
 
 
 def test_a_blob_the_store_cannot_keep_is_streamed_not_named(tmp_path):

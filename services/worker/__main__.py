@@ -127,6 +127,7 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
     manager = AdapterManager(built.pool, built.spec, host, store,
                              tenant_share=cfg.tenant_share or None,
                              loader_threads=cfg.loader_threads, eviction=cfg.eviction,
+                             host_placement=cfg.host_placement,
                              evictions=metrics.Evictions(TenantLabels(cfg.metrics_tenants)))
     gauges = EngineGauges(built.spec.name, cfg.pool_slots)
     REGISTRY.register(gauges)

@@ -7,13 +7,17 @@ row. The request enters the engine only once its adapter is usable, so a load ne
 batch back. The pin is held until the engine has finished the request, so an adapter in use is
 never evicted.
 
-A cold load is one job on a loader thread, never on the event loop: the store fetch straight
-into a host-tier reservation (services.worker.store_client), the layout plan, the device-pool
-admission (evicting unpinned adapters) and the placement (services.worker.device_pool), a
-handful of device operations. The event loop only starts it and hears when it is done, so
-loads run side by side and no stream's tokens wait for one. When the pool is full of adapters
-in use the job hands back, the loop waits for a release, and the job runs again (its bytes are
-in the host tier by then). Each finished load leaves a record of its stages (ColdLoadLog).
+A cold load is one job: the store fetch straight into a host-tier reservation
+(services.worker.store_client), the layout plan, the device-pool admission (evicting unpinned
+adapters) and the placement (services.worker.device_pool), a handful of device operations. A
+job that must fetch runs on a loader thread, never on the event loop: the loop only starts it
+and hears when it is done, so loads run side by side and no stream's tokens wait for a fetch.
+A job whose bytes are in the worker's host tier is the placement alone, a millisecond or two,
+and by default (host_placement="inline") it runs on the event loop: the hop to a loader thread
+and back cost as much again under decode load, each of its two thread switches waiting for the
+GIL behind the engine thread. When the pool is full of adapters in use the job hands back, the
+loop waits for a release, and the job runs again (its bytes are in the host tier by then). Each
+finished load leaves a record of its stages (ColdLoadLog).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from services.worker.adapter_layout import StagedAdapter
 from services.worker.device_pool import DevicePool, PoolFull
 from services.worker.host_tier import HostTier
 from services.worker.model_spec import ModelSpec
-from services.worker.cold_records import ColdLoadLog, observe_stages, reload_cost
+from services.worker.cold_records import ColdJob, ColdLoadLog, observe_stages, reload_cost
 from services.worker.store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -64,23 +68,6 @@ class Residency:
     extra: dict = field(default_factory=dict)
 
 
-@dataclass
-class _Job:
-    """One run of a cold-load job: what it found and changed, for the event loop to apply."""
-    key: str
-    adapter_id: str
-    version: str
-    tenant: str
-    deadline: float | None
-    record: wpb.ColdLoadRecord
-    placed: bool = False
-    runs: int = 0
-    nbytes: int = 0
-    host_added: bool = False
-    gpu_victims: list[str] = field(default_factory=list)
-    host_victims: list[str] = field(default_factory=list)
-
-
 ROOM_MARGIN_S = 0.5      # a wait for adapter room ends this long before the request's deadline
 
 
@@ -88,7 +75,13 @@ class AdapterManager:
     def __init__(self, pool: DevicePool, spec: ModelSpec, host: HostTier, store: StoreClient,
                  tenant_share: float | None = 0.5,
                  on_change: Callable[[str], None] = lambda key: None, loader_threads: int = 8,
-                 evictions: metrics.Evictions | None = None, eviction: str = "lru"):
+                 evictions: metrics.Evictions | None = None, eviction: str = "lru",
+                 host_placement: str = "inline"):
+        """host_placement: where a load whose bytes are in the host tier is placed, "inline" on
+        the event loop or "loader" on a loader thread like the loads that fetch."""
+        if host_placement not in ("inline", "loader"):
+            raise ValueError(f"host_placement must be inline or loader, not {host_placement!r}")
+        self.inline_host = host_placement == "inline"
         self.pool, self.spec, self.store, self.host = pool, spec, store, host
         self.evictions = evictions or metrics.Evictions()   # per tenant, on /metrics
         self.gpu = CachePolicy(pool.capacity_bytes, tenant_share, foothold=tenant_share is not None,
@@ -177,15 +170,14 @@ class AdapterManager:
         info.loading = True
         self.on_change(key)
         start = time.monotonic()
-        job = _Job(key, adapter_id, version, tenant, deadline, wpb.ColdLoadRecord(
+        job = ColdJob(key, adapter_id, version, tenant, deadline, wpb.ColdLoadRecord(
             adapter_id=adapter_id, tier=common_pb2.WORKER_HOST))
         try:
             while True:
-                ctx = contextvars.copy_context()
                 try:
-                    with gil.first():       # the hops to the loader thread and back
-                        await asyncio.get_running_loop().run_in_executor(
-                            self._loader, ctx.run, self._cold_job, job)
+                    with gil.first():       # the placement's device calls, the hops
+                        if not (self.inline_host and self._cold_job(job, fetch=False)):
+                            await self._on_loader(job)
                 finally:
                     self._apply(job)
                 if job.placed:
@@ -203,13 +195,29 @@ class AdapterManager:
         observe_stages(job.record)
         return job.record.tier
 
-    # ---- the job, on a loader thread -------------------------------------------------------
+    async def _on_loader(self, job: ColdJob) -> None:
+        """The job on a loader thread; its record gets the time the two hops took."""
+        ctx, asked = contextvars.copy_context(), time.monotonic()
+        ran = await asyncio.get_running_loop().run_in_executor(
+            self._loader, ctx.run, self._timed_job, job)
+        job.record.handoff_s += time.monotonic() - asked - ran
 
-    def _cold_job(self, job: _Job) -> None:
-        """Host tier (else the store) -> device pool. Sets job.placed, or leaves it False when
-        the pool has no room (every adapter in it in use: the loop waits, then runs it again)."""
-        job.runs += 1
+    def _timed_job(self, job: ColdJob) -> float:
+        t = time.monotonic()
+        self._cold_job(job)
+        return time.monotonic() - t
+
+    # ---- the job, on a loader thread (or inline, from the host tier) -------------------------
+
+    def _cold_job(self, job: ColdJob, fetch: bool = True) -> bool:
+        """Host tier (else the store, where fetch) -> device pool; returns False (nothing done)
+        when the bytes must be fetched and fetch is False. Sets job.placed, or leaves it False
+        when the pool has no room (every adapter in it in use: the loop waits, then runs it
+        again)."""
         staged = self.host.lookup(job.key, pin=True)
+        if staged is None and not fetch:
+            return False
+        job.runs += 1
         if staged is None:
             staged = self._fetch(job)
         elif job.runs == 1:
@@ -227,11 +235,13 @@ class AdapterManager:
                 job.record.host_to_device_s += time.monotonic() - t
                 job.record.copy_wait_s += parts.get("copy_wait", 0.0)
                 job.record.device_s += parts.get("device", 0.0)
+                job.record.launch_s += parts.get("launch", 0.0)
                 job.placed = True
         finally:
             self.host.unpin(job.key)
+        return True
 
-    def _fetch(self, job: _Job) -> StagedAdapter:
+    def _fetch(self, job: ColdJob) -> StagedAdapter:
         metrics.count_lookup("worker_host", False)
         remaining = None if job.deadline is None else max(0.01, job.deadline - time.monotonic())
         rec, reserved = job.record, []
@@ -261,7 +271,7 @@ class AdapterManager:
         job.host_added = res.cached
         return staged
 
-    def _admit(self, job: _Job, staged: StagedAdapter) -> tuple[int, int] | None:
+    def _admit(self, job: ColdJob, staged: StagedAdapter) -> tuple[int, int] | None:
         """A slot and range in the pool for the adapter, admitted and pinned for this load:
         evicts unpinned adapters (policy order, then least recent first while the free space
         is too fragmented or the slots are out). None when the rest is in use."""
@@ -303,14 +313,14 @@ class AdapterManager:
                 self.gpu.remove(key)
             raise
 
-    def _drop_slot(self, key: str, job: _Job) -> None:
+    def _drop_slot(self, key: str, job: ColdJob) -> None:
         if self.pool.slot_of(key) is not None:
             self.pool.remove(key)
         job.gpu_victims.append(key)
 
     # ---- back on the event loop ----------------------------------------------------------------
 
-    def _apply(self, job: _Job) -> None:
+    def _apply(self, job: ColdJob) -> None:
         """The residency changes a job made (evictions, a new host-tier entry)."""
         for victim in job.gpu_victims:
             self._mark(victim, gpu=False)

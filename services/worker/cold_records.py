@@ -1,15 +1,34 @@
-"""A worker's records of its finished cold loads: the numbered log the Info RPC reads, the
-stage histograms, and the reload cost that cost-aware eviction weighs."""
+"""A worker's cold loads: the job of one in flight, the numbered log of finished ones the Info
+RPC reads, the stage histograms, and the reload cost that cost-aware eviction weighs."""
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass, field
 
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
 from services.worker import metrics
 
 H2D_BYTES_PER_S = 4e9    # a placement's copy to the pool, for the reload cost (--eviction cost)
 STAGES = ("fetch", "digest", "layout", "room_wait", "host_to_device", "copy_wait", "device",
-          "source")
+          "launch", "handoff", "source")
+
+
+@dataclass
+class ColdJob:
+    """One cold load's job (services.worker.adapter_manager) across its runs: its record, and
+    what the last run found and changed, for the event loop to apply."""
+    key: str
+    adapter_id: str
+    version: str
+    tenant: str
+    deadline: float | None
+    record: wpb.ColdLoadRecord
+    placed: bool = False
+    runs: int = 0
+    nbytes: int = 0
+    host_added: bool = False
+    gpu_victims: list[str] = field(default_factory=list)
+    host_victims: list[str] = field(default_factory=list)
 
 
 class ColdLoadLog:

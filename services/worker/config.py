@@ -47,6 +47,7 @@ class WorkerConfig:
     cpu_threads: int = 1                # torch intra-op threads for a CPU engine (0 = torch's)
     store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
     loader_threads: int = 8             # cold loads that run at once
+    host_placement: str = "inline"      # where a load from the host tier is placed (or loader)
     frontend: str = "process"           # process: the gRPC port in a process of its own
     kernel_cache: str = ""              # compiled kernels kept here across restarts ("": Triton's)
     warmup: str = "auto"                # run every eager step shape before SERVING (auto: GPU)
@@ -87,6 +88,8 @@ class WorkerConfig:
             raise ValueError(f"--frontend: {self.frontend!r} is not process or inline")
         if self.loader_threads < 1:
             raise ValueError("--loader-threads must be >= 1")
+        if self.host_placement not in ("inline", "loader"):
+            raise ValueError(f"--host-placement: {self.host_placement!r} is not inline or loader")
         if self.fault_inject_after_steps < 0:
             raise ValueError("--fault-inject-after-steps must be >= 0")
         if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
@@ -152,7 +155,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         tenant_share=a.tenant_share, eviction=a.eviction, worker_id=a.worker_id,
         **common_values(a),
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
-        loader_threads=a.loader_threads, frontend=a.frontend, warmup=a.warmup,
+        loader_threads=a.loader_threads, host_placement=a.host_placement,
+        frontend=a.frontend, warmup=a.warmup,
         share_prefixes=a.share_prefixes, kernel_cache=a.kernel_cache,
         fair_queue=a.fair_queue == "on",
         warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants,
@@ -171,6 +175,11 @@ def _add_start_flags(p: argparse.ArgumentParser) -> None:
                    help="process: the public gRPC port is served by a process of its own, "
                         "which streams tokens while this one runs the engine; inline: one "
                         "process (process)")
+    p.add_argument("--host-placement", default="inline", choices=("inline", "loader"),
+                   help="a cold load whose bytes are in the worker's host tier is only a "
+                        "placement (a millisecond or two): inline places it on the event loop, "
+                        "loader on a loader thread as the loads that fetch (a hop there and "
+                        "back, each waiting for the GIL under decode load) (inline)")
     p.add_argument("--kernel-cache", default="",
                    help="directory that keeps compiled GPU kernels across restarts (created if "
                         "missing; default: Triton's own cache, ~/.triton/cache)")

@@ -226,10 +226,10 @@ def _fold_table(norm_fold, layers: int) -> tuple[torch.Tensor | None, np.ndarray
 class _CopyPath:
     """The device side of a placement, one at a time: a staging copy of the adapter's bytes
     (grown to the largest adapter seen), one pinned scratch buffer for the segments and the
-    table writes, their device twin, and on CUDA a copy stream and an event.
+    table writes, their device twin, and on CUDA a copy stream.
 
-    A placement is five device calls: the bytes' copy, the scratch's copy, one scatter launch
-    that also writes the slot's table entries, an event record and its wait. The views they
+    A placement is four device calls: the bytes' copy, the scratch's copy, one scatter launch
+    that also writes the slot's table entries, and the wait for the copy stream. The views they
     take are kept from one placement to the next (each torch call gives the GIL up, and under
     load getting it back waits behind the engine thread)."""
 
@@ -240,7 +240,6 @@ class _CopyPath:
         # high priority: under decode load the compute stream's kernels (launched early under
         # PDL) hold every SM, and a default-priority layout kernel waited behind whole steps
         self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
-        self.done = torch.cuda.Event() if self.cuda else None
         self.lock = threading.Lock()
         self.staging = torch.empty(0, dtype=torch.uint8, device=device)
         self.src: dict[torch.dtype, torch.Tensor] = {}       # staging as each source dtype
@@ -313,11 +312,11 @@ class _CopyPath:
                         self._src(plan.src_dtype), self._dsts(),
                         self.dev[:n_seg * sc.NFIELDS].view(n_seg, sc.NFIELDS), pool._fold,
                         tables=(self.writes[:, :n_val], n_val - 3, pool._off64, pool._meta32))
-                if self.cuda:
-                    self.done.record(self.stream)
             launched = waited = time.monotonic()
             if self.cuda:                   # a CPU pool copies inline: nothing to wait for
-                self.done.synchronize()     # this thread waits; the compute stream never does
+                # only this placement's work is on the copy stream (one at a time, the lock):
+                # this thread waits for it; the compute stream never does
+                self.stream.synchronize()
                 waited = time.monotonic()
             if timing is not None:
                 timing.update(copy_wait=started - asked, launch=launched - started,

@@ -19,7 +19,8 @@ COLD_LOAD_STAGE = Histogram(
     "lorafleet_cold_load_stage_seconds", "Cold-load time by stage: fetch (store call and "
     "transfer), digest, layout (header and plan), room_wait (pool full of adapters in use), "
     "host_to_device (copy, layout kernel, slot tables; of it copy_wait, behind another "
-    "placement, and device, the device finishing them), source (the store's source read)",
+    "placement, launch, the host queueing them, and device, the device finishing them), "
+    "handoff (to a loader thread and back), source (the store's source read)",
     ["stage"], buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
 EVICTIONS = Counter("lorafleet_adapter_evictions_total", "Adapter evictions per tenant and tier",
                     ["tenant", "tier"])
