@@ -352,3 +352,39 @@ def test_a_blob_the_store_cannot_keep_is_streamed_not_named(tmp_path):
     finally:
         api.close()
         store.terminate()
+
+
+def test_host_tier_loads_that_arrive_together_place_one_on_the_event_loop():
+    """Loads from the worker's host tier are placed on the event loop, at most one a loop
+    iteration: of three that arrive together the first is placed there (no handoff) and the
+    others on loader threads, so a burst never holds the loop for more than one placement; a
+    load that comes alone later is placed on the loop again. With host_placement="loader" none
+    is. Every one is usable (a slot, its tier WORKER_HOST), and none called the store (its
+    address is a closed loopback port)."""
+    import asyncio
+    from services.common.server import sync_channel
+    from services.worker.adapter_manager import AdapterManager
+    from services.worker.device_pool import DevicePool
+
+    def run(placement: str) -> dict[str, float]:
+        host = HostTier(5 * len(BLOB) + (1 << 16), None, pin=False, spec=SPEC)
+        for name in "abcd":
+            _fill(host, f"{name}@v1")
+        pool = DevicePool(SPEC, torch.device("cpu"), torch.float32, 64 << 20, 8)
+        mgr = AdapterManager(pool, SPEC, host, StoreClient(sync_channel("127.0.0.1:1")), None,
+                             host_placement=placement)
+
+        async def loads():
+            together = await asyncio.gather(*(mgr.acquire(n, "v1", "t", None) for n in "abc"))
+            return together + [await mgr.acquire("d", "v1", "t", None)]
+        got = asyncio.run(loads())
+        assert all(a.tier == common_pb2.WORKER_HOST and pool.slot_of(a.key) == a.slot
+                   for a in got)
+        recs = mgr.log.since(0)
+        assert len(recs) == 4 and all(r.tier == common_pb2.WORKER_HOST for r in recs)
+        return {r.adapter_id: r.handoff_s for r in recs}
+
+    inline = run("inline")
+    assert inline["a"] == 0 and inline["d"] == 0, inline
+    assert inline["b"] > 0 and inline["c"] > 0, inline
+    assert all(h > 0 for h in run("loader").values())

@@ -10,14 +10,14 @@ never evicted.
 A cold load is one job: the store fetch straight into a host-tier reservation
 (services.worker.store_client), the layout plan, the device-pool admission (evicting unpinned
 adapters) and the placement (services.worker.device_pool), a handful of device operations. A
-job that must fetch runs on a loader thread, never on the event loop: the loop only starts it
-and hears when it is done, so loads run side by side and no stream's tokens wait for a fetch.
-A job whose bytes are in the worker's host tier is the placement alone, a millisecond or two,
-and by default (host_placement="inline") it runs on the event loop: the hop to a loader thread
-and back cost as much again under decode load, each of its two thread switches waiting for the
-GIL behind the engine thread. When the pool is full of adapters in use the job hands back, the
-loop waits for a release, and the job runs again (its bytes are in the host tier by then). Each
-finished load leaves a record of its stages (ColdLoadLog).
+job that fetches runs on a loader thread, never on the event loop, which only starts it and
+hears when it is done: loads run side by side and no stream's tokens wait for a fetch. One
+from the worker's host tier is the placement alone, a millisecond or two, and by default runs
+on the event loop, one a loop iteration: the hop to a loader thread and back cost as much again
+under decode load (two thread switches, each waiting for the GIL behind the engine thread).
+When the pool is full of adapters in use the job hands back, the loop waits for a release, and
+the job runs again (its bytes are in the host tier by then). Each finished load leaves a record
+of its stages (ColdLoadLog).
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ from services.worker.adapter_layout import StagedAdapter
 from services.worker.device_pool import DevicePool, PoolFull
 from services.worker.host_tier import HostTier
 from services.worker.model_spec import ModelSpec
-from services.worker.cold_records import ColdJob, ColdLoadLog, observe_stages, reload_cost
+from services.worker.cold_records import (ColdJob, ColdLoadLog, LoopTurns, observe_stages,
+                                          reload_cost)
 from services.worker.store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -77,11 +78,12 @@ class AdapterManager:
                  on_change: Callable[[str], None] = lambda key: None, loader_threads: int = 8,
                  evictions: metrics.Evictions | None = None, eviction: str = "lru",
                  host_placement: str = "inline"):
-        """host_placement: where a load whose bytes are in the host tier is placed, "inline" on
-        the event loop or "loader" on a loader thread like the loads that fetch."""
+        """host_placement: a load from the host tier is placed "inline" (on the event loop) or
+        on a "loader" thread like the loads that fetch."""
         if host_placement not in ("inline", "loader"):
             raise ValueError(f"host_placement must be inline or loader, not {host_placement!r}")
         self.inline_host = host_placement == "inline"
+        self._inline_turns = LoopTurns()
         self.pool, self.spec, self.store, self.host = pool, spec, store, host
         self.evictions = evictions or metrics.Evictions()   # per tenant, on /metrics
         self.gpu = CachePolicy(pool.capacity_bytes, tenant_share, foothold=tenant_share is not None,
@@ -175,8 +177,11 @@ class AdapterManager:
         try:
             while True:
                 try:
+                    # from the host tier on the event loop, one a loop iteration (of loads that
+                    # arrive together the rest go to loader threads)
+                    inline = self.inline_host and key in self.host and self._inline_turns.take()
                     with gil.first():       # the placement's device calls, the hops
-                        if not (self.inline_host and self._cold_job(job, fetch=False)):
+                        if not (inline and self._cold_job(job, fetch=False)):
                             await self._on_loader(job)
                 finally:
                     self._apply(job)

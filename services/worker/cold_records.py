@@ -2,6 +2,7 @@
 RPC reads, the stage histograms, and the reload cost that cost-aware eviction weighs."""
 from __future__ import annotations
 
+import asyncio
 import collections
 from dataclasses import dataclass, field
 
@@ -58,3 +59,21 @@ def observe_stages(record: wpb.ColdLoadRecord) -> None:
         seconds = getattr(record, f"{stage}_s")
         if seconds:
             metrics.COLD_LOAD_STAGE.labels(stage).observe(seconds)
+
+
+class LoopTurns:
+    """One turn an event-loop iteration: take() is True for its first caller in an iteration
+    (the turn ends when the loop starts its next one), False for the rest."""
+
+    def __init__(self):
+        self.taken = False
+
+    def take(self) -> bool:
+        if self.taken:
+            return False
+        self.taken = True
+        asyncio.get_running_loop().call_soon(self._end)     # runs in the next iteration
+        return True
+
+    def _end(self) -> None:
+        self.taken = False

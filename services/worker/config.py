@@ -178,8 +178,9 @@ def _add_start_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-placement", default="inline", choices=("inline", "loader"),
                    help="a cold load whose bytes are in the worker's host tier is only a "
                         "placement (a millisecond or two): inline places it on the event loop, "
-                        "loader on a loader thread as the loads that fetch (a hop there and "
-                        "back, each waiting for the GIL under decode load) (inline)")
+                        "one a loop iteration; loader on a loader thread as the loads that "
+                        "fetch (a hop there and back, each waiting for the GIL under decode "
+                        "load) (inline)")
     p.add_argument("--kernel-cache", default="",
                    help="directory that keeps compiled GPU kernels across restarts (created if "
                         "missing; default: Triton's own cache, ~/.triton/cache)")
