@@ -14,6 +14,7 @@ to the adapter's start in the pool; the pool adds its position when it places it
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
@@ -54,6 +55,14 @@ class LayoutPlan:
     qkv_a: np.ndarray                   # int64 [L, len(GROUPS["qkv"])]
     max_elems: int                      # max rows * cols over segs
     data_start: int                     # the file's data section starts at this byte
+
+    @functools.cached_property
+    def flat_offsets(self) -> np.ndarray:
+        """Every group's A offsets then its B offsets ([L, n_slices] each, raveled), in GROUPS
+        order: the order of a slot's entries in the pool's tables (services.worker.device_pool)."""
+        flat = np.concatenate([self.offsets[g][..., k].ravel() for g in GROUPS for k in (0, 1)])
+        flat.setflags(write=False)
+        return flat
 
     @property
     def groups_mask(self) -> int:

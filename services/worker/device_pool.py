@@ -71,13 +71,16 @@ class DevicePool:
                 at += n
         # slot s's entries in _off64: s, s + slots, s + 2 * slots, ... (slot is innermost)
         self._slot_pos = np.arange(at // slots, dtype=np.int64) * slots
+        self._meta_pos = np.arange(3, dtype=np.int64) * slots     # rank, column block, scale
         host = {g: np.full((L, len(m), slots), -1, dtype=np.int64) for g, m in GROUPS.items()}
+        b_host = {g: h.copy() for g, h in host.items()}
+        self._host_order = [h for g in GROUPS for h in (host[g], b_host[g])]
         return LoraTables(
             pool=torch.zeros(self.alloc.capacity, dtype=self.dtype, device=dev),
             a_off=dict(zip(GROUPS, views[0::2])), b_off=dict(zip(GROUPS, views[1::2])),
             ranks=self._meta32[0], scales=self._meta32[2].view(torch.float32), max_rank=1,
             align=OFFSET_ALIGN, slot_groups=np.zeros(slots, dtype=np.int64),
-            a_off_host=host, b_off_host={g: h.copy() for g, h in host.items()},
+            a_off_host=host, b_off_host=b_host,
             ranks_host=np.zeros(slots, dtype=np.int64),
             scales_host=np.zeros(slots, dtype=np.float32))
 
@@ -126,12 +129,13 @@ class DevicePool:
         try:
             if self.columns is not None and columns:
                 block = self.columns.assign(slot, plan.rank, bool((plan.qkv_a >= 0).any()))
+            offs = np.where(plan.flat_offsets >= 0, plan.flat_offsets + start, -1)
             self._write(staged, self._segments(plan, start, block),
-                        self._slot_values(plan, start, slot, block), timing)
+                        self._slot_values(plan, offs, slot, block), timing)
         except BaseException:
             self.unreserve(staged, reserved)
             raise
-        self._host_tables(plan, start, slot)
+        self._host_tables(plan, offs, slot)
         with self._lock:
             self._placed[key] = (slot, start, plan.numel, plan.rank)
             self.tables.max_rank = max(r for _, _, _, r in self._placed.values())
@@ -157,21 +161,20 @@ class DevicePool:
         return np.concatenate([segs, self.columns.segments(block, segs, plan.qkv_a,
                                                            plan.rank)])
 
-    def _slot_values(self, plan, start: int, slot: int, block: int) -> np.ndarray:
+    def _slot_values(self, plan, offs: np.ndarray, slot: int, block: int) -> np.ndarray:
         """int64 [2, P + 3]: the slot's positions in the flat tables and their new values: every
-        group's A and B offsets (absent: -1), then rank, column block and scale (int32 bits)."""
-        offs = [np.where(o >= 0, o + start, -1) for g in GROUPS
-                for o in _split(plan.offsets[g])]
+        group's A and B offsets (offs: LayoutPlan.flat_offsets placed, absent -1), then rank,
+        column block and scale (int32 bits)."""
         scale_bits = int(np.array(plan.scale, dtype=np.float32).view(np.int32))
-        pos = np.concatenate([self._slot_pos + slot, np.arange(3) * self.max_slots + slot])
-        vals = np.concatenate([*(o.ravel() for o in offs), [plan.rank, block, scale_bits]])
-        return np.stack([pos, vals])
+        pos = np.concatenate([self._slot_pos, self._meta_pos]) + slot
+        return np.stack([pos, np.concatenate([offs, [plan.rank, block, scale_bits]])])
 
-    def _host_tables(self, plan, start: int, slot: int) -> None:
-        t = self.tables
-        for g, offs in plan.offsets.items():
-            t.a_off_host[g][:, :, slot] = np.where(offs[..., 0] >= 0, offs[..., 0] + start, -1)
-            t.b_off_host[g][:, :, slot] = np.where(offs[..., 1] >= 0, offs[..., 1] + start, -1)
+    def _host_tables(self, plan, offs: np.ndarray, slot: int) -> None:
+        t, at = self.tables, 0
+        for host in self._host_order:       # the order of offs: each group's A, then its B
+            n = host.shape[0] * host.shape[1]
+            host[:, :, slot] = offs[at:at + n].reshape(host.shape[:2])
+            at += n
         t.ranks_host[slot] = plan.rank
         t.scales_host[slot] = plan.scale
         t.slot_groups[slot] = plan.groups_mask
@@ -201,10 +204,6 @@ class DevicePool:
         microseconds of work each), so no placement while serving compiles it."""
         if self.device.type == "cuda":
             self._copy.warm_up(self._fold is not None)
-
-
-def _split(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return offsets[..., 0], offsets[..., 1]
 
 
 def _fold_table(norm_fold, layers: int) -> tuple[torch.Tensor | None, np.ndarray]:
