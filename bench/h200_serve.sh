@@ -40,7 +40,7 @@ if [ -n "${KCACHE:-}" ] && [ -z "$(ls -A "$TRITON_CACHE_DIR")" ]; then
   else cat "$KCACHE".part-* | tar xz -C "$TRITON_CACHE_DIR"; fi
   echo "triton cache: $(du -sh "$TRITON_CACHE_DIR")"
 fi
-if [ -d .whl ]; then
+if [ -d .whl ] && [ -z "${QUICK:-}" ]; then   # the device image's wheels (cp312), not the CPU run's
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
