@@ -2,9 +2,10 @@
 
 The worker's engine thread holds the GIL for most of each step's host work, and a thread that
 wants it waits the switch interval (services.worker.__main__.GIL_SWITCH_S) before the engine
-must drop it. A cold load meets that wait at every hop: the loader thread starting its job,
-each device call of the placement (each gives the GIL up and takes it back), and the event
-loop resuming once the job is done. While any load is in flight the interval is FAST_SWITCH_S;
+must drop it. A cold load meets that wait at every hop: a loader thread starting its job, each
+device call of the placement (each gives the GIL up and takes it back; on a loader thread, or
+on the event loop for a load from the host tier), and the event loop resuming once a loader's
+job is done. While any load is in flight the interval is FAST_SWITCH_S;
 the last one to finish puts the process's interval back.
 """
 from __future__ import annotations

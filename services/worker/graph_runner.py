@@ -214,7 +214,8 @@ class GraphRunner:
             w = self.model.w["lm_head"]
             self._mixed_logits = torch.empty(self.sizes[-1], w.shape[0], dtype=w.dtype,
                                              device=w.device)
-        # thread_local: the adapter manager's loader threads may copy while a capture runs
+        # thread_local: the adapter manager's placements (loader threads, the event loop) may copy
+        # while a capture runs
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.model.forward(self.ids[:b], ctx, kv)
             if mixed:

@@ -101,7 +101,7 @@ class LoraColumns:
         pool segment in `segs`, index qkv_a[layer, slice]), copied to its 16 rows of the block
         in layer l's extended weight (dsts index 1 + l), and zeros in the rows past the rank
         and in the rows of slices it lacks. In (layer, slice) order, the copy before the zeros;
-        array work only (a placement runs it on a loader thread beside the engine's)."""
+        array work only (a placement runs it beside the engine thread's step work)."""
         from kernels import adapter_scatter as sc
         if not self.ext:
             return np.zeros((0, sc.NFIELDS), dtype=np.int64)
