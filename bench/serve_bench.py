@@ -252,7 +252,7 @@ def header(args, model, cfg, manifest, scenarios, bench: Bench) -> dict:
 def _scenario_fields(s: ss.Scenario) -> dict:
     """The scenario as the header lists it (the kill keys only where a scenario kills)."""
     return {k: v for k, v in dataclasses.asdict(s).items()
-            if k not in ("kill_at", "kill_worker", "restart_after") or s.kill_at}
+            if k not in ("kill_at", "kill_worker", "restart_after", "after_rejoin") or s.kill_at}
 
 
 def run(args) -> pathlib.Path:

@@ -208,6 +208,16 @@ class KillRestart(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 - reported by the scenario
             self.error = exc
 
+    def wait_rejoined(self, timeout: float = 180.0) -> bool:
+        """Block until the router counts the restarted worker live again (True), the thread
+        failed or `timeout` passed (False)."""
+        deadline = time.monotonic() + timeout
+        while "router_sees" not in self.events:
+            if not self.is_alive() or time.monotonic() > deadline:
+                return "router_sees" in self.events
+            time.sleep(0.05)
+        return True
+
     def finish(self, timeout: float = 120.0) -> None:
         """After the scenario's requests: stop waiting for a first request; wait for the
         restart itself to be done (the worker must serve again before the next scenario)."""

@@ -245,6 +245,9 @@ class Bench:
         kill = self._kill_plan(s, w0[s.kill_worker].cold_load_seq if s.kill_at else 0)
         records = self.pool.run(reqs, s.concurrency)
         if kill is not None:
+            tail = self.rejoin_tail(s, kill, len(reqs))
+            records += self.pool.run(tail, s.concurrency)
+            reqs += tail
             kill.finish()
         addrs = [w.addr for w in self.stack.workers]           # a restart keeps the port
         w1 = [worker_info(a, since=b.cold_load_seq if worker_info(a).worker_id == b.worker_id
@@ -265,6 +268,18 @@ class Bench:
                 serve_fleet.delta(None, w1[kill.index]).get("gpu", (0, 0))))
         self.record(s, records, (w0, w1, lost), (st0, st1), more)
         self.traces[s.name] = trace_rows(warm) + trace_rows(records)
+
+    def rejoin_tail(self, s: ss.Scenario, kill, first_index: int) -> list:
+        """A kill scenario's last requests, built once the restarted worker is live at the
+        router again (so placement can move back to it however long the restart took)."""
+        if not kill.wait_rejoined():
+            raise RuntimeError(f"scenario {s.name}: worker {kill.index} did not rejoin: "
+                               f"{kill.error or 'timed out'}")
+        tail = self.requests(s, "rejoin", s.rejoin_requests)
+        for r in tail:
+            r.index += first_index
+        print(f"{s.name}: worker {kill.index} rejoined; {len(tail)} more requests", flush=True)
+        return tail
 
     def _kill_plan(self, s: ss.Scenario, since: int):
         """The kill-and-restart thread of a scenario with kill_at, started (else None)."""

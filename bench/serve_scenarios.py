@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 KEYS = ("adapters", "rank", "zipf", "rate", "concurrency", "requests", "warmup", "prompt",
         "output", "preload", "cold", "cold_n", "cold_adapters", "path", "twin", "burst",
-        "burst_prompt", "burst_at", "kill_at", "kill_worker", "restart_after")
+        "burst_prompt", "burst_at", "kill_at", "kill_worker", "restart_after", "after_rejoin")
 COLD_ADAPTERS = ("fresh", "store", "host")
 
 
@@ -62,6 +62,9 @@ class Scenario:
     kill_at: float = 0.0
     kill_worker: int = 0
     restart_after: float = 0.0
+    # requests sent once the restarted worker is live at the router again (open loop at the
+    # scenario's rate, or its closed loop): 0 = a tenth of `requests` in a kill scenario
+    after_rejoin: int = 0
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -80,14 +83,20 @@ class Scenario:
             raise ValueError(f"scenario {self.name}: rate=sat*F needs 0 < F <= 2")
         if self.burst < 0 or self.burst_at < 0:
             raise ValueError(f"scenario {self.name}: burst and burst_at must be >= 0")
-        if self.kill_at < 0 or self.kill_worker < 0 or self.restart_after < 0:
-            raise ValueError(f"scenario {self.name}: kill_at, kill_worker, restart_after >= 0")
+        if min(self.kill_at, self.kill_worker, self.restart_after, self.after_rejoin) < 0:
+            raise ValueError(f"scenario {self.name}: kill_at, kill_worker, restart_after, "
+                             f"after_rejoin >= 0")
         if self.cold_adapters not in COLD_ADAPTERS:
             raise ValueError(f"scenario {self.name}: cold_adapters is one of {', '.join(COLD_ADAPTERS)}")
 
     @property
     def cold_requests(self) -> int:
         return self.cold_n if self.cold > 0 else 0
+
+    @property
+    def rejoin_requests(self) -> int:
+        """The requests of a kill scenario's tail, sent after the restarted worker rejoined."""
+        return (self.after_rejoin or max(1, self.requests // 10)) if self.kill_at else 0
 
 
 def parse_scenario(text: str, defaults: dict) -> Scenario:

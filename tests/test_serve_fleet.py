@@ -54,9 +54,17 @@ def test_requests_are_classified_by_how_they_ended():
     assert (c["ok"], c["failed_after_tokens"], c["failed_before_token_n"], c["duplicated"]) == \
         (3, {"UNAVAILABLE": 1}, 1, 1)
     assert c["in_flight_at_kill"] == 4 and c["sent_after_rejoin"] == 1
-    for bad in ("k:kill_at=-1,rate=1", "k:kill_worker=-1,rate=1"):
+    for bad in ("k:kill_at=-1,rate=1", "k:kill_worker=-1,rate=1", "k:after_rejoin=-1,rate=1"):
         with pytest.raises(ValueError):
             ss.parse_scenario(bad, {"rate": None, "concurrency": 4})
+
+
+def test_a_kill_scenario_ends_with_a_tail_sent_after_the_rejoin():
+    defaults = {"rate": None, "concurrency": 4}
+    assert ss.parse_scenario("k:kill_at=3,requests=200", defaults).rejoin_requests == 20
+    assert ss.parse_scenario("k:kill_at=3,requests=5", defaults).rejoin_requests == 1
+    assert ss.parse_scenario("k:kill_at=3,after_rejoin=7", defaults).rejoin_requests == 7
+    assert ss.parse_scenario("k:after_rejoin=7", defaults).rejoin_requests == 0
 
 
 def _run(tmp_path, scenario: str) -> dict:
@@ -100,15 +108,17 @@ def test_two_workers_on_one_device_both_serve_with_halved_pools(tmp_path):
 def test_a_worker_killed_mid_run_loses_no_request_before_its_first_token(tmp_path):
     """Worker 1 SIGKILLed 3 s into an open-loop stream and started again on its port: no
     request failed before its first token (the router retried those on worker 0), none got a
-    token twice, every failure had streamed tokens, and the restarted worker served again."""
+    token twice, every failure had streamed tokens, and the restarted worker served again,
+    the scenario's tail (sent once the router counted it live, however long the restart took)
+    among them."""
     doc = _run(tmp_path, "kill:adapters=16,rank=8,zipf=1.0,rate=30,requests=300,"
-                         "prompt=8:16,output=32:64,kill_at=3,kill_worker=1")
+                         "prompt=8:16,output=32:64,kill_at=3,kill_worker=1,after_rejoin=40")
     (row,) = {r["scenario"]: r for r in doc["rows"]}.values()
     k = row["killed"]
-    assert k["worker"] == 1 and k["requests"] == 300
+    assert k["worker"] == 1 and k["requests"] == 340
     assert k["failed_before_token_n"] == 0, k["before_token_examples"]
     assert k["duplicated"] == 0
-    assert k["ok"] + sum(k["failed_after_tokens"].values()) == 300
+    assert k["ok"] + sum(k["failed_after_tokens"].values()) == 340
     assert set(k["failed_after_tokens"]) <= {"UNAVAILABLE"}
     ev = k["events_s"]
     assert ev["killed"] < ev["serving"] <= ev["router_sees"] <= ev["first_request"]
