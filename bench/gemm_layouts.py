@@ -6,7 +6,7 @@ CUDA-graph replays, each call on its own weights (cold), achieved bandwidth next
 copy.
 
     python bench/gemm_layouts.py --out DIR [--blas cublas,cublaslt] [--names qkv,o]
-        [--extra-n 0,512] [--pad-ld 256,512]
+        [--extra-n 0,512] [--extra-k 0,512] [--pad-ld 256,512] [--name gemm-layouts-h200]
 
 --blas runs the sweep once per torch BLAS backend (torch.backends.cuda.preferred_blas_library);
 rows carry the backend's name.
@@ -41,6 +41,9 @@ def main() -> int:
                     "buffers (mm_KN_ld+pad: a leading dimension past N), e.g. 256,512")
     ap.add_argument("--extra-n", default="0", help="rows added to each weight's N, e.g. "
                     "0,256,512 (column LoRA's A blocks: 16 a rank-16 adapter and slice)")
+    ap.add_argument("--extra-k", default="0", help="rows added to each weight's K, e.g. 0,512 "
+                    "(the o expand inside the o GEMM: 16 rows of B a rank-16 adapter)")
+    ap.add_argument("--name", default="gemm-layouts-h200", help="result file stem")
     a = ap.parse_args()
     backends = a.blas.split(",") if a.blas else [None]
     names = set(a.names.split(",")) if a.names else set(SHAPES)
@@ -49,8 +52,10 @@ def main() -> int:
     bw = copy_tbps(dev, 2.0, 25, 100)
     rows = []
     extras = [int(e) for e in a.extra_n.split(",")]
-    shapes = [(f"{name}+{e}" if e else name, (n + e, k)) for name, (n, k) in SHAPES.items()
-              if name in names for e in extras]
+    kextras = [int(e) for e in a.extra_k.split(",")]
+    shapes = [(name + (f"+{e}" if e else "") + (f"+k{ek}" if ek else ""), (n + e, k + ek))
+              for name, (n, k) in SHAPES.items() if name in names for e in extras
+              for ek in kextras]
     for blas, (name, (n, k)) in ((b, item) for b in backends for item in shapes):
         if blas:
             torch.backends.cuda.preferred_blas_library(blas)
@@ -104,7 +109,7 @@ def main() -> int:
         del ws, wts, padded
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "gemm-layouts-h200.json").write_text(json.dumps(
+    (a.out / f"{a.name}.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps": bw,
          "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}, indent=1))
     print(f"copy {bw:.2f} TB/s")
