@@ -13,6 +13,11 @@ so every call reads cold memory), per layer:
   ext+expand  out = x @ [W | A...]; the SGMV expand of one K partial (what remains)
   ext+expand_columns  out = x @ [W | A...]; expand_columns reading v from out's extra
               columns (the engine's column LoRA, services/worker/lora_columns.py)
+  row         y = [x | v] @ [W ; Bt_1 .. Bt_n]            (o only: the K-extended GEMM alone)
+  row+shrink_blocks/pP  kernels.shrink_blocks writes each row's scaled x @ A.T into its
+              adapter's block of v (P rank parts a segment), then the GEMM above: the o LoRA
+              with no expand launch (x and v are views of one [T, K + n * 16] buffer, as the
+              attention's output would be)
 
     python bench/shrink_in_gemm.py [--rows 64] [--adapters 32] [--rank 16] [--out DIR]
 """
@@ -30,6 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.kernel_bench import time_us  # noqa: E402
 from kernels.sgmv_ref import rank_tile  # noqa: E402
+from kernels.shrink_blocks import RB, shrink_blocks  # noqa: E402
 from kernels.sgmv_split import (Shrunk, expand, expand_columns, pick_split_config,  # noqa: E402
                                 sgmv_split)
 
@@ -55,7 +61,15 @@ def layer(k, slices, t, n, r, dev, gen):
                 scales=torch.full((n,), 2.0, dtype=torch.float32, device=dev),
                 seg_start=i32(starts), seg_slot=i32(list(range(n))),
                 x=torch.randn(t, k, generator=gen, device=dev).to(dt),
-                v=torch.zeros(1, n_sl, t, max(16, r), dtype=torch.float32, device=dev))
+                v=torch.zeros(1, n_sl, t, max(16, r), dtype=torch.float32, device=dev),
+                **(row_weights(k, n_out, t, n, dev, gen) if n_sl == 1 else {}))
+
+
+def row_weights(k, n_out, t, n, dev, gen) -> dict:
+    """The row variants' [K + n * RB, N] weight and [T, K + n * RB] buffer (x, then v)."""
+    return dict(wk=(torch.randn(k + n * RB, n_out, generator=gen, device=dev) / k ** 0.5).to(
+        torch.bfloat16), buf=torch.randn(t, k + n * RB, generator=gen, device=dev).to(
+        torch.bfloat16))
 
 
 def main() -> int:
@@ -107,10 +121,29 @@ def main() -> int:
                                p["seg_slot"], r, cfg, align=ALIGN)
             return run
 
+        def row(p):
+            return lambda: torch.mm(p["buf"], p["wk"])
+
+        def row_shrink(parts):
+            def make(p):
+                col = torch.arange(n, dtype=torch.int32, device=dev)
+                k_ = p["x"].shape[1]
+
+                def run():
+                    shrink_blocks(p["buf"][:, k_:], p["buf"][:, :k_], p["pool"], p["a_off"][0],
+                                  p["ranks"], p["scales"], col, p["seg_start"], p["seg_slot"],
+                                  parts=parts)
+                    torch.mm(p["buf"], p["wk"])
+                return run
+            return make
+
         variants = [("base", base), ("base+sgmv", base_sgmv), ("ext", ext),
                     ("ext+expand", ext_expand)]
         if r == rank_tile(r):        # the column layout: blocks of the rank tile
             variants.append(("ext+expand_columns", ext_expand_cols))
+        if g == "o" and r <= RB:
+            variants += [("row", row)] + [(f"row+shrink_blocks/p{q}", row_shrink(q))
+                                          for q in (1, 2, 4)]
         for name, mk in variants:
             us = time_us([mk(p) for p in ls], dev, 50, 300)
             rows.append({"group": g, "variant": name, "T": t, "n": n, "rank": r,
