@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH)"
 	$(VPY) -m pip install -q -e ".[engine,dev,otlp]"
+	@# the `kernels` distribution (transformers >= 5.25 needs it) shares our kernels/ import name
+	@$(VPY) -m pip uninstall -q -y kernels >/dev/null 2>&1 || true
 	touch $(STAMP)
 
 stubs: $(GEN)/.stamp
