@@ -26,7 +26,8 @@ rows), OUT/NAME.md, OUT/NAME.png and OUT/NAME-cdf.png.
 
     # two workers behind the router, one per GPU (--workers 2 --devices cuda:0,cuda:1, or
     # --device cuda with two GPUs visible), or sharing one device with halved memory budgets
-    # (--quick --workers 2); a worker killed mid-run and started again:
+    # (--quick --workers 2); a worker killed mid-run and started again (after_rejoin=N: the
+    # requests sent once the router counts it live again; default a tenth of requests):
     python bench/serve_bench.py --quick --workers 2 --suite none --scenarios \
         "kill:adapters=16,rank=8,zipf=1.0,rate=20,requests=200,kill_at=3,kill_worker=1"
 
