@@ -110,7 +110,7 @@ def run_engine(built, slots: list[int], batch: int, prompt_len: int, new: int, s
 # a variant's keys -> the PerfConfig variables they set (over this process's own, ENV0)
 VARIANT_ENV = {"layout": "LORAFLEET_WEIGHT_LAYOUT", "blas": "LORAFLEET_BLAS",
                "cols": "LORAFLEET_LORA_COLUMNS", "fold": "LORAFLEET_FOLD_NORMS",
-               "pdl": "LORAFLEET_PDL"}
+               "pdl": "LORAFLEET_PDL", "rows": "LORAFLEET_LORA_ROWS"}
 ENV0 = {k: os.environ.get(k) for k in (*VARIANT_ENV.values(), "LORAFLEET_SGMV_SPLIT")}
 
 
@@ -129,7 +129,8 @@ def apply_variant(variant: str) -> tuple[int, "PerfConfig"]:
     graphs serve (grank; default: the worker's EngineOptions.graph_max_rank), torch's BLAS
     backend for the base GEMMs (blas=cublas|cublaslt: LORAFLEET_BLAS, read when the model is
     built; default cublaslt), the column LoRA's blocks (cols=N: LORAFLEET_LORA_COLUMNS, read
-    when the model is built; default: the worker's, lora_columns.CUDA_DEFAULT), the in-layer
+    when the model is built; default: the worker's, lora_columns.CUDA_DEFAULT), row LoRA for
+    o (rows=0|1|2|4|8: LORAFLEET_LORA_ROWS, its shrink's rank parts; default off), the in-layer
     norms folded into the GEMMs (fold=0|1: LORAFLEET_FOLD_NORMS, read when the model is built;
     default on), the rope + KV write and SiLU launch shapes (rope_parts, rope_warps,
     silu_block, silu_warps: kernels.fused.ROPE_LAUNCH / SILU_LAUNCH), and fields of the split

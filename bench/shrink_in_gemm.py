@@ -14,8 +14,9 @@ so every call reads cold memory), per layer:
   ext+expand_columns  out = x @ [W | A...]; expand_columns reading v from out's extra
               columns (the engine's column LoRA, services/worker/lora_columns.py)
   row         y = [x | v] @ [W ; Bt_1 .. Bt_n]            (o only: the K-extended GEMM alone)
-  row+shrink_blocks/pP  kernels.shrink_blocks writes each row's scaled x @ A.T into its
-              adapter's block of v (P rank parts a segment), then the GEMM above: the o LoRA
+  row+shrink_blocks/pPwW  kernels.shrink_blocks writes each row's scaled x @ A.T into its
+              adapter's block of v (P rank parts a row, W warps a program), then the GEMM
+              above: the o LoRA
               with no expand launch (x and v are views of one [T, K + n * 16] buffer, as the
               attention's output would be)
 
@@ -124,7 +125,7 @@ def main() -> int:
         def row(p):
             return lambda: torch.mm(p["buf"], p["wk"])
 
-        def row_shrink(parts):
+        def row_shrink(parts, warps=2):
             def make(p):
                 col = torch.arange(n, dtype=torch.int32, device=dev)
                 k_ = p["x"].shape[1]
@@ -132,7 +133,7 @@ def main() -> int:
                 def run():
                     shrink_blocks(p["buf"][:, k_:], p["buf"][:, :k_], p["pool"], p["a_off"][0],
                                   p["ranks"], p["scales"], col, p["seg_start"], p["seg_slot"],
-                                  parts=parts)
+                                  parts=parts, num_warps=warps)
                     torch.mm(p["buf"], p["wk"])
                 return run
             return make
@@ -142,8 +143,9 @@ def main() -> int:
         if r == rank_tile(r):        # the column layout: blocks of the rank tile
             variants.append(("ext+expand_columns", ext_expand_cols))
         if g == "o" and r <= RB:
-            variants += [("row", row)] + [(f"row+shrink_blocks/p{q}", row_shrink(q))
-                                          for q in (1, 2, 4)]
+            variants += [("row", row)] + [(f"row+shrink_blocks/p{q}w{w}", row_shrink(q, w))
+                                          for q, w in ((1, 2), (2, 2), (4, 2), (8, 2), (4, 1),
+                                                       (4, 4))]
         for name, mk in variants:
             us = time_us([mk(p) for p in ls], dev, 50, 300)
             rows.append({"group": g, "variant": name, "T": t, "n": n, "rank": r,

@@ -24,13 +24,19 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, impl: str = "auto"):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
-                    impl: str = "auto", split_kinds: bool = False):
+                    impl: str = "auto", split_kinds: bool = False, out=None):
     """Causal attention of each row over its sequence's cache; see paged_attention_ref.
     split_kinds: the kernels' launch choice for steps with prompt chunks (see
-    paged_attention_triton; the same outputs)."""
+    paged_attention_triton; the same outputs). out: a [T, H_q, D] tensor (unit last stride,
+    any row and head strides: a view into a wider buffer) to write into; returns it."""
+    if out is not None and (out.shape != q.shape or out.stride(2) != 1
+                            or out.dtype != q.dtype):
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with unit last stride, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if _use_triton(impl, q):
         from kernels.attention_triton import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale,
-                                      max_context, split_kinds=split_kinds)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale,
-                               max_context)
+                                      max_context, split_kinds=split_kinds, out=out)
+    res = paged_attention_ref(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale,
+                              max_context)
+    return res if out is None else out.copy_(res)

@@ -293,7 +293,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, max_context: int, rows_per_program: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None,
-                           splits: int | None = None, split_kinds: bool = False) -> torch.Tensor:
+                           splits: int | None = None, split_kinds: bool = False,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention of each row over its sequence's cache; see kernels.attention_ref.
 
     rows_per_program bounds a prefill run (default: 1 when T <= S, as in decode, else enough
@@ -301,14 +302,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     each row's context into that many parts, each its own program, and a second launch
     combines them (flash-decoding). split_kinds, for a step with prefill runs (T > S): the rows
     that are their sequence's only one (decode rows) take the decode launch (decode_config for
-    S rows), the others the prefill launch that the arguments above shape. Returns a new
-    [T, H_q, D] tensor. No host syncs.
+    S rows), the others the prefill launch that the arguments above shape. Returns out
+    ([T, H_q, D], unit last stride), a new tensor when None. No host syncs.
     """
     _check(q, k_cache, v_cache, block_tables, q_seq, q_pos)
     t_rows, s_rows, h_kv = q.shape[0], block_tables.shape[0], k_cache.shape[2]
     group = q.shape[1] // h_kv
     decode = t_rows <= s_rows
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if t_rows == 0:
         return out
     kinds = split_kinds and not decode

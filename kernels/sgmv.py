@@ -2,7 +2,8 @@
 
 The model hands one projection's LoRA over as a `LoraArgs` (the pool, that layer's and group's
 offset tables, ranks, scales, slice starts, the step's segments, the rank bound, the offsets'
-alignment) to `lora` (and `lora_expand_columns` for column LoRA); the kernels below work on the
+alignment) to `lora` (`lora_expand_columns` for column LoRA, `lora_shrink_rows` for row
+LoRA); the kernels below work on the
 tensors inside it. `sgmv` takes the same fields as arguments, with the semantics of
 `kernels.sgmv_ref.sgmv_ref` (read its docstring for the pool layout); tests and benchmarks call it.
 
@@ -24,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels.sgmv_ref import expand_columns_ref, sgmv_ref
+from kernels.sgmv_ref import expand_columns_ref, sgmv_ref, shrink_blocks_ref
 
 # Which kernel: the split-K one at decode sizes and whenever segments are long; the fused one
 # when many adapters each cover few rows of a large batch (it reads each adapter's A and B once
@@ -165,6 +166,19 @@ def lora_expand_columns(y, v_cols, col_slot, a: LoraArgs, impl: str = "auto"):
         from kernels.sgmv_split import expand_columns
         return expand_columns(*args, align=a.align)
     return expand_columns_ref(*args)
+
+
+def lora_shrink_rows(out, x, col_slot, a: LoraArgs, parts: int, impl: str = "auto"):
+    """Row LoRA's shrink: each row's scaled x @ A.T into its adapter's column block of out,
+    zeros elsewhere (kernels.shrink_blocks; a.a_off's one slice, a.b_off not read): the kernel
+    on CUDA (impl="triton" forces it, for the interpreter), else the torch reference."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
+    args = (out, x, a.pool, a.a_off[0], a.ranks, a.scales, col_slot, a.seg_start, a.seg_slot)
+    if impl == "triton" or (impl == "auto" and out.is_cuda):
+        from kernels.shrink_blocks import shrink_blocks
+        return shrink_blocks(*args, parts=parts)
+    return shrink_blocks_ref(*args)
 
 
 def sgmv(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start, seg_slot, max_rank,

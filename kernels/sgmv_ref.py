@@ -95,3 +95,31 @@ def expand_columns_ref(y: torch.Tensor, v_cols: torch.Tensor, col_slot: torch.Te
             bt = pool[bo:bo + r * (c1 - c0)].view(r, c1 - c0).float()
             y[lo:hi, c0:c1] += (v @ bt).to(y.dtype)
     return y
+
+
+# the columns of one adapter's block in a row-LoRA buffer (kernels.shrink_blocks)
+BLOCK_COLS = 16
+
+
+def shrink_blocks_ref(out, x, pool, a_off, ranks, scales, col_slot, seg_start, seg_slot,
+                      parts: int = 1, block_m: int = 4, block_k: int = 128) -> torch.Tensor:
+    """kernels.shrink_blocks's semantics in torch (fp32 products, rounded to out's dtype); a
+    segment at a time, host reads (a CPU engine's path and the kernel's reference)."""
+    del parts, block_m, block_k
+    starts, slots = seg_start.tolist(), seg_slot.tolist()
+    offs, rank_of, scale_of, cols = a_off.tolist(), ranks.tolist(), scales.tolist(), \
+        col_slot.tolist()
+    k = x.shape[1]
+    for i, s in enumerate(slots):
+        lo, hi = starts[i], starts[i + 1]
+        if hi <= lo:
+            continue
+        out[lo:hi] = 0
+        if s < 0 or cols[s] < 0 or offs[s] < 0:
+            continue
+        r, c = rank_of[s], cols[s] * BLOCK_COLS
+        a = pool[offs[s]:offs[s] + r * k].view(r, k).float()
+        out[lo:hi, c:c + r] = (x[lo:hi].float() @ a.t() * scale_of[s]).to(out.dtype)
+    if slots:
+        out[starts[len(slots)]:] = 0
+    return out

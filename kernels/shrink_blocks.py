@@ -7,17 +7,19 @@ c = col_slot[s] (-1 when s < 0) and A = pool[a_off[s]:][:r * K].view(r, K), r = 
     out[R, c * RB : c * RB + r] = (scales[s] * x[R] @ A.T)        when c >= 0 and a_off[s] >= 0
 Shapes: out [T, W] and x [T, K] (unit column stride, any row stride: views of one wider
 buffer); pool [P]; a_off int64 [n_slots]; ranks int32 [n_slots] (<= RB); scales fp32
-[n_slots]; col_slot int32 [n_slots]; seg_start int32 [S+1]; seg_slot int32 [S]. Rows no
-segment covers are not written.
+[n_slots]; col_slot int32 [n_slots]; seg_start int32 [S+1]; seg_slot int32 [S]. Rows after
+the last segment's end (a captured graph's padding rows) get zeros, so a GEMM over the buffer
+reads no stale values there; rows before seg_start[0] are not written.
 
 What it is for: the expand side of column LoRA (services.worker.lora_columns). With every
 block's Bt stacked under the base weight in K ([K + W, N]), one GEMM over [x | out] gives
 x @ W plus each row's expand, so a projection's LoRA is this launch and no expand launch. The
-shrink must then finish its reduction over K itself: a program takes one segment and one of
-`parts` shares of the rank tile, and reads its share of A whole (no split over K), writing
-zeros over its share of the other blocks' columns, so the programs of a segment write every
-column of its rows once. The premise is measured by bench/shrink_in_gemm.py (group o, the
-`row` variants) before the engine uses it.
+shrink must then finish its reduction over K itself: a program takes one row and one of
+`parts` shares of the rank tile, finds the row's segment (a binary search of the segment
+table, before the PDL wait), reads its share of A whole (no split over K) and writes zeros
+over its share of the other blocks' columns, so the programs of a row write each of its
+columns once. The premise is measured by bench/shrink_in_gemm.py (group o, the `row`
+variants); the engine's row LoRA (services.worker.lora_columns, PerfConfig.lora_rows) uses it.
 """
 from __future__ import annotations
 
@@ -25,65 +27,81 @@ import torch
 import triton
 import triton.language as tl
 
-RB = 16          # a block's columns: the rank tile of column LoRA (lora_columns.RANK_TILE)
+from kernels.sgmv_ref import BLOCK_COLS as RB   # a block's columns (lora_columns.RANK_TILE)
+from kernels.pdl import SGMV_MAX_ROWS, launch_args, wait_then_release
+from kernels.sgmv_ref import shrink_blocks_ref  # noqa: F401  (the torch reference)
+
+SEARCH = 9       # steps of a program's binary search for its row's segment: < 512 segments
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_segs",))     # per step
 def _shrink_blocks_kernel(out_ptr, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, scales_ptr,
-                          col_ptr, seg_start_ptr, seg_slot_ptr, K, out_rs, x_rs,
+                          col_ptr, seg_start_ptr, seg_slot_ptr, n_segs, K, out_rs, x_rs,
                           W: tl.constexpr, RB: tl.constexpr, PARTS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    seg = tl.program_id(0)
+                          BLOCK_K: tl.constexpr, SEARCH: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row, part): the row's share `part` of the block columns (its adapter's rank
+    rows part * RP .. + RP) and zeros over its share of the others."""
+    row = tl.program_id(0)
     part = tl.program_id(1)
     RP: tl.constexpr = RB // PARTS          # this program's rank rows
     ZW: tl.constexpr = W // PARTS           # and its share of the columns to zero
-    lo = tl.load(seg_start_ptr + seg)
-    hi = tl.load(seg_start_ptr + seg + 1)
-    slot = tl.load(seg_slot_ptr + seg)
+    # the row's segment: the last i < n_segs with seg_start[i] <= row (a binary search over
+    # the step's table, SEARCH >= log2 of its length)
+    lo = row * 0
+    hi = lo + n_segs
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        go = tl.load(seg_start_ptr + mid) <= row
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    first = tl.load(seg_start_ptr)
+    end = tl.load(seg_start_ptr + n_segs)
+    slot = tl.where(row < end, tl.load(seg_slot_ptr + lo), -1)   # after the last: zeros
     safe = tl.maximum(slot, 0)
     blk = tl.where(slot >= 0, tl.load(col_ptr + safe), -1)
     a_off = tl.where(blk >= 0, tl.load(a_off_ptr + safe), -1)
     rank = tl.where(a_off >= 0, tl.load(ranks_ptr + safe), 0)
     scale = tl.load(scales_ptr + safe)
-    zc = part * ZW + tl.arange(0, ZW)
-    zmask = (zc < blk * RB) | (zc >= blk * RB + RB)      # blk -1: every column
-    rr = part * RP + tl.arange(0, RP)                    # rank rows of A / block columns
-    kk = tl.arange(0, BLOCK_K)
-    a_base = pool_ptr + tl.maximum(a_off, 0)
-    for m0 in range(lo, hi, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        rmask = rows < hi
-        o_rows = out_ptr + rows[:, None].to(tl.int64) * out_rs
-        tl.store(o_rows + zc[None, :], tl.zeros((BLOCK_M, ZW), out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & zmask[None, :])
+    wait_then_release(USE_PDL)              # x is the previous kernel's output
+    if row >= first:
+        zc = part * ZW + tl.arange(0, ZW)
+        o_row = out_ptr + row.to(tl.int64) * out_rs
+        tl.store(o_row + zc, tl.zeros((ZW,), out_ptr.dtype.element_ty),
+                 mask=(zc < blk * RB) | (zc >= blk * RB + RB))   # blk -1: every column
         if blk >= 0:
-            acc = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-            x_rows = x_ptr + rows[:, None].to(tl.int64) * x_rs
-            for k0 in range(0, K, BLOCK_K):
-                kmask = (k0 + kk) < K
-                xt = tl.load(x_rows + (k0 + kk)[None, :], mask=rmask[:, None] & kmask[None, :],
-                             other=0.0).to(tl.float32)
-                at = tl.load(a_base + rr[:, None].to(tl.int64) * K + (k0 + kk)[None, :],
-                             mask=(rr < rank)[:, None] & kmask[None, :], other=0.0)
-                acc += tl.sum(xt[:, None, :] * at.to(tl.float32)[None, :, :], axis=2)
-            tl.store(o_rows + (blk * RB + rr)[None, :],
-                     (acc * scale).to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+            rr = part * RP + tl.arange(0, RP)                    # rank rows / block columns
+            kk = tl.arange(0, BLOCK_K)
+            acc = tl.zeros((RP,), dtype=tl.float32)
+            if rank > part * RP:
+                x_row = x_ptr + row.to(tl.int64) * x_rs
+                a_rows = pool_ptr + a_off + rr[:, None].to(tl.int64) * K
+                for k0 in range(0, K, BLOCK_K):
+                    kmask = (k0 + kk) < K
+                    xt = tl.load(x_row + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+                    at = tl.load(a_rows + (k0 + kk)[None, :],
+                                 mask=(rr < rank)[:, None] & kmask[None, :], other=0.0)
+                    acc += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
+            tl.store(o_row + blk * RB + rr, (acc * scale).to(out_ptr.dtype.element_ty))
 
 
 def shrink_blocks(out: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.Tensor,
                   ranks: torch.Tensor, scales: torch.Tensor, col_slot: torch.Tensor,
                   seg_start: torch.Tensor, seg_slot: torch.Tensor, parts: int = 1,
-                  block_m: int = 4, block_k: int = 128) -> torch.Tensor:
-    """The semantics above, in one launch of (segments, parts) programs; returns out. Reads
-    no device memory on the host (graph-capturable)."""
+                  block_k: int = 256, num_warps: int = 2) -> torch.Tensor:
+    """The semantics above, in one launch of (rows, parts) programs: a program's work is one
+    row's share of its adapter's A whatever the segments (one adapter over every row costs
+    what 32 do). Returns out. Reads no device memory on the host (graph-capturable)."""
     _check(out, x, pool, a_off, ranks, scales, col_slot, seg_start, seg_slot, parts)
-    n_segs = seg_slot.shape[0]
-    if n_segs == 0 or out.shape[0] == 0:
+    n_segs, t_rows = seg_slot.shape[0], out.shape[0]
+    if t_rows == 0:
         return out
-    _shrink_blocks_kernel[(n_segs, parts)](
-        out, x, pool, a_off, ranks, scales, col_slot, seg_start, seg_slot, x.shape[1],
-        out.stride(0), x.stride(0), W=out.shape[1], RB=RB, PARTS=parts, BLOCK_M=block_m,
-        BLOCK_K=block_k)
+    if n_segs == 0:
+        return out.zero_()
+    _shrink_blocks_kernel[(t_rows, parts)](
+        out, x, pool, a_off, ranks, scales, col_slot, seg_start, seg_slot, n_segs,
+        x.shape[1], out.stride(0), x.stride(0), W=out.shape[1], RB=RB, PARTS=parts,
+        BLOCK_K=block_k, SEARCH=SEARCH, num_warps=num_warps,
+        **launch_args(x.device, t_rows <= SGMV_MAX_ROWS))
     return out
 
 
@@ -105,26 +123,7 @@ def _check(out, x, pool, a_off, ranks, scales, col_slot, seg_start, seg_slot, pa
             raise ValueError(f"{name} must be {dt} [{n}], got {t.dtype} {tuple(t.shape)}")
     if seg_start.shape[0] != seg_slot.shape[0] + 1:
         raise ValueError("seg_start needs one more entry than seg_slot")
+    if seg_slot.shape[0] >= 1 << SEARCH:
+        raise ValueError(f"at most {(1 << SEARCH) - 1} segments, got {seg_slot.shape[0]}")
     if not (out.device == x.device == pool.device == a_off.device):
         raise ValueError("out, x, pool and the tables must be on one device")
-
-
-def shrink_blocks_ref(out, x, pool, a_off, ranks, scales, col_slot, seg_start, seg_slot,
-                      parts: int = 1, block_m: int = 4, block_k: int = 128) -> torch.Tensor:
-    """The torch reference of shrink_blocks (fp32 products, rounded to out's dtype)."""
-    del parts, block_m, block_k
-    starts, slots = seg_start.tolist(), seg_slot.tolist()
-    offs, rank_of, scale_of, cols = a_off.tolist(), ranks.tolist(), scales.tolist(), \
-        col_slot.tolist()
-    k = x.shape[1]
-    for i, s in enumerate(slots):
-        lo, hi = starts[i], starts[i + 1]
-        if hi <= lo:
-            continue
-        out[lo:hi] = 0
-        if s < 0 or cols[s] < 0 or offs[s] < 0:
-            continue
-        r, c = rank_of[s], cols[s] * RB
-        a = pool[offs[s]:offs[s] + r * k].view(r, k).float()
-        out[lo:hi, c:c + r] = (x[lo:hi].float() @ a.t() * scale_of[s]).to(out.dtype)
-    return out

@@ -120,9 +120,9 @@ def pool_placements(device: str, kn: bool = True) -> None:
     """A pool that places through the Triton launch (the CUDA path: one launch that scatters
     the weights and writes the slot's table entries, from the kept scratch) on `device` (the
     CPU: interpreted) against a CPU pool that places through the torch reference: pool
-    contents, device tables and column blocks, with folded norms, bf16 and fp32 adapters,
-    after a removal and a reuse of the slot. kn: the extended q/k/v weights column-major, as
-    a CUDA model keeps them."""
+    contents, device tables and column blocks (q/k/v A rows and, row LoRA, o Bt rows), with
+    folded norms, bf16 and fp32 adapters, after a removal and a reuse of the slot. kn: the
+    extended q/k/v and o weights column-major, as a CUDA model keeps them."""
     from services.worker.device_pool import DevicePool
     from services.worker.lora_columns import LoraColumns
     from services.worker.model_spec import load_spec
@@ -133,12 +133,14 @@ def pool_placements(device: str, kn: bool = True) -> None:
     fold = {k: 1 + 0.2 * torch.randn(spec.num_layers, spec.hidden_size, generator=g)
             for k in ("qkv", "gate_up")}
     n_qkv = spec.slice_starts("qkv")[-1]
-    base = [torch.randn(n_qkv, spec.hidden_size, generator=g) for _ in range(spec.num_layers)]
+    base = [{"qkv": torch.randn(n_qkv, spec.hidden_size, generator=g),
+             "o": torch.randn(spec.hidden_size, spec.q_size, generator=g)}
+            for _ in range(spec.num_layers)]
     pools = []
     for dev, triton_path in (("cpu", False), (device, True)):
-        layers = [{"qkv": (w.t().contiguous().t() if kn else w.clone()).to(dev, torch.bfloat16)}
-                  for w in base]
-        cols = LoraColumns({"layers": layers}, 3, 2, torch.device(dev))
+        layers = [{k: (w.t().contiguous().t() if kn else w.clone()).to(dev, torch.bfloat16)
+                   for k, w in ws.items()} for ws in base]
+        cols = LoraColumns({"layers": layers}, 3, 2, torch.device(dev), rows=True)
         pool = DevicePool(spec, torch.device(dev), torch.bfloat16, 1 << 22, 4, columns=cols,
                           norm_fold={k: v.to(dev, torch.bfloat16) for k, v in fold.items()})
         pool._copy.triton = triton_path
@@ -154,8 +156,9 @@ def pool_placements(device: str, kn: bool = True) -> None:
     assert torch.equal(ref._off64, tri._off64.cpu())
     assert torch.equal(ref._meta32, tri._meta32.cpu())
     assert int((tri._off64 >= 0).sum()) > 0 and int(tri._meta32[0].sum()) > 0
-    for a, b in zip(ref.columns.ext, tri.columns.ext):
+    for a, b in zip(ref.columns.ext + ref.columns.o_ext, tri.columns.ext + tri.columns.o_ext):
         same(b.cpu(), a, device, rounds=True)
+    assert any(e[:, spec.q_size:].any() for e in ref.columns.o_ext)     # some o rows written
 
 
 def _child(fn: str) -> None:

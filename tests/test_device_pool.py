@@ -226,6 +226,56 @@ def test_column_blocks_hold_each_adapters_a_rows_in_either_weight_layout(kn):
     assert cols.col_host[third] == 0 and int(cols.col_slot[third]) == 0
 
 
+@pytest.mark.parametrize("kn", [False, True])
+def test_row_blocks_hold_each_adapters_o_bt_rows_in_either_weight_layout(kn):
+    """Row LoRA (LoraColumns rows=True): the extended o weight [N, K + n_cols * 16] keeps the
+    base o weight's values and memory layout, the model's o weight becomes a view of its first
+    K columns, and placing an adapter writes its o Bt rows (B's columns) into its block's
+    columns (zeros past its rank and in the layers it leaves o out of); a block written for
+    one adapter and then another holds only the second's. An adapter that targets o and not
+    q/k/v gets a block only with rows."""
+    from services.worker.lora_columns import RANK_TILE, LoraColumns
+    spec = load_spec(MODEL_DIR)
+    starts, k = spec.slice_starts("qkv"), spec.q_size
+    g = torch.Generator().manual_seed(1)
+    base = [{"qkv": torch.randn(starts[-1], spec.hidden_size, generator=g),
+             "o": torch.randn(spec.hidden_size, k, generator=g)} for _ in range(spec.num_layers)]
+    layers = [{n: (w.t().contiguous().t() if kn else w.clone()) for n, w in ws.items()}
+              for ws in base]
+    cols = LoraColumns({"layers": layers}, len(starts) - 1, 1, torch.device("cpu"), rows=True)
+    x = torch.randn(3, k + RANK_TILE, generator=g)
+    for ws, layer in zip(base, layers):
+        assert torch.equal(layer["o"], ws["o"]) and layer["o_ext"].shape == (
+            spec.hidden_size, k + RANK_TILE)
+        assert layer["o_ext"].stride(0) == (1 if kn else k + RANK_TILE)
+        assert torch.equal(layer["o_ext"][:, k:], torch.zeros(spec.hidden_size, RANK_TILE))
+        torch.testing.assert_close(torch.nn.functional.linear(x[:, :k], layer["o"]),
+                                   x[:, :k] @ ws["o"].t())
+    pool = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 22, 4, columns=cols)
+    names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
+    t, with_o = pool.tables, 0
+    for name in names:                                  # each in turn takes the one block
+        slot = pool.place(name, staged_from_peft_dir(DEMO_ADAPTERS / name, spec))
+        assert cols.col_host[slot] == 0
+        r = int(t.ranks_host[slot])
+        for layer, ext in enumerate(cols.o_ext):
+            want = torch.zeros(spec.hidden_size, RANK_TILE)
+            b_o = int(t.b_off_host["o"][layer, 0, slot])
+            if b_o >= 0:
+                want[:, :r] = t.pool[b_o:b_o + r * spec.hidden_size].view(r, -1).t()
+                with_o += 1
+            assert torch.equal(ext[:, k:], want), (name, layer)
+        pool.remove(name)
+    assert 0 < with_o < len(names) * spec.num_layers   # some layers with o rows, some without
+    assert cols.assign(3, 8, targets_qkv=False, targets_o=True) == 0
+    cols.release(3)
+    plain = LoraColumns({"layers": [dict(ws) for ws in base]}, len(starts) - 1, 1,
+                        torch.device("cpu"))
+    plain.bind(4)
+    assert plain.assign(3, 8, targets_qkv=False, targets_o=True) == -1
+    assert plain.assign(3, 8, targets_qkv=True) == 0
+
+
 def test_column_blocks_default_on_cuda_only():
     """LORAFLEET_LORA_COLUMNS unset: a CUDA model keeps CUDA_COLUMNS blocks, a CPU model none;
     set, it wins on both; a value that is not a count is an error."""
@@ -240,6 +290,12 @@ def test_column_blocks_default_on_cuda_only():
             PerfConfig.from_env({"LORAFLEET_LORA_COLUMNS": bad})
     with pytest.raises(ValueError, match="LORAFLEET_LORA_COLUMNS"):
         PerfConfig(lora_columns=-1)
+    assert unset.lora_rows == 0 and PerfConfig.from_env({"LORAFLEET_LORA_ROWS": "4"}).lora_rows == 4
+    for bad in ("3", "on", "-1"):
+        with pytest.raises(ValueError, match="LORAFLEET_LORA_ROWS"):
+            PerfConfig.from_env({"LORAFLEET_LORA_ROWS": bad})
+    with pytest.raises(ValueError, match="LORAFLEET_LORA_ROWS"):
+        PerfConfig(lora_rows=16)
 
 
 def test_split_attention_is_off_unless_asked_and_reaches_the_model(tmp_path):

@@ -230,33 +230,42 @@ def test_kn_layout_keeps_the_values_and_the_linear():
     assert untied["lm_head"].stride() == (1, 100) and torch.equal(untied["lm_head"], embed)
 
 
-def test_column_lora_matches_peft_greedy(ckpt, monkeypatch):
+@pytest.mark.parametrize("rows", [0, 2])
+def test_column_lora_matches_peft_greedy(ckpt, monkeypatch, rows):
     """Column LoRA (q/k/v A rows beside the base weight, services.worker.lora_columns) with
     two blocks: the first two q/k/v adapters of rank <= 16 get one, r64-all never does. A batch
     of those two and base rows takes the column path; with r64-all in it the split SGMV runs.
-    Both give every request PEFT's greedy tokens."""
+    Both give every request PEFT's greedy tokens. With rows (row LoRA: the o Bt rows in the
+    blocks too, PerfConfig.lora_rows) the column path's steps also run o as row LoRA."""
     from services.worker import model as model_mod
-    calls = {"columns": 0}
-    plain = model_mod.lora_expand_columns
+    calls = {"columns": 0, "rows": 0}
+    plain, plain_rows = model_mod.lora_expand_columns, model_mod.lora_shrink_rows
 
     def counting(*args, **kw):
         calls["columns"] += 1
         return plain(*args, **kw)
 
+    def counting_rows(*args, **kw):
+        calls["rows"] += 1
+        return plain_rows(*args, **kw)
+
     monkeypatch.setattr(model_mod, "lora_expand_columns", counting)
+    monkeypatch.setattr(model_mod, "lora_shrink_rows", counting_rows)
     root = ckpt[0]
-    built, slots = _engine(root, perf=PerfConfig(lora_columns=2))
+    built, slots = _engine(root, perf=PerfConfig(lora_columns=2, lora_rows=rows))
+    assert built.engine.runner.model.row_parts == (rows or 4)
     cols = built.engine.runner.model.columns
     blocks = {n: int(cols.col_host[s]) for n, s in slots.items()}
     assert sorted(b for b in blocks.values() if b >= 0) == [0, 1] and blocks["r64-all"] == -1
     with_block = [n for n, b in blocks.items() if b >= 0]
     g = torch.Generator().manual_seed(11)
     for names, column_path in ((with_block + [None], True), (["r64-all", *with_block], False)):
-        calls["columns"] = 0
+        calls["columns"] = calls["rows"] = 0
         seqs, expected = mixed_requests(names, slots, ckpt, g, prompt=(4, 3), new=6)
         got, _ = run_all(built.engine, seqs)
         assert got == expected, names
         assert (calls["columns"] > 0) == column_path, (names, calls)
+        assert (calls["rows"] > 0) == (column_path and rows > 0), (names, calls)
     # a removed adapter gives its block back; the next placed one takes it (the device's
     # col_slot entry of the freed slot is rewritten by the slot's next placement)
     freed = blocks[with_block[0]]

@@ -89,6 +89,15 @@ def test_gpu_column_lora_matches_cpu_fp32():
 
 
 @needs_cuda
+def test_gpu_row_lora_matches_cpu_fp32():
+    """Row LoRA on too (the o Bt rows beside the o weight, the o shrink into the attention
+    output's buffer, kernels.shrink_blocks, in eager steps and captured decode graphs) gives
+    the CPU path's tokens."""
+    cpu = greedy_tokens("cpu", "float32")
+    assert greedy_tokens("cuda", "float32", perf=PerfConfig(lora_columns=4, lora_rows=4)) == cpu
+
+
+@needs_cuda
 def test_gpu_prefill_logits_match_cpu_fp32():
     """Prefill logits for every demo adapter (and the base), GPU kernels against the CPU path."""
     from services.worker.scheduler import Scheduled

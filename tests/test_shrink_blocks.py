@@ -2,7 +2,8 @@
 its torch reference and against the LoRA it stands for: one GEMM over [x | out] and
 [W ; each block's Bt] equals x @ W plus sgmv_ref's delta. Mixed ranks, a slot without a block,
 an adapter that lacks the projection, base rows, segments longer than a row tile, rank parts,
-and out and x as views of one wider buffer (rows no segment covers stay as they were). (Run in a
+and out and x as views of one wider buffer (the rows after the last segment, a captured graph's padding,
+get zeros in out and keep x). (Run in a
 child process: the interpreter must be switched on before triton loads.)"""
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ def run_case(T, K, ranks, segs, cols, has_a, parts):
     shrink_blocks(c["out"], c["x"], *args, parts=parts)
     got = c["buf"]
     assert torch.equal(got[:, :K], before[:, :K]), "x was written"
-    assert torch.equal(got[c["covered"]:], before[c["covered"]:]), "uncovered rows written"
+    assert torch.equal(got[c["covered"]:, :K], before[c["covered"]:, :K])
+    assert not got[c["covered"]:, K:].any(), "rows after the last segment are not zeros"
+    assert not ref_buf[c["covered"]:, K:].any()
     err = (got - ref_buf).abs().max().item()
     assert err < 1e-4, ("kernel against reference", parts, err)
     # the row LoRA: [x | out] @ [W ; Bt of each block] = x @ W + the LoRA delta
@@ -115,6 +118,18 @@ def test_shrink_blocks_refuses_bad_shapes():
     with pytest.raises(ValueError, match="ranks"):
         shrink_blocks(c["out"], c["x"], c["pool"], c["a_off"], c["ranks"].long(),
                       *args[3:])
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("parts,pdl", [(1, False), (4, True), (8, True)])
+def test_shrink_blocks_compiles_for_hopper(parts, pdl):
+    """The kernel compiles for sm_90 (ptxas, no GPU), with the PDL wait as a decode graph
+    launches it, at the engine's row-LoRA width (32 blocks)."""
+    from test_sgmv import compile_for_sm90
+    from kernels.shrink_blocks import RB, SEARCH, _shrink_blocks_kernel
+    types = ["*bf16"] * 3 + ["*i64", "*i32", "*fp32", "*i32", "*i32", "*i32"] + ["i32"] * 4
+    consts = dict(W=32 * RB, RB=RB, PARTS=parts, BLOCK_K=256, SEARCH=SEARCH, USE_PDL=pdl)
+    assert compile_for_sm90(_shrink_blocks_kernel, types, consts, num_warps=2).asm["cubin"]
 
 
 if __name__ == "__main__":

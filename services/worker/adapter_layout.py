@@ -43,7 +43,8 @@ class LayoutPlan:
     DST_OFF relative to the adapter's start, SRC_OFF in bytes from the file's start (the pool
     turns it into elements of src_dtype) and FOLD -1; seg_group / seg_layer: the projection
     group (GROUP_INDEX) and layer of each A segment, -1 for B (the pool folds norms into A);
-    qkv_a [L, n_slices]: the segment of each q/k/v A, -1 where absent (column LoRA copies it)."""
+    qkv_a [L, n_slices]: the segment of each q/k/v A, -1 where absent (column LoRA copies it);
+    o_b [L]: the segment of each o B, -1 where absent (row LoRA copies it)."""
     rank: int
     scale: float
     numel: int                          # pool elements the adapter takes (alignment included)
@@ -53,6 +54,7 @@ class LayoutPlan:
     seg_group: np.ndarray               # int64 [S]
     seg_layer: np.ndarray               # int64 [S]
     qkv_a: np.ndarray                   # int64 [L, len(GROUPS["qkv"])]
+    o_b: np.ndarray                     # int64 [L]
     max_elems: int                      # max rows * cols over segs
     data_start: int                     # the file's data section starts at this byte
 
@@ -148,6 +150,7 @@ class _Builder:
         self.offsets = {g: np.full((spec.num_layers, len(m), 2), -1, dtype=np.int64)
                         for g, m in GROUPS.items()}
         self.qkv_a = np.full((spec.num_layers, len(GROUPS["qkv"])), -1, dtype=np.int64)
+        self.o_b = np.full(spec.num_layers, -1, dtype=np.int64)
         self.rows: list[list[int]] = []
         self.group: list[int] = []
         self.layer: list[int] = []
@@ -177,6 +180,8 @@ class _Builder:
         self.offsets[group][layer, j] = (a_at, b_at)
         if group == "qkv":
             self.qkv_a[layer, j] = len(self.rows)
+        elif group == "o":
+            self.o_b[layer] = len(self.rows) + 1
         # A [r, K] as it is; B [N, r] read row by row, written as Bt [r, N]
         self._row(a_at, self._src(a), r, k, k, k, 1, GROUP_INDEX[group], layer)
         self._row(b_at, self._src(b), n, r, r, 1, n, -1, layer)
@@ -191,12 +196,12 @@ class _Builder:
 
     def plan(self, r: int, scale: float, src_dtype: torch.dtype, data_start: int) -> LayoutPlan:
         segs = np.array(self.rows, dtype=np.int64).reshape(-1, sc.NFIELDS)
-        for arr in (segs, *self.offsets.values(), self.qkv_a):
+        for arr in (segs, *self.offsets.values(), self.qkv_a, self.o_b):
             arr.setflags(write=False)
         elems = segs[:, sc.ROWS] * segs[:, sc.COLS]
         return LayoutPlan(r, scale, self.cursor, self.offsets, src_dtype, segs,
                           np.array(self.group, dtype=np.int64),
-                          np.array(self.layer, dtype=np.int64), self.qkv_a,
+                          np.array(self.layer, dtype=np.int64), self.qkv_a, self.o_b,
                           int(elems.max(initial=0)), data_start)
 
 

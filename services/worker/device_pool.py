@@ -128,7 +128,8 @@ class DevicePool:
         block = -1
         try:
             if self.columns is not None and columns:
-                block = self.columns.assign(slot, plan.rank, bool((plan.qkv_a >= 0).any()))
+                block = self.columns.assign(slot, plan.rank, bool((plan.qkv_a >= 0).any()),
+                                            bool((plan.o_b >= 0).any()))
             offs = np.where(plan.flat_offsets >= 0, plan.flat_offsets + start, -1)
             self._write(staged, self._segments(plan, start, block),
                         self._slot_values(plan, offs, slot, block), timing)
@@ -159,7 +160,7 @@ class DevicePool:
         if block < 0:
             return segs
         return np.concatenate([segs, self.columns.segments(block, segs, plan.qkv_a,
-                                                           plan.rank)])
+                                                           plan.rank, plan.o_b)])
 
     def _slot_values(self, plan, offs: np.ndarray, slot: int, block: int) -> np.ndarray:
         """int64 [2, P + 3]: the slot's positions in the flat tables and their new values: every
@@ -245,6 +246,8 @@ class _CopyPath:
         self.seg_cap = self.write_cap = 0
         self.host = self.dev = self.host_np = self.writes = None
         self.dst_ptrs: torch.Tensor | None = None
+        # the largest column-block segment (a block's zeros can exceed the plan's matrices)
+        self.col_elems = pool.columns.max_elems if pool.columns is not None else 0
 
     def _dsts(self) -> list[torch.Tensor]:
         cols = self.pool.columns
@@ -304,7 +307,7 @@ class _CopyPath:
                 if self.triton:
                     from kernels import adapter_scatter_triton as tri
                     tri.launch(self._src(plan.src_dtype), pool.dtype, self.dst_ptrs, self.dev,
-                               n_seg, pool._fold, plan.max_elems,
+                               n_seg, pool._fold, max(plan.max_elems, self.col_elems),
                                (self.writes, n_val, n_val - 3, pool._off64, pool._meta32))
                 else:
                     sc.adapter_scatter_ref(

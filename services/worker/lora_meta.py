@@ -58,12 +58,22 @@ class LoraMeta:
                         self.seg_slot, COLUMN_RANK_TILE, t.align)
 
 
+    def row_args(self, layer: int) -> LoraArgs:
+        """The o shrink's arguments for row LoRA (kernels.sgmv.lora_shrink_rows: A offsets of
+        o's one slice; rank tile: the blocks' RANK_TILE)."""
+        t = self.tables
+        o = t.a_layers["o"][layer]
+        return LoraArgs(t.pool, o, o, t.ranks, t.scales, (0,), self.seg_start, self.seg_slot,
+                        COLUMN_RANK_TILE, t.align)
+
+
 def choose(tables: LoraTables | None, columns: LoraColumns | None, slots: np.ndarray,
            graph: bool) -> tuple[int, int, bool]:
     """A step's LoRA choices from its rows' adapter slots (-1 = base only): (group mask, rank
     bound, column LoRA). The rank bound of a graph step is the rank tile of the largest rank
     among its own adapters (graphs are captured per tile); an eager step's is the pool's
-    largest rank. Column LoRA when every q/k/v adapter among them has a column block."""
+    largest rank. Column LoRA when every q/k/v adapter among them (and, when the blocks hold o
+    rows too, every o adapter) has a column block."""
     if tables is None:
         return 0, 0, False
     live = slots[slots >= 0]
@@ -73,7 +83,9 @@ def choose(tables: LoraTables | None, columns: LoraColumns | None, slots: np.nda
     mask = int(np.bitwise_or.reduce(groups))
     if not mask:
         return 0, 0, False
-    qkv = live[(groups & GROUP_BIT["qkv"]) != 0]
-    cols = columns is not None and columns.covers(qkv)
+    cols = False
+    if columns is not None:
+        need = GROUP_BIT["qkv"] | (GROUP_BIT["o"] if columns.rows else 0)
+        cols = columns.covers(live[(groups & need) != 0])
     rank = rank_tile(int(tables.ranks_host[live].max())) if graph else tables.max_rank
     return mask, rank, cols

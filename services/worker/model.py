@@ -17,11 +17,14 @@ import torch.nn.functional as F
 
 from kernels.attention import paged_attention
 from kernels.fused import rope_write_kv_, silu_mul
-from kernels.sgmv import lora, lora_expand_columns
+from kernels.sgmv import lora, lora_expand_columns, lora_shrink_rows
 from services.worker.lora_columns import LoraColumns
 from services.worker.lora_meta import LoraMeta
 from services.worker.model_spec import ModelSpec
 from services.worker.norms import Norms, PlainNorms
+
+
+ROW_MAX_ROWS = 256
 
 
 @dataclass
@@ -80,10 +83,16 @@ class LlamaModel:
         # same shapes, so one layer meets every specialization a step needs); None: all
         self.layer_limit: int | None = None
         self.column_impl = "auto"      # lora_expand_columns: the kernel on CUDA, else torch
+        self.row_impl = "auto"         # lora_shrink_rows: the kernel on CUDA, else torch
         # a step with prompt chunks: its decode rows in the decode attention launch
         # (PerfConfig.split_attention; the same outputs)
         self.split_attention = False
         self.columns = columns
+        # row LoRA for o (columns.rows): its shrink's rank parts (PerfConfig.lora_rows), and the
+        # largest step that takes it (a program a row and rank part: past this many rows the
+        # split SGMV's tiles read each adapter's A fewer times)
+        self.row_parts = 4
+        self.row_max_rows = ROW_MAX_ROWS
 
     def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,
               meta: LoraMeta) -> None:
@@ -96,7 +105,7 @@ class LlamaModel:
         """q/k/v of layer i with its LoRA: [T, q + 2kv]. As column LoRA (meta.columns) one GEMM
         over the extended weight gives the base output and every resident adapter's x @ A.T;
         the expand reads v from those columns (the result: a view, rows strided)."""
-        if not (meta.columns and self.columns is not None):
+        if not (meta.columns and self.columns is not None and meta.runs("qkv")):
             qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))
             self._lora("qkv", i, qkv, x, meta)
             return qkv
@@ -105,6 +114,30 @@ class LlamaModel:
         lora_expand_columns(out, v_cols, self.columns.col_slot,
                             meta.column_args(i, self.slices["qkv"]), impl=self.column_impl)
         return out
+
+    def _attn_o(self, i: int, w: dict, h: torch.Tensor, q: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+        """Attention, then o with its LoRA (the norm strategy's projection output). As row LoRA
+        (services.worker.lora_columns) attention writes into the first q_size columns of a
+        [T, q_size + row_width] buffer, the shrink each row's x @ A_o.T into its adapter's
+        block of the rest, and one GEMM over the buffer and o_ext adds the expand."""
+        s, meta, t = self.spec, ctx.lora, q.shape[0]
+        cols = self.columns
+        rows = (meta.columns and cols is not None and cols.rows and meta.runs("o")
+                and t <= self.row_max_rows)
+        buf = q.new_empty(t, s.q_size + cols.row_width) if rows else None
+        attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
+                               self.scale, ctx.max_context, split_kinds=self.split_attention,
+                               out=None if buf is None else
+                               buf[:, :s.q_size].view(t, s.num_heads, s.head_dim))
+        attn = attn.reshape(-1, s.q_size)
+        if buf is None:
+            y = self.norms.project(h, attn, w["o"], w.get("o_bias"))
+            self._lora("o", i, y, attn, meta)
+            return y
+        lora_shrink_rows(buf[:, s.q_size:], attn, cols.col_slot, meta.row_args(i),
+                         self.row_parts, impl=self.row_impl)
+        return self.norms.project(h, buf, w["o_ext"], w.get("o_bias"))
 
     def _layer(self, i: int, w: dict, h: torch.Tensor, x: torch.Tensor, ctx: StepContext,
                kv: tuple[torch.Tensor, torch.Tensor], next_norm: torch.Tensor) -> torch.Tensor:
@@ -121,12 +154,7 @@ class LlamaModel:
                        ctx.slot_mapping, rms=norms.rms(h))
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
-        attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
-                               self.scale, ctx.max_context,
-                               split_kinds=self.split_attention).reshape(-1, s.q_size)
-        y = norms.project(h, attn, w["o"], w.get("o_bias"))
-        self._lora("o", i, y, attn, meta)
-        x = norms.close(h, y, w["post_norm"])
+        x = norms.close(h, self._attn_o(i, w, h, q, kv, ctx), w["post_norm"])
         gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
         self._lora("gate_up", i, gu, x, meta)
         act = silu_mul(gu, rms=norms.rms(h))                           # [T, I]
