@@ -20,7 +20,8 @@ so every call reads cold memory), per layer:
               with no expand launch (x and v are views of one [T, K + n * 16] buffer, as the
               attention's output would be)
 
-    python bench/shrink_in_gemm.py [--rows 64] [--adapters 32] [--rank 16] [--out DIR]
+    python bench/shrink_in_gemm.py [--rows 64] [--adapters 32] [--rank 16] [--groups o]
+                                   [--out DIR]
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def main() -> int:
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--groups", default=",".join(GROUPS), help="which of " + ",".join(GROUPS))
     ap.add_argument("--out", type=pathlib.Path)
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,6 +88,8 @@ def main() -> int:
     t, n, r = a.rows, a.adapters, a.rank
     rows = []
     for g, (k, slices) in GROUPS.items():
+        if g not in a.groups.split(","):
+            continue
         ls = [layer(k, slices, t, n, r, dev, gen) for _ in range(a.layers)]
         cfg = pick_split_config(t, r)
         n_sl = len(slices) - 1
