@@ -129,7 +129,7 @@ def main() -> int:
         def row(p):
             return lambda: torch.mm(p["buf"], p["wk"])
 
-        def row_shrink(parts, warps=2):
+        def row_shrink(parts, warps=2, block_k=256):
             def make(p):
                 col = torch.arange(n, dtype=torch.int32, device=dev)
                 k_ = p["x"].shape[1]
@@ -137,7 +137,7 @@ def main() -> int:
                 def run():
                     shrink_blocks(p["buf"][:, k_:], p["buf"][:, :k_], p["pool"], p["a_off"][0],
                                   p["ranks"], p["scales"], col, p["seg_start"], p["seg_slot"],
-                                  parts=parts, num_warps=warps)
+                                  parts=parts, num_warps=warps, block_k=block_k)
                     torch.mm(p["buf"], p["wk"])
                 return run
             return make
@@ -147,9 +147,11 @@ def main() -> int:
         if r == rank_tile(r):        # the column layout: blocks of the rank tile
             variants.append(("ext+expand_columns", ext_expand_cols))
         if g == "o" and r <= RB:
-            variants += [("row", row)] + [(f"row+shrink_blocks/p{q}w{w}", row_shrink(q, w))
-                                          for q, w in ((1, 2), (2, 2), (4, 2), (8, 2), (4, 1),
-                                                       (4, 4))]
+            variants += [("row", row)] + [
+                (f"row+shrink_blocks/p{q}w{w}k{bk}", row_shrink(q, w, bk))
+                for q, w, bk in ((16, 4, 4096), (16, 2, 4096), (16, 8, 4096), (8, 4, 4096),
+                                 (8, 8, 4096), (4, 8, 4096), (16, 4, 2048), (16, 4, 1024),
+                                 (4, 2, 256))]
         for name, mk in variants:
             us = time_us([mk(p) for p in ls], dev, 50, 300)
             rows.append({"group": g, "variant": name, "T": t, "n": n, "rank": r,

@@ -31,6 +31,7 @@ from kernels.sgmv_ref import BLOCK_COLS as RB   # a block's columns (lora_column
 from kernels.pdl import SGMV_MAX_ROWS, launch_args, wait_then_release
 from kernels.sgmv_ref import shrink_blocks_ref  # noqa: F401  (the torch reference)
 
+MAX_BLOCK_K = 4096   # the one-pass chunk: 16 rank parts x 4 warps hold it in 64 registers
 SEARCH = 9       # steps of a program's binary search for its row's segment: < 512 segments
 
 
@@ -62,6 +63,13 @@ def _shrink_blocks_kernel(out_ptr, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, scales
     a_off = tl.where(blk >= 0, tl.load(a_off_ptr + safe), -1)
     rank = tl.where(a_off >= 0, tl.load(ranks_ptr + safe), 0)
     scale = tl.load(scales_ptr + safe)
+    rr = part * RP + tl.arange(0, RP)                    # rank rows / block columns
+    kk = tl.arange(0, BLOCK_K)
+    k_live = tl.where(rank > part * RP, K, 0)           # x's length, 0: no rank rows here
+    a_rows = pool_ptr + tl.maximum(a_off, 0) + rr[:, None].to(tl.int64) * K
+    # the first chunk of A before the wait (adapter weights: written before the step)
+    at = tl.load(a_rows + kk[None, :], mask=(rr < rank)[:, None] & (kk < K)[None, :],
+                 other=0.0)
     wait_then_release(USE_PDL)              # x is the previous kernel's output
     if row >= first:
         zc = part * ZW + tl.arange(0, ZW)
@@ -69,30 +77,30 @@ def _shrink_blocks_kernel(out_ptr, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, scales
         tl.store(o_row + zc, tl.zeros((ZW,), out_ptr.dtype.element_ty),
                  mask=(zc < blk * RB) | (zc >= blk * RB + RB))   # blk -1: every column
         if blk >= 0:
-            rr = part * RP + tl.arange(0, RP)                    # rank rows / block columns
-            kk = tl.arange(0, BLOCK_K)
-            acc = tl.zeros((RP,), dtype=tl.float32)
-            if rank > part * RP:
-                x_row = x_ptr + row.to(tl.int64) * x_rs
-                a_rows = pool_ptr + a_off + rr[:, None].to(tl.int64) * K
-                for k0 in range(0, K, BLOCK_K):
-                    kmask = (k0 + kk) < K
-                    xt = tl.load(x_row + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
-                    at = tl.load(a_rows + (k0 + kk)[None, :],
-                                 mask=(rr < rank)[:, None] & kmask[None, :], other=0.0)
-                    acc += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
+            x_row = x_ptr + row.to(tl.int64) * x_rs
+            xt = tl.load(x_row + kk, mask=kk < k_live, other=0.0).to(tl.float32)
+            acc = tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
+            for k0 in range(BLOCK_K, K, BLOCK_K):        # K > BLOCK_K only
+                kmask = (k0 + kk) < K
+                xt = tl.load(x_row + k0 + kk, mask=(k0 + kk) < k_live, other=0.0).to(tl.float32)
+                at = tl.load(a_rows + (k0 + kk)[None, :],
+                             mask=(rr < rank)[:, None] & kmask[None, :], other=0.0)
+                acc += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
             tl.store(o_row + blk * RB + rr, (acc * scale).to(out_ptr.dtype.element_ty))
 
 
 def shrink_blocks(out: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.Tensor,
                   ranks: torch.Tensor, scales: torch.Tensor, col_slot: torch.Tensor,
-                  seg_start: torch.Tensor, seg_slot: torch.Tensor, parts: int = 1,
-                  block_k: int = 256, num_warps: int = 2) -> torch.Tensor:
+                  seg_start: torch.Tensor, seg_slot: torch.Tensor, parts: int = 16,
+                  block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """The semantics above, in one launch of (rows, parts) programs: a program's work is one
     row's share of its adapter's A whatever the segments (one adapter over every row costs
-    what 32 do). Returns out. Reads no device memory on the host (graph-capturable)."""
+    what 32 do). block_k: the K chunk a program loads at a time (default all of K up to
+    MAX_BLOCK_K: one pass, its A loaded before the PDL wait). Returns out. Reads no device
+    memory on the host (graph-capturable)."""
     _check(out, x, pool, a_off, ranks, scales, col_slot, seg_start, seg_slot, parts)
     n_segs, t_rows = seg_slot.shape[0], out.shape[0]
+    block_k = block_k or min(triton.next_power_of_2(x.shape[1]), MAX_BLOCK_K)
     if t_rows == 0:
         return out
     if n_segs == 0:
@@ -107,9 +115,9 @@ def shrink_blocks(out: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off:
 
 def _check(out, x, pool, a_off, ranks, scales, col_slot, seg_start, seg_slot, parts) -> None:
     w = out.shape[1]
-    if parts not in (1, 2, 4, 8) or w % RB or (w // parts) & (w // parts - 1):
+    if parts not in (1, 2, 4, 8, 16) or w % RB or (w // parts) & (w // parts - 1):
         raise ValueError(f"out's width {w} must be blocks of {RB} whose share a part "
-                         f"(parts={parts}, one of 1, 2, 4, 8) is a power of two")
+                         f"(parts={parts}, one of 1, 2, 4, 8, 16) is a power of two")
     if out.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("out and x need unit column strides")
     if out.shape[0] != x.shape[0]:

@@ -295,7 +295,7 @@ def test_column_blocks_default_on_cuda_only():
         with pytest.raises(ValueError, match="LORAFLEET_LORA_ROWS"):
             PerfConfig.from_env({"LORAFLEET_LORA_ROWS": bad})
     with pytest.raises(ValueError, match="LORAFLEET_LORA_ROWS"):
-        PerfConfig(lora_rows=16)
+        PerfConfig(lora_rows=32)
 
 
 def test_split_attention_is_off_unless_asked_and_reaches_the_model(tmp_path):

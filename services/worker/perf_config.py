@@ -10,7 +10,7 @@ read); benchmarks and tests pass values.
     LORAFLEET_WEIGHT_LAYOUT  kn (default): the decode GEMMs' weights stored [K, N] on CUDA | nk
     LORAFLEET_LORA_COLUMNS   adapters whose q/k/v A rows sit beside the base weight (default:
                              32 on CUDA, 0 on CPU)
-    LORAFLEET_LORA_ROWS      0 (default) | 1, 2, 4 or 8: the o projection's LoRA as row LoRA over
+    LORAFLEET_LORA_ROWS      0 (default) | 1, 2, 4, 8 or 16: the o projection's LoRA as row LoRA over
                              the column blocks (services.worker.lora_columns), its shrink in
                              that many rank parts; nothing without column blocks
     LORAFLEET_PDL            1 (default): Triton kernels launch with programmatic dependent
@@ -30,7 +30,7 @@ from typing import Mapping
 BLAS_BACKENDS = ("cublas", "cublaslt")
 WEIGHT_LAYOUTS = ("kn", "nk")
 CUDA_COLUMNS = 32            # LoRA column blocks a CUDA model keeps by default
-ROW_PARTS = (0, 1, 2, 4, 8)  # LORAFLEET_LORA_ROWS: off, or the row LoRA shrink's rank parts
+ROW_PARTS = (0, 1, 2, 4, 8, 16)  # LORAFLEET_LORA_ROWS: off, or the row LoRA shrink's rank parts
 
 
 @dataclass(frozen=True)
