@@ -147,7 +147,7 @@ def apply_variant(variant: str) -> tuple[int, "PerfConfig"]:
               "silu_block": (fused.SILU_LAUNCH, "block"),
               "silu_warps": (fused.SILU_LAUNCH, "num_warps")}
     unknown = (set(opts) - {"pdl", "layout", "grank", "blas", "cols", "fold", "logprobs"}
-               - set(launch) - split_fields)
+               - set(VARIANT_ENV) - set(launch) - split_fields)
     if unknown:
         raise SystemExit(f"unknown variant keys {sorted(unknown)} (pdl, layout, grank, blas, "
                          f"cols, fold, {', '.join(sorted(launch))}, "

@@ -31,7 +31,7 @@ from kernels.sgmv_ref import BLOCK_COLS as RB   # a block's columns (lora_column
 from kernels.pdl import SGMV_MAX_ROWS, launch_args, wait_then_release
 from kernels.sgmv_ref import shrink_blocks_ref  # noqa: F401  (the torch reference)
 
-MAX_BLOCK_K = 4096   # the one-pass chunk: 16 rank parts x 4 warps hold it in 64 registers
+MAX_BLOCK_K = 4096   # the one-pass chunk (4 rank parts x 4096 of A: 128 values a thread at 4 warps)
 SEARCH = 9       # steps of a program's binary search for its row's segment: < 512 segments
 
 
@@ -91,7 +91,7 @@ def _shrink_blocks_kernel(out_ptr, x_ptr, pool_ptr, a_off_ptr, ranks_ptr, scales
 
 def shrink_blocks(out: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.Tensor,
                   ranks: torch.Tensor, scales: torch.Tensor, col_slot: torch.Tensor,
-                  seg_start: torch.Tensor, seg_slot: torch.Tensor, parts: int = 16,
+                  seg_start: torch.Tensor, seg_slot: torch.Tensor, parts: int = 4,
                   block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """The semantics above, in one launch of (rows, parts) programs: a program's work is one
     row's share of its adapter's A whatever the segments (one adapter over every row costs

@@ -279,7 +279,7 @@ def test_row_blocks_hold_each_adapters_o_bt_rows_in_either_weight_layout(kn):
 def test_column_blocks_default_on_cuda_only():
     """LORAFLEET_LORA_COLUMNS unset: a CUDA model keeps CUDA_COLUMNS blocks, a CPU model none;
     set, it wins on both; a value that is not a count is an error."""
-    from services.worker.perf_config import CUDA_COLUMNS, PerfConfig
+    from services.worker.perf_config import CUDA_COLUMNS, CUDA_ROW_PARTS, PerfConfig
     unset = PerfConfig.from_env({})
     assert CUDA_COLUMNS > 0
     assert unset.columns_for(cuda=True) == CUDA_COLUMNS and unset.columns_for(cuda=False) == 0
@@ -290,7 +290,9 @@ def test_column_blocks_default_on_cuda_only():
             PerfConfig.from_env({"LORAFLEET_LORA_COLUMNS": bad})
     with pytest.raises(ValueError, match="LORAFLEET_LORA_COLUMNS"):
         PerfConfig(lora_columns=-1)
-    assert unset.lora_rows == 0 and PerfConfig.from_env({"LORAFLEET_LORA_ROWS": "4"}).lora_rows == 4
+    assert unset.rows_for(cuda=True) == CUDA_ROW_PARTS > 0 and unset.rows_for(cuda=False) == 0
+    assert PerfConfig.from_env({"LORAFLEET_LORA_ROWS": "0"}).rows_for(cuda=True) == 0
+    assert PerfConfig.from_env({"LORAFLEET_LORA_ROWS": "16"}).rows_for(cuda=False) == 16
     for bad in ("3", "on", "-1"):
         with pytest.raises(ValueError, match="LORAFLEET_LORA_ROWS"):
             PerfConfig.from_env({"LORAFLEET_LORA_ROWS": bad})

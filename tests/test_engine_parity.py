@@ -253,7 +253,7 @@ def test_column_lora_matches_peft_greedy(ckpt, monkeypatch, rows):
     monkeypatch.setattr(model_mod, "lora_shrink_rows", counting_rows)
     root = ckpt[0]
     built, slots = _engine(root, perf=PerfConfig(lora_columns=2, lora_rows=rows))
-    assert built.engine.runner.model.row_parts == (rows or 16)
+    assert built.engine.runner.model.row_parts == (rows or 4)
     cols = built.engine.runner.model.columns
     blocks = {n: int(cols.col_host[s]) for n, s in slots.items()}
     assert sorted(b for b in blocks.values() if b >= 0) == [0, 1] and blocks["r64-all"] == -1

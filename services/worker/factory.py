@@ -105,12 +105,13 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     # given to the model (its GEMMs) and to the pool (which writes them)
     norm_fold = weight_transforms.apply(weights, spec, device, opts.perf)
     n_cols = opts.perf.columns_for(device.type == "cuda")
+    row_parts = opts.perf.rows_for(device.type == "cuda")
     columns = LoraColumns(weights, len(spec.slice_starts("qkv")) - 1, n_cols, device,
-                          rows=opts.perf.lora_rows > 0) if n_cols else None
+                          rows=row_parts > 0) if n_cols else None
     model = LlamaModel(spec, weights, device, dtype,
                        norms_for(norm_fold is not None, spec.rms_norm_eps), columns)
     model.split_attention = opts.perf.split_attention
-    model.row_parts = opts.perf.lora_rows or model.row_parts
+    model.row_parts = row_parts or model.row_parts
     pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots,
                       columns=columns, norm_fold=norm_fold)
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)

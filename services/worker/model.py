@@ -91,7 +91,7 @@ class LlamaModel:
         # row LoRA for o (columns.rows): its shrink's rank parts (PerfConfig.lora_rows), and the
         # largest step that takes it (a program a row and rank part: past this many rows the
         # split SGMV's tiles read each adapter's A fewer times)
-        self.row_parts = 16
+        self.row_parts = 4
         self.row_max_rows = ROW_MAX_ROWS
 
     def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,

@@ -10,9 +10,10 @@ read); benchmarks and tests pass values.
     LORAFLEET_WEIGHT_LAYOUT  kn (default): the decode GEMMs' weights stored [K, N] on CUDA | nk
     LORAFLEET_LORA_COLUMNS   adapters whose q/k/v A rows sit beside the base weight (default:
                              32 on CUDA, 0 on CPU)
-    LORAFLEET_LORA_ROWS      0 (default) | 1, 2, 4, 8 or 16: the o projection's LoRA as row LoRA over
-                             the column blocks (services.worker.lora_columns), its shrink in
-                             that many rank parts; nothing without column blocks
+    LORAFLEET_LORA_ROWS      0 | 1, 2, 4, 8 or 16: the o projection's LoRA as row LoRA over the
+                             column blocks (services.worker.lora_columns), its shrink in that
+                             many rank parts (default: 4 on CUDA, 0 on CPU); nothing without
+                             column blocks
     LORAFLEET_PDL            1 (default): Triton kernels launch with programmatic dependent
                              launch on sm_90+ | 0
     LORAFLEET_SGMV_SPLIT     fields of kernels.sgmv_split.SplitConfig set over its pick
@@ -31,6 +32,7 @@ BLAS_BACKENDS = ("cublas", "cublaslt")
 WEIGHT_LAYOUTS = ("kn", "nk")
 CUDA_COLUMNS = 32            # LoRA column blocks a CUDA model keeps by default
 ROW_PARTS = (0, 1, 2, 4, 8, 16)  # LORAFLEET_LORA_ROWS: off, or the row LoRA shrink's rank parts
+CUDA_ROW_PARTS = 4           # row LoRA on a CUDA model by default (bench/PERF_NOTES.md)
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class PerfConfig:
     fold_norms: bool = True
     weight_layout: str = "kn"
     lora_columns: int | None = None         # None: CUDA_COLUMNS on CUDA, 0 elsewhere
-    lora_rows: int = 0                      # 0: off; else the row LoRA shrink's rank parts
+    lora_rows: int | None = None            # None: CUDA_ROW_PARTS on CUDA, 0 elsewhere
     pdl: bool = True
     sgmv_split: str = ""
     split_attention: bool = False
@@ -53,7 +55,7 @@ class PerfConfig:
         if self.lora_columns is not None and self.lora_columns < 0:
             raise ValueError(f"LORAFLEET_LORA_COLUMNS must be a count >= 0, got "
                              f"{self.lora_columns!r}")
-        if self.lora_rows not in ROW_PARTS:
+        if self.lora_rows is not None and self.lora_rows not in ROW_PARTS:
             raise ValueError(f"LORAFLEET_LORA_ROWS must be one of {ROW_PARTS}, got "
                              f"{self.lora_rows!r}")
         if self.sgmv_split:                 # a malformed one fails at start, not in a step
@@ -65,6 +67,12 @@ class PerfConfig:
         if self.lora_columns is not None:
             return self.lora_columns
         return CUDA_COLUMNS if cuda else 0
+
+    def rows_for(self, cuda: bool) -> int:
+        """Row LoRA's shrink rank parts for a model on this kind of device (0: off)."""
+        if self.lora_rows is not None:
+            return self.lora_rows
+        return CUDA_ROW_PARTS if cuda else 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "PerfConfig":
@@ -78,14 +86,14 @@ class PerfConfig:
         cols = env.get("LORAFLEET_LORA_COLUMNS")
         if cols is not None and not cols.isdigit():
             raise ValueError(f"LORAFLEET_LORA_COLUMNS must be a count >= 0, got {cols!r}")
-        rows = env.get("LORAFLEET_LORA_ROWS", "0")
-        if rows not in {str(p) for p in ROW_PARTS}:
+        rows = env.get("LORAFLEET_LORA_ROWS")
+        if rows is not None and rows not in {str(p) for p in ROW_PARTS}:
             raise ValueError(f"LORAFLEET_LORA_ROWS must be one of {ROW_PARTS}, got {rows!r}")
         return cls(blas=env.get("LORAFLEET_BLAS", "cublaslt"),
                    fold_norms=flag("LORAFLEET_FOLD_NORMS", "1"),
                    weight_layout=env.get("LORAFLEET_WEIGHT_LAYOUT", "kn"),
                    lora_columns=int(cols) if cols is not None else None,
-                   lora_rows=int(rows),
+                   lora_rows=int(rows) if rows is not None else None,
                    pdl=env.get("LORAFLEET_PDL", "1") != "0",
                    sgmv_split=env.get("LORAFLEET_SGMV_SPLIT", ""),
                    split_attention=flag("LORAFLEET_SPLIT_ATTENTION", "0"))
