@@ -68,7 +68,10 @@ class ServiceProc:
         if self.proc.poll() is None:
             return
         tail = self.tail()
-        if "Address already in use" in tail:
+        # the whole log: a process that exits early can print hundreds of lines after the
+        # bind error (nanobind's leak report from triton at interpreter exit)
+        self._log.flush()
+        if "Address already in use" in self.log_path.read_text(errors="replace"):
             raise PortClash(f"{self.label}: port {self.port} was taken")
         print(f"--- {self.label} exited with {self.proc.returncode}; the end of "
               f"{self.log_path}:\n{tail}\n---", flush=True)
