@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The serving benchmark on the H200 through the device tool (results in $OUT, plots drawn later
 # with `python bench/serve_bench.py --replot OUT/serve-h200.json` where matplotlib is):
-#   bash bench/h200_serve.sh check   # the cold path's GPU tests, then the resident, cold and
-#                                    # engine suites (32 + 64 rank-16 adapters; SUITE= picks)
+#   bash bench/h200_serve.sh check   # the cold path's GPU tests (SKIP_TESTS=1: not), then the
+#                                    # resident, cold and engine suites (32 + 64 rank-16
+#                                    # adapters; SUITE= picks)
 #   bash bench/h200_serve.sh slora   # the S-LoRA sweep: 5, 100, 1,000, 2,000 rank-8 adapters
 #   bash bench/h200_serve.sh startup # start-up on an empty and a warm kernel cache, compiles after
 #                                    # SERVING, first and second run (bench/startup_bench.py)
@@ -54,7 +55,7 @@ GPU=(--shape 7b --device cuda --work "$WORK" --gpu-pool-bytes 4GiB --kv-cache-by
      --worker-flag=--precompile-procs=${PROCS:-8}
      ${COMMIT:+--commit "$COMMIT"} ${EXTRA:-})   # COMMIT=$(git rev-parse --short HEAD) here
 if [ "$MODE" = check ]; then
-  step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adapter_scatter.py \
+  [ -z "${SKIP_TESTS:-}" ] && step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adapter_scatter.py \
        "tests/test_gpu.py::test_a_cuda_pool_places_adapters_as_the_cpu_pool_does" 2>&1 | tail -4
   step timeout "${BUDGET:-420}" python3 bench/serve_bench.py "${GPU[@]}" \
        --suite "${SUITE:-resident,cold,engine}" \
