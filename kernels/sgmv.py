@@ -3,9 +3,9 @@
 The model hands one projection's LoRA over as a `LoraArgs` (the pool, that layer's and group's
 offset tables, ranks, scales, slice starts, the step's segments, the rank bound, the offsets'
 alignment) to `lora` (`lora_expand_columns` for column LoRA, `lora_shrink_rows` for row
-LoRA); the kernels below work on the
-tensors inside it. `sgmv` takes the same fields as arguments, with the semantics of
-`kernels.sgmv_ref.sgmv_ref` (read its docstring for the pool layout); tests and benchmarks call it.
+LoRA); the kernels below work on the tensors inside it. `sgmv` takes the same fields as
+arguments, with the semantics of `kernels.sgmv_ref.sgmv_ref` (read its docstring for the pool
+layout); tests and benchmarks call it.
 
 Which kernel runs a call is decided in one place, `choose_kernel`: on CUDA tensors a Triton
 kernel (split-K or fused, as `use_split` picks from the shape), or, when the caller has the

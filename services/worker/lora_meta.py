@@ -57,7 +57,6 @@ class LoraMeta:
         return LoraArgs(t.pool, qkv, qkv, t.ranks, t.scales, slices, self.seg_start,
                         self.seg_slot, COLUMN_RANK_TILE, t.align)
 
-
     def row_args(self, layer: int) -> LoraArgs:
         """The o shrink's arguments for row LoRA (kernels.sgmv.lora_shrink_rows: A offsets of
         o's one slice; rank tile: the blocks' RANK_TILE)."""

@@ -89,8 +89,8 @@ class LlamaModel:
         self.split_attention = False
         self.columns = columns
         # row LoRA for o (columns.rows): its shrink's rank parts (PerfConfig.lora_rows), and the
-        # largest step that takes it (a program a row and rank part: past this many rows the
-        # split SGMV's tiles read each adapter's A fewer times)
+        # largest step that takes it (a program a row and rank part re-reads its adapter's A
+        # for every row; the split SGMV's row tiles read it once a tile: bench/PERF_NOTES.md)
         self.row_parts = 4
         self.row_max_rows = ROW_MAX_ROWS
 
