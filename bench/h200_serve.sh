@@ -3,7 +3,7 @@
 # with `python bench/serve_bench.py --replot OUT/serve-h200.json` where matplotlib is):
 #   bash bench/h200_serve.sh check   # the cold path's GPU tests (SKIP_TESTS=1: not), then the
 #                                    # resident, cold and engine suites (32 + 64 rank-16
-#                                    # adapters; SUITE= picks)
+#                                    # adapters; SUITE= picks; REPEAT=N: N stacks in turn)
 #   bash bench/h200_serve.sh slora   # the S-LoRA sweep: 5, 100, 1,000, 2,000 rank-8 adapters
 #   bash bench/h200_serve.sh startup # start-up on an empty and a warm kernel cache, compiles after
 #                                    # SERVING, first and second run (bench/startup_bench.py)
@@ -57,10 +57,12 @@ GPU=(--shape 7b --device cuda --work "$WORK" --gpu-pool-bytes 4GiB --kv-cache-by
 if [ "$MODE" = check ]; then
   [ -z "${SKIP_TESTS:-}" ] && step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adapter_scatter.py \
        "tests/test_gpu.py::test_a_cuda_pool_places_adapters_as_the_cpu_pool_does" 2>&1 | tail -4
-  step timeout "${BUDGET:-420}" python3 bench/serve_bench.py "${GPU[@]}" \
-       --suite "${SUITE:-resident,cold,engine}" \
-       --rate "${RATE:-40}" --cold-rate 4 --cold-requests 32 --requests 400 --warmup 64 \
-       --name serve-h200-check
+  for i in $(seq "${REPEAT:-1}"); do     # REPEAT=2: a second stack on the warm kernel cache
+    step timeout "${BUDGET:-420}" python3 bench/serve_bench.py "${GPU[@]}" \
+         --suite "${SUITE:-resident,cold,engine}" \
+         --rate "${RATE:-40}" --cold-rate 4 --cold-requests 32 --requests 400 --warmup 64 \
+         --name "serve-h200-check$([ "$i" -gt 1 ] && echo "-$i")"
+  done
 elif [ "$MODE" = record ]; then
   R=${RATE:-58}                     # 90% of the base model's closed-loop 65.3-65.8 req/s
   OL="rank=8,zipf=1.0,rate=$R,requests=500,warmup=64,path=engine"
