@@ -55,7 +55,8 @@ GPU=(--shape 7b --device cuda --work "$WORK" --gpu-pool-bytes 4GiB --kv-cache-by
      --worker-flag=--precompile-procs=${PROCS:-8}
      ${COMMIT:+--commit "$COMMIT"} ${EXTRA:-})   # COMMIT=$(git rev-parse --short HEAD) here
 if [ "$MODE" = check ]; then
-  [ -z "${SKIP_TESTS:-}" ] && step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_adapter_scatter.py \
+  [ -z "${SKIP_TESTS:-}" ] && step timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
+       tests/test_adapter_scatter.py \
        "tests/test_gpu.py::test_a_cuda_pool_places_adapters_as_the_cpu_pool_does" 2>&1 | tail -4
   for i in $(seq "${REPEAT:-1}"); do     # REPEAT=2: a second stack on the warm kernel cache
     step timeout "${BUDGET:-420}" python3 bench/serve_bench.py "${GPU[@]}" \

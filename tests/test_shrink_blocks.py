@@ -1,10 +1,10 @@
 """The shrink into column blocks (kernels/shrink_blocks.py) under the Triton interpreter, against
 its torch reference and against the LoRA it stands for: one GEMM over [x | out] and
 [W ; each block's Bt] equals x @ W plus sgmv_ref's delta. Mixed ranks, a slot without a block,
-an adapter that lacks the projection, base rows, segments longer than a row tile, rank parts,
-and out and x as views of one wider buffer (the rows after the last segment, a captured graph's padding,
-get zeros in out and keep x). (Run in a
-child process: the interpreter must be switched on before triton loads.)"""
+an adapter that lacks the projection, base rows, long segments, rank parts, K in one pass and
+in chunks, and out and x as views of one wider buffer (the rows after the last segment, a
+captured graph's padding, get zeros in out and keep x). (Run in a child process: the
+interpreter must be switched on before triton loads.)"""
 from __future__ import annotations
 
 import os

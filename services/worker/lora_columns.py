@@ -22,9 +22,10 @@ into its adapter's block of the rest (kernels.shrink_blocks, zeros elsewhere): o
 buffer and o_ext gives the base output plus every row's o expand, with no expand launch.
 
 Which adapters get a block: the pool assigns one when it places an adapter of rank <= 16 that
-targets q/k/v (or o, with rows) and a block is free (`assign`), and frees it with the slot (`release`). A step takes
-the column path only when every q/k/v (and, with rows, o) adapter in it has a block (LoraMeta.columns, chosen by
-services.worker.lora_meta.choose); otherwise the split SGMV runs. Blocks are written on the pool's
+targets q/k/v (or o, with rows) and a block is free (`assign`), and frees it with the slot
+(`release`). A step takes the column path only when every q/k/v (and, with rows, o) adapter in
+it has a block (LoraMeta.columns, chosen by services.worker.lora_meta.choose); otherwise the
+split SGMV runs. Blocks are written on the pool's
 copy stream while graphs may replay: a replay computes every block's columns, but reads only those
 of slots whose `col_slot` entry is set, which happens after the block is written.
 """
@@ -44,7 +45,8 @@ RANK_TILE = 16
 
 
 class LoraColumns:
-    """The extended q/k/v weights of every layer and which adapter slot owns which block."""
+    """The extended q/k/v (and, with rows, o) weights of every layer and which adapter slot
+    owns which block."""
 
     def __init__(self, weights: dict, n_slices: int, n_cols: int, device: torch.device,
                  rows: bool = False):
