@@ -20,7 +20,8 @@
 #                                    # worker 1 SIGKILLed mid-run and restarted; merged into
 #                                    # bench/results/serve-2gpu-h200.{json,md}. PART=w1|w2|kill|
 #                                    # merge runs one step (one device call each); QUICK=1: the
-#                                    # same on the CPU, tiny model, both workers on the CPU
+#                                    # same on the CPU, tiny model, both workers on the CPU;
+#                                    # ONE_GPU=1: both workers on one GPU, halved budgets
 # PACK=1: everything in OUT as one results.tgz; SAVE_KCACHE=1: the kernel cache the run left, in
 # 15 MiB parts (carry them as tmp/kcache and pass KCACHE=tmp/kcache/triton-cache.tgz).
 # Needs the wheels the services import that the image lacks in .whl (README: the device tool's
@@ -106,7 +107,9 @@ elif [ "$MODE" = two-gpu ]; then       # issue 28: bench/results/serve-2gpu-h200
     BASE=("${GPU[@]}" --out "$TMPO" --clients "${CLIENTS:-8}")   # later flags win
     N=${ADAPTERS:-1000}; R=${RATE:-110}; C=${CONC:-128}; REQ=${REQUESTS:-1500}
     SHAPE="warmup=64"; KREQ=${KILL_REQUESTS:-8000}; KAT=${KILL_AT:-20}
-    TWO=(--workers 2 --devices cuda:0,cuda:1)
+    # ONE_GPU=1: the dry run on a one-GPU kind, both workers on it with halved budgets
+    if [ -n "${ONE_GPU:-}" ]; then TWO=(--workers 2); NAME=${NAME/h200/dryrun-1gpu}
+    else TWO=(--workers 2 --devices cuda:0,cuda:1); fi
   fi
   SC="adapters=$N,rank=8,zipf=1.0,requests=$REQ,$SHAPE"
   # the same scenario names and seed in both runs: the same requests; the closed loop keeps
