@@ -3,7 +3,8 @@ kill-and-restart run) as one results file in the same format: the first run's he
 run's header under "runs", every run's rows (each row says its "workers"), the CDFs keyed
 "wW:scenario", and a markdown with a comparison table (each scenario run with one worker and
 with more: throughput, its ratio, TTFT, per-worker hit rates and working sets) above each run's
-own tables.
+own tables. With --supersede a scenario measured again in a later run keeps only that run's rows
+(a record's resident table re-measured after a change, the rest of the record as it was).
 
     python bench/serve_merge.py --out bench/results --name serve-2gpu-h200 \\
         OUT/w1.json OUT/w2.json OUT/kill.json
@@ -22,16 +23,32 @@ if str(ROOT) not in sys.path:
 from bench import serve_report  # noqa: E402
 
 
-def merge(docs: list[dict]) -> dict:
+def merge(docs: list[dict], supersede: bool = False) -> dict:
+    """One document of several runs; each row gains "run" (its run's index in header["runs"]).
+    supersede: a scenario run again later (same name and worker count) keeps only its latest
+    run's rows, e.g. a record's resident table re-measured after a change, beside the rest of
+    the record."""
     header = dict(docs[0]["header"])
     header["runs"] = [d["header"] for d in docs]
-    rows, cdfs = [], {}
-    for d in docs:
-        rows += d["rows"]
+    latest = {}
+    for i, d in enumerate(docs):
         for r in d["rows"]:
+            latest[_key(r)] = i
+    rows, cdfs = [], {}
+    for i, d in enumerate(docs):
+        for r in d["rows"]:
+            if supersede and latest[_key(r)] != i:
+                continue
+            rows.append({**r, "run": i})
             if r["scenario"] in d.get("cdfs", {}):
                 cdfs[f"w{r.get('workers', 1)}:{r['scenario']}"] = d["cdfs"][r["scenario"]]
+    if supersede:
+        header["superseded"] = "a scenario measured in several runs keeps its latest run's rows"
     return {"header": header, "rows": rows, "cdfs": cdfs}
+
+
+def _key(row: dict) -> tuple:
+    return row["scenario"], row.get("workers", 1)
 
 
 def _first(rows: list[dict]) -> dict[tuple, dict]:
@@ -69,13 +86,33 @@ def markdown(doc: dict) -> str:
     if table:
         parts += ["The same scenarios (same requests) with one worker and with more:", "",
                   *table, ""]
-    for run in h["runs"]:
+    if h.get("superseded"):
+        parts += [f"Rows from {len(h['runs'])} runs: {h['superseded']}; each run's own "
+                  "tables below hold the rows kept from it.", ""]
+    for i, run in enumerate(h["runs"]):
         w = (run.get("workers") or {}).get("count", 1)
-        rows = [r for r in doc["rows"] if r.get("workers", 1) == w and
-                r["scenario"] in {s["name"] for s in run["scenarios"]}]
+        rows = [r for r in doc["rows"] if r["run"] == i]
+        if not rows:
+            continue
         parts += [f"## {w} worker{'s' if w > 1 else ''}: {' '.join(run['argv'])}", "",
                   serve_report.markdown(run, rows)]
     return "\n".join(parts)
+
+
+def plots(out: pathlib.Path, name: str, doc: dict) -> list:
+    """The serving benchmark's plots of the merged rows (where matplotlib is): a scenario run
+    with several worker counts is labelled with each."""
+    counts: dict[str, set] = {}
+    for r in doc["rows"]:
+        counts.setdefault(r["scenario"], set()).add(r.get("workers", 1))
+    rows, cdfs = [], {}
+    for r in doc["rows"]:
+        w = r.get("workers", 1)
+        label = r["scenario"] if len(counts[r["scenario"]]) == 1 else f"{r['scenario']} ({w}w)"
+        rows.append({**r, "scenario": label})
+        if f"w{w}:{r['scenario']}" in doc["cdfs"]:
+            cdfs[label] = doc["cdfs"][f"w{w}:{r['scenario']}"]
+    return serve_report.plots(out, name, doc["header"], rows, cdfs)
 
 
 def main(argv=None) -> int:
@@ -83,13 +120,16 @@ def main(argv=None) -> int:
     p.add_argument("inputs", nargs="+", help="results NAME.json files, in order")
     p.add_argument("--out", required=True)
     p.add_argument("--name", required=True)
+    p.add_argument("--supersede", action="store_true", help="a scenario in several runs: only "
+                   "its latest run's rows (else every run's)")
     a = p.parse_args(argv)
-    doc = merge([json.loads(pathlib.Path(x).read_text()) for x in a.inputs])
+    doc = merge([json.loads(pathlib.Path(x).read_text()) for x in a.inputs], a.supersede)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{a.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / f"{a.name}.md").write_text(markdown(doc))
-    print(f"wrote {out / a.name}.json and .md", flush=True)
+    drawn = plots(out, a.name, doc)
+    print(f"wrote {out / a.name}.json, .md{''.join(', ' + x.name for x in drawn)}", flush=True)
     return 0
 
 
