@@ -149,7 +149,7 @@ def main() -> int:
         if g == "o" and r <= RB:
             variants += [("row", row)] + [
                 (f"row+shrink_blocks/p{q}w{w}k{bk}", row_shrink(q, w, bk))
-                for q, w, bk in ((16, 4, 4096), (16, 2, 4096), (16, 8, 4096), (8, 4, 4096),
+                for q, w, bk in ((4, 4, 4096), (16, 4, 4096), (16, 2, 4096), (16, 8, 4096), (8, 4, 4096),
                                  (8, 8, 4096), (4, 8, 4096), (16, 4, 2048), (16, 4, 1024),
                                  (4, 2, 256))]
         for name, mk in variants:
