@@ -24,7 +24,7 @@ from services.worker.model_spec import ModelSpec
 from services.worker.norms import Norms, PlainNorms
 
 
-ROW_MAX_ROWS = 256
+ROW_MAX_ROWS = 128
 
 
 @dataclass
