@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -208,7 +209,6 @@ def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:
     built.engine.overlap = True
     meta = {"weight_bytes": wbytes, "graph_replays": getattr(built.engine.runner, "replays", 0)}
     del built, weights
-    import gc
     gc.collect()        # the engine's cycles (threads, graphs) hold its memory until collected
     torch.cuda.empty_cache()
     return rows, meta

@@ -275,3 +275,33 @@ def test_column_lora_matches_peft_greedy(ckpt, monkeypatch, rows):
     again = built.pool.place("again", staged_from_peft_dir(root / "adapters" / with_block[0],
                                                            built.spec))
     assert cols.col_host[again] == freed and int(cols.col_slot[again]) == freed
+
+
+def test_steps_above_the_row_bound_run_o_through_the_split_sgmv(ckpt, monkeypatch):
+    """Row LoRA only in steps of up to model.row_max_rows rows: with the bound at 3, the
+    3-row decode steps of three requests run o as row LoRA, their prompt steps (21 rows) run
+    q/k/v as column LoRA and o through the split SGMV; every request gets PEFT's tokens."""
+    from services.worker import model as model_mod
+    calls = {"columns": 0, "rows": 0}
+    plain, plain_rows = model_mod.lora_expand_columns, model_mod.lora_shrink_rows
+
+    def counting(*args, **kw):
+        calls["columns"] += 1
+        return plain(*args, **kw)
+
+    def counting_rows(*args, **kw):
+        calls["rows"] += 1
+        return plain_rows(*args, **kw)
+
+    monkeypatch.setattr(model_mod, "lora_expand_columns", counting)
+    monkeypatch.setattr(model_mod, "lora_shrink_rows", counting_rows)
+    built, slots = _engine(ckpt[0], perf=PerfConfig(lora_columns=2, lora_rows=2))
+    built.engine.runner.model.row_max_rows = 3
+    cols = built.engine.runner.model.columns
+    with_block = [n for n, s in slots.items() if int(cols.col_host[s]) >= 0]
+    seqs, expected = mixed_requests(with_block + [None], slots, ckpt,
+                                    torch.Generator().manual_seed(5), prompt=(4, 3), new=6)
+    got, _ = run_all(built.engine, seqs)
+    assert got == expected
+    assert calls["rows"] > 0                        # the decode steps
+    assert calls["columns"] > calls["rows"]         # the prompt steps: columns without rows
