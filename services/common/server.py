@@ -57,15 +57,35 @@ def client_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple]:
 CLIENT_OPTIONS = client_options()
 
 
+LIVENESS = "liveness"    # health name SERVING while the process serves, ready or not
+
+
 class Health(health.aio.HealthServicer):
     """grpc.health.v1 for one server: the service names set_serving() marks, and the gate of
-    its calls (closed when a drain begins)."""
+    its calls (closed when a drain begins).
+
+    "" and the service names say whether the server can serve now: SERVING once started, until
+    its drain, and only while it is ready (a service that depends on others, the router on a
+    live worker, says so with set_ready). LIVENESS says only that the process serves (for a
+    liveness probe: a router with no worker yet is not to be restarted)."""
 
     def __init__(self, names: list[str], gate: CallGate):
         super().__init__()
         self.names, self.gate = ["", *names], gate
         self._watches: set[asyncio.Task] = set()
         self._ending = False
+        self._serving = False       # started, not draining
+        self._ready = True
+
+    async def update(self, serving: bool | None = None, ready: bool | None = None) -> None:
+        """Record serving and/or ready, and set every name's status from them."""
+        self._serving = self._serving if serving is None else serving
+        self._ready = self._ready if ready is None else ready
+        up = health_pb2.HealthCheckResponse.SERVING
+        down = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.names:
+            await self.set(name, up if self._serving and self._ready else down)
+        await self.set(LIVENESS, up if self._serving else down)
 
     async def Watch(self, request, context):
         """grpc_health's Watch, which streams until the client leaves, ended with OK by
@@ -137,11 +157,9 @@ def create_server(listen: str, register: Callable[[grpc.aio.Server], Iterable[st
 
 
 async def set_serving(health_servicer: Health, serving: bool) -> None:
-    """Mark every registered service (and the server as a whole) SERVING or NOT_SERVING."""
-    state = (health_pb2.HealthCheckResponse.SERVING if serving
-             else health_pb2.HealthCheckResponse.NOT_SERVING)
-    for name in health_servicer.names:
-        await health_servicer.set(name, state)
+    """Mark every registered service (and the server as a whole) SERVING, as far as it is
+    ready (Health.update), or NOT_SERVING."""
+    await health_servicer.update(serving=serving)
 
 
 async def drain(server: grpc.aio.Server, health_servicer: Health, grace: float,
