@@ -1,6 +1,7 @@
 """Offline checks of deploy/k8s: each kustomization renders, validates strictly against the
 Kubernetes 1.30 schemas, and keeps the invariants operators rely on (hardened pods, gRPC probes,
-PDBs, drain times, worker discovery, network flows, no real credentials).
+PDBs, drain times, worker discovery, no real credentials; the network flows are
+tests/test_k8s_network.py's).
 
 Needs `kubectl` (built-in kustomize) on PATH; no cluster is contacted.
 """
@@ -8,12 +9,10 @@ from __future__ import annotations
 
 import base64
 import functools
-import ipaddress
 import pathlib
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -340,112 +339,3 @@ def test_no_real_credentials(target, docs):
         if path.is_file() and "overlays/dev" not in path.relative_to(K8S).as_posix():
             text = path.read_text()
             assert not AWS_KEY_ID.search(text) and not AWS_SECRET.search(text), path
-
-
-# ---- network policy: the allowed flows are exactly the intended ones ----------------------
-
-@dataclass(frozen=True)
-class Endpoint:
-    name: str
-    ns: str = ""
-    labels: dict = field(default_factory=dict, hash=False, compare=False)
-    ip: str | None = None  # set for endpoints outside the pod network
-
-
-OUTSIDE = [Endpoint("client", ip="203.0.113.7"), Endpoint("s3", ip="52.216.8.1"),
-           Endpoint("nodelocal-dns", ip="169.254.20.10"),
-           Endpoint("prometheus", "monitoring", {"app.kubernetes.io/name": "prometheus"}),
-           Endpoint("kube-dns", "kube-system", {"k8s-app": "kube-dns"}),
-           Endpoint("other-pod", "other", {"app": "minio"})]
-
-
-def peer_matches(peer: dict, ep: Endpoint, policy_ns: str) -> bool:
-    if "ipBlock" in peer:
-        block = peer["ipBlock"]
-        inside = lambda cidr: ipaddress.ip_address(ep.ip) in ipaddress.ip_network(cidr)  # noqa: E731
-        return ep.ip is not None and inside(block["cidr"]) and not any(map(inside, block.get("except", [])))
-    if ep.ip is not None:
-        return False
-    ns_sel = peer.get("namespaceSelector")
-    ns_ok = ep.ns == policy_ns if ns_sel is None else selects(ns_sel, {"kubernetes.io/metadata.name": ep.ns})
-    return ns_ok and selects(peer.get("podSelector", {}), ep.labels)
-
-
-def side_allows(policies, pod: Endpoint, peer: Endpoint, port: int, proto: str, direction: str) -> bool:
-    """Whether `pod`'s policies let traffic to (Egress) or from (Ingress) `peer` through."""
-    rules_key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
-    applying = [p for p in policies if p["metadata"].get("namespace", "") == pod.ns
-                and direction in p["spec"].get("policyTypes", ["Ingress"])
-                and selects(p["spec"]["podSelector"], pod.labels)]
-    if not applying:
-        return True
-    for policy in applying:
-        for rule in policy["spec"].get(rules_key) or []:
-            ports = rule.get("ports") or [{}]
-            port_ok = any(p.get("protocol", "TCP") == proto and p.get("port", port) == port for p in ports)
-            peers = rule.get(peers_key)
-            if port_ok and (not peers or any(peer_matches(x, peer, pod.ns) for x in peers)):
-                return True
-    return False
-
-
-def expected_flows(components: set[str]) -> set[tuple]:
-    flows = {(src, "router", port, "TCP") for src in ["client", "prometheus", "other-pod"]
-             for port in (7001, 8080)}
-    flows |= {("prometheus", "router", 9101, "TCP"), ("prometheus", "adapter-store", 9103, "TCP"),
-              ("prometheus", "worker", 9102, "TCP"), ("router", "adapter-store", 7003, "TCP"),
-              ("router", "worker", 7002, "TCP"), ("worker", "adapter-store", 7003, "TCP")}
-    # The store's object storage: any pod on 9000 (MinIO, wherever it runs), any address on 443.
-    flows |= {("adapter-store", ep.name, 9000 if ep.ip is None else 443, "TCP")
-              for ep in OUTSIDE if ep.name != "client"}
-    if "minio" in components:
-        flows |= {("adapter-store", "minio", 9000, "TCP"), ("minio-bucket", "minio", 9000, "TCP")}
-    for c in components:
-        flows |= {(c, dns, 53, proto) for dns in ("kube-dns", "nodelocal-dns") for proto in ("UDP", "TCP")}
-        flows.add((c, "otel-collector", 4317, "TCP"))
-    return flows
-
-
-def allowed_flows(policies, inside, ports, sides=("Egress", "Ingress")) -> set[tuple]:
-    """Every (src, dst, port, proto) that the policies let through on the given sides."""
-    sources = inside + [ep for ep in OUTSIDE if ep.name in ("client", "prometheus", "other-pod")]
-    targets = inside + [ep for ep in OUTSIDE if ep.name != "client"]
-    allowed = set()
-    for src in sources:
-        for dst in targets:
-            if src in OUTSIDE and dst in OUTSIDE:
-                continue
-            for port in ports:
-                for proto in ("TCP", "UDP"):
-                    egress = "Egress" not in sides or src in OUTSIDE or \
-                        side_allows(policies, src, dst, port, proto, "Egress")
-                    ingress = "Ingress" not in sides or dst in OUTSIDE or \
-                        side_allows(policies, dst, src, port, proto, "Ingress")
-                    if egress and ingress:
-                        allowed.add((src.name, dst.name, port, proto))
-    return allowed
-
-
-def test_network_policies_allow_exactly_the_intended_flows(docs):
-    policies = of_kind(docs, "NetworkPolicy")
-    assert any(p["spec"]["podSelector"] == {} and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
-               and not p["spec"].get("ingress") and not p["spec"].get("egress") for p in policies), \
-        "no default-deny NetworkPolicy"
-    inside = [Endpoint(w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"],
-                       w["metadata"].get("namespace", ""), w["spec"]["template"]["metadata"]["labels"])
-              for w in workloads(docs)]
-    ports = {53, 443, 4317, 9000, 13133} | {p["containerPort"] for w in workloads(docs)
-                                             for c in pod_containers(w) for p in c.get("ports", [])}
-    expected = expected_flows({ep.name for ep in inside})
-    allowed = allowed_flows(policies, inside, ports)
-    assert allowed == expected, f"unexpected: {sorted(allowed - expected)}\nmissing: {sorted(expected - allowed)}"
-    # Between our own pods each side must be exact too, so no slack hides behind the other side.
-    # Known one-sided slack, where the other side decides: the store may leave on 9000 to any
-    # pod (MinIO wherever it runs), and the router's 7001 is open to every client.
-    names = {ep.name for ep in inside}
-    between = {f for f in expected if {f[0], f[1]} <= names}
-    slack = {"Egress": {("adapter-store", n, 9000, "TCP") for n in names},
-             "Ingress": {(n, "router", p, "TCP") for n in names for p in (7001, 8080)}}
-    for side in ("Egress", "Ingress"):
-        one_side = {f for f in allowed_flows(policies, inside, ports, (side,)) if {f[0], f[1]} <= names}
-        assert one_side == between | slack[side], (side, sorted(one_side ^ (between | slack[side])))
