@@ -9,6 +9,7 @@ import pytest
 
 from services.client.client import LorafleetClient
 from tests.conftest import Stack
+from tests.support import Service
 
 pytestmark = pytest.mark.slow
 
@@ -45,5 +46,48 @@ def test_store_down_answers_from_other_tenants_resolutions(lora_fleet, tmp_path)
                 assert f"adapter store unreachable at {stack.store.addr}" in err.details(), \
                     err.details()
         assert unseen.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stack.terminate()
+
+
+def test_an_admin_write_keeps_the_other_names_outage_fallback(lora_fleet, tmp_path):
+    """Issue 41, defect 7: Register, SetAlias and DeleteAdapter dropped every cached answer, so
+    after one admin write a store outage failed every tenant's resident adapters UNAVAILABLE.
+    Now a write drops only the names it touched (in every tenant's scope): the others still
+    serve through the outage, the touched ones are not answered from before the write; and the
+    outage is logged once when it starts and once when the store is back, not per request."""
+    base, adapters = lora_fleet
+    stack = Stack(base, adapters, tmp_path)
+    try:
+        with LorafleetClient(stack.router.addr, "alice", timeout=30) as a:
+            a.register("alice-own", "file://a01", tenant="alice")
+            a.register("team", "file://a02", aliases=["team-chat"])
+            for name in ("a03", "team-chat", "alice-own", "a06"):
+                a.generate(adapter=name, **PROMPT)
+            a.register("fresh", "file://a05")                  # three admin writes, each
+            a.set_alias("team-chat", "a04")                    # touching one name
+            a.delete("a06")
+        port = stack.store.port
+        stack.store.kill()
+        with LorafleetClient(stack.router.addr, "bob", timeout=30) as b:
+            for _ in range(5):
+                assert b.generate(adapter="a03", **PROMPT).adapter_id == "a03"
+            moved = _error(b.generate, adapter="team-chat", **PROMPT)
+            deleted = _error(b.generate, adapter="a06", **PROMPT)
+        with LorafleetClient(stack.router.addr, "alice", timeout=30) as a:
+            assert a.generate(adapter="alice-own", **PROMPT).adapter_id == "alice-own"
+            assert a.generate(adapter="a03", **PROMPT).adapter_id == "a03"
+            during = _error(a.set_alias, alias="x", target="a03")   # a write in the outage
+            assert a.generate(adapter="a03", **PROMPT).adapter_id == "a03"
+        assert moved.code() == deleted.code() == grpc.StatusCode.UNAVAILABLE
+        assert during.code() == grpc.StatusCode.UNAVAILABLE
+        stack.store = Service("adapter_store", ["--adapters-dir", str(adapters), "--model",
+                                                str(base), "--db", ":memory:"], tmp_path,
+                              port=port).wait()
+        with LorafleetClient(stack.router.addr, "bob", timeout=30) as b:
+            assert b.generate(adapter="a07", **PROMPT).adapter_id == "a07"
+        log = stack.router.log()
+        assert log.count("adapter store unreachable at") == 1, log[-3000:]
+        assert log.count("answers again") == 1, log[-3000:]
     finally:
         stack.terminate()

@@ -7,6 +7,9 @@ when a worker reports that the version it was sent is no longer the store's (`in
 request path then resolves again and retries. An epoch counter keeps a resolution that was in
 flight during an invalidation from putting the stale answer back. While the store is
 unreachable, the last answer for a name stands: adapters resident on workers keep serving.
+An admin write (Register, SetAlias, DeleteAdapter) drops only the names it touched, in every
+owner scope (`invalidate(*names)`), so the other names keep that fallback. The outage is logged
+once when it starts and once when the store answers again, not on every request.
 A tenant that never resolved the name may then take another tenant's last answer for it, but
 only one it could see itself (a shared adapter, or its own; `_known`): a private adapter never
 reaches another tenant, and an id answers before an alias as in the store's lookup. (A tenant
@@ -45,6 +48,7 @@ class Resolver:
         self._epoch = 0
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self.lookups = 0            # store round trips (for tests and stats)
+        self.store_down = False     # the last round trip found the store unreachable
 
     async def resolve(self, name: str, tenant: str,
                       timeout: float | None = None) -> router_pb2.AdapterInfo:
@@ -79,16 +83,10 @@ class Resolver:
                                            timeout=timeout or 10.0, metadata=outgoing_metadata())
         except grpc.RpcError as err:
             if err.code() not in STORE_DOWN:
+                self._store_back()
                 raise from_rpc_error(err) from None
-            # the store is unreachable: the last answer stands (the adapter may be resident
-            # on a worker, which needs no store), until the store answers again
-            stale = self._cache.get(key) or self._known_for(name, tenant)
-            if stale is None:
-                raise Unavailable(f"adapter store unreachable at {self.store_addr or '?'}: "
-                                  f"{err.code().name}: {err.details()}") from None
-            log.warning("store unreachable (%s): %r for %s resolved from a %.0f s old "
-                        "answer", err.code().name, name, tenant, now - stale[0])
-            return stale[1]
+            return self._fallback(key, err, now)
+        self._store_back()
         if epoch == self._epoch:
             if len(self._cache) >= MAX_ENTRIES:
                 self._cache.clear()
@@ -97,6 +95,28 @@ class Resolver:
             owner = "" if resp.adapter.shared else resp.adapter.owner
             self._known.setdefault(name, {})[owner] = (now, resp.adapter)
         return resp.adapter
+
+    def _fallback(self, key: tuple[str, str], err: grpc.RpcError, now: float
+                  ) -> router_pb2.AdapterInfo:
+        """The store is unreachable: the last answer stands (the adapter may be resident on a
+        worker, which needs no store) until the store answers again; UNAVAILABLE without one."""
+        tenant, name = key
+        if not self.store_down:
+            self.store_down = True
+            log.warning("adapter store unreachable at %s (%s: %s): adapters resolve from their "
+                        "last answers until it is back", self.store_addr or "?",
+                        err.code().name, err.details())
+        stale = self._cache.get(key) or self._known_for(name, tenant)
+        if stale is None:
+            raise Unavailable(f"adapter store unreachable at {self.store_addr or '?'}: "
+                              f"{err.code().name}: {err.details()}") from None
+        log.debug("%r for %s resolved from a %.0f s old answer", name, tenant, now - stale[0])
+        return stale[1]
+
+    def _store_back(self) -> None:
+        if self.store_down:
+            self.store_down = False
+            log.warning("adapter store at %s answers again", self.store_addr or "?")
 
     def _known_for(self, name: str, tenant: str
                    ) -> tuple[float, router_pb2.AdapterInfo] | None:
@@ -110,18 +130,21 @@ class Resolver:
         fits.sort(key=lambda hit: hit[1].id != base)        # stable: own before shared
         return fits[0] if fits else None
 
-    def invalidate(self, name: str | None = None) -> None:
-        """Forget every entry (name None), or those for `name` or resolving to adapter `name`."""
+    def invalidate(self, *names: str) -> None:
+        """Forget every entry (no names), or, in every tenant's scope, those for each name
+        (an id, an alias or NAME@VERSION) or resolving to an adapter of that id; the answers
+        for other names stay (the store-outage fallback among them)."""
         self._epoch += 1
-        if name is None:
+        if not names:
             self._cache.clear()
             self._known.clear()
             self._pending.clear()       # lookups in flight may answer from before the change
             return
-        for key in [k for k, (_, a) in self._cache.items() if name in (k[1], a.id)]:
+        touched = set(names) | {n.partition("@")[0] for n in names}
+        for key in [k for k, (_, a) in self._cache.items() if {k[1], a.id} & touched]:
             del self._cache[key]
         for known in [k for k, seen in self._known.items()
-                      if k == name or any(a.id == name for _, a in seen.values())]:
+                      if k in touched or any(a.id in touched for _, a in seen.values())]:
             del self._known[known]
-        for key in [k for k in self._pending if k[1] == name]:
+        for key in [k for k in self._pending if k[1] in touched]:
             del self._pending[key]

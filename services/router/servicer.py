@@ -208,7 +208,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
                 spb.RegisterRequest(id=request.id, source=request.source, owner=request.tenant,
                                     aliases=request.aliases, replace=request.replace),
                 timeout=context.time_remaining() or 60, metadata=outgoing_metadata()))
-        self.app.resolver.invalidate()
+        self.app.resolver.invalidate(request.id, *request.aliases)   # the names it touched
         log.info("tenant %s registered adapter %s from %s", caller.tenant, request.id,
                  request.source)
         return rpb.RegisterAdapterResponse(adapter=resp.adapter)
@@ -218,7 +218,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         require_admin(caller)
         await _store_call(self.app.store.Delete(spb.DeleteRequest(id=request.id), timeout=10,
                                                 metadata=outgoing_metadata()))
-        self.app.resolver.invalidate()
+        self.app.resolver.invalidate(request.id)     # the id and every alias resolving to it
         return rpb.DeleteAdapterResponse()
 
     async def SetAlias(self, request, context):
@@ -233,7 +233,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         resp = await _store_call(self.app.store.SetAlias(
             rpb.SetAliasRequest(alias=request.alias, target=request.target), timeout=10,
             metadata=outgoing_metadata()))
-        self.app.resolver.invalidate()
+        self.app.resolver.invalidate(request.alias)  # in every owner scope; other names stay
         log.info("alias %s -> %s (version %s)", request.alias, request.target,
                  resp.adapter.version)
         return resp
