@@ -8,7 +8,7 @@ import sys
 
 from services.adapter_store import config as store_config
 from services.adapter_store.server import build_store, create_server
-from services.common.runtime import metrics_host, setup_logging, start_metrics
+from services.common.runtime import metrics_host, serve_ports, setup_logging
 from services.common.server import serve
 from services.common.telemetry import setup_tracing
 
@@ -19,6 +19,8 @@ async def _run(config: store_config.StoreConfig) -> None:
     store, registry = build_store(config)
     server, port, health = create_server(config, store)
     log.info("adapter store listening on %s (port %d)", config.listen, port)
+    if config.metrics_port:
+        log.info("metrics on %s:%d/metrics", metrics_host(config), config.metrics_port)
     await serve(server, health, config.grace, on_drain=None, name="adapter-store")
     store.close()
     registry.close()
@@ -33,12 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad configuration: %s", exc)
         return 2
     setup_tracing("adapter-store", config.otlp_endpoint, config.trace_file)
-    host = metrics_host(config)
-    metrics_port = start_metrics(config.metrics_port, host)
-    if metrics_port:
-        log.info("metrics on %s:%d/metrics", host, metrics_port)
-    asyncio.run(_run(config))
-    return 0
+    return serve_ports("adapter-store", config, lambda: asyncio.run(_run(config)) or 0)
 
 
 if __name__ == "__main__":

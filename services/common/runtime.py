@@ -1,6 +1,7 @@
 """Process-level set-up shared by the services' main(): logging and the /metrics endpoint."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -21,11 +22,19 @@ def metrics_host(cfg) -> str:
 
 
 def start_metrics(port: int, host: str) -> int:
-    """Serve Prometheus /metrics on host:port (port 0 = off). Returns the port bound."""
+    """Serve Prometheus /metrics on host:port (port 0 = off; never SO_REUSEPORT, so the port is
+    this process's alone). Returns the port bound; PortError when it cannot be bound."""
     if port <= 0:
         return 0
     from prometheus_client import start_http_server
-    server, _thread = start_http_server(port, addr=host)
+    from services.common.ports import PortError, taken
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as exc:
+        address = f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise taken("--metrics-port", address, port) from None
+        raise PortError(f"could not serve --metrics-port {address}: {exc.strerror}") from None
     return server.server_port
 
 
@@ -133,5 +142,17 @@ def run_service(service: str, parse, main_async) -> int:
         return 2
     setup_logging(service, cfg.log_level)
     setup_tracing(f"lorafleet-{service}", cfg.otlp_endpoint, cfg.trace_file)
-    start_metrics(cfg.metrics_port, metrics_host(cfg))
-    return asyncio.run(main_async(cfg)) or 0
+    return serve_ports(service, cfg, lambda: asyncio.run(main_async(cfg)) or 0)
+
+
+def serve_ports(service: str, cfg, run) -> int:
+    """Check that every port of the service is free, start /metrics, then run(); a port that
+    is taken (now or when bound) ends the process with one line naming it, exit 1."""
+    from services.common.ports import PortError, check_ports
+    try:
+        check_ports(cfg)
+        start_metrics(cfg.metrics_port, metrics_host(cfg))
+        return run()
+    except PortError as exc:
+        print(f"{service}: {exc}", file=sys.stderr, flush=True)
+        return 1

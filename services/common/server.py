@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.service_auth import (ServiceTokenCheck, SyncTokenClient,
                                           aio_token_interceptors)
+from services.common.ports import GRPC_EXCLUSIVE, PortError, check_free
 from services.common.interceptor import (CallGate, ErrorInterceptor, abort_with,  # noqa: F401
                                          status_for)
 
@@ -132,7 +133,7 @@ def create_server(listen: str, register: Callable[[grpc.aio.Server], Iterable[st
     UNAUTHENTICATED (services.common.service_auth). Returns (server, port, health).
     """
     gate = CallGate()
-    options = SERVER_OPTIONS
+    options = SERVER_OPTIONS + [GRPC_EXCLUSIVE]      # the port is this server's alone
     if max_receive_bytes is not None:
         options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
@@ -147,13 +148,23 @@ def create_server(listen: str, register: Callable[[grpc.aio.Server], Iterable[st
         grpc_reflection.enable_server_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              grpc_reflection.SERVICE_NAME], server)
-    if credentials is None:
-        port = server.add_insecure_port(listen)
-    else:
-        port = server.add_secure_port(listen, credentials)
+    return server, bind(server, listen, credentials), health_servicer
+
+
+def bind(server: grpc.aio.Server, listen: str,
+         credentials: grpc.ServerCredentials | None) -> int:
+    """Add the listening port (exclusive: GRPC_EXCLUSIVE); PortError when it cannot be bound,
+    naming the port and whether another process holds it."""
+    try:
+        port = (server.add_insecure_port(listen) if credentials is None
+                else server.add_secure_port(listen, credentials))
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind {listen}")
-    return server, port, health_servicer
+        if not listen.startswith("unix:"):
+            check_free("--listen", listen)          # raises if another process holds it
+        raise PortError(f"could not serve --listen {listen}")
+    return port
 
 
 async def set_serving(health_servicer: Health, serving: bool) -> None:

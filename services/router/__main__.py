@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import sys
 
 from prometheus_client import REGISTRY
 
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, router_pb2_grpc
+from services.common.ports import PortError, split, taken
 from services.common.runtime import freeze_startup_objects, run_service
 from services.common.tenant_labels import TenantLabels
 from services.common.service_auth import read_token
@@ -63,7 +65,7 @@ async def main_async(cfg: RouterConfig) -> None:
     gateway = None
     if cfg.http_listen:
         gateway = OpenAIGateway(servicer, servicer.base_model_name)
-        http_port = await gateway.start(cfg.http_listen)
+        http_port = await start_gateway(gateway, cfg.http_listen)
         log.info("OpenAI-compatible HTTP gateway on port %d (/v1/completions, "
                  "/v1/chat/completions, /v1/models)", http_port)
     loop = asyncio.get_running_loop()
@@ -82,6 +84,17 @@ async def main_async(cfg: RouterConfig) -> None:
         if peers is not None:
             peers.cancel()
     await workers.close()
+
+
+async def start_gateway(gateway: OpenAIGateway, listen: str) -> int:
+    """Serve the HTTP gateway on `listen` (aiohttp binds without SO_REUSEPORT: the port is
+    the router's alone); PortError naming the port when it cannot."""
+    try:
+        return await gateway.start(listen)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise taken("--http-listen", listen, split(listen)[1]) from None
+        raise PortError(f"could not serve --http-listen {listen}: {exc.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
