@@ -81,6 +81,7 @@ class RouterStats:
         # the store's last Stats reply (GetStats and poll_store_stats refresh it): the store
         # tier's cache figures and adapter counts on the router's /metrics
         self.store_snapshot = None
+        self.worker_infos: dict = {}    # address -> the last Info reply (GetStats refreshes it)
         self.tenants: dict[str, TenantRecord] = {}
         self.window = working_set_window
         self._adapters_seen: dict[str, float] = {}

@@ -28,6 +28,9 @@ async def _gather(app):
     results = await asyncio.gather(store(), *(info(w) for w in workers))
     if results[0] is not None:
         app.stats.store_snapshot = results[0]
+    # each worker's own counts, for the status page's Workers table: the same figures the
+    # adapter counts below sum, so the page's panels agree
+    app.stats.worker_infos = {w.addr: r for w, r in zip(workers, results[1:]) if r is not None}
     # the store unreachable: its last figures, as /metrics keeps them (the reply's shape does
     # not change, and `registered` does not read 0 while the adapters still serve)
     return app.stats.store_snapshot, [r for r in results[1:] if r is not None]

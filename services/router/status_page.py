@@ -7,9 +7,17 @@ latency per source tier, per-tenant fairness with Jain's index, adapter counts) 
 authentication and the same view of tenants (a --tenants file's user sees its own row; the
 token comes in the Authorization header or, for a browser, as `?token=` on the page), plus the
 workers (address, live, resident counts, load) and the residency (which adapter is where).
+
+The residency lists a user only the adapters the API would let it use: an adapter id appears
+when resolving it as that tenant (services.router.resolve, cached, the store-outage fallback
+included) answers that adapter, so another tenant's private adapter never appears, as the API
+answers NOT_FOUND for it; an admin sees every one. The Workers table's resident counts are each
+worker's own figures (its Info: versions on the GPU, adapters in its host tier), the very ones
+the Adapters panel sums, so the two agree.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -38,14 +46,16 @@ class _Context:
         return 10.0
 
 
-def workers_view(workers) -> tuple[list[dict], list[dict]]:
-    """(workers, residency) from the router's residency view (services.router.workers)."""
+def workers_view(workers, infos: dict) -> tuple[list[dict], list[dict]]:
+    """(workers, residency) from the router's residency view (services.router.workers); the
+    resident counts from each worker's last Info (infos: address -> reply), 0 without one
+    (as GetStats counts a worker that did not answer)."""
     rows, residency = [], []
     for addr, w in sorted(workers.workers.items()):
-        gpu = [a for a in w.adapters.values() if a.tier == common_pb2.GPU]
-        host = [a for a in w.adapters.values() if a.tier == common_pb2.WORKER_HOST]
+        info = infos.get(addr) if w.connected else None
         rows.append({"address": addr, "worker_id": w.worker_id, "live": w.connected,
-                     "gpu_resident": len(gpu), "host_resident": len(host),
+                     "gpu_resident": info.gpu_resident if info else 0,
+                     "host_resident": info.host_resident if info else 0,
                      "running": w.load.running, "waiting": w.load.waiting,
                      "kv_used": round(w.load.kv_used_fraction, 4),
                      "draining": w.load.draining, "in_flight": w.in_flight})
@@ -57,12 +67,28 @@ def workers_view(workers) -> tuple[list[dict], list[dict]]:
     return rows, residency
 
 
+async def visible(residency: list[dict], caller, resolver) -> list[dict]:
+    """The rows whose adapter the caller may use: all for an admin; for a user, the ids that
+    resolve as its tenant to themselves (anything else, NOT_FOUND or no answer, hides it)."""
+    if caller.admin:
+        return residency
+    ids = sorted({r["adapter"] for r in residency})
+    answers = await asyncio.gather(*(resolver.resolve(a, caller.tenant, timeout=5)
+                                     for a in ids), return_exceptions=True)
+    mine = {a for a, ans in zip(ids, answers) if getattr(ans, "id", None) == a}
+    return [r for r in residency if r["adapter"] in mine]
+
+
 async def snapshot(servicer, request: web.Request) -> dict:
-    stats = await servicer.GetStats(rpb.GetStatsRequest(), _Context(request))
+    ctx = _Context(request)
+    stats = await servicer.GetStats(rpb.GetStatsRequest(), ctx)     # authenticates
+    caller = servicer.app.tenants.authenticate(ctx.invocation_metadata())
     out = MessageToDict(stats, preserving_proto_field_name=True,
                         always_print_fields_with_no_presence=True)
     out["workers_live"] = out.pop("workers", 0)
-    out["workers"], out["residency"] = workers_view(servicer.app.workers)
+    out["workers"], residency = workers_view(servicer.app.workers,
+                                             servicer.app.stats.worker_infos)
+    out["residency"] = await visible(residency, caller, servicer.app.resolver)
     out["time"] = time.time()
     out["poll_s"] = POLL_S
     return out
@@ -175,8 +201,8 @@ function render(s) {
     Number((h.adapters || {})[k] || 0))})),
     Math.max(1, ...history.flatMap(h => counts.map(k => Number((h.adapters || {})[k] || 0)))));
   document.getElementById("workers").innerHTML = table([["address", r => r.address],
-    ["live", r => r.live ? "yes" : "no"], ["GPU resident", r => r.gpu_resident],
-    ["host resident", r => r.host_resident], ["running", r => r.running],
+    ["live", r => r.live ? "yes" : "no"], ["gpu_resident", r => r.gpu_resident],
+    ["worker_host", r => r.host_resident], ["running", r => r.running],
     ["waiting", r => r.waiting], ["KV used", r => pct(r.kv_used)]], s.workers);
   document.getElementById("residency").innerHTML = table([["adapter", r => r.adapter],
     ["worker", r => r.worker], ["tier", r => r.tier + (r.loading ? " (loading)" : "")],
