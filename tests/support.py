@@ -90,7 +90,8 @@ class Service:
         return self
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def terminate(self, timeout: float = 30.0) -> int:

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from kernels import compile_watch, kernel_cache
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
-from services.common.runtime import freeze_startup_objects, run_service
+from services.common.runtime import exit_process, freeze_startup_objects, run_service
 from services.common.server import create_server, serve, server_credentials, sync_channel
 from services.common.service_auth import describe, read_token
 from services.common.tenant_labels import TenantLabels
@@ -212,4 +212,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

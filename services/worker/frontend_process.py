@@ -12,11 +12,13 @@ import subprocess
 import sys
 import tempfile
 
+from services.common.owned_dirs import clear_stale, make_owned_dir
 from services.worker.config import WorkerConfig
 from services.worker.engine_link import EngineLink
 from services.worker.link import BlockingEnd
 
 log = logging.getLogger("lorafleet.worker")
+TEMP_PREFIX = "lorafleet-worker-"        # + pid + "-" + random (services.common.owned_dirs)
 
 
 class FrontendFailed(RuntimeError):
@@ -32,7 +34,9 @@ class Front:
         """root: the project (on the child's PYTHONPATH); env: the child's environment."""
         self.cfg, self.servicer, self.loop, self.root = cfg, servicer, loop, root
         self.env = env
-        self._dir = tempfile.mkdtemp(prefix="lorafleet-worker-")
+        # the core's socket; a SIGKILLed worker's directory is removed by the next one to start
+        clear_stale(tempfile.gettempdir(), TEMP_PREFIX)
+        self._dir = make_owned_dir(tempfile.gettempdir(), TEMP_PREFIX)
         self.core_address = f"unix:{self._dir}/core.sock"
         self.proc: subprocess.Popen | None = None
         self.link: EngineLink | None = None
