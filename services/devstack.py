@@ -1,7 +1,13 @@
 """`make run`: the adapter store, one worker and the router on this machine, with the embedded
 tiny model and demo adapters. Serves until Ctrl-C, then drains all three. Where the machine has
 a tmpfs at /dev/shm, the store keeps its host tier there and the worker reads adapters from it
-(--shm-dir / --store-shm-dir) instead of a gRPC stream."""
+(--shm-dir / --store-shm-dir) instead of a gRPC stream.
+
+A stack keeps to what it started (issue 41: a second `make run` reported the first one's health
+as its own, then deleted its shared memory): it refuses to start while any of its ports is
+taken, naming what holds it; it reports SERVING only for a port its own process (or one under
+it) listens on; its /dev/shm directory is its own (named for its pid, made fresh), and it
+removes only that one, and stale ones of stacks that died with no live store left in them."""
 from __future__ import annotations
 
 import argparse
@@ -15,23 +21,33 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.owned_dirs import alive, clear_stale, make_owned_dir
+from services.common.port_holders import describe, held_by
+from services.common.ports import PortError, check_free
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def wait_serving(addr: str, proc: subprocess.Popen, timeout: float) -> None:
-    end = time.monotonic() + timeout
+    """Until `proc`'s service answers SERVING on addr: an answer counts only while the port is
+    held by proc or a process under it (the worker's front end), never by another process."""
+    end, port = time.monotonic() + timeout, int(addr.rpartition(":")[2])
     with grpc.insecure_channel(addr) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < end:
             if proc.poll() is not None:
                 raise SystemExit(f"{addr}: process exited with {proc.returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                pass
+            if held_by(port, proc.pid) is not False and serving(stub):
+                return
             time.sleep(0.2)
     raise SystemExit(f"{addr} did not become SERVING within {timeout}s")
+
+
+def serving(stub) -> bool:
+    try:
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1
+    except grpc.RpcError:
+        return False
 
 
 def parse_args(argv=None):
@@ -74,10 +90,51 @@ def service_specs(a, py: str, shm: str | None) -> list[tuple[str, list[str], str
     ]
 
 
+def stack_ports(a) -> list[tuple[str, int]]:
+    """(what, port) of every port the stack listens on."""
+    ports = [("router gRPC", a.port_base), ("worker gRPC", a.port_base + 1),
+             ("adapter-store gRPC", a.port_base + 2), ("router HTTP", a.http_port)]
+    if a.metrics_base:
+        ports += [(f"{name} /metrics", a.metrics_base + i)
+                  for i, name in enumerate(("router", "worker", "adapter-store"))]
+    return ports
+
+
+def taken_ports(a) -> list[str]:
+    """One line for each of the stack's ports that is taken, naming what holds it."""
+    lines = []
+    for what, port in stack_ports(a):
+        try:
+            check_free(what, f"{a.host}:{port}")
+        except PortError:
+            lines.append(f"  port {port} ({what}) is held by {describe(port)}")
+    return lines
+
+
+def print_banner(a) -> None:
+    h = a.host
+    cli = ".venv/bin/lorafleet" + ("" if a.port_base == 7001 and h == "127.0.0.1"
+                                   else f" --router {h}:{a.port_base}")
+    print("\nlorafleet is serving. Try:\n"
+          f"  {cli} adapters\n"
+          f"  {cli} generate --adapter pirate --max-new-tokens 24 "
+          "'Tell me about the weather.'\n"
+          f"  {cli} stats\n"
+          f"  curl -s {h}:{a.http_port}/v1/chat/completions -H 'Content-Type: application/json' "
+          "-d '{\"model\": \"poet\", \"messages\": [{\"role\": \"user\", \"content\": "
+          "\"Hello!\"}], \"max_tokens\": 24}'\n"
+          "Ctrl-C stops all three.\n", flush=True)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
-    h = a.host
-    shm = shm_dir(a.port_base)
+    taken = taken_ports(a)
+    if taken:
+        print("devstack: not starting: ports this stack needs are in use (another `make run`?)\n"
+              + "\n".join(taken) + "\nStop that stack, or choose free ports: make run "
+              "PORT_BASE=... HTTP_PORT=... METRICS_BASE=... (0: no /metrics)", file=sys.stderr)
+        return 1
+    shm = shm_dir()
     specs = service_specs(a, sys.executable, shm)
     procs = []
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -88,17 +145,7 @@ def main(argv=None) -> int:
             procs.append(proc)
             wait_serving(addr, proc, timeout=180)
             print(f"{name} SERVING on {addr}", flush=True)
-        cli = ".venv/bin/lorafleet" + ("" if a.port_base == 7001 and h == "127.0.0.1"
-                                       else f" --router {h}:{a.port_base}")
-        print("\nlorafleet is serving. Try:\n"
-              f"  {cli} adapters\n"
-              f"  {cli} generate --adapter pirate --max-new-tokens 24 "
-              "'Tell me about the weather.'\n"
-              f"  {cli} stats\n"
-              f"  curl -s {h}:{a.http_port}/v1/chat/completions -H 'Content-Type: application/json' "
-              "-d '{\"model\": \"poet\", \"messages\": [{\"role\": \"user\", \"content\": "
-              "\"Hello!\"}], \"max_tokens\": 24}'\n"
-              "Ctrl-C stops all three.\n", flush=True)
+        print_banner(a)
         while all(pr.poll() is None for pr in procs):
             time.sleep(0.5)
         print("a service exited; stopping the rest", file=sys.stderr)
@@ -119,14 +166,31 @@ def main(argv=None) -> int:
             shutil.rmtree(shm, ignore_errors=True)
 
 
-def shm_dir(port_base: int) -> str | None:
-    """A directory of this user's on /dev/shm for the store's host tier (one a stack, by its
-    port base), or None without one."""
-    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+def shm_dir(root: str = "/dev/shm") -> str | None:
+    """A new directory on /dev/shm, this stack's own, for the store's host tier (or None
+    without a writable /dev/shm). Stale ones of stacks that died (SIGKILL) are removed first,
+    unless a store still runs with files in them."""
+    if not os.path.isdir(root) or not os.access(root, os.W_OK):
         return None
-    path = f"/dev/shm/lorafleet-devstack-{os.getuid()}-{port_base}"
-    os.makedirs(path, exist_ok=True)
-    return path
+    prefix = shm_prefix()
+    clear_stale(root, prefix, in_use=store_files_alive)
+    return str(make_owned_dir(root, prefix))
+
+
+def shm_prefix() -> str:
+    return f"lorafleet-devstack-{os.getuid()}-"
+
+
+def store_files_alive(path) -> bool:
+    """Whether a store that is still running has files in `path` (host_cache names each
+    file PREFIX + its store's pid + '-' ...)."""
+    from services.adapter_store.host_cache import PREFIX
+    for f in path.iterdir():
+        name = f.name.lstrip(".")
+        pid = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
+        if pid.isdigit() and alive(int(pid)):
+            return True
+    return False
 
 
 if __name__ == "__main__":
