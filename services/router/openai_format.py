@@ -15,11 +15,12 @@ def usage_json(usages) -> dict:
             "total_tokens": prompt + completion}
 
 
-def logprobs(tokens, req, chat: bool) -> dict | None:
-    """The OpenAI logprobs object of these tokens, when the request asked for them."""
+def logprobs(tokens, req, chat: bool, text: str | None = None, start: int = 0) -> dict | None:
+    """The OpenAI logprobs object of these tokens, when the request asked for them; text:
+    what the reply carries for them, which starts at `start` in the choice's text."""
     if not req.response.token_logprobs:
         return None
-    return logprobs_json(tokens, chat, req.response.top_n_tokens)
+    return logprobs_json(tokens, chat, req.response.top_n_tokens, text, start)
 
 
 def chunker(rid: str, model: str, chat: bool):
@@ -46,19 +47,28 @@ def chunker(rid: str, model: str, chat: bool):
     return chunk
 
 
-def logprobs_json(tokens, chat: bool, top: int) -> dict | None:
+def text_offsets(tokens, text: str | None, start: int = 0) -> list[int]:
+    """Each token's offset in the choice's text, of which `text` (the tokens' part of it)
+    starts at `start`: an index into what the reply returns. A token whose text the reply does
+    not hold there (the prompt's BOS `<s>` under echo, a stop sequence's cut) is zero-width."""
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(start + at)
+        if text is None or text.startswith(t.text, at):
+            at += len(t.text)
+    return offsets
+
+
+def logprobs_json(tokens, chat: bool, top: int, text: str | None = None,
+                  start: int = 0) -> dict | None:
     """The choice's (or a chunk's) `logprobs` object for these TokenInfo messages, in the
-    endpoint's shape; None when none were asked for."""
+    endpoint's shape (text, start: text_offsets)."""
     if chat:
         def entry(t):
             return {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
         return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t.top_tokens]}
                             for t in tokens], "refusal": None}
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t.text)
     return {"tokens": [t.text for t in tokens],
             "token_logprobs": [None if math.isnan(t.logprob) else t.logprob for t in tokens],
             "top_logprobs": [{a.text: a.logprob for a in t.top_tokens} for t in tokens]
-            if top else None, "text_offset": offsets}
+            if top else None, "text_offset": text_offsets(tokens, text, start)}

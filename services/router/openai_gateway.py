@@ -20,14 +20,12 @@ from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
 from services.router.openai_choices import fan_out, gather as gather_choices
 from services.router.openai_choices import requests as choice_requests
 from services.router.openai_fields import BodyError, build_request, chat_messages, token_ids
+from services.router.openai_errors import error_body, error_response
 from services.router.openai_format import chunker, logprobs, usage_json
+from services.router.openai_http import GatewayRunner, check_strings, json_errors
 from services.router import status_page
 
 log = logging.getLogger(__name__)
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
-               "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
-               "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499,
-               "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 FINISH = {common_pb2.MAX_TOKENS: "length", common_pb2.TIME_LIMIT: "length",
           common_pb2.EOS_TOKEN: "stop", common_pb2.STOP_SEQUENCE: "stop",
           common_pb2.CANCELLED: "stop"}
@@ -48,84 +46,6 @@ class _Context:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
 
-# GenerateRequest fields the servicers name in their refusals -> the OpenAI body's keys
-HTTP_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
-               "sampling.repetition_penalty": "repetition_penalty",
-               "stopping.stop_sequences": "stop", "stopping.max_new_tokens": "max_tokens",
-               "prompt_token_ids": "prompt", "request_id": "user_request_id"}
-# gRPC status -> OpenAI's error type
-ERROR_TYPES = {"INVALID_ARGUMENT": "invalid_request_error",
-               "FAILED_PRECONDITION": "invalid_request_error",
-               "OUT_OF_RANGE": "invalid_request_error", "ALREADY_EXISTS": "invalid_request_error",
-               "CANCELLED": "invalid_request_error", "UNAUTHENTICATED": "authentication_error",
-               "PERMISSION_DENIED": "permission_error", "NOT_FOUND": "not_found_error",
-               "RESOURCE_EXHAUSTED": "rate_limit_error"}
-# gRPC status -> OpenAI's code, where OpenAI has one for it
-ERROR_CODES = {"UNAUTHENTICATED": "invalid_api_key", "NOT_FOUND": "model_not_found",
-               "RESOURCE_EXHAUSTED": "rate_limit_exceeded"}
-
-
-def _http_message(message: str, chat: bool) -> tuple[str, str | None]:
-    """A refusal that names a GenerateRequest field, reworded with the body's key; and that
-    key (the error's param)."""
-    field, sep, rest = message.partition(":")
-    if not sep or " " in field:
-        return message, None
-    if field in ("text", "prompt"):
-        key = "messages" if chat else "prompt"
-    elif chat and field == "stopping.max_new_tokens":
-        return "max_completion_tokens / max_tokens" + sep + rest, "max_tokens"
-    else:
-        key = HTTP_FIELDS.get(field, field)
-    return key + sep + rest, key
-
-
-def error_body(err: LorafleetError, chat: bool = False) -> tuple[dict, int]:
-    """OpenAI's error object for a refusal: message, type, param, code (and the gRPC status
-    it came from as grpc_code); and the HTTP status."""
-    name = err.code.name
-    message, param, code = err.message, None, ERROR_CODES.get(name)
-    if name == "INVALID_ARGUMENT":
-        message, param = _http_message(err.message, chat)
-        code = "invalid_value"
-        if "exceeds the model's" in message or "cannot fit the model's" in message:
-            code = "context_length_exceeded"
-    if isinstance(err, BodyError):
-        param, code = err.param, err.openai_code
-    status = HTTP_STATUS.get(name, 500)
-    return {"error": {"message": message, "type": ERROR_TYPES.get(name, "server_error"),
-                      "param": param, "code": code or name.lower(), "grpc_code": name}}, status
-
-
-def _error(err: LorafleetError, chat: bool = False) -> web.Response:
-    headers = {"Retry-After": f"{max(1, round(err.retry_after))}"} if err.retry_after else None
-    body, status = error_body(err, chat)
-    return web.json_response(body, status=status, headers=headers)
-
-
-@web.middleware
-async def _json_errors(request: web.Request, handler):
-    """Every error as an OpenAI-style JSON body: unknown routes and methods too, and anything
-    unforeseen (logged) as a 500 rather than aiohttp's plain text."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}",
-                          "type": "not_found_error" if exc.status == 404 else
-                          "invalid_request_error", "param": None,
-                          "code": exc.reason.lower().replace(" ", "_")}}
-        return web.json_response(body, status=exc.status)
-    except LorafleetError as err:
-        return _error(err)
-    except Exception:  # noqa: BLE001 - a bug must not reach the client as a bare 500 page
-        log.exception("HTTP gateway: %s %s failed", request.method, request.path)
-        return web.json_response({"error": {"message": "internal error", "type": "server_error",
-                                            "param": None, "code": "internal_error",
-                                            "grpc_code": "INTERNAL"}}, status=500)
-
-
 class OpenAIGateway:
     """base_model: the served model's name, or an async callable that asks a worker for it
     (retried on each request until it answers, so a router started before its workers, or
@@ -135,7 +55,7 @@ class OpenAIGateway:
         self.servicer, self.timeout = servicer, timeout
         self._lookup = base_model if callable(base_model) else None
         self.base_model = "" if callable(base_model) else base_model
-        self.app = web.Application(middlewares=[_json_errors])
+        self.app = web.Application(middlewares=[json_errors])
         self.app.add_routes([web.get("/v1/models", self.models),
                              web.get("/v1/models/{model}", self.model),
                              web.post("/v1/completions", self.completions),
@@ -151,7 +71,7 @@ class OpenAIGateway:
         host, _, port = listen.rpartition(":")
         # handler_cancellation: a client that leaves cancels its handler, and with it the
         # request down to the worker (aiohttp's default lets it run to the end)
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        self._runner = GatewayRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host or "127.0.0.1", int(port))
         await site.start()
@@ -202,7 +122,7 @@ class OpenAIGateway:
         503."""
         live = len(self.servicer.app.workers.live())
         if not live:
-            return _error(Unavailable("no worker is ready"))
+            return error_response(Unavailable("no worker is ready"))
         return web.json_response({"status": "ok", "workers": live})
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -245,6 +165,7 @@ class OpenAIGateway:
             raise InvalidArgument("body: nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidArgument("body: a JSON object is required")
+        check_strings(body)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise BodyError(f"model: expected a string, got {model!r}", "model", "invalid_type")
@@ -265,7 +186,7 @@ class OpenAIGateway:
                 raise BodyError("prompt: a string or a list of token ids", "prompt",
                                 "invalid_type")
         except LorafleetError as err:
-            return _error(err)
+            return self._refused(request, err)
         return await self._run(request, req, body, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -273,8 +194,22 @@ class OpenAIGateway:
             body = await self._body(request)
             req = build_request(body, messages=chat_messages(body.get("messages")), chat=True)
         except LorafleetError as err:
-            return _error(err, chat=True)
+            return self._refused(request, err, chat=True)
         return await self._run(request, req, body, chat=True)
+
+    def _refused(self, request: web.Request, err: LorafleetError,
+                 chat: bool = False) -> web.Response:
+        """A generation request refused here, before the servicer saw it: counted as the
+        servicer counts its own refusals (lorafleet_router_requests_total, the tenant's
+        requests under the status). The caller is authenticated first, so a bad token is a
+        401 whatever the body, as the servicer answers a good body with a bad token."""
+        try:
+            caller = self.servicer.app.tenants.authenticate(
+                _Context(request, None).invocation_metadata())
+        except LorafleetError as auth:
+            return error_response(auth, chat)
+        self.servicer.app.stats.refuse(caller.tenant, err.code.name)
+        return error_response(err, chat)
 
     async def _run(self, request, req, body, chat: bool) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -286,7 +221,8 @@ class OpenAIGateway:
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             if not isinstance(opts, dict):
-                return _error(InvalidArgument("stream_options: an object"))
+                return self._refused(request, InvalidArgument("stream_options: an object"),
+                                     chat)
             return await self._stream(request, reqs, ctx, rid, model, chat,
                                       bool(opts.get("include_usage")),
                                       bool(body.get("echo")) and not chat)
@@ -298,14 +234,15 @@ class OpenAIGateway:
             else:
                 done = await gather_choices(self.servicer, reqs, ctx)
         except LorafleetError as err:
-            return _error(err, chat)
+            return error_response(err, chat)
         echo = "" if chat or not body.get("echo") else await self._echo(req, ctx)
         choices = []
         for i, c in enumerate(done):
             if echo or req.response.prompt_logprobs:
                 c["text"] = echo + c["text"]
                 c["tokens"] = [*c.get("prompt_tokens", ()), *c["tokens"]]
-            finish, lp = FINISH.get(c["stop"], "stop"), logprobs(c["tokens"], req, chat)
+            finish, lp = FINISH.get(c["stop"], "stop"), logprobs(c["tokens"], req, chat,
+                                                                c["text"])
             choices.append({"index": i, "message": {"role": "assistant", "content": c["text"]},
                             "logprobs": lp, "finish_reason": finish} if chat else
                            {"index": i, "text": c["text"], "finish_reason": finish,
@@ -334,7 +271,7 @@ class OpenAIGateway:
             first = await source.__anext__()          # errors before any byte: a plain status
         except LorafleetError as err:
             await source.aclose()
-            return _error(err, chat)
+            return error_response(err, chat)
         except StopAsyncIteration:
             first = None
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -353,6 +290,7 @@ class OpenAIGateway:
         """Each choice's messages as chunks, then the usage (if asked) and [DONE]; the source
         is closed however it ends, which settles (or cancels) the requests."""
         req, usages = reqs[0], []
+        sent = [0] * len(reqs)           # each choice's characters so far: its text_offset
         try:
             if chat:
                 for i in range(len(reqs)):
@@ -361,15 +299,17 @@ class OpenAIGateway:
                 text = await self._echo(req, ctx)
                 for i in range(len(reqs)):
                     await out.write(chunk(text, None, index=i, logprobs=logprobs(
-                        first[1].prompt_tokens, req, chat)))
+                        first[1].prompt_tokens, req, chat, text)))
+                sent = [len(text)] * len(reqs)
             item = first
             while item is not None:
                 i, resp = item
                 if resp.HasField("usage"):
                     usages.append(resp.usage)
                 finish = FINISH.get(resp.stop_reason, "stop") if resp.stop_reason else None
-                await out.write(chunk(resp.text, finish, index=i,
-                                      logprobs=logprobs(resp.tokens, req, chat)))
+                await out.write(chunk(resp.text, finish, index=i, logprobs=logprobs(
+                    resp.tokens, req, chat, resp.text, sent[i])))
+                sent[i] += len(resp.text)
                 item = await source.__anext__()
         except StopAsyncIteration:
             pass
