@@ -50,7 +50,8 @@ def _watch_health(addr: str, seen: list, ready: threading.Event) -> None:
 def test_a_failed_forward_pass_stops_the_worker(lora_fleet, tmp_path, frontend):
     base, adapters = lora_fleet
     stack = Stack(base, adapters, tmp_path, worker_args=[
-        "--fault-inject-after-steps", "30", "--frontend", frontend, "--grace", "20"])
+        "--fault-inject-after-steps", "30", "--frontend", frontend, "--grace", "20"],
+        router_args=["--worker-wait", "1"])        # no worker comes back: answer soon
     worker = stack.workers[0]
     seen, ready = [], threading.Event()
     watcher = threading.Thread(target=_watch_health, args=(worker.addr, seen, ready),

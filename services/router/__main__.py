@@ -38,8 +38,9 @@ async def main_async(cfg: RouterConfig) -> None:
     tls = (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
     token = read_token(cfg.service_token_file)       # sent on calls to the store, workers
     store_chan = channel(cfg.store, *tls, keepalive_s=cfg.keepalive_s, service_token=token)
+    ready = Readiness()
     workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period, keepalive_s=cfg.keepalive_s,
-                        service_token=token)
+                        service_token=token, on_ready=ready.set)
     stats = RouterStats(tenants=TenantLabels(cfg.metrics_tenants))
     REGISTRY.register(FleetCollector(workers, stats))
     app = RouterApp(
@@ -50,16 +51,16 @@ async def main_async(cfg: RouterConfig) -> None:
         resolver=Resolver(store_chan, cfg.resolve_ttl, cfg.store), workers=workers,
         store=adapter_store_pb2_grpc.AdapterStoreStub(store_chan), stats=stats,
         per_worker=cfg.max_in_flight_per_worker, spill_rows=cfg.spill_rows,
-        foothold_per_worker=cfg.foothold_per_worker, max_prompt_bytes=cfg.max_prompt_bytes)
-    await workers.start()
-    if not await workers.wait_ready(timeout=15.0):
-        log.warning("no worker reachable yet; serving anyway (requests get UNAVAILABLE)")
+        foothold_per_worker=cfg.foothold_per_worker, max_prompt_bytes=cfg.max_prompt_bytes,
+        worker_wait=cfg.worker_wait)
     servicer = GenerationServicer(app)
     server, port, health = create_server(
         cfg.listen, lambda s: (router_pb2_grpc.add_GenerationServiceServicer_to_server(
             servicer, s), ["lorafleet.v1.GenerationService"])[1],
         server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), reflection=cfg.reflection,
         max_receive_bytes=receive_limit(cfg.max_prompt_bytes))
+    await ready.attach(health)
+    await workers.start()
     log.info("router serving on port %d; workers %s; store %s; fair queue %s", port,
              ", ".join(cfg.workers), cfg.store, "on" if cfg.fair else "off")
     gateway = None
@@ -84,6 +85,28 @@ async def main_async(cfg: RouterConfig) -> None:
         if peers is not None:
             peers.cancel()
     await workers.close()
+
+
+class Readiness:
+    """The router can serve while some worker is live: its grpc.health.v1 status ("" and
+    GenerationService) follows the worker set; until the first worker connects it is
+    NOT_SERVING, and requests that come meanwhile wait for one (--worker-wait)."""
+
+    def __init__(self):
+        self._health = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def attach(self, health) -> None:
+        self._health = health
+        await health.update(ready=False)
+
+    def set(self, ready: bool) -> None:
+        log.log(logging.INFO if ready else logging.WARNING,
+                "%s", "a worker is live: ready" if ready else
+                "no live worker: NOT_SERVING until one connects (requests wait --worker-wait)")
+        task = asyncio.get_running_loop().create_task(self._health.update(ready=ready))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 async def start_gateway(gateway: OpenAIGateway, listen: str) -> int:

@@ -26,6 +26,7 @@ class RouterConfig:
     resolve_ttl: float = 1.0
     retry_delay: float = 0.5
     dns_period: float = 10.0
+    worker_wait: float = 30.0           # seconds a request waits for a live worker
     metrics_tenants: int = 50           # tenants named on /metrics; the rest are "other"
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # text, messages or ids (limits.py)
     peers: tuple[str, ...] = ()         # the other router replicas sharing the quotas
@@ -56,6 +57,8 @@ class RouterConfig:
             raise ValueError("--spill-rows must be >= 1")
         if self.resolve_ttl < 0:
             raise ValueError("--resolve-ttl must be >= 0")
+        if not 0 <= self.worker_wait <= 3600:
+            raise ValueError("--worker-wait must be within [0, 3600] seconds")
         if not 1 <= self.max_prompt_bytes <= MAX_PROMPT_CAP:
             raise ValueError(f"--max-prompt-bytes must be in 1..{MAX_PROMPT_CAP}, got "
                              f"{self.max_prompt_bytes}")
@@ -96,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--resolve-ttl", type=float, default=1.0, help="adapter name cache seconds")
     p.add_argument("--dns-period", type=float, default=10.0,
                    help="seconds between re-resolving DNS worker names")
+    p.add_argument("--worker-wait", type=float, default=30.0,
+                   help="seconds a request that finds no live worker (the fleet starting or "
+                        "restarting) waits for one, within its deadline, before UNAVAILABLE (30)")
     p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
                    "tenant labels, most requests first; the rest are tenant=other (50)")
     p.add_argument("--peer", action="append", default=[],
@@ -114,6 +120,6 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         max_in_flight_per_worker=a.max_in_flight_per_worker, spill_rows=a.spill_rows,
         foothold_per_worker=a.foothold_per_worker,
         resolve_ttl=a.resolve_ttl,
-        dns_period=a.dns_period, max_prompt_bytes=a.max_prompt_bytes, **common_values(a),
+        dns_period=a.dns_period, worker_wait=a.worker_wait, max_prompt_bytes=a.max_prompt_bytes, **common_values(a),
         peers=tuple(a.peer), peer_period=a.peer_period,
         metrics_tenants=a.metrics_tenants)

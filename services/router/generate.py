@@ -34,6 +34,7 @@ from services.router.placement import NoWorker, choose_worker
 
 log = logging.getLogger(__name__)
 DEFAULT_NEW_TOKENS = 64     # the worker's default when max_new_tokens is 0 (for estimates)
+WAIT_MARGIN_S = 0.25        # a wait for a live worker ends this long before the deadline
 
 
 @dataclass
@@ -194,8 +195,7 @@ class RequestPath:
         nothing (attempts.retryable): elsewhere after a lost worker, anywhere after a moved
         version. Out of attempts, or with no other worker, the client gets the failure's own
         cause."""
-        if not self.app.workers.live():
-            await self.app.workers.wait_ready(timeout=min(2.0, context.time_remaining() or 2.0))
+        await self._await_worker(context)
         tried: set[str] = set()
         failed: AttemptFailed | None = None
         span = trace.get_current_span()
@@ -225,6 +225,18 @@ class RequestPath:
             log.warning("worker %s failed %s (%s: %s); retrying elsewhere", addr,
                         "mid-generation" if failed.started else "before the first token", code,
                         failed.error.details())
+
+    async def _await_worker(self, context) -> None:
+        """A request that finds no live worker (the fleet is starting, or every worker is
+        restarting) waits for one, --worker-wait seconds at most and within its deadline,
+        woken by the residency stream that brings a worker live; UNAVAILABLE after that."""
+        if self.app.workers.live():
+            return
+        remaining = context.time_remaining()      # ends a little before the deadline, so
+        bound = self.app.worker_wait if remaining is None else min(    # the client learns why
+            self.app.worker_wait, max(0.0, remaining - WAIT_MARGIN_S))
+        if not await self.app.workers.wait_live(bound):
+            raise Unavailable(f"no worker available: no live worker within {bound:.1f}s")
 
     async def _attempt(self, addr: str, req, adm: Admitted, context, unary: bool, charge):
         """One worker's answer, its tokens charged to the fair queue as they come (charge(n)).

@@ -44,6 +44,7 @@ class RouterApp:
     spill_rows: int = 32        # placement: an adapter's rows on one worker before it spills
     foothold_per_worker: int = 1   # gate slots past per_worker for tenants with none in flight
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # --max-prompt-bytes (limits.py)
+    worker_wait: float = 30.0   # --worker-wait: how long a request waits for a live worker
 
 
 async def _store_call(coro):

@@ -9,6 +9,10 @@ The residency stream lags the requests this router has just sent (a delta follow
 taking the request), so each worker also counts this router's own requests in flight, per
 adapter: placement sees max(reported, own), and an adapter with a request on its way counts as
 held there, so a burst for one adapter is grouped onto one worker instead of scattered.
+
+Whether any worker is live is the router's readiness: `wait_live` lets a request that found none
+wait for one (woken by the residency stream that brings it, not by a timer), and `on_ready` is
+told each time that answer flips (the router's grpc.health.v1 status follows it).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import ipaddress
 import logging
 import socket
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -89,12 +94,14 @@ class WorkerState:
 class WorkerSet:
     def __init__(self, targets: list[str], tls: tuple = (None, None, None),
                  resolve_period: float = 10.0, keepalive_s: float = KEEPALIVE_S,
-                 service_token: str = ""):
+                 service_token: str = "", on_ready: Callable[[bool], None] | None = None):
         self.targets = targets
         self.tls, self.keepalive_s, self.service_token = tls, keepalive_s, service_token
         self.resolve_period = resolve_period
         self.workers: dict[str, WorkerState] = {}
         self._tasks: list[asyncio.Task] = []
+        self._on_ready = on_ready
+        self._ready = asyncio.Event()       # set while some worker is live
 
     async def start(self) -> None:
         for target in self.targets:
@@ -109,14 +116,27 @@ class WorkerSet:
     def views(self) -> dict[str, WorkerView]:
         return {a: w.view() for a, w in self.live().items()}
 
-    async def wait_ready(self, timeout: float) -> bool:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while loop.time() < end:
-            if self.live():
-                return True
-            await asyncio.sleep(0.05)
-        return False
+    async def wait_live(self, timeout: float | None) -> bool:
+        """Until some worker is live (True), or timeout seconds pass (False; None: no bound)."""
+        if self._ready.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _live_changed(self) -> None:
+        """A worker connected or dropped: keep the ready event (and on_ready) in step."""
+        ready = any(w.connected for w in self.workers.values())
+        if ready == self._ready.is_set():
+            return
+        if ready:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        if self._on_ready is not None:
+            self._on_ready(ready)
 
     def _add(self, addr: str) -> None:
         if addr in self.workers:
@@ -131,6 +151,7 @@ class WorkerSet:
         state = self.workers.pop(addr, None)
         if state is not None:
             state.task.cancel()
+            self._live_changed()
             await state.chan.close()
 
     async def _watch(self, state: WorkerState) -> None:
@@ -139,7 +160,10 @@ class WorkerSet:
         as gone until a new stream brings a snapshot."""
         backoff = 0.1
         while True:
-            call = state.stub.WatchResidency(wpb.WatchResidencyRequest(watcher="router"))
+            # wait_for_ready: the stream opens as soon as the worker's port does, instead of
+            # failing at once while the channel backs off between connection attempts
+            call = state.stub.WatchResidency(wpb.WatchResidencyRequest(watcher="router"),
+                                             wait_for_ready=True)
             try:
                 updates = call.__aiter__()
                 while True:
@@ -148,16 +172,19 @@ class WorkerSet:
                     if update.snapshot:
                         state.connected, backoff = True, 0.1
                         log.info("worker %s (%s) connected", state.addr, state.worker_id)
+                        self._live_changed()
             except StopAsyncIteration:
                 pass
-            except asyncio.TimeoutError:
-                log.warning("worker %s sent nothing for %.0f s", state.addr, STALL_S)
+            except asyncio.TimeoutError:      # before a snapshot: still connecting
+                (log.warning if state.connected else log.debug)(
+                    "worker %s sent nothing for %.0f s", state.addr, STALL_S)
                 call.cancel()
             except grpc.RpcError as err:
                 log.debug("residency stream of %s: %s", state.addr, err.code())
             if state.connected:
                 log.warning("worker %s dropped", state.addr)
             state.connected = False
+            self._live_changed()
             state.seq = 0
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
