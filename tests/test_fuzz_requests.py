@@ -1,11 +1,15 @@
 """Property-based fuzzing of the request surface, through one running stack: arbitrary
 GenerateRequests over gRPC and arbitrary JSON bodies for /v1/completions and
-/v1/chat/completions over HTTP. Whatever the fields hold, the answer is a result or a typed
-refusal (gRPC OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED or NOT_FOUND; HTTP 200, or 400, 404 or
-429 with an OpenAI error object), never UNKNOWN, INTERNAL or a 500, and every service is still
-SERVING at the end."""
+/v1/chat/completions over HTTP, their strings now and then holding a lone UTF-16 surrogate
+(a JSON escape such as "\\ud800", which is no text: issue 41 found it a 500), and arbitrary
+headers, over-long ones and too many of them included (a 10 KB one was a plain-text 400 and a
+traceback in the router's log). Whatever the fields hold, the answer is a result or a typed
+refusal (gRPC OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED or NOT_FOUND; HTTP 200, or 400, 401, 404,
+429 or 431 with an OpenAI error object), never UNKNOWN, INTERNAL or a 500, and every service is
+still SERVING at the end."""
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -32,6 +36,11 @@ NAMES = st.sampled_from(["", "pirate", "poet", "acme-support", "nope", "pirate@0
 U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
 F32 = st.floats(width=32)                      # NaN and the infinities included
 SMALL_TOKENS = st.integers(0, 4) | st.integers(600, 2**32 - 1)     # quick, or refused
+# text with at least one lone surrogate (json.dumps sends it as a \\udXXX escape; two that
+# happen to form a pair arrive as one valid character)
+LONE = st.tuples(st.text(max_size=4), st.characters(categories=["Cs"]),
+                 st.text(max_size=4)).map("".join)
+TEXT = st.text(max_size=12) | LONE
 
 
 @pytest.fixture(scope="module")
@@ -98,25 +107,26 @@ def test_grpc_generate_answers_or_refuses(stack, req):
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
-    | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                 max_size=3),
+    | TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6) | LONE,
+                                                                 inner, max_size=3),
     max_leaves=6)
 # values that run quickly when accepted: few tokens and choices, or refused
 QUICK = {"max_tokens": SMALL_TOKENS | json_values, "max_completion_tokens": SMALL_TOKENS,
          "n": st.integers(-1, 3) | json_values, "min_tokens": st.integers(0, 4) | json_values,
-         "model": NAMES | json_values, "best_of": st.integers(0, 2) | json_values,
-         "prompt": st.text(max_size=30) | st.lists(st.integers(0, 1100), max_size=6)
+         "model": NAMES | LONE | json_values, "best_of": st.integers(0, 2) | json_values,
+         "prompt": st.text(max_size=30) | LONE | st.lists(st.integers(0, 1100), max_size=6)
          | json_values,
          "messages": st.lists(st.fixed_dictionaries(
              {"role": st.sampled_from(["system", "user", "assistant"]) | json_values,
-              "content": st.text(max_size=20) | json_values}), max_size=3) | json_values}
+              "content": st.text(max_size=20) | LONE | json_values}), max_size=3)
+         | json_values}
 
 
 # plausible values of the fields: most bodies built of them are accepted and run
 PLAUSIBLE = {
     "temperature": st.floats(0, 2), "top_p": st.floats(0, 1), "seed": st.integers(0, 2**63),
-    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=4),
+    "stop": st.text(max_size=4) | LONE | st.lists(st.text(max_size=4) | LONE, max_size=4),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "logit_bias": st.dictionaries(st.integers(0, 1023).map(str), st.floats(-100, 100),
                                   max_size=3),
@@ -129,10 +139,11 @@ PLAUSIBLE = {
 }
 LOGPROBS = {False: st.integers(0, 5), True: st.booleans()}     # completions', chat's
 MODELS = st.sampled_from(["pirate", "poet", "tiny-llama"])
-PROMPTS = st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 1023), min_size=1, max_size=6)
+PROMPTS = (st.text(min_size=1, max_size=30) | LONE
+           | st.lists(st.integers(0, 1023), min_size=1, max_size=6))
 CHAT_MESSAGES = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=20)}),
-    min_size=1, max_size=3)
+    {"role": st.sampled_from(["system", "user", "assistant"]),
+     "content": st.text(max_size=20) | LONE}), min_size=1, max_size=3)
 
 
 def bodies(keys: set[str], chat: bool):
@@ -164,7 +175,7 @@ def post(url: str, body) -> tuple[int, bytes]:
 
 def check_http(status: int, data: bytes, body) -> None:
     event(str(status))
-    assert status in (200, 400, 404, 429), (status, data[:500], body)
+    assert status in (200, 400, 401, 404, 429, 431), (status, data[:500], body)
     if status == 200:
         assert b"server_error" not in data and b'"INTERNAL"' not in data, (data[:500], body)
         return
@@ -185,3 +196,36 @@ def test_http_completions_answer_or_refuse(stack, body):
                "parallel_tool_calls": []})           # found here: was a KeyError, a 500
 def test_http_chat_completions_answer_or_refuse(stack, body):
     check_http(*post(f"{stack.http}/v1/chat/completions", body), body)
+
+
+# header values the HTTP parser takes as they are (printable ASCII), of every size around
+# aiohttp's 8190-byte line limit; names of headers the gateway reads and of others
+HEADER_VALUES = (st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7e), max_size=20)
+                 | st.integers(0, 20_000).map(lambda n: "x" * n))
+HEADERS = st.dictionaries(
+    st.sampled_from(["Authorization", "X-Pad", "Cookie", "User-Agent", "Accept"])
+    | st.from_regex(r"X-[A-Za-z]{1,8}", fullmatch=True),
+    st.tuples(st.sampled_from(["", "Bearer ", "Bearer dev", "Basic "]), HEADER_VALUES).map(
+        "".join), max_size=6)
+MANY = st.integers(0, 200).map(lambda n: {f"X-H{i}": "v" for i in range(n)})
+
+
+@FUZZ
+@given(headers=HEADERS | MANY, chat=st.booleans())
+def test_http_headers_answer_or_refuse(stack, headers, chat):
+    """Over-long and too many headers: a JSON refusal (431, or 401 for a token no tenant
+    has), never aiohttp's plain text, and nothing in the router's log with a traceback."""
+    conn = http.client.HTTPConnection(stack.http.split("//")[1], timeout=60)
+    body = {"model": "pirate", "max_tokens": 1,
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    try:
+        conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions",
+                     body=json.dumps(body), headers={"Content-Type": "application/json",
+                                                     **headers})
+        resp = conn.getresponse()
+        status, data = resp.status, resp.read()
+    finally:
+        conn.close()
+    check_http(status, data, headers)
+    log = stack.router.log()
+    assert "Traceback" not in log and "LineTooLong" not in log, log[-2000:]
