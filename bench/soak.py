@@ -294,7 +294,8 @@ def start_stack(work: pathlib.Path) -> dict:
     http = free_port()
     router = Proc("router", ["--store", store.addr, *[x for w in workers
                                                       for x in ("--worker", w.addr)],
-                             "--tenants", str(work / "tenants.json"), "--http-listen",
+                             "--tenants", str(work / "tenants.json"), "--insecure-internal",
+                             "--http-listen",
                              f"127.0.0.1:{http}"], work, env)
     return {"store": store, "workers": workers, "router": router,
             "http": f"http://127.0.0.1:{http}", "all": [store, *workers, router]}

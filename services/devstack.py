@@ -7,20 +7,25 @@ A stack keeps to what it started (issue 41: a second `make run` reported the fir
 as its own, then deleted its shared memory): it refuses to start while any of its ports is
 taken, naming what holds it; it reports SERVING only for a port its own process (or one under
 it) listens on; its /dev/shm directory is its own (named for its pid, made fresh), and it
-removes only that one, and stale ones of stacks that died with no live store left in them."""
+removes only that one, and stale ones of stacks that died with no live store left in them.
+On a --host beyond loopback the three share a fresh service token (--service-token-file), as
+a store or worker listening there refuses to start with internal calls open."""
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.internal_auth import loopback
 from services.common.owned_dirs import alive, clear_stale, make_owned_dir
 from services.common.port_holders import describe, held_by
 from services.common.ports import PortError, check_free
@@ -70,22 +75,27 @@ def parse_args(argv=None):
     return a
 
 
-def service_specs(a, py: str, shm: str | None) -> list[tuple[str, list[str], str]]:
-    """(name, command, gRPC address) of the store, the worker and the router."""
+def service_specs(a, py: str, shm: str | None,
+                  token: str | None = None) -> list[tuple[str, list[str], str]]:
+    """(name, command, gRPC address) of the store, the worker and the router; with `token`
+    (a file), all three authenticate internal calls with it."""
     h, base = a.host, a.port_base
     router, worker, store = (f"{h}:{base + i}" for i in range(3))
+    auth = ["--service-token-file", token] if token else []
 
     def metrics(i: int) -> list[str]:
         return ["--metrics-port", str(a.metrics_base + i if a.metrics_base else 0)]
     return [
         ("adapter-store", [py, "-m", "services.adapter_store", "--listen", store,
                            "--adapters-dir", a.adapters_dir, "--model", a.model, "--db", a.db,
-                           *metrics(2), *(["--shm-dir", shm] if shm else [])], store),
+                           *metrics(2), *auth, *(["--shm-dir", shm] if shm else [])], store),
         ("worker", [py, "-m", "services.worker", "--listen", worker, "--model", a.model,
-                    "--store", store, *metrics(1), *(["--store-shm-dir", shm] if shm else [])],
+                    "--store", store, *metrics(1), *auth,
+                    *(["--store-shm-dir", shm] if shm else [])],
          worker),
         ("router", [py, "-m", "services.router", "--listen", router, "--http-listen",
-                    f"{h}:{a.http_port}", "--store", store, "--worker", worker, *metrics(0)],
+                    f"{h}:{a.http_port}", "--store", store, "--worker", worker, *metrics(0),
+                    *auth],
          router),
     ]
 
@@ -135,7 +145,12 @@ def main(argv=None) -> int:
               "PORT_BASE=... HTTP_PORT=... METRICS_BASE=... (0: no /metrics)", file=sys.stderr)
         return 1
     shm = shm_dir()
-    specs = service_specs(a, sys.executable, shm)
+    own = [shm] if shm else []
+    token = None
+    if not loopback(a.host):          # beyond loopback: internal calls need a token
+        own += [] if shm else [shm_dir(tempfile.gettempdir())]
+        token = write_token(own[-1])
+    specs = service_specs(a, sys.executable, shm, token)
     procs = []
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -162,8 +177,8 @@ def main(argv=None) -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        if shm:
-            shutil.rmtree(shm, ignore_errors=True)
+        for path in own:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def shm_dir(root: str = "/dev/shm") -> str | None:
@@ -175,6 +190,15 @@ def shm_dir(root: str = "/dev/shm") -> str | None:
     prefix = shm_prefix()
     clear_stale(root, prefix, in_use=store_files_alive)
     return str(make_owned_dir(root, prefix))
+
+
+def write_token(directory: str) -> str:
+    """A fresh service token in a file of the stack's own (private) directory."""
+    path = os.path.join(directory, "service-token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return path
 
 
 def shm_prefix() -> str:

@@ -310,6 +310,7 @@ def test_every_service_authenticates_internal_calls_with_one_shared_token(target
     for w, c, comp, args in service_containers(docs):
         path = flag(args, "--service-token-file")
         assert path, f"{comp}: no --service-token-file"
+        assert "--insecure-internal" not in args, comp     # internal calls never open here
         mount = next((m for m in c.get("volumeMounts", [])
                       if path.startswith(m["mountPath"].rstrip("/") + "/")), None)
         assert mount and mount.get("readOnly"), f"{comp}: {path} is not on a read-only mount"

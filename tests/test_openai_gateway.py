@@ -191,7 +191,8 @@ def test_base_model_name_is_known_with_a_tenants_file(tmp_path):
     tenants = tmp_path / "tenants.json"
     tenants.write_text(json.dumps({"tenants": {"acme": {"tokens": ["tok-acme"]}}}))
     stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path, store_args=["--max-rank", "256"],
-                  router_args=["--http-listen", f"127.0.0.1:{port}", "--tenants", str(tenants)])
+                  router_args=["--http-listen", f"127.0.0.1:{port}", "--tenants", str(tenants),
+                               "--insecure-internal"])
     try:
         with LorafleetClient(stack.router.addr, "tok-acme") as c:
             info = c.model_info()

@@ -39,6 +39,7 @@ def stack(lora_fleet, tmp_path_factory):
     tenants.write_text(json.dumps(TENANTS))
     # A long resolve TTL: anything seen "at once" below is invalidation, not expiry.
     s = Stack(base, adapters, log_dir, router_args=["--tenants", str(tenants),
+                                                     "--insecure-internal",
                                                      "--resolve-ttl", "600"])
     yield s
     assert all(code == 0 for code in s.terminate())

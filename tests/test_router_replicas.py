@@ -40,7 +40,7 @@ def test_two_routers_share_a_quota_and_the_survivor_takes_it_back(tmp_path):
                                 "cpu"], tmp_path).wait()
     pa, pb = free_port(), free_port()
     common = ["--store", store.addr, "--worker", worker.addr, "--tenants", str(tenants),
-              "--peer-period", "0.3"]
+              "--insecure-internal", "--peer-period", "0.3"]
     a = Service("router", [*common, "--peer", f"127.0.0.1:{pb}"], tmp_path, port=pa)
     b = Service("router", [*common, "--peer", f"127.0.0.1:{pa}"], tmp_path, port=pb)
     try:

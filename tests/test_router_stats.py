@@ -150,6 +150,7 @@ def test_requests_refused_at_admission_are_counted(lora_fleet, tmp_path):
         "lost": {"tokens": ["tok-lost"]}}}))
     metrics_port = free_port()
     stack = Stack(base, adapters, tmp_path, router_args=["--tenants", str(tenants),
+                                                         "--insecure-internal",
                                                          "--metrics-port", str(metrics_port)])
     kw = dict(prompt_ids=[7, 8, 9], max_new_tokens=NEW, ignore_eos=True)
     try:

@@ -52,6 +52,7 @@ class StoreConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     reflection: bool = False           # serve grpc.reflection (--reflection)
+    insecure_internal: bool = False    # allow open internal calls (services.common.internal_auth)
 
     def __post_init__(self) -> None:
         _require(self.base_config.is_file(), f"base model config {self.base_config} not found")

@@ -53,7 +53,7 @@ def freeze_startup_objects(log: logging.Logger) -> int:
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 COMMON_FIELDS = ("metrics_port", "metrics_host", "keepalive_s", "service_token_file", "grace", "log_level", "otlp_endpoint", "trace_file",
-                 "tls_cert", "tls_key", "tls_ca", "reflection")
+                 "tls_cert", "tls_key", "tls_ca", "reflection", "insecure_internal")
 
 
 def common_values(args) -> dict:
@@ -61,8 +61,10 @@ def common_values(args) -> dict:
     return {name: getattr(args, name) for name in COMMON_FIELDS}
 
 
-def check_common(cfg) -> None:
-    """Checks every service config runs on the common fields (raises ValueError)."""
+def check_common(cfg, internal: bool = True) -> None:
+    """Checks every service config runs on the common fields (raises ValueError). `internal`:
+    the service answers internal calls (the store, the worker; not the router), so with no
+    authentication for them it must stay on loopback (check_internal_auth)."""
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     if cfg.service_token_file:
@@ -83,6 +85,9 @@ def check_common(cfg) -> None:
     if str(cfg.log_level).upper() not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, "
                          f"got {cfg.log_level!r}")
+    if internal:
+        from services.common.internal_auth import check_internal_server
+        check_internal_server(cfg)
 
 
 def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> None:
@@ -112,6 +117,11 @@ def add_common_flags(parser, listen: str, metrics_port: int, grace: float) -> No
                              "used to verify the services this one calls")
     parser.add_argument("--reflection", action="store_true",
                         help="serve grpc.reflection (for grpcurl and the like; off)")
+    parser.add_argument("--insecure-internal", action="store_true",
+                        help="run with unauthenticated internal calls where a production "
+                             "configuration is refused without --service-token-file or mTLS: "
+                             "a router with --tenants, a store or worker listening beyond "
+                             "loopback (off)")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,

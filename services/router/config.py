@@ -5,6 +5,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from services.common.internal_auth import check_router
 from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
 from services.router.limits import DEFAULT_MAX_PROMPT_BYTES, RECEIVE_HEADROOM
 
@@ -43,6 +44,7 @@ class RouterConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     reflection: bool = False           # serve grpc.reflection (--reflection)
+    insecure_internal: bool = False    # allow open internal calls (services.common.internal_auth)
 
     def __post_init__(self) -> None:
         if self.metrics_tenants < 0:
@@ -62,13 +64,14 @@ class RouterConfig:
         if not 1 <= self.max_prompt_bytes <= MAX_PROMPT_CAP:
             raise ValueError(f"--max-prompt-bytes must be in 1..{MAX_PROMPT_CAP}, got "
                              f"{self.max_prompt_bytes}")
-        check_common(self)
+        check_common(self, internal=False)
         if self.tenants:                 # read and checked now: a bad file exits 2, naming it
             from services.router.auth import Tenants
             try:
                 Tenants.load(self.tenants)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--tenants {self.tenants}: {exc}") from None
+        check_router(self)
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:

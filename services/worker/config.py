@@ -43,6 +43,7 @@ class WorkerConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     reflection: bool = False           # serve grpc.reflection (--reflection)
+    insecure_internal: bool = False    # allow open internal calls (services.common.internal_auth)
     worker_id: str = ""
     cpu_threads: int = 1                # torch intra-op threads for a CPU engine (0 = torch's)
     store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
