@@ -136,6 +136,17 @@ def print_banner(a) -> None:
           "Ctrl-C stops all three.\n", flush=True)
 
 
+def stack_dirs(a) -> tuple[list[str], str | None, str | None]:
+    """(the directories this stack made, its /dev/shm directory or None, its service token
+    file or None): a token only beyond loopback, where internal calls need one."""
+    shm = shm_dir()
+    own = [shm] if shm else []
+    if loopback(a.host):
+        return own, shm, None
+    own += [] if shm else [shm_dir(tempfile.gettempdir())]
+    return own, shm, write_token(own[-1])
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     taken = taken_ports(a)
@@ -144,12 +155,7 @@ def main(argv=None) -> int:
               + "\n".join(taken) + "\nStop that stack, or choose free ports: make run "
               "PORT_BASE=... HTTP_PORT=... METRICS_BASE=... (0: no /metrics)", file=sys.stderr)
         return 1
-    shm = shm_dir()
-    own = [shm] if shm else []
-    token = None
-    if not loopback(a.host):          # beyond loopback: internal calls need a token
-        own += [] if shm else [shm_dir(tempfile.gettempdir())]
-        token = write_token(own[-1])
+    own, shm, token = stack_dirs(a)
     specs = service_specs(a, sys.executable, shm, token)
     procs = []
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

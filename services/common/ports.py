@@ -29,25 +29,25 @@ def taken(flag: str, address: str, port: int) -> PortError:
 
 
 def check_free(flag: str, address: str) -> None:
-    """Raise PortError if `address` (HOST:PORT, port 0 = any: nothing to check) cannot be bound
-    now. The probe sets SO_REUSEADDR as the servers do (so a closed connection's TIME_WAIT does
-    not count) and never SO_REUSEPORT: a listener there, shared or not, makes it fail."""
+    """Raise PortError if another socket listens on `address` (HOST:PORT, port 0 = any:
+    nothing to check). The probe sets SO_REUSEADDR as the servers do (so a closed connection's
+    TIME_WAIT does not count) and never SO_REUSEPORT: a listener there, shared or not, makes it
+    fail. Other bind errors are left to the real bind, which reports them."""
     host, port = split(address)
     if port == 0:
         return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise PortError(f"could not serve {flag} {address}: {exc.strerror}") from None
+    except socket.gaierror:
+        return
     for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(sockaddr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise taken(flag, address, port) from None
-                raise PortError(f"could not serve {flag} {address}: {exc.strerror}") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise taken(flag, address, port) from None
 
 
 def service_ports(cfg) -> list[tuple[str, str]]:
