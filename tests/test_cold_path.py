@@ -193,14 +193,17 @@ def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
     """A local blob is hashed as it is read into its place in the host tier: bytes that no
     longer match the registration (for an adapter of --adapters-dir, its validation at first
     use) are refused DATA_LOSS and leave nothing behind (no file in the shared-memory
-    directory, not even the half-written one); put back, they serve."""
+    directory, not even the half-written one); put back, they serve. (The store reads its own
+    copy of the version first, --version-dir: damaged too here, it is dropped for the
+    source.)"""
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     adapters = tmp_path / "adapters"
     shutil.copytree(ADAPTER, adapters / "pirate")
     weights = adapters / "pirate" / "adapter_model.safetensors"
     store = Service("adapter_store", ["--model", str(MODEL_DIR), "--db", ":memory:",
-                                      "--adapters-dir", str(adapters),
+                                      "--adapters-dir", str(adapters), "--version-dir",
+                                      str(tmp_path / "versions"),
                                       *(["--shm-dir", str(shm_dir)] if shm else [])],
                     tmp_path).wait()
     api = StoreApi(store.addr)
@@ -209,6 +212,8 @@ def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
         assert resolved.adapter.version
         flipped = bytearray(BLOB)
         flipped[-1] ^= 1                                           # same size, one bit
+        (tmp_path / "versions" / resolved.adapter.version / weights.name).write_bytes(
+            bytes(flipped))
         for changed in (bytes(flipped), BLOB[:-7]):               # ... and a shorter file
             weights.write_bytes(changed)
             with pytest.raises(grpc.RpcError) as err:

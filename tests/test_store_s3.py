@@ -1,6 +1,8 @@
-"""The adapter store over S3 (moto's server on loopback): register from a bucket, cold load (tier
-SOURCE), warm hit (STORE_HOST), digests checked here; a vanished object, a failing and a silent
-endpoint give clean errors within the deadline; a corrupted object is DATA_LOSS and never cached.
+"""The adapter store over S3 (moto's server on loopback): register from a bucket (the store
+keeps its own copy of the validated bytes), cold load (tier SOURCE, from that copy), warm hit
+(STORE_HOST), digests checked here; an object overwritten or deleted after registration does not
+change what the version serves (issue 41); a failing and a silent endpoint give clean errors
+within the deadline.
 """
 from __future__ import annotations
 
@@ -81,8 +83,9 @@ def test_cold_then_warm(env):
              and s["trace_id"] == "0af7651916cd43dd8448eb211c80319c"]
     assert fetch and fetch[0]["attributes"]["lora.tier"] == "SOURCE"
     assert fetch[0]["attributes"]["lora.adapter_id"] == "acme-v1"
-    gets = [s for s in spans if s["name"] == "s3.get" and s["trace_id"] == fetch[0]["trace_id"]]
-    assert len(gets) == 2  # config + weights, children of the fetch
+    in_fetch = [s["name"] for s in spans if s["trace_id"] == fetch[0]["trace_id"]]
+    assert "s3.get" not in in_fetch and "store.source_read" in in_fetch  # the store's copy
+    assert sum(s["name"] == "s3.get" for s in spans) == 2   # config + weights, at Register
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
     assert 'lorafleet_cold_load_seconds_count{tier="source"}' in text
     assert 'lorafleet_cache_hits_total{tier="store_host"}' in text
@@ -103,32 +106,26 @@ def test_default_bucket(env):
     assert client.fetch("shared-x")[1] == blob
 
 
-def test_corrupted_object_is_data_loss_and_never_cached(env):
+def test_an_object_overwritten_or_deleted_after_registration_still_serves_its_version(env):
+    """The version is the bytes registered: an object rewritten in the bucket (a valid
+    adapter still) or deleted serves the registered bytes, from the store's copy (it was
+    DATA_LOSS, then NOT_FOUND); a register --replace then makes the new bytes a new version."""
     _, s3, store, client, _, _ = env
     blob = upload(s3, "big", *BIG)
-    assert client.register("big", f"s3://{BUCKET}/big").rank == 64
+    info = client.register("big", f"s3://{BUCKET}/big")
     assert client.fetch("big")[0].tier == common_pb2.SOURCE
     tensors = dict(BIG[1])
     name = next(iter(tensors))
     tensors[name] = tensors[name] + np.float32(1.0)  # still a perfectly valid adapter
     upload(s3, "big", None, tensors)
-    for _ in range(2):
-        code, details = client.error(client.fetch, "big")
-        assert code == grpc.StatusCode.DATA_LOSS and "re-register" in details, details
-    assert client.stats().host_bytes < len(blob)
-    s3.put_object(Bucket=BUCKET, Key="big/adapter_model.safetensors", Body=blob)
-    header, got, digest = client.fetch("big")
-    assert header.tier == common_pb2.SOURCE and got == blob and digest == sha256(blob)
-    assert health_status(store.addr) == SERVING
-
-
-def test_vanished_object(env):
-    _, s3, store, client, _, _ = env
-    upload(s3, "gone", SMALL[0], lora_tensors(seed=7))  # not in the host tier
-    client.register("gone", f"s3://{BUCKET}/gone")
+    for _ in range(2):                               # BIG never fits the host tier
+        header, got, digest = client.fetch("big", version=info.version)
+        assert header.tier == common_pb2.SOURCE and got == blob and digest == sha256(blob)
+    assert client.register("big", f"s3://{BUCKET}/big", replace=True).version != info.version
+    upload(s3, "gone", SMALL[0], lora_tensors(seed=7))
+    small = client.register("gone", f"s3://{BUCKET}/gone")
     s3.delete_object(Bucket=BUCKET, Key="gone/adapter_model.safetensors")
-    code, details = client.error(client.fetch, "gone", timeout=5)
-    assert code == grpc.StatusCode.NOT_FOUND and "missing from source s3://lorafleet/gone" in details
+    assert client.fetch("gone", timeout=5)[0].adapter.version == small.version
     assert health_status(store.addr) == SERVING
 
 

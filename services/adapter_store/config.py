@@ -23,6 +23,11 @@ class StoreConfig:
     base_config: pathlib.Path
     listen: str = "127.0.0.1:7003"
     adapters_dir: pathlib.Path | None = None
+    # more directories file:///ABS sources may be under (--allow-source-root, repeatable)
+    allow_source_roots: tuple[pathlib.Path, ...] = ()
+    # where the bytes of every kept version are kept (None: beside --db, DB.versions; a
+    # temporary directory for ':memory:')
+    version_dir: pathlib.Path | None = None
     s3_endpoint: str | None = None
     bucket: str | None = None
     s3_region: str = "us-east-1"
@@ -59,6 +64,12 @@ class StoreConfig:
         if self.adapters_dir is not None:
             _require(self.adapters_dir.is_dir(), f"--adapters-dir {self.adapters_dir} is not a "
                                                  "directory")
+        for root in self.allow_source_roots:
+            _require(root.is_dir(), f"--allow-source-root {root} is not a directory")
+        keep = self.versions_path()
+        _require(keep is None or self.adapters_dir is None
+                 or self.adapters_dir.resolve() not in [keep.resolve(), *keep.resolve().parents],
+                 f"--version-dir {keep} must not be inside --adapters-dir {self.adapters_dir}")
         _require(1 <= self.max_rank <= 4096, f"--max-rank must be in 1..4096, got {self.max_rank}")
         _require(self.host_cache_bytes > 0, "--host-cache-bytes must be > 0")
         _require(self.max_adapter_bytes > 0, "--max-adapter-bytes must be > 0")
@@ -75,6 +86,13 @@ class StoreConfig:
                  "S3 timeouts must be > 0")
         check_common(self)
 
+    def versions_path(self) -> pathlib.Path | None:
+        """--version-dir, else DB.versions beside --db (None for ':memory:': a temporary
+        directory then)."""
+        if self.version_dir is not None:
+            return self.version_dir
+        return None if self.db == ":memory:" else pathlib.Path(self.db).with_suffix(".versions")
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -89,8 +107,15 @@ def parser() -> argparse.ArgumentParser:
     add_common_flags(p, listen="127.0.0.1:7003", metrics_port=9103, grace=10.0)
     p.add_argument("--adapters-dir", default=None,
                    help="record every PEFT adapter DIR/NAME at start as NAME (shared; its "
-                        "weights validated on first use); file://REL sources resolve under "
-                        "DIR only")
+                        "weights validated on first use), except a directory that is a "
+                        "registered adapter's source; file://REL sources resolve under DIR")
+    p.add_argument("--allow-source-root", action="append", default=[], metavar="DIR",
+                   help="a directory file:///ABS sources may be under, besides --adapters-dir "
+                        "(repeatable)")
+    p.add_argument("--version-dir", default=None,
+                   help="where the store keeps the bytes of every version it keeps, content-"
+                        "addressed (default: beside --db, DB.versions; for ':memory:' a "
+                        "temporary directory)")
     p.add_argument("--s3-endpoint", default=None,
                    help="S3/MinIO endpoint URL (env LORAFLEET_S3_ENDPOINT; default: AWS)")
     p.add_argument("--bucket", default=None,
@@ -126,6 +151,8 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
     return StoreConfig(
         base_config=base, listen=args.listen,
         adapters_dir=pathlib.Path(args.adapters_dir) if args.adapters_dir else None,
+        allow_source_roots=tuple(pathlib.Path(d) for d in args.allow_source_root),
+        version_dir=pathlib.Path(args.version_dir) if args.version_dir else None,
         s3_endpoint=args.s3_endpoint or env.get("LORAFLEET_S3_ENDPOINT") or None,
         bucket=args.bucket or env.get("LORAFLEET_S3_BUCKET") or None,
         s3_region=args.s3_region or env.get("AWS_REGION") or "us-east-1",

@@ -3,7 +3,8 @@
     lorafleet_cache_hits_total{tier="store_host"}      lorafleet_cache_misses_total{tier=...}
     lorafleet_cache_hit_rate{tier="store_host"}         (gauge: hits / lookups since start)
     lorafleet_cache_evictions_total{tier="store_host"}
-    lorafleet_store_source_loads_total{scheme="file|s3", outcome="ok|data_loss|error"}
+    lorafleet_store_source_loads_total{scheme="keep|file|s3", outcome="ok|data_loss|error"}
+        (keep: the store's own copy of the version, keep.py)
     lorafleet_cold_load_seconds{tier="source"}          (histogram: read + digest check)
     lorafleet_store_adapters{state="READY|FAILED|REGISTERED"}   (gauge)
     lorafleet_store_host_bytes, lorafleet_store_host_adapters   (gauges: the host tier)

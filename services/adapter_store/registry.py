@@ -13,14 +13,15 @@ import threading
 import time
 from dataclasses import dataclass, field, replace as dc_replace
 
-from services.common.safetensors_parse import RawTensor
 from services.adapter_store.paging import prefix_end
+from services.common.safetensors_parse import RawTensor
 from services.adapter_store.registry_schema import MIGRATE_ALIASES, SCHEMA
+from services.adapter_store.registry_versions import KEEP_VERSIONS, VersionsMixin, tensors_of
 from services.common.errors import (AlreadyExists, FailedPrecondition, LorafleetError, NotFound,
                                     unknown_adapter)
 
 READY, REGISTERED, FAILED = "READY", "REGISTERED", "FAILED"
-KEEP_VERSIONS = 8          # READY versions kept per id for id@version pins and alias rollbacks
+__all__ = ["KEEP_VERSIONS", "READY", "REGISTERED", "FAILED", "AdapterRecord", "Registry"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class AdapterRecord:
     # the blob file's identity (sources.identity_of) as the read that validated it saw it;
     # () when unknown (S3, a file still being written)
     identity: tuple = ()
+    # (alias, version) of each alias pinned to a kept version (the others follow the current)
+    alias_pins: tuple[tuple[str, str], ...] = ()
 
     @property
     def shared(self) -> bool:
@@ -60,8 +63,9 @@ class AdapterRecord:
         return self.shared or self.owner == tenant
 
 
-class Registry:
-    """SQLite-backed adapters and aliases; every public method is one transaction."""
+class Registry(VersionsMixin):
+    """SQLite-backed adapters and aliases; every public method is one transaction (kept
+    versions: registry_versions.VersionsMixin)."""
 
     def __init__(self, path: str):
         if path != ":memory:":
@@ -111,12 +115,6 @@ class Registry:
             rec, pin = self._record(row[:-2]), version or row[-1]
             return self._at_version(rec, pin) if pin else rec
 
-    def get_version(self, adapter_id: str, version: str) -> AdapterRecord | None:
-        """The adapter at a kept version (pinned), or None."""
-        with self._lock:
-            rec = self._row(adapter_id)
-            return self._at_version(rec, version) if rec is not None else None
-
     def set_alias(self, alias: str, target: str) -> AdapterRecord:
         """Point alias (in its adapter's owner's scope) at TARGET: an id (the alias follows its
         current version) or ID@VERSION (pinned to a kept version: a rollback). NOT_FOUND for an
@@ -165,35 +163,29 @@ class Registry:
                 "ORDER BY id LIMIT ?", (*args, limit)).fetchall()
             if not rows:
                 return []
-            aliases: dict[str, list[str]] = {}
-            for adapter_id, alias in self._db.execute(
-                    "SELECT adapter_id, alias FROM aliases WHERE adapter_id BETWEEN ? AND ? "
-                    "ORDER BY alias", (rows[0][0], rows[-1][0])):
-                aliases.setdefault(adapter_id, []).append(alias)
+            aliases: dict[str, list[tuple[str, str]]] = {}
+            for adapter_id, alias, pin in self._db.execute(
+                    "SELECT adapter_id, alias, version FROM aliases WHERE adapter_id BETWEEN ? "
+                    "AND ? ORDER BY alias", (rows[0][0], rows[-1][0])):
+                aliases.setdefault(adapter_id, []).append((alias, pin))
         return [AdapterRecord(id=i, owner=o, source=src, state=st, reason=why, version=v,
                               rank=r, alpha=a, rslora=bool(rs), targets=tuple(json.loads(t)),
-                              bytes=n, aliases=tuple(aliases.get(i, ())), created=c)
+                              bytes=n, created=c, **_alias_fields(aliases.get(i, ())))
                 for i, v, o, src, st, why, r, a, rs, t, n, c in rows]
 
-    def scan_view(self) -> dict[str, tuple[str, str, str, str, tuple]]:
-        """id -> (source, owner, state, config_json, identity) of every adapter: what a
-        start-up scan compares a directory with."""
+    def scan_view(self) -> dict[str, tuple[str, str, str, str, tuple, float]]:
+        """id -> (source, owner, state, config_json, identity, created) of every adapter: what
+        a start-up scan compares a directory with."""
         with self._lock:
             rows = self._db.execute("SELECT id, source, owner, state, config_json, "
-                                    "json_extract(detail, '$.identity') FROM adapters")
-            return {i: (src, o, st, cfg, tuple(json.loads(ident or "[]")))
-                    for i, src, o, st, cfg, ident in rows}
+                                    "json_extract(detail, '$.identity'), created FROM adapters")
+            return {i: (src, o, st, cfg, tuple(json.loads(ident or "[]")), c)
+                    for i, src, o, st, cfg, ident, c in rows}
 
     def counts(self) -> dict[str, int]:
         """Number of adapters per state."""
         with self._lock:
             return dict(self._db.execute("SELECT state, COUNT(*) FROM adapters GROUP BY state"))
-
-    def version_in_use(self, version: str) -> bool:
-        """Whether any adapter is at this version (content shared by several ids)."""
-        with self._lock:
-            return self._db.execute("SELECT 1 FROM adapters WHERE version = ? LIMIT 1",
-                                    (version,)).fetchone() is not None
 
     def put(self, rec: AdapterRecord, replace: bool) -> tuple[AdapterRecord, AdapterRecord | None]:
         """Insert rec, or (replace) swap it in with its aliases atomically.
@@ -326,48 +318,18 @@ class Registry:
                 "INSERT OR REPLACE INTO aliases (owner, alias, adapter_id) VALUES (?, ?, ?)",
                 [(rec.owner, a, rec.id) for a in rec.aliases])
 
-    def _keep_version(self, rec: AdapterRecord, detail: str) -> None:
-        """Keep this version for pins (the newest KEEP_VERSIONS of an id, and any an alias is
-        pinned to)."""
-        self._db.execute(
-            "INSERT OR REPLACE INTO versions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (rec.id, rec.version, rec.sha256, rec.owner, rec.source, rec.rank, rec.alpha,
-             int(rec.rslora), json.dumps(list(rec.targets)), rec.bytes, rec.config_json, detail,
-             time.time()))
-        self._db.execute(
-            "DELETE FROM versions WHERE id = ? AND version NOT IN (SELECT version FROM versions "
-            "WHERE id = ? ORDER BY created DESC LIMIT ?) AND version NOT IN (SELECT version FROM "
-            "aliases WHERE adapter_id = ?)", (rec.id, rec.id, KEEP_VERSIONS, rec.id))
-
-    def _at_version(self, rec: AdapterRecord, version: str) -> AdapterRecord | None:
-        """rec as it was at a kept version (marked pinned); None when it is not kept."""
-        if version == rec.version:
-            return dc_replace(rec, pinned=True)
-        row = self._db.execute("SELECT * FROM versions WHERE id = ? AND version = ?",
-                               (rec.id, version)).fetchone()
-        if row is None:
-            return None
-        (_, version, sha, _, source, rank, alpha, rslora, targets, nbytes, config_json, detail,
-         _) = row
-        detail = json.loads(detail)
-        return dc_replace(rec, version=version, sha256=sha, source=source, state="READY",
-                          reason="", rank=rank, alpha=alpha, rslora=bool(rslora),
-                          targets=tuple(json.loads(targets)), layers=tuple(detail["layers"]),
-                          bytes=nbytes, config_json=config_json, tensors=_tensors(detail),
-                          pinned=True)
-
     def _record(self, row: tuple) -> AdapterRecord:
         (id_, version, sha, owner, source, state, reason, rank, alpha, rslora, targets, nbytes,
          config_json, detail, created) = row
         detail = json.loads(detail)
-        aliases = tuple(a for (a,) in self._db.execute(
-            "SELECT alias FROM aliases WHERE adapter_id = ? ORDER BY alias", (id_,)))
+        aliases = self._db.execute("SELECT alias, version FROM aliases WHERE adapter_id = ? "
+                                   "ORDER BY alias", (id_,)).fetchall()
         return AdapterRecord(
             id=id_, owner=owner, source=source, state=state, reason=reason, version=version,
             sha256=sha, rank=rank, alpha=alpha, rslora=bool(rslora),
             targets=tuple(json.loads(targets)), layers=tuple(detail["layers"]), bytes=nbytes,
-            config_json=config_json, tensors=_tensors(detail), aliases=aliases,
-            created=created, identity=tuple(detail.get("identity", ())))
+            config_json=config_json, tensors=tensors_of(detail), created=created,
+            identity=tuple(detail.get("identity", ())), **_alias_fields(aliases))
 
 
 def _detail(rec: AdapterRecord) -> str:
@@ -376,5 +338,7 @@ def _detail(rec: AdapterRecord) -> str:
                                    for t in rec.tensors]})
 
 
-def _tensors(detail: dict) -> tuple[RawTensor, ...]:
-    return tuple(RawTensor(n, d, tuple(s), o, b) for n, d, s, o, b in detail["tensors"])
+def _alias_fields(rows) -> dict:
+    """aliases and alias_pins of a record from its (alias, version) rows."""
+    return {"aliases": tuple(a for a, _ in rows),
+            "alias_pins": tuple((a, v) for a, v in rows if v)}

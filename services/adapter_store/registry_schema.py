@@ -17,6 +17,8 @@ CREATE TABLE IF NOT EXISTS versions (
     alpha REAL NOT NULL, rslora INTEGER NOT NULL, targets TEXT NOT NULL, bytes INTEGER NOT NULL,
     config_json TEXT NOT NULL, detail TEXT NOT NULL, created REAL NOT NULL,
     PRIMARY KEY (id, version));
+CREATE INDEX IF NOT EXISTS versions_by_version ON versions(version);
+CREATE INDEX IF NOT EXISTS adapters_by_version ON adapters(version);
 """
 # A registry written before aliases were scoped by owner (alias TEXT PRIMARY KEY): its aliases
 # move to their adapters' owners' scopes.

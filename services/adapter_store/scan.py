@@ -9,6 +9,16 @@ header, shapes, NaN/Inf, digest) are read and validated on the adapter's first u
 (AdapterStore.resolve / stage), so start-up costs no read of any blob. Records are written a
 batch per transaction, and the log shows progress every PROGRESS_EVERY adapters or
 PROGRESS_S seconds.
+
+A directory that is the source of any registered adapter (any version it keeps, any owner,
+registered by id or with aliases) is never published as DIR/NAME: its bytes belong to that
+registration (issue 41: a tenant's private adapter became shared after a restart). Directories
+are compared with symlinks resolved, the scanned folder and the folders its two files resolve
+into, so a symlink to a claimed directory or file is not published either. The one exception
+is the reverse order: a directory the scan published before the first registration from it
+stays published (its bytes were every tenant's already; the store logs a warning when a
+private adapter is registered from it). A scan record published after a registration from its
+directory (by a store without this check) is removed.
 """
 from __future__ import annotations
 
@@ -43,6 +53,11 @@ def scan_dir(registry: Registry, reader: SourceReader, base: BaseShapes, max_ran
     is."""
     names = _adapter_names(root)
     known = registry.scan_view()
+    claimed = _claimed_dirs(registry, reader)
+    claims = {n: c for n in names if (c := _claim_of(reader, known, claimed, n)) is not None}
+    for name, claim in claims.items():
+        _unpublish(registry, known, name, claim)
+    names = [n for n in names if n not in claims]
     one = partial(_scan_one, reader, base, max_rank, known)
     start = last = time.monotonic()
     batch: list[AdapterRecord] = []
@@ -60,6 +75,58 @@ def scan_dir(registry: Registry, reader: SourceReader, base: BaseShapes, max_ran
                          now - start)
     log.info("adapters dir %s: %d adapters recorded in %.1f s (their weights are read and "
              "validated on first use)", root, len(names), time.monotonic() - start)
+
+
+def _claimed_dirs(registry: Registry, reader: SourceReader
+                  ) -> dict[pathlib.Path, list[tuple[str, str, float]]]:
+    """Real directory -> (id, owner, created) of each adapter that is at or keeps a version
+    from it, the scan's own records (shared NAME from file://NAME) aside."""
+    claimed: dict[pathlib.Path, list[tuple[str, str, float]]] = {}
+    for adapter_id, owner, source, created in registry.source_claims():
+        if owner == "" and source == f"file://{adapter_id}" or not source.startswith("file://"):
+            continue
+        try:
+            folder = reader.real_dir(parse_source(source, None))
+        except (LorafleetError, OSError, RuntimeError):     # a malformed or looping source
+            continue
+        if folder is not None:
+            claimed.setdefault(folder, []).append((adapter_id, owner, created))
+    return claimed
+
+
+def _claim_of(reader: SourceReader, known: dict[str, tuple], claimed: dict, name: str
+              ) -> tuple[str, str] | None:
+    """(id, owner) of a registration DIR/name's bytes belong to, None if none: one from the
+    folder or from a folder its files resolve into, unless the scan published DIR/name before
+    that registration."""
+    if not claimed or reader.root is None:
+        return None
+    folder = reader.root / name
+    try:
+        places = {folder.resolve(), *((folder / f).resolve().parent for f in (CONFIG, WEIGHTS))}
+    except (OSError, RuntimeError):
+        return None
+    source, owner, *_, published = known.get(name, ("", "", "", "", (), 0.0))
+    ours = (source, owner) == (f"file://{name}", "")
+    for place in places:
+        for adapter_id, claim_owner, created in claimed.get(place, ()):
+            if not (ours and published <= created):
+                return adapter_id, claim_owner
+    return None
+
+
+def _unpublish(registry: Registry, known: dict[str, tuple], name: str,
+               claim: tuple[str, str]) -> None:
+    """Skip DIR/name (the source of the adapter `claim` names), removing a shared record of it
+    that a scan published after that registration."""
+    source, owner = known.get(name, ("", ""))[:2]
+    if (source, owner) == (f"file://{name}", ""):
+        registry.delete(name)
+        log.warning("adapters dir: %r is the source of adapter %r (owner %r): its shared record "
+                    "(published by an earlier scan) is removed", name, claim[0], claim[1])
+    else:
+        log.info("adapters dir: %r is the source of adapter %r (owner %r): not published",
+                 name, claim[0], claim[1])
 
 
 def _adapter_names(root: pathlib.Path) -> list[str]:
@@ -82,7 +149,8 @@ def _scan_one(reader: SourceReader, base: BaseShapes, max_rank: int,
     when the name is registered from elsewhere, is READY from this very file (a --db kept
     from before: same config, same file identity), or the directory holds no adapter files."""
     ref = parse_source(f"file://{name}", None)
-    source, owner, state, config_json, identity = known.get(name, (ref.uri, "", "", "", ()))
+    source, owner, state, config_json, identity, _ = known.get(name, (ref.uri, "", "", "", (),
+                                                                      0.0))
     if (source, owner) != (ref.uri, ""):
         log.warning("adapters dir: %r is already registered from %s (owner %r); left as is",
                     name, source, owner)

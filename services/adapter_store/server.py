@@ -8,6 +8,7 @@ import grpc
 from services.adapter_store import metrics
 from services.adapter_store.config import StoreConfig
 from services.adapter_store.host_cache import HostCache
+from services.adapter_store.keep import VersionKeep
 from services.adapter_store.registry import Registry
 from services.adapter_store.scan import scan_dir
 from services.adapter_store.s3 import S3Clients
@@ -31,13 +32,18 @@ def build_store(config: StoreConfig) -> tuple[AdapterStore, Registry]:
     registry = Registry(config.db)
     s3 = S3Clients(config.s3_endpoint, config.s3_region, config.s3_connect_timeout,
                    config.s3_read_timeout)
-    reader = SourceReader(config.adapters_dir, s3, config.max_adapter_bytes)
+    reader = SourceReader(config.adapters_dir, s3, config.max_adapter_bytes,
+                          allowed=config.allow_source_roots)
     cache = HostCache(config.host_cache_bytes, config.tenant_share, config.shm_dir)
+    keep = VersionKeep(config.versions_path(), config.max_adapter_bytes)
     store = AdapterStore(base, registry, reader, cache, config.max_rank, config.bucket,
-                         first_use_threads=config.scan_threads)
+                         first_use_threads=config.scan_threads, keep=keep)
     if config.adapters_dir is not None:
         scan_dir(registry, reader, base, config.max_rank, config.adapters_dir,
                  config.scan_threads)
+    removed = keep.collect(registry.kept_versions())
+    log.info("versions kept in %s%s", keep.root,
+             f" ({removed} no longer kept removed)" if removed else "")
     counts = registry.counts()
     metrics.set_adapter_counts(counts)
     log.info("registry %s: %s", config.db, counts or "empty")

@@ -34,7 +34,8 @@ def adapter_info(rec: AdapterRecord) -> router_pb2.AdapterInfo:
         id=rec.id, version=rec.version, owner=rec.owner, shared=rec.shared,
         aliases=list(rec.aliases), rank=rec.rank, target_modules=list(rec.targets),
         bytes=rec.bytes, state=rec.state, failure_reason=rec.reason, source=rec.source,
-        lora_alpha=rec.alpha, use_rslora=rec.rslora, pinned=rec.pinned)
+        lora_alpha=rec.alpha, use_rslora=rec.rslora, pinned=rec.pinned,
+        pinned_aliases=dict(rec.alias_pins))
 
 
 def fetch_header(staged: Staged, shm: bool = False) -> pb.AdapterHeader:
@@ -81,6 +82,15 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
                                                request.page_size, request.page_token)
         return pb.ListResponse(adapters=[adapter_info(r) for r in records],
                                next_page_token=token)
+
+    async def Versions(self, request, context):
+        rec, kept = self._store.versions(request.id, request.tenant, request.all_tenants)
+        return router_pb2.ListAdapterVersionsResponse(
+            adapter_id=rec.id, owner=rec.owner,
+            versions=[router_pb2.AdapterVersion(
+                version=v.version, sha256=v.sha256, source=v.source, rank=v.rank,
+                bytes=v.bytes, registered_at=v.created, current=v.current,
+                pinned_aliases=list(v.pinned_aliases), kept=has) for v, has in kept])
 
     async def Delete(self, request, context):
         self._store.delete(request.id)

@@ -1,4 +1,6 @@
-"""Where adapters come from: `file://REL` under the adapters dir, or `s3://BUCKET/PREFIX`.
+"""Where adapters come from: `file://REL` under the adapters dir, `file:///ABS` under the adapters
+dir or an --allow-source-root, or `s3://BUCKET/PREFIX`. A local source is refused (naming the
+directories it may be under) when its path, symlinks resolved, leaves them.
 
 Only `adapter_config.json` and `adapter_model.safetensors` are ever read. A source that holds only
 `adapter_model.bin` (a pickle) is refused without opening it. Sizes are checked (stat / HEAD)
@@ -110,7 +112,10 @@ def read_into(f, size: int, dest: Destination, hashed: bool = True,
 
 
 def parse_source(uri: str, default_bucket: str | None) -> SourceRef:
-    """Check a source URI's shape; raises Refusal naming the `source` field."""
+    """Check a source URI's shape; raises Refusal naming the `source` field. A file:// ref's
+    path is relative (to the adapters dir) or, for file:///ABS, absolute."""
+    if uri.startswith("file:///"):
+        return SourceRef(uri, "file", path="/" + _relative(uri[len("file:///"):], uri))
     if uri.startswith("file://"):
         return SourceRef(uri, "file", path=_relative(uri[len("file://"):], uri))
     if uri.startswith("s3://"):
@@ -121,7 +126,8 @@ def parse_source(uri: str, default_bucket: str | None) -> SourceRef:
                                     "PREFIX, or s3:///PREFIX with --bucket)")
         prefix = _relative(prefix.strip("/"), uri) if prefix.strip("/") else ""
         return SourceRef(f"s3://{bucket}/{prefix}", "s3", path=prefix, bucket=bucket)
-    raise Refusal("source", f"source: {uri[:200]!r} is not file://REL (under --adapters-dir) or "
+    raise Refusal("source", f"source: {uri[:200]!r} is not file://REL (under --adapters-dir), "
+                            "file:///ABS (under --adapters-dir or an --allow-source-root) or "
                             "s3://BUCKET/PREFIX")
 
 
@@ -130,8 +136,8 @@ def _relative(rel: str, uri: str) -> str:
     parts = rel.split("/")
     if not rel or rel.startswith("/") or not all(_SEGMENT.fullmatch(p) for p in parts) \
             or any(p in (".", "..") for p in parts):
-        raise Refusal("source", f"source: {uri[:200]!r}: the path must be relative, made of "
-                                "plain names, without '..'")
+        raise Refusal("source", f"source: {uri[:200]!r}: the path must be made of plain "
+                                "names, without '..' (file://REL or file:///ABS)")
     return rel
 
 
@@ -139,10 +145,14 @@ class SourceReader:
     """Reads adapters from the local root and from S3 with size caps and bounded timeouts."""
 
     def __init__(self, root: pathlib.Path | None, s3_client: s3.S3Clients | None,
-                 max_bytes: int, settled_s: float = SETTLED_S):
+                 max_bytes: int, settled_s: float = SETTLED_S,
+                 allowed: tuple[pathlib.Path, ...] = ()):
         """settled_s: how old a file's mtime and ctime must be for its identity to be kept
-        (see identity_of)."""
+        (see identity_of); allowed: more directories file:///ABS sources may be under
+        (--allow-source-root)."""
         self._root = root.resolve() if root is not None else None
+        self._roots = tuple(dict.fromkeys(
+            ([self._root] if self._root is not None else []) + [a.resolve() for a in allowed]))
         self._s3 = s3_client
         self._max = max_bytes
         self._settled_ns = int(settled_s * 1e9)
@@ -185,12 +195,27 @@ class SourceReader:
 
     # ---- file:// ----------------------------------------------------------------------------
 
+    def real_dir(self, ref: SourceRef) -> pathlib.Path | None:
+        """A file:// ref's directory with symlinks resolved (None for s3:// or without an
+        adapters dir for a relative one); not checked."""
+        if ref.kind != "file":
+            return None
+        if ref.path.startswith("/"):
+            return pathlib.Path(ref.path).resolve()
+        return (self._root / ref.path).resolve() if self._root is not None else None
+
     def _folder(self, ref: SourceRef) -> pathlib.Path:
-        """A file:// adapter's directory, checked: inside --adapters-dir, present, and not a
-        pickled adapter (whatever then reads it)."""
-        if self._root is None:
-            raise Refusal("source", f"source: {ref.uri!r}: file:// sources need --adapters-dir")
-        folder = self._contained(self._root / ref.path, ref)
+        """A file:// adapter's directory, checked: inside the adapters dir (file://REL) or one
+        of the allowed roots (file:///ABS), present, and not a pickled adapter (whatever then
+        reads it)."""
+        if ref.path.startswith("/") and not self._roots:
+            raise Refusal("source", f"source: {ref.uri!r}: file:///ABS sources need "
+                                    "--adapters-dir or --allow-source-root")
+        if not ref.path.startswith("/") and self._root is None:
+            raise Refusal("source", f"source: {ref.uri!r}: file://REL sources need "
+                                    "--adapters-dir (or give file:///ABS under an "
+                                    "--allow-source-root)")
+        folder = self._contained(self.real_dir(ref), ref)
         if not folder.is_dir():
             raise MissingFile(f"source {ref.uri}: no such adapter directory")
         if not (folder / WEIGHTS).exists() and (folder / PICKLE).exists():
@@ -221,11 +246,19 @@ class SourceReader:
             return config, info
 
     def _contained(self, path: pathlib.Path, ref: SourceRef) -> pathlib.Path:
-        """path with symlinks resolved; refused if that leaves the root."""
+        """path with symlinks resolved; refused, naming the directories sources may be under,
+        if that leaves them."""
         real = path.resolve()
-        if real != self._root and self._root not in real.parents:
-            raise Refusal("source", f"source: {ref.uri!r} resolves outside --adapters-dir")
+        if not any(real == r or r in real.parents for r in self._roots):
+            raise Refusal("source", f"source: {ref.uri[:200]!r} resolves outside --adapters-dir "
+                                    f"and every --allow-source-root (to {str(real)[:200]}; "
+                                    f"sources may be under: {self.roots_text()})")
         return real
+
+    def roots_text(self) -> str:
+        """The directories local sources may be under, for messages."""
+        named = [str(r) for r in self._roots]
+        return (", ".join(named) or "none") + "; allow more with --allow-source-root DIR"
 
     def _file(self, path: pathlib.Path, ref: SourceRef, cap: int,
               deadline: float | None = None) -> tuple[bytes, str, None, tuple | None]:

@@ -1,22 +1,19 @@
-"""The adapter store's domain: register (read + validate once), resolve with tenant visibility,
-list, delete, and stage for Fetch (host tier, else the source with a digest check).
+"""The adapter store's domain: register (read + validate once, keep the bytes), resolve with
+tenant visibility, list, list versions, delete, and stage for Fetch (staging.py: host tier, else
+the store's copy or the source, digest-checked).
 
 Versions: `version` = first 16 hex of SHA-256(canonical config JSON + "\\n" + blob) and `sha256` =
-SHA-256 of the blob (validate.content_version). A Fetch that misses the host tier reads the source
-again and checks it against the registration: the blob's SHA-256 and the canonical config must
-both match (which makes the version match too, at one pass over the bytes); a mismatch is
-DATA_LOSS and nothing is cached.
+SHA-256 of the blob (validate.content_version). A validated version's bytes are kept in the
+store's --version-dir (keep.py) for as long as the registry keeps the version, so overwriting a
+source in place never takes a kept version away; a read that does not match the registration
+(config and SHA-256) is DATA_LOSS and nothing is cached.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
-import hashlib
 import itertools
-import json
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace as dc_replace
 
@@ -24,40 +21,25 @@ from opentelemetry import trace
 
 from services.adapter_store import metrics, paging
 from services.common.errors import Refusal
-from services.adapter_store.host_cache import CachedBlob, HostCache, HostTierStats
+from services.adapter_store.host_cache import HostCache, HostTierStats
+from services.adapter_store.keep import VersionKeep
 from services.adapter_store.peft_config import check_config
 from services.adapter_store.registry import FAILED, READY, REGISTERED, AdapterRecord, Registry
+from services.adapter_store.registry_versions import KeptVersion
 from services.adapter_store.s3 import MissingFile
 from services.adapter_store.sources import SourceReader, SourceRef, parse_source
-from services.adapter_store.validate import AdapterSummary, BaseShapes, canonical_json, validate
+from services.adapter_store.staging import (SOURCE, STORE_HOST, Staged, StagingMixin,
+                                            bounded as _bounded, check_name)
+from services.adapter_store.validate import AdapterSummary, BaseShapes, validate
 from services.adapter_store.work_pool import ValidationPool
-from services.common.errors import (AlreadyExists, DataLoss, DeadlineExceeded, FailedPrecondition,
-                                    LorafleetError, NotFound, unknown_adapter)
-from services.common.names import name_error, ref_error
+from services.common.errors import (AlreadyExists, FailedPrecondition, LorafleetError,
+                                    unknown_adapter)
+from services.common.names import ref_error
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
 MAX_ALIASES = 32
-SOURCE, STORE_HOST = "SOURCE", "STORE_HOST"
-
-
-def check_name(field: str, value: str, allow_empty: bool = False) -> None:
-    """Ids, aliases and tenants: a plain name, never a path or a URL (INVALID_ARGUMENT)."""
-    message = name_error(field, value, allow_empty)
-    if message is not None:
-        raise Refusal("name", message)
-
-
-@dataclass(frozen=True)
-class Staged:
-    """An adapter ready to stream: its record, blob, the tier it came from, source seconds, and
-    its file in the shared-memory directory (empty: none)."""
-
-    record: AdapterRecord
-    blob: bytes | memoryview
-    tier: str
-    load_s: float
-    shm_file: str = ""
+__all__ = ["AdapterStore", "Staged", "SOURCE", "STORE_HOST", "check_name"]
 
 
 @dataclass(frozen=True)
@@ -71,15 +53,18 @@ class StoreStats:
     p99: float
 
 
-class AdapterStore:
-    """Registry + sources + validation + host tier; called by the servicer on the event loop."""
+class AdapterStore(StagingMixin):
+    """Registry + sources + validation + host tier + kept versions; called by the servicer on
+    the event loop (staging for Fetch: staging.StagingMixin)."""
 
     def __init__(self, base: BaseShapes, registry: Registry, reader: SourceReader,
                  cache: HostCache, max_rank: int, default_bucket: str | None,
-                 pool: ValidationPool | None = None, first_use_threads: int = 4):
+                 pool: ValidationPool | None = None, first_use_threads: int = 4,
+                 keep: VersionKeep | None = None):
         """pool: the threads Register validates on (work_pool.ValidationPool);
-        first_use_threads: those that validate REGISTERED adapters on first use."""
-        self._base, self._registry, self._reader = base, registry, reader
+        first_use_threads: those that validate REGISTERED adapters on first use; keep: where
+        the bytes of every kept version are kept (None: nowhere, the source is read again)."""
+        self._base, self._registry, self._reader, self._keep = base, registry, reader, keep
         self._pool = pool or ValidationPool()
         self._first_use_threads = ThreadPoolExecutor(first_use_threads,
                                                      thread_name_prefix="store-first-use")
@@ -119,14 +104,43 @@ class AdapterStore:
         if not replace and self._registry.get(adapter_id) is not None:  # before any download
             raise AlreadyExists(f"id: adapter {adapter_id!r} already exists (set replace to "
                                 "register a new version)")
+        self._check_claim(ref, owner)
         summary, identity = await _bounded(self._pool.run(owner, self._load_validated, ref,
                                                           remaining), remaining)
-        stored, old = self._registry.put(_record(adapter_id, owner, ref, summary,
-                                                 tuple(aliases), identity), replace)
+        before = self._registry.versions_of(adapter_id)
+        try:
+            stored, old = self._registry.put(_record(adapter_id, owner, ref, summary,
+                                                     tuple(aliases), identity), replace)
+        finally:        # a refused put keeps nothing new; a replace may prune old versions
+            self._drop_unkept(before | {summary.version})
         self._trust(stored, identity)
         if old is not None and old.version != stored.version:
             self._forget(old.version)
         return stored
+
+    def _check_claim(self, ref: SourceRef, owner: str) -> None:
+        """Log when a private adapter is registered from a directory the --adapters-dir scan
+        publishes: its bytes are every tenant's already, under the directory's name (scan.py
+        keeps publishing a directory it published before any private registration)."""
+        folder = self._reader.real_dir(ref)
+        root = self._reader.root
+        if not owner or folder is None or root is None or folder.parent != root:
+            return
+        shared = self._registry.get(folder.name)
+        if shared is not None and shared.shared and shared.source == f"file://{folder.name}":
+            log.warning("adapter source %s is also the shared adapter %r of the --adapters-dir "
+                        "scan: every tenant can use these bytes; keep a private adapter's files "
+                        "where the scan does not publish them (a subdirectory, or an "
+                        "--allow-source-root), or delete %r first", ref.uri, folder.name,
+                        folder.name)
+
+    def _drop_unkept(self, versions: set[str]) -> None:
+        """Remove the kept bytes of those of `versions` that no adapter keeps now."""
+        if self._keep is None:
+            return
+        for version in versions:
+            if version and not self._registry.version_kept(version):
+                self._keep.remove(version)
 
     @property
     def max_rank(self) -> int:
@@ -155,6 +169,11 @@ class AdapterStore:
             if summary.ignored:
                 log.info("%s: adapter_config.json fields unknown to this store, left unset, "
                          "ignored: %s", ref.uri, ", ".join(summary.ignored))
+            if self._keep is not None:      # the store's own copy: what later reads read
+                self._keep.put(summary.version, summary.config_json, raw.blob)
+                ref, identity = self._keep.trusted(summary.version)
+                if identity is not None:    # written here, once: no read need hash it again
+                    self._identities[(ref, summary.version)] = identity
             return summary, raw.identity
 
     async def resolve(self, name: str, tenant: str, remaining: float | None = None
@@ -203,10 +222,27 @@ class AdapterStore:
         more = len(rows) > len(page)
         return page, paging.encode(page[-1].id, key) if more else ""
 
+    def versions(self, name: str, tenant: str, all_tenants: bool
+                 ) -> tuple[AdapterRecord, list[tuple[KeptVersion, bool]]]:
+        """The adapter `name` (id or alias) as tenant sees it (any adapter by id when
+        all_tenants) and its kept versions, newest first, each with whether the store holds
+        its bytes; NOT_FOUND as resolve."""
+        check_name("id", name)
+        check_name("tenant", tenant, allow_empty=True)
+        record = self._registry.get(name) if all_tenants else None
+        record = record or self._registry.lookup(name, tenant)
+        if record is None or not (all_tenants or record.visible_to(tenant)):
+            raise unknown_adapter(name)
+        return record, [(v, self._keep is not None and self._keep.has(v.version))
+                        for v in self._registry.list_versions(record.id)]
+
     def delete(self, adapter_id: str) -> None:
-        """Remove the adapter, its aliases and (if no other id shares it) its staged blob."""
+        """Remove the adapter, its aliases and kept versions, and (if no other id shares them)
+        its staged blob and kept bytes."""
         check_name("id", adapter_id)
+        before = self._registry.versions_of(adapter_id)
         old = self._registry.delete(adapter_id)
+        self._drop_unkept(before)
         self._forget(old.version)
         metrics.set_adapter_counts(self._registry.counts())
         log.info("deleted adapter %r (version %s)", adapter_id, old.version or "-")
@@ -253,7 +289,9 @@ class AdapterStore:
                                                                reason=reason))
         else:
             stored = _record(record.id, record.owner, ref, summary, record.aliases, identity)
+            before = self._registry.versions_of(record.id)
             settled = self._registry.settle(record, stored)
+            self._drop_unkept(before | {stored.version})    # not taken, or one pruned
             if settled is not None and settled.version == stored.version:
                 self._trust(settled, identity)
             log.info("adapter %r validated on first use: version %s, %d bytes", record.id,
@@ -265,96 +303,6 @@ class AdapterStore:
         self._validating.pop(adapter_id, None)
         if not task.cancelled():
             task.exception()        # retrieved: its waiters may all have left
-
-    # ---- staging ---------------------------------------------------------------------------------
-
-    async def stage(self, adapter_id: str, version: str, remaining: float | None,
-                    pinned: bool = False) -> Staged:
-        """The adapter's blob from the host tier, else from its source (digest-checked).
-        version: the one expected (FAILED_PRECONDITION if the adapter moved on), unless pinned:
-        then that version if the registry keeps it."""
-        check_name("id", adapter_id)
-        record = self._registry.get(adapter_id)
-        if record is None:
-            raise unknown_adapter(adapter_id)
-        if pinned and version and version != record.version:
-            record = self._registry.get_version(adapter_id, version)
-            if record is None:
-                raise NotFound(f"adapter {adapter_id!r} keeps no version {version[:64]!r}")
-        record = await self._validated(record, remaining)
-        if record.state != READY:
-            raise FailedPrecondition(f"adapter {adapter_id!r} is {record.state}: {record.reason}")
-        if version and version != record.version:
-            raise FailedPrecondition(f"adapter {adapter_id!r} is at version {record.version}, "
-                                     f"not {version[:64]!r}")
-        cached = self._cache.get(record.version)
-        metrics.count_lookup(cached is not None)
-        if cached is not None:
-            return Staged(record, cached.data, STORE_HOST, 0.0, cached.shm_file)
-        task = self._inflight.get(record.version)
-        if task is None:  # one source read per version, however many Fetches wait for it
-            task = asyncio.ensure_future(self._from_source(record, remaining))
-            self._inflight[record.version] = task
-            task.add_done_callback(lambda t, v=record.version: self._landed(v, t))
-        cached, seconds = await _bounded(asyncio.shield(task), remaining)
-        return Staged(record, cached.data, SOURCE, seconds, cached.shm_file)
-
-    async def _from_source(self, record: AdapterRecord, remaining: float | None
-                           ) -> tuple[CachedBlob, float]:
-        ref = parse_source(record.source, self._bucket)
-        start = time.perf_counter()
-        try:
-            # s3:// reads show as s3.get spans (sources.py); a local read gets one of its own
-            read_span = (_tracer.start_as_current_span("store.source_read") if ref.kind == "file"
-                         else contextlib.nullcontext())
-            landing = self._cache.landing(record.version) if ref.kind == "file" else None
-            trusted = self._identities.get((record.source, record.version))
-            with read_span:             # a local blob is hashed as it is read, into its place
-                raw = await asyncio.to_thread(self._reader.read, ref, remaining, None, landing,
-                                              trusted)
-            with _tracer.start_as_current_span("store.verify") as span:
-                span.set_attribute("lora.bytes", len(raw.blob))
-                cached = await asyncio.to_thread(self._verified, record, ref, raw)
-        except LorafleetError as exc:
-            reason = "data_loss" if isinstance(exc, DataLoss) else "error"
-            metrics.observe_source_load(self._window, ref.kind, reason, 0.0)
-            log.warning("staging %r from %s failed: %s", record.id, ref.uri, exc.message)
-            raise
-        cached, evicted = self._cache.put(record.version, record.owner, cached)
-        metrics.CACHE_EVICTIONS.labels(metrics.TIER).inc(len(evicted))
-        self._publish_host_tier()
-        seconds = time.perf_counter() - start
-        metrics.observe_source_load(self._window, ref.kind, "ok", seconds)
-        return cached, seconds
-
-    def _verified(self, record: AdapterRecord, ref: SourceRef, raw) -> CachedBlob:
-        """The source's bytes as the host tier keeps them, once they match the registration
-        (blocking: a thread); DATA_LOSS, nothing kept, when they do not."""
-        try:
-            config_json = canonical_json(json.loads(raw.config))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            config_json = ""
-        if raw.trusted:         # the file is as the read that hashed it saw it
-            digest = record.sha256
-        else:
-            digest = raw.sha256 or hashlib.sha256(raw.blob).hexdigest()
-        if config_json != record.config_json or digest != record.sha256:
-            if raw.landed is not None:
-                raw.landed.drop()
-            log.error("adapter %r: source %s changed since registration (registered version "
-                      "%s); not served", record.id, ref.uri, record.version)
-            raise DataLoss(f"adapter {record.id!r}: the source no longer matches the registered "
-                           f"version {record.version}; re-register it")
-        if raw.identity is not None and not raw.trusted:
-            self._identities[(record.source, record.version)] = raw.identity
-        if raw.landed is not None:
-            return self._cache.keep(raw.landed)
-        return self._cache.prepare(record.version, raw.blob)
-
-    def _landed(self, version: str, task: asyncio.Task) -> None:
-        self._inflight.pop(version, None)
-        if not task.cancelled():
-            task.exception()  # retrieved here, so an unawaited failure is not logged twice
 
     def _publish_host_tier(self) -> None:
         st = self._cache.stats()
@@ -373,6 +321,8 @@ class AdapterStore:
         self._cache.close()
         self._pool.close()
         self._first_use_threads.shutdown(wait=False, cancel_futures=True)
+        if self._keep is not None:
+            self._keep.close()
 
 
 def _check_aliases(aliases: list[str]) -> None:
@@ -390,10 +340,3 @@ def _record(adapter_id: str, owner: str, ref: SourceRef, s: AdapterSummary,
         layers=s.layers, bytes=s.total_bytes, config_json=s.config_json, tensors=s.tensors,
         aliases=aliases, identity=tuple(identity or ()))
 
-
-async def _bounded(awaitable, remaining: float | None):
-    """Await within the caller's remaining deadline (DEADLINE_EXCEEDED past it)."""
-    try:
-        return await asyncio.wait_for(awaitable, remaining)
-    except asyncio.TimeoutError:
-        raise DeadlineExceeded("deadline exceeded while reading the adapter source") from None

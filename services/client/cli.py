@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -78,10 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true")
     a.add_argument("--page-size", type=lambda t: _count(t, 31), default=0,
                    help="adapters a call (0 = the server's default, 1000; at most 1000)")
-    a.add_argument("--owner", default="", help="only this tenant's adapters")
+    a.add_argument("--owner", default="",
+                   help="only this tenant's adapters (an admin sees its private ones too)")
     a.add_argument("--prefix", default="", help="only ids that start with this")
     a.add_argument("--limit", type=_count, default=None,
                    help="stop after this many adapters (default: all)")
+    v = sub.add_parser("versions", help="the versions the store keeps of an adapter")
+    v.add_argument("id", help="adapter id (or alias)")
+    v.add_argument("--json", action="store_true")
     s = sub.add_parser("stats", help="the four health signals")
     s.add_argument("--json", action="store_true")
     m = sub.add_parser("model", help="the served base model")
@@ -93,7 +98,28 @@ def adapter_dict(a) -> dict:
     return {"id": a.id, "version": a.version, "owner": a.owner, "shared": a.shared,
             "aliases": list(a.aliases), "rank": a.rank, "target_modules": list(a.target_modules),
             "bytes": a.bytes, "state": a.state, "failure_reason": a.failure_reason,
-            "source": a.source, "lora_alpha": a.lora_alpha, "use_rslora": a.use_rslora}
+            "source": a.source, "lora_alpha": a.lora_alpha, "use_rslora": a.use_rslora,
+            "pinned_aliases": dict(sorted(a.pinned_aliases.items()))}
+
+
+def versions_dict(resp) -> dict:
+    """`versions --json`: the adapter and its kept versions, newest first."""
+    return {"id": resp.adapter_id, "owner": resp.owner, "versions": [
+        {"version": v.version, "current": v.current, "pinned_aliases": list(v.pinned_aliases),
+         "kept": v.kept, "registered_at": v.registered_at, "source": v.source,
+         "sha256": v.sha256, "rank": v.rank, "bytes": v.bytes} for v in resp.versions]}
+
+
+def _versions_text(d: dict) -> str:
+    lines = [f"{d['id']} (owner {d['owner'] or '(shared)'}): {len(d['versions'])} versions kept"]
+    for v in d["versions"]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(v["registered_at"]))
+        marks = (["current"] if v["current"] else []) + [f"pinned by {a}"
+                                                         for a in v["pinned_aliases"]]
+        lines.append(f"  {v['version']}  {when}Z  r={v['rank']:<4d} {v['source']}"
+                     f"{'' if v['kept'] else '  (bytes not kept)'}"
+                     f"{'  ' + ', '.join(marks) if marks else ''}")
+    return "\n".join(lines)
 
 
 def response_dict(resp) -> dict:
@@ -191,6 +217,9 @@ def run(args) -> int:
             print(f"deleted {args.id}")
         elif args.cmd == "adapters":
             _adapters(c, args)
+        elif args.cmd == "versions":
+            d = versions_dict(c.versions(args.id))
+            print(json.dumps(d) if args.json else _versions_text(d))
         elif args.cmd == "stats":
             d = stats_dict(c.stats())
             print(json.dumps(d) if args.json else _stats_text(d))

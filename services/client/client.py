@@ -128,6 +128,13 @@ class LorafleetClient:
         """iter_adapters as a list."""
         return list(self.iter_adapters(page_size, owner, prefix, limit))
 
+    def versions(self, adapter_id: str) -> rpb.ListAdapterVersionsResponse:
+        """The versions the store keeps of an adapter (newest first): what ID@VERSION and a
+        pinned alias can name."""
+        return self._stub.ListAdapterVersions(
+            rpb.ListAdapterVersionsRequest(adapter_id=adapter_id), timeout=self.timeout,
+            metadata=self._metadata)
+
     def stats(self) -> rpb.GetStatsResponse:
         return self._stub.GetStats(rpb.GetStatsRequest(), timeout=self.timeout,
                                    metadata=self._metadata)

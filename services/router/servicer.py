@@ -178,15 +178,28 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def ListAdapters(self, request, context):
         """One page of the store's listing for the caller's tenant (the store checks the page
         size, filters and token, bound to the tenant): a page is never more than the store's
-        page, however large the registry."""
+        page, however large the registry. An admin who names an owner lists that tenant's
+        adapters, private ones included."""
         caller = self._caller(context)
         resp = await _store_call(self.app.store.List(
             spb.ListRequest(tenant=caller.tenant, page_size=request.page_size,
                             page_token=request.page_token, owner=request.owner,
-                            prefix=request.prefix),
+                            prefix=request.prefix,
+                            all_tenants=caller.admin and bool(request.owner)),
             timeout=10, metadata=outgoing_metadata()))
         return rpb.ListAdaptersResponse(adapters=resp.adapters,
                                         next_page_token=resp.next_page_token)
+
+    async def ListAdapterVersions(self, request, context):
+        """The store's kept versions of one adapter as the caller sees it (an admin: any)."""
+        caller = self._caller(context)
+        message = name_error("adapter_id", request.adapter_id)
+        if message is not None:
+            raise InvalidArgument(message)
+        return await _store_call(self.app.store.Versions(
+            spb.VersionsRequest(id=request.adapter_id, tenant=caller.tenant,
+                                all_tenants=caller.admin),
+            timeout=10, metadata=outgoing_metadata()))
 
     async def RegisterAdapter(self, request, context):
         caller = self._caller(context)
