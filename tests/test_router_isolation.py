@@ -35,7 +35,8 @@ def fleet(lora_fleet, tmp_path_factory):
     (tmp / "tenants.json").write_text(json.dumps(TENANTS))
     port = free_port()
     stack = Stack(base, adapters, tmp, router_args=[
-        "--tenants", str(tmp / "tenants.json"), "--http-listen", f"127.0.0.1:{port}"])
+        "--tenants", str(tmp / "tenants.json"), "--http-listen", f"127.0.0.1:{port}",
+        "--insecure-internal"])
     stack.http = port
     try:
         with LorafleetClient(stack.router.addr, "tok-ops", timeout=30) as ops:
