@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--page-size", type=lambda t: _count(t, 31), default=0,
                    help="adapters a call (0 = the server's default, 1000; at most 1000)")
     a.add_argument("--owner", default="",
-                   help="only this tenant's adapters (an admin sees its private ones too)")
+                   help="only this tenant's adapters (an admin of a --tenants file sees its private ones too)")
     a.add_argument("--prefix", default="", help="only ids that start with this")
     a.add_argument("--limit", type=_count, default=None,
                    help="stop after this many adapters (default: all)")

@@ -178,14 +178,14 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     async def ListAdapters(self, request, context):
         """One page of the store's listing for the caller's tenant (the store checks the page
         size, filters and token, bound to the tenant): a page is never more than the store's
-        page, however large the registry. An admin who names an owner lists that tenant's
-        adapters, private ones included."""
+        page, however large the registry. An admin (not dev mode's) who names an owner lists
+        that tenant's adapters, private ones included."""
         caller = self._caller(context)
         resp = await _store_call(self.app.store.List(
             spb.ListRequest(tenant=caller.tenant, page_size=request.page_size,
                             page_token=request.page_token, owner=request.owner,
                             prefix=request.prefix,
-                            all_tenants=caller.admin and bool(request.owner)),
+                            all_tenants=self._sees_all(caller) and bool(request.owner)),
             timeout=10, metadata=outgoing_metadata()))
         return rpb.ListAdaptersResponse(adapters=resp.adapters,
                                         next_page_token=resp.next_page_token)
@@ -198,8 +198,14 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             raise InvalidArgument(message)
         return await _store_call(self.app.store.Versions(
             spb.VersionsRequest(id=request.adapter_id, tenant=caller.tenant,
-                                all_tenants=caller.admin),
+                                all_tenants=self._sees_all(caller)),
             timeout=10, metadata=outgoing_metadata()))
+
+    def _sees_all(self, caller) -> bool:
+        """An admin of the --tenants file sees every tenant's adapters when it asks; in dev
+        mode, where every caller may manage adapters, a caller sees as its tenant (the token
+        names any tenant there)."""
+        return caller.admin and not self.app.tenants.dev_mode
 
     async def RegisterAdapter(self, request, context):
         caller = self._caller(context)
