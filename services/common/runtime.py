@@ -169,16 +169,15 @@ def serve_ports(service: str, cfg, run) -> int:
 
 
 def exit_process(code: int) -> None:
-    """End the process with `code` after an orderly main(): the atexit handlers (tracing's
-    flush, logging's) run and the other threads get a moment to end, then os._exit skips the
-    interpreter's teardown, where nanobind reports Triton's module-level objects as leaks
+    """End the process with `code` after an orderly main(), as the interpreter would up to its
+    teardown: threads are shut down as at exit (executors told to stop, the other non-daemon
+    threads joined), the atexit handlers run (tracing's flush, logging's), then os._exit skips
+    the teardown of modules, where nanobind reports Triton's module-level objects as leaks
     (~27 lines a worker exit). An exception out of main() never comes here: it ends the
     process as usual, traceback and all."""
     import atexit
     import threading
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join(timeout=5)
+    threading._shutdown()           # what Py_Finalize does first (CPython)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
