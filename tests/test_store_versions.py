@@ -143,3 +143,26 @@ def test_a_damaged_copy_falls_back_to_the_source_then_is_data_loss(stack):
     (folder / WEIGHTS).write_bytes(bytes(damaged))
     err = rpc_error(fetch_pinned, stack.store.addr, "f", v)
     assert err.code() == grpc.StatusCode.DATA_LOSS and "re-register" in err.details()
+
+
+def test_a_memory_registry_keeps_its_copies_in_a_temporary_directory_it_removes(tmp_path):
+    """With --db :memory: the copies live in a temporary directory (under TMPDIR) that the store
+    removes at exit; one a SIGKILLed store left behind is removed by the next store's start."""
+    from tests.support import Service
+    from tests.test_store_support import write_base
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    good_adapter(tmp_path / "adapters" / "g", seed=9)
+    args = ["--base-config", str(write_base(tmp_path / "base")), "--adapters-dir",
+            str(tmp_path / "adapters"), "--db", ":memory:"]
+    killed = Service("adapter_store", args, tmp_path, env={"TMPDIR": str(tmp)}).wait()
+    c = StoreClient(killed.addr)
+    version = c.register("g2", "file://g").version
+    c.close()
+    left = list(tmp.glob("lorafleet-store-versions-*"))
+    assert len(left) == 1 and (left[0] / version / WEIGHTS).is_file()
+    killed.kill()
+    store = Service("adapter_store", args, tmp_path, env={"TMPDIR": str(tmp)}).wait()
+    assert not left[0].exists() and len(list(tmp.glob("lorafleet-store-versions-*"))) == 1
+    assert store.terminate() == 0
+    assert list(tmp.glob("lorafleet-store-versions-*")) == []

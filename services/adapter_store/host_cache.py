@@ -56,7 +56,7 @@ class ShmDir:
         """Files of stores that are gone (their pid no longer runs)."""
         for f in self.path.glob(PREFIX + "*"):
             pid = f.name[len(PREFIX):].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 f.unlink(missing_ok=True)
 
     def write(self, version: str, blob: bytes) -> CachedBlob:
@@ -101,7 +101,8 @@ class ShmLanding(Destination):
         self._tmp.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs (as far as this user can tell)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

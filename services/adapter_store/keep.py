@@ -21,12 +21,14 @@ import re
 import shutil
 import tempfile
 
+from services.adapter_store.host_cache import pid_alive
 from services.adapter_store.sources import (CONFIG, WEIGHTS, SourceReader, SourceRef,
                                             identity_of)
 
 log = logging.getLogger(__name__)
 _VERSION = re.compile(r"[0-9a-f]{16,64}")
 _TMP = ".tmp-"
+_TEMP = "lorafleet-store-versions-"     # + pid: a ':memory:' store's temporary directory
 
 
 class VersionKeep:
@@ -36,7 +38,8 @@ class VersionKeep:
         """root None: a temporary directory, removed by close() (a ':memory:' registry)."""
         self._temporary = root is None
         if root is None:
-            root = pathlib.Path(tempfile.mkdtemp(prefix="lorafleet-store-versions-"))
+            _clear_stale(pathlib.Path(tempfile.gettempdir()))
+            root = pathlib.Path(tempfile.mkdtemp(prefix=f"{_TEMP}{os.getpid()}-"))
         root.mkdir(parents=True, exist_ok=True)
         self.root = root.resolve()
         self.reader = SourceReader(self.root, None, max_bytes)
@@ -97,3 +100,12 @@ class VersionKeep:
 
     def versions(self) -> set[str]:
         return {e.name for e in os.scandir(self.root) if _VERSION.fullmatch(e.name)}
+
+
+def _clear_stale(tmp: pathlib.Path) -> None:
+    """Temporary directories of ':memory:' stores that are gone (killed: their pid no longer
+    runs), so a SIGKILL leaves nothing behind for long."""
+    for entry in tmp.glob(f"{_TEMP}*"):
+        pid = entry.name[len(_TEMP):].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
