@@ -12,6 +12,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 from concurrent import futures
 
 import grpc
@@ -212,8 +213,12 @@ def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
         assert resolved.adapter.version
         flipped = bytearray(BLOB)
         flipped[-1] ^= 1                                           # same size, one bit
-        (tmp_path / "versions" / resolved.adapter.version / weights.name).write_bytes(
-            bytes(flipped))
+        kept = tmp_path / "versions" / resolved.adapter.version / weights.name
+        for _ in range(200):                    # a first use keeps its copy right after it
+            if kept.exists():
+                break
+            time.sleep(0.05)
+        kept.write_bytes(bytes(flipped))
         for changed in (bytes(flipped), BLOB[:-7]):               # ... and a shorter file
             weights.write_bytes(changed)
             with pytest.raises(grpc.RpcError) as err:

@@ -64,11 +64,9 @@ class VersionKeep:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=_TMP, dir=self.root))
         try:
             for name, data in ((CONFIG, config_json.encode()), (WEIGHTS, blob)):
-                with open(tmp / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.rename(tmp, self.root / version)
+                with open(tmp / name, "wb") as f:   # no fsync: a copy a crash cut short
+                    f.write(data)                   # fails its digest check when read, and
+            os.rename(tmp, self.root / version)    # staging then reads the source
         except OSError as exc:          # e.g. kept meanwhile by another thread, or disk full
             shutil.rmtree(tmp, ignore_errors=True)
             if not self.has(version):

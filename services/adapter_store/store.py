@@ -69,6 +69,7 @@ class AdapterStore(StagingMixin):
         self._first_use_threads = ThreadPoolExecutor(first_use_threads,
                                                      thread_name_prefix="store-first-use")
         self._validating: dict[str, asyncio.Task] = {}     # id -> its first-use validation
+        self._keeping = ThreadPoolExecutor(1, thread_name_prefix="store-keep")  # first uses
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
         self._inflight: dict[str, asyncio.Task] = {}
         self._identities: dict[tuple[str, str], tuple] = {}   # (source, version) -> see _trust
@@ -153,10 +154,12 @@ class AdapterStore(StagingMixin):
         if identity is not None:
             self._identities[(record.source, record.version)] = identity
 
-    def _load_validated(self, ref: SourceRef, remaining: float | None
+    def _load_validated(self, ref: SourceRef, remaining: float | None, keep_now: bool = True
                         ) -> tuple[AdapterSummary, tuple | None]:
         """Read and validate (blocking: runs in a thread); missing files become refusals.
-        Returns the summary and the blob file's identity (local sources)."""
+        Returns the summary and the blob file's identity (local sources). The validated bytes
+        are kept (keep.py) before it returns, or (not keep_now: a first use, which a request
+        waits for) by the keeping thread right after."""
         with _tracer.start_as_current_span("store.validate") as span:
             span.set_attribute("lora.source", ref.uri)
             try:
@@ -169,12 +172,19 @@ class AdapterStore(StagingMixin):
             if summary.ignored:
                 log.info("%s: adapter_config.json fields unknown to this store, left unset, "
                          "ignored: %s", ref.uri, ", ".join(summary.ignored))
-            if self._keep is not None:      # the store's own copy: what later reads read
-                self._keep.put(summary.version, summary.config_json, raw.blob)
-                ref, identity = self._keep.trusted(summary.version)
-                if identity is not None:    # written here, once: no read need hash it again
-                    self._identities[(ref, summary.version)] = identity
+            if self._keep is not None and keep_now:
+                self._keep_copy(summary.version, summary.config_json, raw.blob)
+            elif self._keep is not None:
+                self._keeping.submit(self._keep_copy, summary.version, summary.config_json,
+                                     raw.blob)
             return summary, raw.identity
+
+    def _keep_copy(self, version: str, config_json: str, blob) -> None:
+        """The store's own copy of a validated version: what later reads read."""
+        self._keep.put(version, config_json, blob)
+        ref, identity = self._keep.trusted(version)
+        if identity is not None:            # written here, once: no read need hash it again
+            self._identities[(ref, version)] = identity
 
     async def resolve(self, name: str, tenant: str, remaining: float | None = None
                       ) -> AdapterRecord:
@@ -280,7 +290,7 @@ class AdapterStore(StagingMixin):
         context = contextvars.copy_context()        # the caller's trace context
         try:
             summary, identity = await loop.run_in_executor(
-                self._first_use_threads, context.run, self._load_validated, ref, None)
+                self._first_use_threads, context.run, self._load_validated, ref, None, False)
         except (Refusal, OSError) as exc:
             reason = getattr(exc, "message", None) or f"cannot be read: {exc}"
             metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
@@ -321,6 +331,7 @@ class AdapterStore(StagingMixin):
         self._cache.close()
         self._pool.close()
         self._first_use_threads.shutdown(wait=False, cancel_futures=True)
+        self._keeping.shutdown(wait=True)
         if self._keep is not None:
             self._keep.close()
 
