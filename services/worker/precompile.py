@@ -149,3 +149,5 @@ def child(model_dir: str, opts, warm: WarmShape, part: int, parts: int, cache: s
                     max_rank=warm.max_rank, max_running=warm.max_running,
                     prefill_with_decode=warm.prefill_with_decode, part=part, parts=parts).run()
     log.info("warm-up share: %d steps; done in %.1fs", report.steps, time.monotonic() - start)
+    from services.common.runtime import exit_process
+    exit_process(0)         # past the module teardown where nanobind reports Triton's objects
