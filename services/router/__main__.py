@@ -37,6 +37,9 @@ async def main_async(cfg: RouterConfig) -> None:
                     "name (no token: tenant 'dev') and any tenant may register adapters")
     tls = (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
     token = read_token(cfg.service_token_file)       # sent on calls to the store, workers
+    if cfg.tenants and cfg.insecure_internal and not (token or cfg.tls_ca):
+        log.warning("--insecure-internal: the store and workers are called without a service "
+                    "token or mTLS; anyone who reaches their ports can call them as any tenant")
     store_chan = channel(cfg.store, *tls, keepalive_s=cfg.keepalive_s, service_token=token)
     ready = Readiness()
     workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period, keepalive_s=cfg.keepalive_s,
