@@ -48,7 +48,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import serve_model, serve_report, serve_scenarios as ss  # noqa: E402
+from bench import serve_model, serve_report, serve_saturation  # noqa: E402
+from bench import serve_scenarios as ss  # noqa: E402
 from bench.serve_run import Bench  # noqa: E402
 
 GPU_DEFAULTS = {"gpu_pool_bytes": "4GiB", "kv_cache_bytes": "40GiB", "max_running": 256,
@@ -85,11 +86,13 @@ def parser() -> argparse.ArgumentParser:
       help="store -> worker: the store's shared-memory directory (--shm-dir under /dev/shm; "
       "the default where /dev/shm is writable) or a gRPC stream")
     a("--suite", default=None, help="comma-separated presets: slora, resident, cold, quick, "
-      "engine (the in-process twin of the resident case), none (default slora,resident,cold)")
+      "engine (the in-process twin of the resident case), none (default slora,resident,cold); "
+      "or saturation alone (goodput, closed loops, open-loop latency: serve_saturation.py)")
     a("--scenarios", default="", help="';'-separated NAME:key=value,... with keys "
       + ", ".join(ss.KEYS))
     _load_flags(p)
     _service_flags(p)
+    serve_saturation.add_flags(p)
     a("--out", default=str(ROOT / "bench" / "results"))
     a("--replot", help="only redraw NAME.md and the plots of a results NAME.json")
     a("--commit", help="the code's commit for the header, where the checkout's git cannot tell "
@@ -328,6 +331,8 @@ def main(argv=None) -> int:
     parsed = parser().parse_args(argv)
     if parsed.replot:
         return replot(pathlib.Path(parsed.replot))
+    if parsed.suite == "saturation":
+        return serve_saturation.main(parsed)
     args = resolve(parsed)
     md = run(args)
     print(md.read_text(), flush=True)

@@ -103,7 +103,10 @@ class Bench:
         self.header: dict = {}
 
     def ids(self, s: ss.Scenario) -> list[str]:
-        """The scenario's adapters: the first `adapters` generated of its rank."""
+        """The scenario's adapters: the first `adapters` generated of its rank (of its ranks
+        in turn, for mixed ranks)."""
+        if s.ranks and s.adapters:
+            return ss.mixed_ids(self.manifest["ids"], s.ranks, s.adapters)
         return self.manifest["ids"].get(s.rank, [])[:s.adapters] if s.adapters else []
 
     def cold_ids(self, s: ss.Scenario) -> list[str]:

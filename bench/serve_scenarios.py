@@ -65,6 +65,8 @@ class Scenario:
     # requests sent once the restarted worker is live at the router again (open loop at the
     # scenario's rate, or its closed loop): 0 = a tenth of `requests` in a kill scenario
     after_rejoin: int = 0
+    # mixed ranks (S-LoRA's row): the adapters taken from these ranks in turn (rank unused)
+    ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -176,8 +178,10 @@ def suite(name: str, g) -> list[str]:
                 f"quick-resident:{resident}",
                 f"quick-cold:{resident},cold=10,cold_n=4",
                 f"quick-cold-store:{resident},cold=10,cold_n=4,cold_adapters=store"]
+    if name == "saturation":
+        raise ValueError("--suite saturation runs alone (bench/serve_saturation.py)")
     raise ValueError(f"--suite: unknown suite {name!r} (slora, resident, cold, latency, quick, "
-                     "engine)")
+                     "engine, saturation)")
 
 
 def engine_twin(scenarios: list[Scenario], g) -> Scenario:
@@ -192,12 +196,30 @@ def engine_twin(scenarios: list[Scenario], g) -> Scenario:
         path="engine", twin="resident-32")
 
 
+def mixed_ids(ids: dict[int, list[str]], ranks: tuple[int, ...], n: int) -> list[str]:
+    """n adapters taken from `ranks` in turn (the first of each, then the second, ...), so
+    every popularity level holds each rank alike."""
+    out = [ids.get(r, [])[i // len(ranks)] if i // len(ranks) < len(ids.get(r, [])) else None
+           for i, r in zip(range(n), itertools.cycle(ranks))]
+    if None in out:
+        raise SystemExit(f"{n} adapters of ranks {ranks}: too few generated")
+    return out
+
+
+def rank_counts(s: Scenario) -> dict[int, int]:
+    """rank -> adapters of it the scenario uses."""
+    if not s.ranks:
+        return {s.rank: s.adapters}
+    return {r: len(range(i, s.adapters, len(s.ranks))) for i, r in enumerate(s.ranks)}
+
+
 def adapter_needs(scenarios: list[Scenario]) -> dict[int, int]:
     """rank -> adapters to generate: the largest scenario's count plus one fresh adapter per
     cold-stream request."""
     need: dict[int, int] = {}
     for s in scenarios:
-        need[s.rank] = max(need.get(s.rank, 0), s.adapters)
+        for rank, n in rank_counts(s).items():
+            need[rank] = max(need.get(rank, 0), n)
     for s in scenarios:
         if s.cold_requests and s.cold_adapters == "fresh":
             need[s.rank] = need.get(s.rank, 0) + s.cold_requests

@@ -1,0 +1,199 @@
+"""bench/serve_bench.py --suite saturation (issue 42): the goodput search on synthetic probe
+outcomes, the probe judgement on synthetic client records, the cross-run ratio check, and a
+--quick run through the real services whose results must follow the schema. Nothing is timed."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from bench import saturation_report as rep
+from bench import saturation_search as srch
+from bench import serve_saturation as sat
+from bench import serve_scenarios as ss
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CRIT = srch.Criteria(slo_ttft_s=1.0, slo_itl_s=0.06)
+
+
+def capacity(c: float, calls: list | None = None):
+    """A synthetic stack: a probe passes iff its rate is at most c."""
+    def probe(rate):
+        if calls is not None:
+            calls.append(rate)
+        return {"pass": rate <= c, "why": [] if rate <= c else ["over"]}
+    return probe
+
+
+@pytest.mark.parametrize("start", [20.0, 60.0, 65.0, 100.0, 300.0])
+def test_the_search_brackets_the_capacity_within_its_tolerance(start):
+    res = srch.search(capacity(65.0), start, max_probes=12, tol=0.05)
+    assert res["bound"] == "" and res["lo"] <= 65.0 < res["hi"]
+    assert (res["hi"] - res["lo"]) / res["lo"] <= 0.05
+    assert res["goodput_req_s"] == res["lo"] and not res["fail_below_goodput"]
+    passed = [p["rate"] for p in res["probes"] if p["pass"]]
+    assert max(passed) == res["lo"] and all(p["pass"] == (p["rate"] <= 65) for p in res["probes"])
+
+
+def test_the_search_is_bounded_and_says_why_it_stopped():
+    calls: list = []
+    res = srch.search(capacity(65.0, calls), 60.0, max_probes=3, tol=0.001)
+    assert len(calls) == 3 and res["bound"] == "probes"            # bracketed, not narrow
+    assert res["lo"] <= 65 < res["hi"]
+    up = srch.search(capacity(1e9), 10.0, max_probes=3)
+    assert up["bound"] == "no_fail" and up["hi"] is None and up["lo"] == pytest.approx(15.625)
+    down = srch.search(capacity(0.0), 10.0, max_probes=3)
+    assert down["bound"] == "no_pass" and down["goodput_req_s"] is None
+    assert [p["rate"] for p in down["probes"]] == [10.0, 8.0, 6.4]
+    stopped = srch.search(lambda r: None, 10.0, max_probes=3)
+    assert stopped["bound"] == "deadline" and stopped["probes"] == []
+    with pytest.raises(ValueError):
+        srch.search(capacity(1.0), 0.0, max_probes=3)
+
+
+def test_a_noisy_failure_below_the_goodput_is_reported():
+    outcomes = {10.0: True, 12.5: False, 11.18: True}
+    res = srch.search(lambda r: {"pass": outcomes.get(r, r < 11.5), "why": []}, 10.0, 3)
+    assert res["lo"] == 11.18 and res["hi"] == 12.5 and res["bound"] == "probes"
+    noisy = srch.search(lambda r: {"pass": r != 10.0, "why": []}, 10.0, 2)
+    assert noisy["lo"] == 8.0 and noisy["hi"] == 10.0
+    flaky = [{"rate": 8.0, "pass": False}, {"rate": 9.0, "pass": True}, {"rate": 10.0,
+                                                                         "pass": False}]
+    assert srch.bracket(flaky) == (9.0, 10.0)
+
+
+def _records(rate: float, n: int, e2e, ttft, itl: float = 0.02, status=lambda i: "OK"):
+    """n requests sent at 1/rate intervals; e2e(i) and ttft(i) in seconds."""
+    out = []
+    for i in range(n):
+        send = i / rate
+        first = send + ttft(i)
+        times = [first + k * itl for k in range(8)]
+        out.append({"index": i, "send": send, "end": send + e2e(i), "times": times,
+                    "status": status(i), "tokens": 8, "cold": False, "error": ""})
+    return out, [i / rate for i in range(n)]
+
+
+def test_a_sustained_probe_passes_and_each_criterion_fails_on_its_own():
+    recs, at = _records(50, 300, lambda i: 0.5, lambda i: 0.05)
+    ok = srch.judge(recs, at, 50.0, CRIT)
+    assert ok["pass"] and ok["ratio"] == pytest.approx(1.0) and ok["req_s"] == pytest.approx(50)
+    assert srch.recheck(ok, CRIT)
+    # a queue: latency grows 0.1 s each second (the stack serves 50 / 1.1 req/s)
+    recs, at = _records(50, 300, lambda i: 0.5 + 0.1 * i / 50, lambda i: 0.05 + 0.1 * i / 50)
+    slow = srch.judge(recs, at, 50.0, CRIT)
+    assert not slow["pass"] and not slow["sustained"] and slow["growing"]
+    assert slow["req_s"] == pytest.approx(50 / 1.1, rel=1e-3) and not srch.recheck(slow, CRIT)
+    recs, at = _records(50, 300, lambda i: 0.5, lambda i: 1.2 if i % 10 == 0 else 0.05)
+    late = srch.judge(recs, at, 50.0, CRIT)
+    assert not late["pass"] and not late["slo_ok"] and late["sustained"]
+    recs, at = _records(50, 300, lambda i: 0.5, lambda i: 0.05, itl=0.07)
+    assert not srch.judge(recs, at, 50.0, CRIT)["slo_ok"]
+    recs, at = _records(50, 300, lambda i: 0.5, lambda i: 0.05,
+                        status=lambda i: "UNAVAILABLE" if i % 20 == 0 else "OK")
+    failed = srch.judge(recs, at, 50.0, CRIT)
+    assert not failed["pass"] and failed["errors"] == 15 and failed["ratio"] < 0.97
+
+
+def _row(run, scenario, adapters, mode="goodput", **kw):
+    r = {"scenario": scenario, "workload": scenario, "mode": mode, "adapters": adapters,
+         "zipf": 1.0 if adapters else None, "ranks": [8] if adapters else [], "state": "steady",
+         "offered_req_s": 10.0, "req_s": 10.0, "out_tok_s": 1000.0, "ttft_p50_ms": 10.0,
+         "ttft_p99_ms": 20.0, "itl_p50_ms": 5.0, "itl_p99_ms": 9.0, "gpu_hit_rate": None,
+         "cold_p50_ms": None, "run": run, "goodput_req_s": 10.0}
+    r.update(kw)
+    return r
+
+
+def test_ratios_are_within_one_run_and_refused_across_runs(tmp_path):
+    rows = [_row("a", "base", 0), _row("a", "zipf-5", 5, goodput_req_s=9.0, itl_p50_ms=5.5)]
+    q = rep.ratios(rows)
+    assert q[1]["throughput"] == pytest.approx(0.9) and q[1]["itl_p50"] == pytest.approx(1.1)
+    mixed = rows + [_row("b", "zipf-100", 100)]
+    with pytest.raises(rep.MixedRuns):
+        rep.ratios(mixed)
+    with pytest.raises(rep.MixedRuns):
+        rep.check_one_run([{k: v for k, v in rows[0].items() if k != "run"}])
+    head = {"date": "d", "card": "c", "versions": {}, "commit": "x", "run": "a"}
+    assert "mixes runs" in rep.markdown({"header": head, "rows": mixed})
+    assert "mixes runs" not in rep.markdown({"header": head, "rows": rows})
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"header": head, "rows": rows}))
+    b.write_text(json.dumps({"header": {**head, "run": "b"}, "rows": mixed[2:]}))
+    assert rep.main(["--check", str(a)]) == 0 and rep.main(["--ratios", str(a)]) == 0
+    assert rep.main(["--check", str(a), str(b)]) == 1
+    assert rep.main(["--ratios", str(a), str(b)]) == 1
+    assert rep.main(["--merge", str(a), str(b), "--out", str(tmp_path), "--name", "m"]) == 0
+    assert "mixes runs" in (tmp_path / "m.md").read_text()
+
+
+def test_workloads_parse_and_mixed_ranks_take_each_rank_in_turn():
+    ws = sat.parse_workloads("zipf:100,resident:32,mixed:8")
+    assert [w.name for w in ws] == ["base", "zipf-100", "resident-32", "mixed-8"]
+    mixed = ws[3].scenario("m", concurrency=1)
+    assert mixed.ranks == (8, 16, 32, 64) and ss.rank_counts(mixed) == {8: 2, 16: 2, 32: 2, 64: 2}
+    assert ws[2].scenario("r", concurrency=1).preload and ws[2].scenario("r", rate=1).zipf == 0
+    assert ss.adapter_needs(sat.all_scenarios(ws)) == {8: 100, 16: 32, 32: 2, 64: 2}
+    ids = {r: [f"r{r}-{i:04d}" for i in range(3)] for r in (8, 16, 32, 64)}
+    assert ss.mixed_ids(ids, (8, 16, 32, 64), 6) == ["r8-0000", "r16-0000", "r32-0000",
+                                                     "r64-0000", "r8-0001", "r16-0001"]
+    for bad in ("zipf", "colour:3", "mixed:6", "zipf:5,zipf:5"):
+        with pytest.raises(SystemExit):
+            sat.parse_workloads(bad)
+
+
+@pytest.mark.slow
+def test_the_quick_saturation_suite_writes_its_schema_and_a_sound_search(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--suite", "saturation",
+                           "--quick", "--out", str(out), "--work", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads((out / "saturation-cpu.json").read_text())
+    assert set(doc) == {"header", "rows"}
+    h = doc["header"]
+    for key in rep.HEADER_FIELDS:
+        assert h[key], key
+    assert not h["skipped"]
+    rows = doc["rows"]
+    for r in rows:
+        assert set(rep.ROW_FIELDS) <= set(r), r["scenario"]
+        assert r["run"] == h["run"] and r["mode"] in ("goodput", "closed", "open")
+        assert r["state"] in ("steady", "cold") and not r["errors"], r
+    workloads = {r["workload"] for r in rows}
+    assert workloads == {"base", "zipf-2", "zipf-8", "zipf-32", "zipf-128", "resident-2",
+                         "mixed-32"}
+    assert {(r["workload"], r["state"]) for r in rows if r["state"] == "cold"} == {
+        ("zipf-128", "cold")}
+    assert {tuple(r["ranks"]) for r in rows if r["workload"] == "mixed-32"} == {(8, 16, 32, 64)}
+    assert all(r["pool_frac"] <= 0.25 for r in rows if r["workload"] in ("zipf-128", "mixed-32"))
+    for w in workloads:
+        streams = {r["streams"] for r in rows if r["workload"] == w and r["mode"] == "closed"
+                   and r["state"] == "steady"}
+        assert streams == {8, 16}, w
+    assert len([r for r in rows if r["mode"] == "open"]) == 9
+    crit = srch.Criteria(**h["criteria"])
+    for r in (r for r in rows if r["mode"] == "goodput"):
+        _search_is_sound(r, crit)
+    assert rep.ratios(rows)[0]["throughput"] == 1.0
+    assert "| scenario |" in (out / "saturation-cpu.md").read_text()
+    assert (out / "saturation-cpu.png").stat().st_size > 0
+
+
+def _search_is_sound(r: dict, crit: srch.Criteria) -> None:
+    """The chosen rate passed its own criteria; a probe above it failed, or the row says the
+    search hit its bound."""
+    probes = r["probes"]
+    assert 1 <= len(probes) <= 4, r["workload"]
+    if r["goodput_req_s"] is None:
+        assert r["bound"] == "no_pass" and not any(p["pass"] for p in probes)
+        return
+    chosen = [p for p in probes if p["rate"] == r["goodput_req_s"]]
+    assert chosen and chosen[0]["pass"] and srch.recheck(chosen[0], crit), r["workload"]
+    assert r["offered_req_s"] == r["goodput_req_s"] and r["req_s"] == chosen[0]["req_s"]
+    above = [p for p in probes if p["rate"] > r["goodput_req_s"]]
+    assert any(not p["pass"] and not srch.recheck(p, crit) for p in above) or \
+        r["bound"] == "no_fail", r["workload"]
