@@ -12,6 +12,10 @@
 #   bash bench/h200_serve.sh resident # the resident suite and the prefill burst (THEN_TEST=S: the
 #                                    # no-compile test after)
 #   bash bench/h200_serve.sh eviction # --eviction lru against cost at 1,000 and 2,000 adapters
+#   bash bench/h200_serve.sh saturation # issue 42: goodput, closed loops at 64 / 128 streams and
+#                                    # open-loop latency for base, 5 .. 2,000 Zipf, 32 resident
+#                                    # and mixed-rank adapters in one run and one device call:
+#                                    # bench/results/saturation-<card>.{json,md,png} (below)
 #   bash bench/h200_serve.sh record  # all of it in one run: bench/results/serve-h200.*, with the
 #                                    # engine in-process on the resident and base/5-adapter cases
 #   bash bench/h200_serve.sh two-gpu # issue 28 on nvidia-h200-x2: 1,000 rank-8 adapters, Zipf 1.0,
@@ -125,6 +129,27 @@ elif [ "$MODE" = two-gpu ]; then       # issue 28: bench/results/serve-2gpu-h200
        )kill_at=$KAT,kill_worker=1" ;; esac
   case $PART in all|merge) python3 bench/serve_merge.py --out "$OUT" --name "$NAME" \
        "$TMPO"/2gpu-w1.json "$TMPO"/2gpu-w2.json "$TMPO"/2gpu-kill.json ;; esac
+elif [ "$MODE" = saturation ]; then    # issue 42: bench/results/saturation-<card>.*
+  # One stack, one run, one device call (run's timeout_s 600): the suite stops starting parts
+  # DEADLINE s after its own start and writes what it has, the header naming what it skipped.
+  # Expected (H100 / H200, base ~65-75 req/s at 128/128 tokens, a request ~1-2 s):
+  #   wheels, nvidia-smi                                                          ~15 s
+  #   a fresh machine writes the 7B checkpoint (13.5 GB) and the adapters: 2,000 of rank 8 and
+  #     70 each of rank 16, 32, 64 (~50 GB; the mixed set shrinks if the disk is short) 60-120 s
+  #   start to SERVING on a warm kernel cache (KCACHE=...; an empty one adds 1-4 min) ~40 s
+  #   a workload: warm-up (each adapter touched once, then 384 short Zipf requests)  5-15 s,
+  #     closed 64 and 128 streams (3 rounds each: 192 + 384 requests)              ~10 s,
+  #     goodput: 4 probes of 5 s of Poisson arrivals (+ ~2 s to drain each)        ~30 s,
+  #     open loop at 25 / 50 / 75% of base goodput (5 s or 120 requests each)      ~20 s
+  #   base 60, zipf-1000 cold (closed 64, first touches) 5, zipf-1000 75, resident-32 60,
+  #     zipf-2000 50, mixed-280 50, zipf-5 40, zipf-100 45: ~385 s
+  #   total ~500-560 s; on a slow start the deadline drops zipf-100, then zipf-5, first.
+  # WORKLOADS=, COLD=, OPEN=, PROBE_S=, PROBES=, DEADLINE= override; SAT_EXTRA= more flags.
+  step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${GPU[@]}" --suite saturation \
+       --worker-flag=--warmup-max-rank=64 --deadline-s "${DEADLINE:-520}" \
+       --probe-s "${PROBE_S:-5}" --max-probes "${PROBES:-4}" \
+       ${WORKLOADS:+--sat-workloads "$WORKLOADS"} ${COLD:+--sat-cold "$COLD"} \
+       ${OPEN:+--sat-open "$OPEN"} ${SAT_EXTRA:-}
 elif [ "$MODE" = slora ]; then
   step timeout "${BUDGET:-560}" python3 bench/serve_bench.py "${GPU[@]}" --suite "${SUITE:-slora}" \
        --rate "${RATE:-58}" --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-slora

@@ -28,6 +28,9 @@ def merge(docs: list[dict], supersede: bool = False) -> dict:
     supersede: a scenario run again later (same name and worker count) keeps only its latest
     run's rows, e.g. a record's resident table re-measured after a change, beside the rest of
     the record."""
+    if any(d["header"].get("suite") == "saturation" for d in docs):
+        raise SystemExit("saturation results: merge them with bench/saturation_report.py "
+                         "--merge (a table of several runs, no ratios across them)")
     header = dict(docs[0]["header"])
     header["runs"] = [d["header"] for d in docs]
     latest = {}

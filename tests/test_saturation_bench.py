@@ -128,6 +128,9 @@ def test_ratios_are_within_one_run_and_refused_across_runs(tmp_path):
     assert rep.main(["--ratios", str(a), str(b)]) == 1
     assert rep.main(["--merge", str(a), str(b), "--out", str(tmp_path), "--name", "m"]) == 0
     assert "mixes runs" in (tmp_path / "m.md").read_text()
+    from bench import serve_merge
+    with pytest.raises(SystemExit, match="saturation_report"):
+        serve_merge.merge([{"header": {**head, "suite": "saturation"}, "rows": rows}])
 
 
 def test_workloads_parse_and_mixed_ranks_take_each_rank_in_turn():
