@@ -150,15 +150,20 @@ def markdown(doc: dict) -> str:
     lines = [f"# Saturation, {h['card']}, {h['date']}", "",
              f"Commit {h['commit']}; " + ", ".join(f"{k} {v}" for k, v in h["versions"].items())
              + f". Model {m.get('shape') or m.get('path')}. {runs}", "",
-             f"Goodput: the highest Poisson rate with achieved >= {c.get('min_ratio')} x "
-             f"offered (steady completion rate over arrival rate), TTFT not rising over the "
-             f"probe's second half, TTFT p99 <= {h.get('slo', {}).get('ttft_p99_ms')} ms, ITL "
-             f"p99 <= {h.get('slo', {}).get('itl_p99_ms')} ms, no errors; req/s and tok/s are "
-             "steady completion rates (the middle 80% of completions). 'pool holds': the share "
-             "of the workload's adapter bytes the GPU pool can hold.", "",
+             f"Goodput: the highest Poisson rate with achieved >= {c.get('min_ratio')} x the "
+             "arrival rate (achieved: the arrivals over 1 + the growth of latency, from each "
+             "request's scheduled arrival, over the probe's second half, times the share that "
+             "completed), TTFT not rising over the second half, TTFT p99 <= "
+             f"{h.get('slo', {}).get('ttft_p99_ms')} ms, ITL p99 <= "
+             f"{h.get('slo', {}).get('itl_p99_ms')} ms, no errors. Open rows' req/s: the same "
+             "achieved rate; closed rows': the completion rate fitted over the middle 80% of "
+             "completions; tok/s: req/s x the mean output. 'pool holds': the share of the "
+             "workload's adapter bytes the GPU pool can hold.", "",
              *table(rows, ratio), *probes_table(rows)]
     if h.get("skipped"):
-        lines += ["", "Skipped (deadline): " + "; ".join(h["skipped"]) + "."]
+        lines += ["", "Skipped: " + "; ".join(h["skipped"]) + "."]
+    if h.get("failed"):
+        lines += ["", "**Failed**: " + "; ".join(h["failed"]) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -179,10 +184,10 @@ def plot(path: pathlib.Path, header: dict, rows: list[dict]) -> pathlib.Path | N
         if len(rs) > 1 or any(r["adapters"] for r in rs):
             xs = [r["adapters"] for r in rs]
             ax1.plot(xs, [r["goodput_req_s"] for r in rs], mark, label=kind)
-    for mode, state in (("goodput", "at goodput"), ("open", "open loop")):
+    top = max((x.get("frac_of_base_goodput") or 0 for x in rows), default=0)
+    for mode, state in (("goodput", "at goodput"), ("open", f"open loop, {top:.0%} of base")):
         rs = sorted((r for r in rows if r["mode"] == mode and r["itl_p50_ms"] is not None and
-                     (mode == "goodput" or r.get("frac_of_base_goodput") == max(
-                         x.get("frac_of_base_goodput") or 0 for x in rows))),
+                     (mode == "goodput" or r.get("frac_of_base_goodput") == top)),
                     key=lambda r: r["adapters"])
         if rs:
             xs = [r["adapters"] for r in rs]

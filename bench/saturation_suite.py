@@ -40,6 +40,8 @@ class Suite:
         self.rid = run_id(base_header("cpu", args.commit)["commit"])
         self.rows: list[dict] = []
         self.skipped: list[str] = []
+        self.failed: list[str] = []
+        self.dead = False
         self.timings: dict[str, float] = {}
         self.base_goodput: float | None = None
         self.gain: float | None = None          # base goodput / base closed-loop capacity
@@ -66,13 +68,24 @@ class Suite:
             self.steady(w)
 
     def part(self, what: str, fn) -> None:
-        """Run one part unless the deadline leaves too little time for it."""
-        if not self.time_for(self.args.probe_s * 2 + 5):
-            self.skipped.append(what)
-            self.say(f"{what}: skipped (deadline {self.args.deadline_s:.0f}s)")
+        """Run one part unless the deadline leaves too little time for it or the stack is
+        gone; a part that fails is named in the header and the run goes on (its rows so far
+        are kept), unless a service exited."""
+        if self.dead or not self.time_for(self.args.probe_s * 2 + 5):
+            why = "a service exited" if self.dead else f"deadline {self.args.deadline_s:.0f}s"
+            self.skipped.append(f"{what} ({why})")
+            self.say(f"{what}: skipped ({why})")
             return
         t = time.monotonic()
-        fn()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - keep the rows measured so far
+            self.failed.append(f"{what}: {exc!r}"[:500])
+            self.say(f"{what}: FAILED: {exc!r}")
+            try:
+                self.bench.stack.check_alive()
+            except Exception:  # noqa: BLE001
+                self.dead = True
         self.timings[what] = round(time.monotonic() - t, 1)
 
     def steady(self, w) -> None:
@@ -249,6 +262,7 @@ class Suite:
                            "step": self.args.search_step, "probe_s": self.args.probe_s},
                 "streams": self.args.stream_counts, "open_fracs": self.args.fracs,
                 "base_goodput_req_s": self.base_goodput, "timings_s": self.timings,
-                "skipped": self.skipped, "elapsed_s": round(self.elapsed(), 1),
+                "skipped": self.skipped, "failed": self.failed,
+                "elapsed_s": round(self.elapsed(), 1),
                 "workloads": [w.name for w in self.workloads],
                 "cold": [w.name for w in self.cold], "open": self.opened}

@@ -200,7 +200,9 @@ def main(args) -> int:
     finally:
         bench.stop()
     h = serve_bench.header(args, model, cfg, manifest, scenarios, bench)
-    h.update(suite.header(), disk=shrunk or None)
+    h.update(suite.header(), disk=shrunk or None, scenarios=[
+        {"workload": w.name, "kind": w.kind, "adapters": w.adapters, "ranks": list(w.ranks),
+         "zipf": 0.0 if w.kind == "resident" else w.zipf} for w in workloads])
     name = args.name or f"saturation-{saturation_report.card_slug(h['card'], args.device)}"
     for p in saturation_report.write(pathlib.Path(args.out), name, h, suite.rows):
         print(f"wrote {p}", flush=True)

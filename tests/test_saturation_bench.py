@@ -160,7 +160,7 @@ def test_the_quick_saturation_suite_writes_its_schema_and_a_sound_search(tmp_pat
     h = doc["header"]
     for key in rep.HEADER_FIELDS:
         assert h[key], key
-    assert not h["skipped"]
+    assert not h["skipped"] and not h["failed"]
     rows = doc["rows"]
     for r in rows:
         assert set(rep.ROW_FIELDS) <= set(r), r["scenario"]
@@ -200,3 +200,23 @@ def _search_is_sound(r: dict, crit: srch.Criteria) -> None:
     above = [p for p in probes if p["rate"] > r["goodput_req_s"]]
     assert any(not p["pass"] and not srch.recheck(p, crit) for p in above) or \
         r["bound"] == "no_fail", r["workload"]
+
+
+def test_parts_past_the_deadline_are_skipped_and_a_failing_part_is_named():
+    import time
+    from types import SimpleNamespace
+    from bench.saturation_suite import Suite
+    args = SimpleNamespace(slo_ttft_ms=1000.0, slo_itl_ms=60.0, min_ratio=0.97, commit="abc",
+                           deadline_s=100.0, probe_s=5.0)
+    alive = SimpleNamespace(check_alive=lambda: None)
+    suite = Suite(SimpleNamespace(stack=alive), args, [], [], [], t0=time.monotonic() - 95)
+    assert suite.rid.startswith("sat-") and "abc" in suite.rid
+    suite.part("late", lambda: pytest.fail("a part past the deadline ran"))
+    assert suite.skipped == ["late (deadline 100s)"]
+    args.deadline_s = 0.0
+    suite.part("boom", lambda: 1 / 0)
+    assert "ZeroDivisionError" in suite.failed[0] and not suite.dead
+    suite.bench = SimpleNamespace(stack=SimpleNamespace(check_alive=lambda: 1 / 0))
+    suite.part("crash", lambda: 1 / 0)
+    suite.part("after", lambda: pytest.fail("ran after a service exited"))
+    assert suite.dead and suite.skipped[-1] == "after (a service exited)"
