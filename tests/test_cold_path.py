@@ -12,7 +12,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import time
 from concurrent import futures
 
 import grpc
@@ -194,17 +193,14 @@ def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
     """A local blob is hashed as it is read into its place in the host tier: bytes that no
     longer match the registration (for an adapter of --adapters-dir, its validation at first
     use) are refused DATA_LOSS and leave nothing behind (no file in the shared-memory
-    directory, not even the half-written one); put back, they serve. (The store reads its own
-    copy of the version first, --version-dir: damaged too here, it is dropped for the
-    source.)"""
+    directory, not even the half-written one); put back, they serve."""
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     adapters = tmp_path / "adapters"
     shutil.copytree(ADAPTER, adapters / "pirate")
     weights = adapters / "pirate" / "adapter_model.safetensors"
     store = Service("adapter_store", ["--model", str(MODEL_DIR), "--db", ":memory:",
-                                      "--adapters-dir", str(adapters), "--version-dir",
-                                      str(tmp_path / "versions"),
+                                      "--adapters-dir", str(adapters),
                                       *(["--shm-dir", str(shm_dir)] if shm else [])],
                     tmp_path).wait()
     api = StoreApi(store.addr)
@@ -213,12 +209,6 @@ def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
         assert resolved.adapter.version
         flipped = bytearray(BLOB)
         flipped[-1] ^= 1                                           # same size, one bit
-        kept = tmp_path / "versions" / resolved.adapter.version / weights.name
-        for _ in range(200):                    # a first use keeps its copy right after it
-            if kept.exists():
-                break
-            time.sleep(0.05)
-        kept.write_bytes(bytes(flipped))
         for changed in (bytes(flipped), BLOB[:-7]):               # ... and a shorter file
             weights.write_bytes(changed)
             with pytest.raises(grpc.RpcError) as err:

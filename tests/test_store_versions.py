@@ -130,18 +130,18 @@ def test_a_damaged_copy_falls_back_to_the_source_then_is_data_loss(stack):
     source read instead (and kept again); when both differ from the registration, DATA_LOSS."""
     folder = good_adapter(stack.tmp / "adapters" / "f", seed=7)
     blob = (folder / WEIGHTS).read_bytes()
-    with stack.client("tok-ops") as ops:
-        v = ops.register("f", "file://f").version
+    with stack.client("tok-ops") as ops:        # an id of its own: "f" from file://f would be
+        v = ops.register("f-kept", "file://f").version     # the scan's record (no copy)
     stack.restart_store()                                          # nothing in the host tier
     damaged = bytearray(blob)
     damaged[-1] ^= 1
     (stack.keep / v / WEIGHTS).write_bytes(bytes(damaged))
-    assert fetch_pinned(stack.store.addr, "f", v) == (v, blob)
+    assert fetch_pinned(stack.store.addr, "f-kept", v) == (v, blob)
     assert (stack.keep / v / WEIGHTS).read_bytes() == blob          # kept again
     stack.restart_store()
     (stack.keep / v / WEIGHTS).write_bytes(bytes(damaged))
     (folder / WEIGHTS).write_bytes(bytes(damaged))
-    err = rpc_error(fetch_pinned, stack.store.addr, "f", v)
+    err = rpc_error(fetch_pinned, stack.store.addr, "f-kept", v)
     assert err.code() == grpc.StatusCode.DATA_LOSS and "re-register" in err.details()
 
 
@@ -166,3 +166,21 @@ def test_a_memory_registry_keeps_its_copies_in_a_temporary_directory_it_removes(
     assert not left[0].exists() and len(list(tmp.glob("lorafleet-store-versions-*"))) == 1
     assert store.terminate() == 0
     assert list(tmp.glob("lorafleet-store-versions-*")) == []
+
+
+def test_a_scanned_adapter_is_served_from_its_directory_without_a_copy(stack):
+    """An --adapters-dir adapter's first use validates and serves it but keeps no copy: the
+    directory is the adapter, and copying every scanned adapter would double the disk."""
+    good_adapter(stack.tmp / "adapters" / "scanned", seed=7)
+    stack.restart_store()                                  # the scan records it at start
+    before = {p.name for p in stack.keep.iterdir()}
+    c = StoreClient(stack.store.addr)
+    try:
+        record = c.resolve("scanned")                      # its first use: validated now
+        header, blob, digest = c.fetch("scanned")
+        assert record.version and header.adapter.version == record.version
+        assert blob == (stack.tmp / "adapters" / "scanned" / WEIGHTS).read_bytes()
+        assert digest == sha256(blob)
+    finally:
+        c.close()
+    assert {p.name for p in stack.keep.iterdir()} == before

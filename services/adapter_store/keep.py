@@ -31,6 +31,14 @@ _TMP = ".tmp-"
 _TEMP = "lorafleet-store-versions-"     # + pid: a ':memory:' store's temporary directory
 
 
+def wants_copy(record) -> bool:
+    """Whether the store keeps its own copy of a record's version: not for an --adapters-dir
+    adapter (shared NAME from file://NAME), whose directory is the adapter (changed files are
+    recorded as a new version at the next start) and whose copies would double the disk a
+    large directory takes, nor its first use's latency."""
+    return not (record.owner == "" and record.source == f"file://{record.id}")
+
+
 class VersionKeep:
     """DIR/VERSION/ copies of kept versions (blocking file I/O: call from threads)."""
 

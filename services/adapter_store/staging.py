@@ -4,7 +4,8 @@ registration (config and SHA-256), DATA_LOSS and nothing cached on a mismatch.
 
 A version is read from its source only when the store holds no copy of it (a version
 registered before the store kept bytes, or a lost --version-dir); a verified source read then
-keeps one, so a source overwritten later never takes that version away.
+keeps one, so a source overwritten later never takes that version away (not for an
+--adapters-dir adapter: keep.wants_copy).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from opentelemetry import trace
 
 from services.adapter_store import metrics
 from services.adapter_store.host_cache import CachedBlob
+from services.adapter_store.keep import wants_copy
 from services.adapter_store.registry import READY, AdapterRecord
 from services.adapter_store.sources import SourceRef, parse_source
 from services.adapter_store.validate import canonical_json
@@ -161,7 +163,7 @@ class StagingMixin:
                            f"version {record.version}; re-register it")
         if raw.identity is not None and not raw.trusted:
             self._identities[(ref.uri, record.version)] = raw.identity
-        if not kept and self._keep is not None:
+        if not kept and self._keep is not None and wants_copy(record):
             self._keep.put(record.version, record.config_json, raw.blob)
         if raw.landed is not None:
             return self._cache.keep(raw.landed)

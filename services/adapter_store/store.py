@@ -69,7 +69,6 @@ class AdapterStore(StagingMixin):
         self._first_use_threads = ThreadPoolExecutor(first_use_threads,
                                                      thread_name_prefix="store-first-use")
         self._validating: dict[str, asyncio.Task] = {}     # id -> its first-use validation
-        self._keeping = ThreadPoolExecutor(1, thread_name_prefix="store-keep")  # first uses
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
         self._inflight: dict[str, asyncio.Task] = {}
         self._identities: dict[tuple[str, str], tuple] = {}   # (source, version) -> see _trust
@@ -154,12 +153,14 @@ class AdapterStore(StagingMixin):
         if identity is not None:
             self._identities[(record.source, record.version)] = identity
 
-    def _load_validated(self, ref: SourceRef, remaining: float | None, keep_now: bool = True
+    def _load_validated(self, ref: SourceRef, remaining: float | None, keep: bool = True
                         ) -> tuple[AdapterSummary, tuple | None]:
         """Read and validate (blocking: runs in a thread); missing files become refusals.
-        Returns the summary and the blob file's identity (local sources). The validated bytes
-        are kept (keep.py) before it returns, or (not keep_now: a first use, which a request
-        waits for) by the keeping thread right after."""
+        Returns the summary and the blob file's identity (local sources). keep: the validated
+        bytes are kept (keep.py) before it returns: a registered version. Not for the first
+        use of an --adapters-dir adapter: that directory is the adapter (a changed one is
+        recorded anew at the next start), and a copy of every scanned adapter would double
+        the disk a large directory takes."""
         with _tracer.start_as_current_span("store.validate") as span:
             span.set_attribute("lora.source", ref.uri)
             try:
@@ -172,11 +173,8 @@ class AdapterStore(StagingMixin):
             if summary.ignored:
                 log.info("%s: adapter_config.json fields unknown to this store, left unset, "
                          "ignored: %s", ref.uri, ", ".join(summary.ignored))
-            if self._keep is not None and keep_now:
+            if self._keep is not None and keep:
                 self._keep_copy(summary.version, summary.config_json, raw.blob)
-            elif self._keep is not None:
-                self._keeping.submit(self._keep_copy, summary.version, summary.config_json,
-                                     raw.blob)
             return summary, raw.identity
 
     def _keep_copy(self, version: str, config_json: str, blob) -> None:
@@ -331,7 +329,6 @@ class AdapterStore(StagingMixin):
         self._cache.close()
         self._pool.close()
         self._first_use_threads.shutdown(wait=False, cancel_futures=True)
-        self._keeping.shutdown(wait=True)
         if self._keep is not None:
             self._keep.close()
 
