@@ -125,9 +125,10 @@ def test_kept_copies_are_bounded_and_collected(stack):
     assert not stray.exists() and (stack.keep / versions[-1]).is_dir()
 
 
-def test_a_damaged_copy_falls_back_to_the_source_then_is_data_loss(stack):
-    """The store's copy is checked as a source read is: a damaged one is dropped and the
-    source read instead (and kept again); when both differ from the registration, DATA_LOSS."""
+def test_the_source_first_then_the_copy_and_a_damaged_copy_is_data_loss(stack):
+    """Staging reads the source first; the store's copy serves when the source no longer holds
+    the version (deleted); a copy that no longer matches, with the source changed too, is
+    DATA_LOSS and the copy is dropped."""
     folder = good_adapter(stack.tmp / "adapters" / "f", seed=7)
     blob = (folder / WEIGHTS).read_bytes()
     with stack.client("tok-ops") as ops:        # an id of its own: "f" from file://f would be
@@ -136,13 +137,17 @@ def test_a_damaged_copy_falls_back_to_the_source_then_is_data_loss(stack):
     damaged = bytearray(blob)
     damaged[-1] ^= 1
     (stack.keep / v / WEIGHTS).write_bytes(bytes(damaged))
-    assert fetch_pinned(stack.store.addr, "f-kept", v) == (v, blob)
-    assert (stack.keep / v / WEIGHTS).read_bytes() == blob          # kept again
+    assert fetch_pinned(stack.store.addr, "f-kept", v) == (v, blob)     # the source's
+    (stack.keep / v / WEIGHTS).write_bytes(blob)
+    (folder / WEIGHTS).unlink()                                     # the source is gone
+    stack.restart_store()
+    assert fetch_pinned(stack.store.addr, "f-kept", v) == (v, blob)     # the copy's
     stack.restart_store()
     (stack.keep / v / WEIGHTS).write_bytes(bytes(damaged))
     (folder / WEIGHTS).write_bytes(bytes(damaged))
     err = rpc_error(fetch_pinned, stack.store.addr, "f-kept", v)
     assert err.code() == grpc.StatusCode.DATA_LOSS and "re-register" in err.details()
+    assert not (stack.keep / v).exists()                            # the damaged copy dropped
 
 
 def test_a_memory_registry_keeps_its_copies_in_a_temporary_directory_it_removes(tmp_path):

@@ -1,11 +1,12 @@
-"""Staging for Fetch (a mixin of store.AdapterStore): the host tier, else the store's kept copy
-of the version (keep.py), else the source; whatever is read is checked against the
-registration (config and SHA-256), DATA_LOSS and nothing cached on a mismatch.
+"""Staging for Fetch (a mixin of store.AdapterStore): the host tier, else the source, else the
+store's kept copy of the version (keep.py); whatever is read is checked against the
+registration (config and SHA-256), DATA_LOSS and nothing cached when neither matches.
 
-A version is read from its source only when the store holds no copy of it (a version
-registered before the store kept bytes, or a lost --version-dir); a verified source read then
-keeps one, so a source overwritten later never takes that version away (not for an
---adapters-dir adapter: keep.wants_copy).
+The kept copy is read only when the source no longer holds the version (overwritten in place,
+deleted, unreachable): a rolled-back or pinned version keeps serving, while the ordinary cold
+load reads the source as before (its trace shows s3.get). A verified source read of a version
+the store holds no copy of (registered before the store kept bytes, or a lost --version-dir)
+keeps one (not for an --adapters-dir adapter: keep.wants_copy).
 """
 from __future__ import annotations
 
@@ -98,15 +99,17 @@ class StagingMixin:
 
     def _places(self, record: AdapterRecord) -> list[tuple[object, SourceRef, bool]]:
         """(reader, ref, is the store's copy) of where the version's bytes are, in the order
-        they are read: the store's copy when it has one, then the source."""
+        they are read: the source (what a cold load's trace shows: s3.get, or a local read),
+        then the store's copy when it has one."""
         source = (self._reader, parse_source(record.source, self._bucket), False)
         ref = self._keep.ref(record.version) if self._keep is not None else None
-        return [(self._keep.reader, ref, True), source] if ref is not None else [source]
+        return [source, (self._keep.reader, ref, True)] if ref is not None else [source]
 
     async def _from_source(self, record: AdapterRecord, remaining: float | None
                            ) -> tuple[CachedBlob, float]:
-        """The version's bytes, verified, into the host tier. A copy of the store's own that
-        no longer matches (a damaged disk) is removed and the source read instead."""
+        """The version's bytes, verified, into the host tier: from the source, or, when the
+        source no longer holds them (overwritten in place, deleted, unreachable), from the
+        store's copy. A copy that no longer matches either (a damaged disk) is removed."""
         start = time.perf_counter()
         places = self._places(record)
         for i, (reader, ref, kept) in enumerate(places):
@@ -117,10 +120,12 @@ class StagingMixin:
                 reason = "data_loss" if isinstance(exc, DataLoss) else "error"
                 metrics.observe_source_load(self._window, "keep" if kept else ref.kind, reason,
                                             0.0)
-                log.warning("staging %r from %s failed: %s", record.id, ref.uri, exc.message)
-                if not (kept and isinstance(exc, DataLoss)) or i + 1 == len(places):
+                log.warning("staging %r from %s failed: %s%s", record.id, ref.uri, exc.message,
+                            "" if i + 1 == len(places) else "; reading the store's copy")
+                if kept and isinstance(exc, DataLoss):
+                    self._keep.remove(record.version)
+                if i + 1 == len(places):
                     raise
-                self._keep.remove(record.version)
         cached, evicted = self._cache.put(record.version, record.owner, cached)
         metrics.CACHE_EVICTIONS.labels(metrics.TIER).inc(len(evicted))
         self._publish_host_tier()
