@@ -4,11 +4,15 @@ drained one removes its own, and a clean exit prints none of nanobind's leak rep
 objects (~27 lines a worker before); an error still ends a process as errors do."""
 from __future__ import annotations
 
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
+from services.worker.frontend_process import socket_parent
 from tests.support import MODEL_DIR, ROOT, Service
 
 pytestmark = pytest.mark.slow
@@ -24,9 +28,15 @@ def owned(tmpdir, pid: int) -> list[str]:
     return [p.name for p in tmpdir.glob(f"lorafleet-worker-{pid}-*")]
 
 
-def test_a_killed_workers_directory_is_cleared_and_a_clean_exit_is_quiet(tmp_path):
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+@pytest.fixture
+def tmpdir():
+    """A TMPDIR short enough for the core's unix socket under it (tmp_path may not be)."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="lfw-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_killed_workers_directory_is_cleared_and_a_clean_exit_is_quiet(tmp_path, tmpdir):
     first = worker(tmp_path, tmpdir)
     assert owned(tmpdir, first.proc.pid), list(tmpdir.iterdir())
     first.kill()                                        # SIGKILL: no cleanup of its own
@@ -40,6 +50,20 @@ def test_a_killed_workers_directory_is_cleared_and_a_clean_exit_is_quiet(tmp_pat
     assert code == 0, second.log()[-3000:]
     assert not list(tmpdir.glob("lorafleet-worker-*")), list(tmpdir.iterdir())
     assert "nanobind" not in second.log() and "leaked" not in second.log(), second.log()[-3000:]
+
+
+def test_a_temporary_directory_too_deep_for_a_unix_socket_puts_it_in_tmp(tmp_path):
+    """A TMPDIR whose path leaves no room for the core's socket (107 bytes) is not used for
+    it: the worker serves, its socket directory in /tmp (it failed to bind before)."""
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    assert socket_parent(str(deep)) == "/tmp" and socket_parent("/tmp") == "/tmp"
+    w = worker(tmp_path, deep)
+    try:
+        assert list(pathlib.Path("/tmp").glob(f"lorafleet-worker-{w.proc.pid}-*"))
+        assert not list(deep.iterdir())
+    finally:
+        assert w.terminate() == 0
 
 
 def test_exit_process_runs_the_exit_handlers_and_keeps_the_code():

@@ -19,6 +19,17 @@ from services.worker.link import BlockingEnd
 
 log = logging.getLogger("lorafleet.worker")
 TEMP_PREFIX = "lorafleet-worker-"        # + pid + "-" + random (services.common.owned_dirs)
+UNIX_PATH_MAX = 107                      # bytes of a unix socket's path (sun_path, less NUL)
+SOCKET_NAME_ROOM = 32                    # "/" + pid + "-" + 8 random + "/core.sock", and more
+
+
+def socket_parent(tmp: str) -> str:
+    """Where the core's socket directory goes: the temporary directory, unless its path is too
+    long for a unix socket's (107 bytes on Linux, with the directory's and socket's names:
+    a deep TMPDIR failed the bind), then /tmp."""
+    if len(os.fsencode(tmp)) + len(TEMP_PREFIX) + SOCKET_NAME_ROOM <= UNIX_PATH_MAX:
+        return tmp
+    return "/tmp"
 
 
 class FrontendFailed(RuntimeError):
@@ -35,8 +46,9 @@ class Front:
         self.cfg, self.servicer, self.loop, self.root = cfg, servicer, loop, root
         self.env = env
         # the core's socket; a SIGKILLed worker's directory is removed by the next one to start
-        clear_stale(tempfile.gettempdir(), TEMP_PREFIX)
-        self._dir = make_owned_dir(tempfile.gettempdir(), TEMP_PREFIX)
+        parent = socket_parent(tempfile.gettempdir())
+        clear_stale(parent, TEMP_PREFIX)
+        self._dir = make_owned_dir(parent, TEMP_PREFIX)
         self.core_address = f"unix:{self._dir}/core.sock"
         self.proc: subprocess.Popen | None = None
         self.link: EngineLink | None = None
