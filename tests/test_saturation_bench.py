@@ -151,8 +151,11 @@ def test_workloads_parse_and_mixed_ranks_take_each_rank_in_turn():
 @pytest.mark.slow
 def test_the_quick_saturation_suite_writes_its_schema_and_a_sound_search(tmp_path):
     out = tmp_path / "out"
+    # the quarter-pool workloads of --quick (zipf-128, mixed-32), one stream count: ~1 min
     proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--suite", "saturation",
-                           "--quick", "--out", str(out), "--work", str(tmp_path / "work")],
+                           "--quick", "--out", str(out), "--work", str(tmp_path / "work"),
+                           "--sat-workloads", "zipf:128,mixed:32", "--sat-open",
+                           "base,zipf:128", "--streams", "8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads((out / "saturation-cpu.json").read_text())
@@ -167,8 +170,7 @@ def test_the_quick_saturation_suite_writes_its_schema_and_a_sound_search(tmp_pat
         assert r["run"] == h["run"] and r["mode"] in ("goodput", "closed", "open")
         assert r["state"] in ("steady", "cold") and not r["errors"], r
     workloads = {r["workload"] for r in rows}
-    assert workloads == {"base", "zipf-2", "zipf-8", "zipf-32", "zipf-128", "resident-2",
-                         "mixed-32"}
+    assert workloads == {"base", "zipf-128", "mixed-32"}
     assert {(r["workload"], r["state"]) for r in rows if r["state"] == "cold"} == {
         ("zipf-128", "cold")}
     assert {tuple(r["ranks"]) for r in rows if r["workload"] == "mixed-32"} == {(8, 16, 32, 64)}
@@ -176,8 +178,8 @@ def test_the_quick_saturation_suite_writes_its_schema_and_a_sound_search(tmp_pat
     for w in workloads:
         streams = {r["streams"] for r in rows if r["workload"] == w and r["mode"] == "closed"
                    and r["state"] == "steady"}
-        assert streams == {8, 16}, w
-    assert len([r for r in rows if r["mode"] == "open"]) == 9
+        assert streams == {8}, w
+    assert len([r for r in rows if r["mode"] == "open"]) == 6
     crit = srch.Criteria(**h["criteria"])
     for r in (r for r in rows if r["mode"] == "goodput"):
         _search_is_sound(r, crit)
