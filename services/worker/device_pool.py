@@ -102,11 +102,22 @@ class DevicePool:
         the split q/k/v path)."""
         return self.fill(key, staged, self.reserve(key, staged), columns)
 
-    def reserve(self, key: str, staged: StagedAdapter) -> tuple[int, int]:
-        """A free slot and range for the adapter, (slot, start); PoolFull if there is none.
-        Fill it (`fill`) or give it back (`unreserve`)."""
+    def span_of(self, key: str) -> tuple[int, int] | None:
+        """(start, elements) of the adapter's range, or None if it is not placed."""
+        placed = self._placed.get(key)
+        return None if placed is None else (placed[1], self.alloc.rounded(placed[2]))
+
+    def ranges(self) -> list[tuple[int, int, str]]:
+        """(start, elements, key) of every placed adapter."""
         with self._lock:
-            start = self.alloc.alloc(staged.plan.numel) if self._free_slots else None
+            return [(s, self.alloc.rounded(n), k) for k, (_, s, n, _) in self._placed.items()]
+
+    def reserve(self, key: str, staged: StagedAdapter,
+                avoid: tuple[int, int] | None = None) -> tuple[int, int]:
+        """A free slot and range for the adapter, (slot, start), the range outside avoid;
+        PoolFull if there is none. Fill it (`fill`) or give it back (`unreserve`)."""
+        with self._lock:
+            start = self.alloc.alloc(staged.plan.numel, avoid) if self._free_slots else None
             if start is None:
                 raise PoolFull(key)
             return self._free_slots.pop(), start

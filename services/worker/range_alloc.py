@@ -29,20 +29,28 @@ class RangeAllocator:
     def largest_hole(self) -> int:
         return max(self._lengths, default=0)
 
-    def alloc(self, n: int) -> int | None:
-        """Start of a free range of n elements (rounded up to ALIGN), or None."""
+    def alloc(self, n: int, avoid: tuple[int, int] | None = None) -> int | None:
+        """Start of a free range of n elements (rounded up to ALIGN), or None. avoid: a range
+        [start, end) the new one must not overlap (another's reserved window)."""
         n = self.rounded(n)
         for i, length in enumerate(self._lengths):
-            if length >= n:
-                start = self._starts[i]
-                if length == n:
-                    del self._starts[i], self._lengths[i]
-                else:
-                    self._starts[i] += n
-                    self._lengths[i] -= n
-                self.used += n
+            start = self._starts[i]
+            if avoid is not None and start < avoid[1] and start + length > avoid[0]:
+                start = start if avoid[0] - start >= n else max(start, avoid[1])
+            if self._starts[i] + length - start >= n:
+                self._take(i, start, n)
                 return start
         return None
+
+    def _take(self, i: int, start: int, n: int) -> None:
+        """Allocate [start, start + n) out of free range i."""
+        hole_start, hole_end = self._starts[i], self._starts[i] + self._lengths[i]
+        del self._starts[i], self._lengths[i]
+        for j, (s, e) in enumerate(((start + n, hole_end), (hole_start, start))):
+            if e > s:                          # the tail, then the head: sorted order kept
+                self._starts.insert(i, s)
+                self._lengths.insert(i, e - s)
+        self.used += n
 
     def release(self, start: int, n: int) -> None:
         n = self.rounded(n)
