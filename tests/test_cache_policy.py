@@ -236,3 +236,21 @@ def test_over_cap_tenant_waits_rather_than_take_a_foothold():
     p.unpin("heavy-0")                      # one of its own rows finished: it recycles that
     assert p.admit("heavy-3", "heavy", 100, pin=True) == ["heavy-0"]
     assert p.contains("light-1")
+
+
+def test_an_entry_larger_than_the_cap_comes_in_while_its_tenant_holds_nothing_else():
+    """A rank-64 adapter in a pool of 1.5 of them (tenant_share 0.5: the cap is 2/3 of the
+    adapter): with every other active tenant keeping a foothold it was refused for ever, though
+    nothing was pinned. Its tenant holds nothing else, so it may take footholds; a tenant that
+    holds more (pinned) still waits for its own pins."""
+    p = CachePolicy(1536, tenant_share=0.5)
+    for i in range(13):
+        p.admit(f"small-{i}", f"t{i}", 112)                 # thirteen footholds, none pinned
+    assert p.admit("big", "tb", 896) == [f"small-{i}" for i in range(8)]
+    q = CachePolicy(1536, tenant_share=0.5)
+    for i in range(6):
+        q.admit(f"small-{i}", f"t{i}", 112)
+    q.admit("own", "tb", 400, pin=True)
+    with pytest.raises(NoRoom):
+        q.admit("big", "tb", 896)
+    assert q.contains("small-0")

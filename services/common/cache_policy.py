@@ -18,7 +18,8 @@ Eviction, when an admission needs room, takes victims in this order until the en
    foothold; it gets NoRoom and waits for its own pins to go (caps on).
 
 Cap: ``max(tenant_share, 1 / active tenants) * capacity``: the active tenants' fair share, but
-never below ``tenant_share`` of the tier. Caps order evictions and refuse an admission only
+never below ``tenant_share`` of the tier (an entry larger than that: its own size, so a tenant
+holding nothing else may bring it in). Caps order evictions and refuse an admission only
 to protect a foothold, so a tenant alone may fill the tier. Foothold: the most recent unpinned entry of each active tenant
 with nothing pinned (not the requester's: its new entry becomes its foothold). Pinned entries
 (ref-counted: in use by a running row) are never evicted. ``tenant_share=None, foothold=False``
@@ -291,6 +292,16 @@ class CachePolicy:
         if evicted:
             state.stats.evictions += 1
 
+    def protected(self, tenant: str, nbytes: int) -> frozenset[str]:
+        """Keys an admission of nbytes by tenant may not evict: the other active tenants'
+        footholds while it would be over its cap (caps on); else none."""
+        with self._lock:
+            active = self._active() | {tenant}
+            if not self._foothold or self._share is None or len(active) < 2 or not self._over(
+                    tenant, nbytes, self._cap(len(active))):
+                return frozenset()
+            return self._footholds(active, tenant)
+
     def _choose_victims(self, tenant: str, nbytes: int) -> list[str]:
         """Keys to evict so nbytes fit, in policy order; raises NoRoom if they cannot."""
         need = nbytes - (self._capacity - self._used)
@@ -331,8 +342,11 @@ class CachePolicy:
         return iter(keys) if self._gdsf is None else self._gdsf.order(keys)
 
     def _over(self, tenant: str, nbytes: int, cap: float) -> bool:
+        """Whether the tenant would be over its cap with the new entry. An entry larger than the
+        cap is within it while the tenant holds nothing else: else it could never come in while
+        the other active tenants keep footholds (a rank-64 adapter in a pool of 1.5 of them)."""
         state = self._tenants.get(tenant)
-        return (state.bytes if state else 0) + nbytes > cap
+        return (state.bytes if state else 0) + nbytes > max(cap, nbytes)
 
     def _cap(self, n_active: int) -> float:
         return max(self._share or 1.0, 1.0 / max(1, n_active)) * self._capacity
