@@ -15,9 +15,8 @@ hears when it is done: loads run side by side and no stream's tokens wait for a 
 from the worker's host tier is the placement alone, a millisecond or two, and by default runs
 on the event loop, one a loop iteration: the hop to a loader thread and back cost as much again
 under decode load (two thread switches, each waiting for the GIL behind the engine thread).
-When the pool is full of adapters in use the job hands back, the loop waits for a release, and
-the job runs again (its bytes are in the host tier by then). Each finished load leaves a record
-of its stages (ColdLoadLog).
+When the pool has no room the job hands back and waits its turn (room_queue.py: first come,
+first served), then runs again. Each finished load leaves a record of its stages (ColdLoadLog).
 """
 from __future__ import annotations
 
@@ -27,20 +26,21 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from services.common.cache_policy import CachePolicy, NoRoom
 from services.common.errors import ResourceExhausted
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import tracer
-from services.worker import gil, metrics
+from services.worker import cold_fetch, gil, metrics
 from services.worker.adapter_layout import StagedAdapter
 from services.worker.device_pool import DevicePool, PoolFull
 from services.worker.host_tier import HostTier
 from services.worker.model_spec import ModelSpec
-from services.worker.cold_records import (ColdJob, ColdLoadLog, LoopTurns, observe_stages,
-                                          reload_cost)
+from services.worker.room_queue import RoomQueue, next_victim, window_busy
+from services.worker.cold_records import (ColdJob, ColdLoadLog, LoopTurns, count_cold,
+                                          observe_stages, reload_cost)
 from services.worker.store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,6 @@ class Residency:
     host: bool = False
     gpu: bool = False
     waiters: int = 0
-    extra: dict = field(default_factory=dict)
-
-
-ROOM_MARGIN_S = 0.5      # a wait for adapter room ends this long before the request's deadline
 
 
 class AdapterManager:
@@ -91,7 +87,8 @@ class AdapterManager:
         self.info: dict[str, Residency] = {}
         self.pinned_versions: set[str] = set()      # keys asked for as ID@VERSION pins
         self._loading: dict[str, asyncio.Future] = {}
-        self._freed = asyncio.Condition()
+        self._tails: dict[str, asyncio.Future] = {}  # loader runs their cancelled callers left
+        self.room = RoomQueue()                    # loads waiting for room, oldest first
         self._gpu_lock = threading.Lock()      # policy + pool steps that must go together
         self._loader = ThreadPoolExecutor(max(1, loader_threads), "adapter-load")
         self.on_change = on_change            # key -> None: residency changed (the feed)
@@ -110,11 +107,16 @@ class AdapterManager:
         key = self.key(adapter_id, version)
         if pinned:
             self.pinned_versions.add(key)
-        with self._gpu_lock:
-            slot = self.pool.slot_of(key)
-            hit = slot is not None and self.gpu.touch(key)
-            if hit:
-                self.gpu.pin(key)
+        while True:
+            with self._gpu_lock:
+                slot = self.pool.slot_of(key)
+                wait = bool(self.room) and self.room.blocks(self.pool.span_of(key), key)
+                hit = not wait and slot is not None and self.gpu.touch(key)
+                if hit:
+                    self.gpu.pin(key)
+            if not wait:
+                break
+            await self.room.wait(deadline, key)     # its range is kept for an older waiter
         if hit:
             self._use(key, +1)
             metrics.count_lookup("gpu", True)
@@ -128,18 +130,15 @@ class AdapterManager:
             seconds = time.monotonic() - start
             span.set_attributes({"lora.tier": common_pb2.Tier.Name(tier),
                                  "lora.bytes": self.info[key].nbytes})
-        self._record_cold(tier, seconds)
+        self._gauges()
+        count_cold(self.cold_loads, self.cold_load_count, tier, seconds)
         return Acquired(key, self.pool.slot_of(key), tier, seconds)
 
     def release(self, key: str) -> None:
         """The engine is done with one request using this adapter."""
         self.gpu.unpin(key)
         self._use(key, -1)
-        asyncio.get_running_loop().create_task(self._notify())
-
-    async def _notify(self) -> None:
-        async with self._freed:
-            self._freed.notify_all()
+        asyncio.get_running_loop().create_task(self.room.notify())
 
     def _use(self, key: str, delta: int) -> None:
         self.info[key].users += delta
@@ -163,9 +162,16 @@ class AdapterManager:
             self._loading[key] = fut
             try:
                 return await self._load(key, adapter_id, version, tenant, deadline)
-            finally:
-                del self._loading[key]
-                fut.set_result(None)
+            finally:        # a run left behind on a loader thread holds the key till it ends
+                tail = self._tails.get(key)
+                if tail is None:
+                    self._settle(key, fut)
+                else:
+                    tail.add_done_callback(lambda _: self._settle(key, fut))
+
+    def _settle(self, key: str, fut: asyncio.Future) -> None:
+        del self._loading[key]
+        fut.set_result(None)
 
     async def _load(self, key, adapter_id, version, tenant, deadline) -> int:
         info = self.info.setdefault(key, Residency(adapter_id, version, tenant, 0))
@@ -184,14 +190,21 @@ class AdapterManager:
                         if not (inline and self._cold_job(job, fetch=False)):
                             await self._on_loader(job)
                 finally:
-                    self._apply(job)
+                    if key not in self._tails:      # else _abandon applies it
+                        self._apply(job)
                 if job.placed:
                     break
                 waited = time.monotonic()
-                await self._wait_for_room(deadline, key)
+                await self.room.wait(deadline, key, self.info[key])
                 job.record.room_wait_s += time.monotonic() - waited
+        except BaseException:
+            if job.placed and key not in self._tails:   # the caller went after its placement
+                self._unpin_placed(key)
+            raise
         finally:
             info.loading = False
+            if key not in self._tails:
+                self._leave_room(key)
         info.gpu = True
         self._use(key, +1)
         job.record.total_s = time.monotonic() - start
@@ -201,11 +214,32 @@ class AdapterManager:
         return job.record.tier
 
     async def _on_loader(self, job: ColdJob) -> None:
-        """The job on a loader thread; its record gets the time the two hops took."""
+        """The job on a loader thread; its record gets the time the two hops took. A caller
+        cancelled meanwhile leaves the run behind: `_abandon` undoes its pin when it ends."""
         ctx, asked = contextvars.copy_context(), time.monotonic()
-        ran = await asyncio.get_running_loop().run_in_executor(
+        run = asyncio.get_running_loop().run_in_executor(
             self._loader, ctx.run, self._timed_job, job)
+        try:
+            ran = await asyncio.shield(run)
+        except asyncio.CancelledError:
+            if not run.done():
+                self._tails[job.key] = run
+                run.add_done_callback(lambda _: self._abandon(job))
+            raise
         job.record.handoff_s += time.monotonic() - asked - ran
+
+    def _abandon(self, job: ColdJob) -> None:
+        """A run whose caller was cancelled has ended: apply it, drop its pin (if it placed)."""
+        del self._tails[job.key]
+        self._apply(job)
+        self._leave_room(job.key)
+        if job.placed:
+            self._unpin_placed(job.key)
+
+    def _unpin_placed(self, key: str) -> None:
+        self.gpu.unpin(key)                 # (the policy has its own lock)
+        self._mark(key, gpu=True)
+        asyncio.get_running_loop().create_task(self.room.notify())
 
     def _timed_job(self, job: ColdJob) -> float:
         t = time.monotonic()
@@ -224,7 +258,8 @@ class AdapterManager:
             return False
         job.runs += 1
         if staged is None:
-            staged = self._fetch(job)
+            staged = cold_fetch.fetch(job, self.host, self.store,
+                                      job.key in self.pinned_versions)
         elif job.runs == 1:
             metrics.count_lookup("worker_host", True)
         job.nbytes = job.record.bytes = staged.nbytes
@@ -246,67 +281,46 @@ class AdapterManager:
             self.host.unpin(job.key)
         return True
 
-    def _fetch(self, job: ColdJob) -> StagedAdapter:
-        metrics.count_lookup("worker_host", False)
-        remaining = None if job.deadline is None else max(0.01, job.deadline - time.monotonic())
-        rec, reserved = job.record, []
-
-        def reserve(nbytes: int):
-            res, victims = self.host.reserve(job.key, job.tenant, nbytes)
-            job.host_victims += victims
-            reserved.append(res)
-            return res
-        with _tracer.start_as_current_span("lora.store_fetch") as span:
-            try:
-                fetched, res = self.store.fetch(job.adapter_id, job.version, remaining, reserve,
-                                                pinned=job.key in self.pinned_versions)
-            except BaseException:
-                for res in reserved:
-                    self.host.abort(res)
-                raise
-            span.set_attributes({"lora.bytes": res.view.numel(), "lora.source_tier":
-                                 common_pb2.Tier.Name(fetched.tier), "lora.shm": fetched.shm})
-        rec.tier, rec.fetch_s, rec.digest_s = fetched.tier, fetched.fetch_s, fetched.digest_s
-        rec.source_s, rec.bytes = fetched.source_s, res.view.numel()
-        t = time.monotonic()
-        with _tracer.start_as_current_span("lora.validate") as span:   # header + layout plan
-            span.set_attribute("lora.bytes", res.view.numel())
-            staged = self.host.commit(res, fetched.config)
-        rec.layout_s = time.monotonic() - t
-        job.host_added = res.cached
-        return staged
-
     def _admit(self, job: ColdJob, staged: StagedAdapter) -> tuple[int, int] | None:
         """A slot and range in the pool for the adapter, admitted and pinned for this load:
         evicts unpinned adapters (policy order, then least recent first while the free space
-        is too fragmented or the slots are out). None when the rest is in use."""
+        is too fragmented or the slots are out). None when the rest is in use: the load waits
+        its turn in the room queue (room_queue.py: an older waiter's window is kept for it)."""
         nbytes = self.pool.alloc.rounded(staged.plan.numel) * self.pool.elem
         if nbytes > self.pool.capacity_bytes:          # would wait for room that never comes
             raise ResourceExhausted(
                 f"adapter {job.key} needs {nbytes} bytes of adapter pool; this worker's pool "
                 f"holds {self.pool.capacity_bytes} (--gpu-pool-bytes)", retry_after=1.0)
         with self._gpu_lock:
+            reserved = self._reserve(job, staged, nbytes)
+            if reserved is None:        # it waits its turn (the oldest: its window planned)
+                self.room.join(job.key, nbytes // self.pool.elem)
+                window_busy(self.room, self.pool, self.gpu, job.key, job.tenant, nbytes)
+            return reserved
+
+    def _reserve(self, job: ColdJob, staged: StagedAdapter, nbytes: int):
+        """_admit's steps under the pool lock (room_queue: the oldest waiter's window)."""
+        if window_busy(self.room, self.pool, self.gpu, job.key, job.tenant, nbytes):
+            return None             # the oldest waiter: pinned adapters still in its window
+        try:
+            victims = self.gpu.admit(job.key, job.tenant, nbytes, pin=True,
+                                     cost=reload_cost(job.record, nbytes))
+        except NoRoom:
+            return None
+        for victim in victims:
+            self._drop_slot(victim, job)
+        while True:
             try:
-                victims = self.gpu.admit(job.key, job.tenant, nbytes, pin=True,
-                                         cost=reload_cost(job.record, nbytes))
-            except NoRoom:
+                return self.pool.reserve(job.key, staged, self.room.avoid(job.key))
+            except PoolFull:
+                pass
+            victim = next_victim(self.room, self.pool, self.gpu, job.key)
+            if victim is None:
+                self.gpu.unpin(job.key)
+                self.gpu.remove(job.key)
                 return None
-            for victim in victims:
-                self._drop_slot(victim, job)
-            while True:
-                try:
-                    return self.pool.reserve(job.key, staged)
-                except PoolFull:
-                    pass
-                victim = next((e.key for e in self.gpu.entries() if e.pins == 0
-                               and e.key != job.key and self.pool.slot_of(e.key) is not None),
-                              None)
-                if victim is None:
-                    self.gpu.unpin(job.key)
-                    self.gpu.remove(job.key)
-                    return None
-                self.gpu.remove(victim)
-                self._drop_slot(victim, job)
+            self.gpu.remove(victim)
+            self._drop_slot(victim, job)
 
     def _fill(self, key: str, staged: StagedAdapter, reserved: tuple[int, int],
               timing: dict | None = None) -> None:
@@ -347,20 +361,10 @@ class AdapterManager:
                 setattr(info, name, value)
             self.on_change(key)
 
-    async def _wait_for_room(self, deadline, key) -> None:
-        """Wait (at most a second) for an adapter to be freed. Gives up ROOM_MARGIN_S before the
-        request's deadline, so that the caller hears RESOURCE_EXHAUSTED, not DEADLINE_EXCEEDED."""
-        remaining = None if deadline is None else deadline - time.monotonic() - ROOM_MARGIN_S
-        if remaining is not None and remaining <= 0:
-            raise ResourceExhausted(f"no adapter room on this worker for {key}", retry_after=1.0)
-        self.info[key].waiters += 1
-        try:
-            async with self._freed:
-                await asyncio.wait_for(self._freed.wait(), timeout=min(remaining or 1.0, 1.0))
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            self.info[key].waiters -= 1
+    def _leave_room(self, key: str) -> None:
+        with self._gpu_lock:
+            if self.room.leave(key):        # the window it kept (if the head) is open again
+                asyncio.get_running_loop().create_task(self.room.notify())
 
     def offload(self, adapter_id: str, to_host: bool) -> int:
         """Drop every unpinned version of an adapter from the device (and host) tier."""
@@ -380,14 +384,6 @@ class AdapterManager:
             if not to_host and info.host and self.host.remove(key):
                 self._mark(key, host=False)
         return dropped
-
-    def _record_cold(self, tier: int, seconds: float) -> None:
-        metrics.COLD_LOAD.labels(common_pb2.Tier.Name(tier).lower()).observe(seconds)
-        self._gauges()
-        samples = self.cold_loads.setdefault(tier, [])
-        samples.append(seconds)
-        del samples[:-512]
-        self.cold_load_count[tier] = self.cold_load_count.get(tier, 0) + 1
 
     def _gauges(self) -> None:
         """Adapter counts per tier and evictions per tenant, for /metrics."""

@@ -6,7 +6,7 @@ import asyncio
 import collections
 from dataclasses import dataclass, field
 
-from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
+from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.worker import metrics
 
 H2D_BYTES_PER_S = 4e9    # a placement's copy to the pool, for the reload cost (--eviction cost)
@@ -52,6 +52,17 @@ def reload_cost(record: wpb.ColdLoadRecord, nbytes: int) -> float:
     """Seconds this load took to get its bytes (fetch and layout: ~0 from the host tier) plus
     the copy to the pool: what evicting it would cost (CachePolicy eviction="cost")."""
     return record.fetch_s + record.layout_s + nbytes / H2D_BYTES_PER_S
+
+
+def count_cold(samples: dict[int, list[float]], counts: dict[int, int], tier: int,
+               seconds: float) -> None:
+    """A finished cold load from `tier`: its histogram, its recent samples (the newest 512)
+    and its count (WorkerInfoResponse.cold_loads)."""
+    metrics.COLD_LOAD.labels(common_pb2.Tier.Name(tier).lower()).observe(seconds)
+    kept = samples.setdefault(tier, [])
+    kept.append(seconds)
+    del kept[:-512]
+    counts[tier] = counts.get(tier, 0) + 1
 
 
 def observe_stages(record: wpb.ColdLoadRecord) -> None:
