@@ -7,6 +7,7 @@ import os
 import sys
 
 from services.adapter_store import config as store_config
+from services.adapter_store.background import BackgroundValidator
 from services.adapter_store.server import build_store, create_server
 from services.common.runtime import metrics_host, serve_ports, setup_logging
 from services.common.server import serve
@@ -21,7 +22,15 @@ async def _run(config: store_config.StoreConfig) -> None:
     log.info("adapter store listening on %s (port %d)", config.listen, port)
     if config.metrics_port:
         log.info("metrics on %s:%d/metrics", metrics_host(config), config.metrics_port)
-    await serve(server, health, config.grace, on_drain=None, name="adapter-store")
+    background = BackgroundValidator(store, registry, config.background_threads,
+                                     config.background_bytes_per_s)
+
+    async def started() -> None:        # just before SERVING; it begins a while after
+        background.start()
+
+    await serve(server, health, config.grace, on_drain=background.stop, name="adapter-store",
+                started=started)
+    await background.stop()
     store.close()
     registry.close()
 

@@ -38,6 +38,10 @@ class StoreConfig:
     chunk_bytes: int = 4 * MiB
     # threads of the --adapters-dir scan at start and of first-use validations
     scan_threads: int = 4
+    # threads that validate REGISTERED adapters in the background after SERVING (0 = off),
+    # and the bytes a second they may read (0 = no cap): background.py
+    background_threads: int = 1
+    background_bytes_per_s: int = 0
     # The host tier as files here (a tmpfs: /dev/shm), for workers on this host (None: memory).
     shm_dir: pathlib.Path | None = None
     # Per-tenant share of the host tier (None: plain LRU). Shared adapters count as tenant "".
@@ -79,6 +83,10 @@ class StoreConfig:
                  "tenant_share must be in (0, 1] or None")
         _require(1 <= self.scan_threads <= 64,
                  f"--scan-threads must be in 1..64, got {self.scan_threads}")
+        _require(0 <= self.background_threads <= 16, "--background-validate-threads must be "
+                 f"in 0..16, got {self.background_threads}")
+        _require(self.background_bytes_per_s >= 0,
+                 "--background-validate-bytes-per-s must be >= 0")
         _require(bool(self.db), "--db must not be empty")
         _require(self.shm_dir is None or self.shm_dir.is_dir(),
                  f"--shm-dir {self.shm_dir} is not a directory")
@@ -137,6 +145,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scan-threads", type=int, default=4,
                    help="threads that scan --adapters-dir at start (configs and file stats; "
                         "weights are read on first use) and validate adapters on first use (4)")
+    p.add_argument("--background-validate-threads", type=int, default=1, metavar="N",
+                   help="threads that read and validate REGISTERED adapters in the background "
+                        "once the store is SERVING, at low priority, as their first use "
+                        "would (1; 0 = off: validated on first use only)")
+    p.add_argument("--background-validate-bytes-per-s", type=parse_bytes, default=0,
+                   metavar="BYTES", help="cap on what that background validation reads a "
+                                         "second (0 = no cap)")
     p.add_argument("--shm-dir", default=None,
                    help="keep the host tier as files in this shared-memory directory (a tmpfs, "
                         "e.g. /dev/shm/lorafleet): workers on this host started with "
@@ -158,6 +173,7 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
         s3_region=args.s3_region or env.get("AWS_REGION") or "us-east-1",
         db=args.db, max_rank=args.max_rank, host_cache_bytes=args.host_cache_bytes,
         max_adapter_bytes=args.max_adapter_bytes, chunk_bytes=args.chunk_bytes,
-        scan_threads=args.scan_threads,
+        scan_threads=args.scan_threads, background_threads=args.background_validate_threads,
+        background_bytes_per_s=args.background_validate_bytes_per_s,
         shm_dir=pathlib.Path(args.shm_dir) if args.shm_dir else None,
         **common_values(args))

@@ -9,6 +9,9 @@
     lorafleet_store_adapters{state="READY|FAILED|REGISTERED"}   (gauge)
     lorafleet_store_host_bytes, lorafleet_store_host_adapters   (gauges: the host tier)
     lorafleet_store_refusals_total{reason="r|use_dora|shape|nonfinite|pickle|..."}
+    lorafleet_store_background_validations_total{outcome="ready|failed|error|skipped"}
+        (background.py; skipped: settled meanwhile by a first use, changed or deleted)
+    lorafleet_store_background_left             (gauge: REGISTERED adapters it has yet to try)
 """
 from __future__ import annotations
 
@@ -32,10 +35,16 @@ HOST_BYTES = Gauge("lorafleet_store_host_bytes", "Bytes held by the store host t
 HOST_ADAPTERS = Gauge("lorafleet_store_host_adapters", "Adapters held by the store host tier")
 REFUSALS = Counter("lorafleet_store_refusals_total", "Adapters refused at validation",
                    ["reason"])
+BACKGROUND = Counter("lorafleet_store_background_validations_total",
+                     "REGISTERED adapters validated in the background after start", ["outcome"])
+BACKGROUND_LEFT = Gauge("lorafleet_store_background_left",
+                        "REGISTERED adapters the background validation has yet to try")
 
 
 CACHE_EVICTIONS.labels(TIER)        # the series exist (at 0) before the first lookup
 hit_rate.declare(TIER)              # lorafleet_cache_{hits,misses}_total, _hit_rate
+for _outcome in ("ready", "failed", "error", "skipped"):
+    BACKGROUND.labels(_outcome)
 
 
 def count_lookup(hit: bool) -> None:

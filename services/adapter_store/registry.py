@@ -182,6 +182,12 @@ class Registry(VersionsMixin):
             return {i: (src, o, st, cfg, tuple(json.loads(ident or "[]")), c)
                     for i, src, o, st, cfg, ident, c in rows}
 
+    def ids_in_state(self, state: str) -> list[str]:
+        """The ids of the adapters in `state`, in id order."""
+        with self._lock:
+            return [i for (i,) in self._db.execute(
+                "SELECT id FROM adapters WHERE state = ? ORDER BY id", (state,))]
+
     def counts(self) -> dict[str, int]:
         """Number of adapters per state."""
         with self._lock:

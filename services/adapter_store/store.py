@@ -69,6 +69,7 @@ class AdapterStore(StagingMixin):
         self._first_use_threads = ThreadPoolExecutor(first_use_threads,
                                                      thread_name_prefix="store-first-use")
         self._validating: dict[str, asyncio.Task] = {}     # id -> its first-use validation
+        self._background_ids: set[str] = set()      # of them, those background.py started
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
         self._inflight: dict[str, asyncio.Task] = {}
         self._identities: dict[tuple[str, str], tuple] = {}   # (source, version) -> see _trust
@@ -262,37 +263,46 @@ class AdapterStore(StagingMixin):
 
     # ---- first use of a scanned adapter ----------------------------------------------------
 
-    async def _validated(self, record: AdapterRecord, remaining: float | None
-                         ) -> AdapterRecord:
+    async def _validated(self, record: AdapterRecord, remaining: float | None,
+                         background: ThreadPoolExecutor | None = None) -> AdapterRecord:
         """record, or (REGISTERED: found by the start-up scan, its weights never read) the
         adapter once read and validated whole, READY or FAILED. One validation per id however
-        many callers wait for it, each within its own deadline."""
+        many callers wait for it, each within its own deadline, whoever started it: a first
+        use, or the background validation (background.py) on its own threads."""
         if record.state != REGISTERED:
             return record
         task = self._validating.get(record.id)
         if task is None:
-            task = asyncio.ensure_future(self._first_use(record))
+            task = asyncio.ensure_future(self._first_use(record, background))
+            if background is not None:
+                self._background_ids.add(record.id)
             self._validating[record.id] = task
             task.add_done_callback(lambda t, i=record.id: self._first_use_done(i, t))
+        else:
+            log.debug("adapter %r: sharing the validation of it under way", record.id)
         settled = await _bounded(asyncio.shield(task), remaining)
         if settled is None:                     # deleted meanwhile
             raise unknown_adapter(record.id)
         return settled
 
-    async def _first_use(self, record: AdapterRecord) -> AdapterRecord | None:
+    async def _first_use(self, record: AdapterRecord,
+                         background: ThreadPoolExecutor | None = None) -> AdapterRecord | None:
         """Validate a REGISTERED adapter as Register would and record the outcome (a refusal
         makes it FAILED with the reason; an error of the source, e.g. S3 unreachable, leaves it
-        REGISTERED and reaches the caller)."""
+        REGISTERED and reaches the caller). background: the background validation's threads
+        (then it runs there, and its success is logged at DEBUG)."""
         ref = parse_source(record.source, self._bucket)
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()        # the caller's trace context
+        when = "in the background" if background is not None else "on first use"
         try:
             summary, identity = await loop.run_in_executor(
-                self._first_use_threads, context.run, self._load_validated, ref, None, False)
+                background or self._first_use_threads, context.run, self._load_validated, ref,
+                None, False)
         except (Refusal, OSError) as exc:
             reason = getattr(exc, "message", None) or f"cannot be read: {exc}"
             metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
-            log.warning("adapter %r FAILED on first use: %s", record.id, reason)
+            log.warning("adapter %r FAILED %s: %s", record.id, when, reason)
             settled = self._registry.settle(record, dc_replace(record, state=FAILED,
                                                                reason=reason))
         else:
@@ -302,13 +312,30 @@ class AdapterStore(StagingMixin):
             self._drop_unkept(before | {stored.version})    # not taken, or one pruned
             if settled is not None and settled.version == stored.version:
                 self._trust(settled, identity)
-            log.info("adapter %r validated on first use: version %s, %d bytes", record.id,
-                     stored.version, stored.bytes)
+            log.log(logging.DEBUG if background else logging.INFO,
+                    "adapter %r validated %s: version %s, %d bytes", record.id, when,
+                    stored.version, stored.bytes)
         metrics.set_adapter_counts(self._registry.counts())
         return settled
 
+    async def validate_in_background(self, adapter_id: str, threads: ThreadPoolExecutor
+                                     ) -> AdapterRecord | None:
+        """The adapter validated as its first use would be, on `threads` (or the validation
+        of it already under way); None when it is not REGISTERED (any more) or is gone."""
+        record = self._registry.get(adapter_id)     # no await before _validated looks
+        if record is None or record.state != REGISTERED:
+            return None
+        return await self._validated(record, None, threads)
+
+    def busy(self) -> int:
+        """The work the background validation yields to: first-use validations besides its
+        own, Fetch source reads, registrations being validated."""
+        return (len(self._validating) - len(self._background_ids) + len(self._inflight)
+                + self._pool.in_use())
+
     def _first_use_done(self, adapter_id: str, task: asyncio.Task) -> None:
         self._validating.pop(adapter_id, None)
+        self._background_ids.discard(adapter_id)
         if not task.cancelled():
             task.exception()        # retrieved: its waiters may all have left
 

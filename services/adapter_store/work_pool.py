@@ -32,6 +32,10 @@ class ValidationPool:
     def busy(self, owner: str) -> int:
         return self._busy[owner]
 
+    def in_use(self) -> int:
+        """Registrations being read and validated now, every owner's."""
+        return sum(self._busy.values())
+
     async def run(self, owner: str, fn, *args):
         """fn(*args) on a pool thread, counted against owner's share."""
         if self._busy[owner] >= self.per_owner:
