@@ -29,7 +29,8 @@ def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("registry-scale")
     adapters = make_fleet(tmp, N, nan=(NAN,))
     started = time.monotonic()
-    stack = Stack(MODEL_DIR, adapters, tmp)
+    stack = Stack(MODEL_DIR, adapters, tmp,        # validated on first use, as a user's
+                  store_args=("--background-validate-threads", "0"))
     start_s = time.monotonic() - started
     with LorafleetClient(stack.router.addr, "acme", 60.0) as admin:
         for i in range(3):                       # dev mode: any tenant registers

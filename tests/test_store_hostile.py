@@ -46,7 +46,8 @@ def env(tmp_path_factory):
     write_adapter(root / "regex", peft_config(target_modules=BACKTRACKING), lora_tensors())
     started = time.monotonic()
     store = Service("adapter_store", ["--base-config", str(write_base(tmp / "base")),
-                                      "--adapters-dir", str(root), "--db", ":memory:"],
+                                      "--adapters-dir", str(root), "--db", ":memory:",
+                                      "--background-validate-threads", "0"],  # first use
                     tmp).wait(timeout=30)
     client = StoreClient(store.addr)
     yield {"store": store, "client": client, "start_s": time.monotonic() - started,

@@ -132,7 +132,8 @@ def env(tmp_path_factory):
                "adapter_model.safetensors")
     (root / "not-an-adapter").mkdir()
     store = Service("adapter_store", ["--base-config", str(write_base(tmp / "base")),
-                                      "--adapters-dir", str(root), "--db", ":memory:"], tmp)
+                                      "--adapters-dir", str(root), "--db", ":memory:",
+                                      "--background-validate-threads", "0"], tmp)  # first use
     client = StoreClient(store.wait().addr)
     yield store, client, marker
     client.close()
