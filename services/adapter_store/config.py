@@ -115,7 +115,8 @@ def parser() -> argparse.ArgumentParser:
     add_common_flags(p, listen="127.0.0.1:7003", metrics_port=9103, grace=10.0)
     p.add_argument("--adapters-dir", default=None,
                    help="record every PEFT adapter DIR/NAME at start as NAME (shared; its "
-                        "weights validated on first use), except a directory that is a "
+                        "weights validated in the background after start, or on first use), "
+                        "except a directory that is a "
                         "registered adapter's source; file://REL sources resolve under DIR")
     p.add_argument("--allow-source-root", action="append", default=[], metavar="DIR",
                    help="a directory file:///ABS sources may be under, besides --adapters-dir "

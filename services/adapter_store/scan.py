@@ -6,7 +6,8 @@ base by peft_config's policy: a refused config is FAILED at once) and the stat o
 adapter_model.safetensors (opened without following a symlink: a regular file inside the dir,
 under --max-adapter-bytes; a pickle is never opened). The weights themselves (safetensors
 header, shapes, NaN/Inf, digest) are read and validated on the adapter's first use
-(AdapterStore.resolve / stage), so start-up costs no read of any blob. Records are written a
+(AdapterStore.resolve / stage) or before it, in the background once the store is SERVING
+(background.py), so start-up costs no read of any blob. Records are written a
 batch per transaction, and the log shows progress every PROGRESS_EVERY adapters or
 PROGRESS_S seconds.
 
@@ -74,7 +75,8 @@ def scan_dir(registry: Registry, reader: SourceReader, base: BaseShapes, max_ran
                 log.info("adapters dir: %d of %d scanned (%.1f s)", done, len(names),
                          now - start)
     log.info("adapters dir %s: %d adapters recorded in %.1f s (their weights are read and "
-             "validated on first use)", root, len(names), time.monotonic() - start)
+             "validated in the background after start, or on first use)", root, len(names),
+             time.monotonic() - start)
 
 
 def _claimed_dirs(registry: Registry, reader: SourceReader
