@@ -132,7 +132,7 @@ def print_banner(a) -> None:
           f"  {cli} stats\n"
           f"  curl -s {h}:{a.http_port}/v1/chat/completions -H 'Content-Type: application/json' "
           "-d '{\"model\": \"poet\", \"messages\": [{\"role\": \"user\", \"content\": "
-          "\"Hello!\"}], \"max_tokens\": 24}'\n"
+          "\"Hello!\"}], \"max_tokens\": 24, \"temperature\": 0}'\n"
           "Ctrl-C stops all three.\n", flush=True)
 
 
