@@ -139,6 +139,9 @@ class BackgroundValidator:
             log.warning("background validation of %r: %s (left REGISTERED; validated on first "
                         "use)", adapter_id, exc.message)
             return "error"
+        except Exception:                   # a bug: logged, and the walk goes on
+            log.exception("background validation of %r failed (left REGISTERED)", adapter_id)
+            return "error"
         if settled is None or settled.state not in (READY, FAILED):
             return "skipped"
         return "ready" if settled.state == READY else "failed"
