@@ -164,6 +164,21 @@ def test_a_first_use_meanwhile_gets_its_answer_from_one_validation(tmp_path):
         assert store.terminate() == 0
 
 
+def test_the_drain_stops_it(tmp_path):
+    adapters = fleet(tmp_path, 16)             # 16 x 0.53 MB at 1 MiB/s: about 8 s
+    store, client, _ = start(tmp_path, adapters, "--background-validate-bytes-per-s", "1MiB")
+    client.close()
+    end = time.monotonic() + 20
+    while "background validation: 16 REGISTERED" not in store.log():
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    assert store.terminate() == 0 and time.monotonic() - t0 < 5
+    assert re.search(r"background validation stopped: \d+ of 16", store.log())
+    assert "background validation finished" not in store.log()
+    assert "Traceback" not in store.log()
+
+
 def test_zero_threads_leave_them_registered(tmp_path):
     adapters = fleet(tmp_path, 3)
     store, client, _ = start(tmp_path, adapters, "--background-validate-threads", "0")
