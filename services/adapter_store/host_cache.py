@@ -24,6 +24,7 @@ from typing import Callable
 
 from services.adapter_store.sources import Destination
 from services.common.cache_policy import CachePolicy, NoRoom
+from services.common.owned_dirs import alive as pid_alive
 
 log = logging.getLogger(__name__)
 PREFIX = "lorafleet-store-"
@@ -101,15 +102,6 @@ class ShmLanding(Destination):
         self._tmp.unlink(missing_ok=True)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid runs (as far as this user can tell)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class HostCache:

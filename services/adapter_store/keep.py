@@ -21,7 +21,7 @@ import re
 import shutil
 import tempfile
 
-from services.adapter_store.host_cache import pid_alive
+from services.common.owned_dirs import alive as pid_alive
 from services.adapter_store.sources import (CONFIG, WEIGHTS, SourceReader, SourceRef,
                                             identity_of)
 

@@ -24,6 +24,7 @@ def owner(path: pathlib.Path, prefix: str) -> int | None:
 
 
 def alive(pid: int) -> bool:
+    """Whether a process with this pid runs (as far as this user can tell)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
