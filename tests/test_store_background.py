@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +18,7 @@ import grpc
 
 from bench.registry_bench import FILES, SEED, adapter_id, make_fleet
 from services.adapter_store.sources import SETTLED_S
-from tests.support import MODEL_DIR, Service, free_port
+from tests.support import MODEL_DIR, ROOT, Service, free_port
 from tests.test_store_support import StoreClient
 
 SHAPE = 7                   # the adapter whose lora_A has the wrong width
@@ -213,11 +215,26 @@ def test_a_restart_with_the_kept_db_reads_nothing_ready_again(tmp_path):
         assert store.terminate() == 0
 
 
-def test_a_first_use_of_the_adapter_the_background_reads_shares_its_read(tmp_path,
-                                                                          monkeypatch):
-    """In process, deterministic: the background's read of a00000 is held until a first use
-    of a00000 is waiting; both get the one READY record from one read."""
+def test_a_first_use_of_the_adapter_the_background_reads_shares_its_read(tmp_path):
+    """In process (a fresh interpreter: the store's metrics must not meet the worker's of
+    other in-process tests), deterministic: the background's read of a00000 is held until a
+    first use of a00000 is waiting; both get the one READY record from one read."""
+    code = ("import json, sys; from tests.test_store_background import shared_read; "
+            "print(json.dumps(shared_read(sys.argv[1])))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["state"] == "READY" and got["version"] == got["stored_version"]
+    assert got["reads_of_a0"] == [f"file://{adapter_id(0)}"]     # one read of its weights
+    assert all(thread.startswith("store-background") for thread in got["threads"])
+    assert got["done"] == {"ready": 3, "failed": 0, "error": 0, "skipped": 0}
+
+
+def shared_read(tmp: str) -> dict:
+    """The scenario of the test above, run in its own interpreter."""
     import asyncio
+    import pathlib
     import threading
     from services.adapter_store import background
     from services.adapter_store.host_cache import HostCache
@@ -227,7 +244,7 @@ def test_a_first_use_of_the_adapter_the_background_reads_shares_its_read(tmp_pat
     from services.adapter_store.store import AdapterStore
     from services.adapter_store.validate import load_base_shapes
 
-    adapters = fleet(tmp_path, 3)
+    adapters = fleet(pathlib.Path(tmp), 3)
     entered, release, reads = threading.Event(), threading.Event(), []
 
     class HeldReader(SourceReader):
@@ -239,7 +256,7 @@ def test_a_first_use_of_the_adapter_the_background_reads_shares_its_read(tmp_pat
             return super().read(ref, *args, **kwargs)
 
     async def run():
-        monkeypatch.setattr(background, "START_DELAY_S", 0.0)
+        background.START_DELAY_S = 0.0
         base = load_base_shapes(MODEL_DIR / "config.json")
         registry = Registry(":memory:")
         reader = HeldReader(adapters, None, 1 << 30)
@@ -259,8 +276,6 @@ def test_a_first_use_of_the_adapter_the_background_reads_shares_its_read(tmp_pat
         return record, registry.get(adapter_id(0)), validator.progress.done
 
     record, stored, done = asyncio.run(run())
-    assert record.state == "READY" and record.version == stored.version
-    assert [uri for uri, _ in reads if uri.endswith(adapter_id(0))] == [
-        f"file://{adapter_id(0)}"]                       # one read of its weights
-    assert all(thread.startswith("store-background") for _, thread in reads)
-    assert done == {"ready": 3, "failed": 0, "error": 0, "skipped": 0}
+    return {"state": record.state, "version": record.version, "stored_version": stored.version,
+            "reads_of_a0": [uri for uri, _ in reads if uri.endswith(adapter_id(0))],
+            "threads": [thread for _, thread in reads], "done": dict(done)}
