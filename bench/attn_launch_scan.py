@@ -23,7 +23,7 @@ import triton
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.attn_tune import timed  # noqa: E402  (CUDA-graph replay of 10 calls, median)
+from bench.lib.timing import timed  # noqa: E402  (CUDA-graph replay of 10 calls, median)
 from kernels.attention_ref import paged_attention_ref  # noqa: E402
 from kernels.attention_triton import paged_attention_triton  # noqa: E402
 

@@ -12,11 +12,11 @@ import pathlib
 import sys
 
 import torch
-import triton
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from kernels.attention_ref import paged_attention_ref  # noqa: E402
 from kernels.attention_triton import paged_attention_triton  # noqa: E402
+from bench.lib.timing import timed  # noqa: E402
 
 
 def case(batch=64, heads=32, dim=128, ctx=192, bs=16, dev="cuda"):
@@ -30,16 +30,6 @@ def case(batch=64, heads=32, dim=128, ctx=192, bs=16, dev="cuda"):
     pos = torch.randint(ctx - 40, ctx, (batch,), generator=g, device=dev).to(torch.int32)
     seq = torch.arange(batch, device=dev, dtype=torch.int32)
     return q, k, v, tables, seq, pos
-
-
-def timed(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / 10
 
 
 def main() -> int:

@@ -32,31 +32,8 @@ sys.path.insert(0, str(ROOT))
 from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
 from services.worker.device_pool import DevicePool  # noqa: E402
 from services.worker.model_spec import ModelSpec  # noqa: E402
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def spec7b() -> ModelSpec:
-    return ModelSpec(architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=4096,
-                     intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
-                     head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                     max_position=4096, tie_word_embeddings=False, qkv_bias=False,
-                     eos_token_ids=(2,), bos_token_id=1, torch_dtype="bfloat16")
-
-
-def tensors(spec: ModelSpec, rank: int, seed: int, device="cpu") -> dict:
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for layer in range(spec.num_layers):
-        for m in TARGETS:
-            k, n = spec.in_out(m)
-            p = f"base_model.model.model.layers.{layer}.self_attn.{m}"
-            out[f"{p}.lora_A.weight"] = (torch.randn(rank, k, generator=g, device=device)
-                                         * 0.01).to(torch.bfloat16)
-            out[f"{p}.lora_B.weight"] = (torch.randn(n, rank, generator=g, device=device)
-                                         * 0.01).to(torch.bfloat16)
-    return out
-
+from bench.lib.synthetic import (TARGETS, adapter_tensors, llama7b_spec,  # noqa: E402
+                                 model_config)
 
 def stats(xs: list[float]) -> dict:
     xs = sorted(xs)
@@ -68,7 +45,8 @@ def stats(xs: list[float]) -> dict:
 def write_peft(dirpath: pathlib.Path, spec: ModelSpec, rank: int, seed: int) -> None:
     from safetensors.torch import save_file
     dirpath.mkdir(parents=True, exist_ok=True)
-    save_file(tensors(spec, rank, seed), str(dirpath / "adapter_model.safetensors"))
+    save_file(adapter_tensors(spec, rank, seed, dtype=torch.bfloat16),
+              str(dirpath / "adapter_model.safetensors"))
     (dirpath / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
         "bias": "none", "base_model_name_or_path": "llama-7b-shaped", "task_type": "CAUSAL_LM"}))
@@ -76,11 +54,7 @@ def write_peft(dirpath: pathlib.Path, spec: ModelSpec, rank: int, seed: int) -> 
 
 def base_config(path: pathlib.Path, spec: ModelSpec) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
-        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}))
+    (path / "config.json").write_text(json.dumps(model_config("7b")))
 
 
 async def cpu_tiers(work: pathlib.Path, ranks: list[int], reps: int) -> list[dict]:
@@ -89,7 +63,7 @@ async def cpu_tiers(work: pathlib.Path, ranks: list[int], reps: int) -> list[dic
     from services.common.server import channel, sync_channel
     from services.worker.store_client import StoreClient
     from tests.support import S3_ENV, MotoS3, Service
-    spec = spec7b()
+    spec = llama7b_spec()
     base_config(work / "base", spec)
     s3 = MotoS3(work)
     client = s3.client()
@@ -158,9 +132,10 @@ async def _measure_rank(r, reps, pool, spec, store_client, stub) -> list[dict]:
 
 # ---------------------------------------------------------------------------------- GPU
 def gpu_rows(reps: int, counts: list[int]) -> list[dict]:
-    spec = spec7b()
+    spec = llama7b_spec()
     dev = torch.device("cuda")
-    layout = staged_from_tensors(tensors(spec, 16, 1), {"r": 16, "lora_alpha": 32}, spec)
+    layout = staged_from_tensors(adapter_tensors(spec, 16, 1, dtype=torch.bfloat16),
+                                 {"r": 16, "lora_alpha": 32}, spec)
     blob = layout.blob.pin_memory()
     nbytes = layout.nbytes
     dst = torch.empty(blob.numel(), dtype=torch.uint8, device=dev)
@@ -198,7 +173,8 @@ def _staging(spec: ModelSpec, registered: int, reps: int) -> list[float]:
     the layout kernel, the slot tables), time it."""
     from services.common.cache_policy import CachePolicy
     from services.worker.host_tier import HostTier
-    base = staged_from_tensors(tensors(spec, 16, 3), {"r": 16, "lora_alpha": 32}, spec)
+    base = staged_from_tensors(adapter_tensors(spec, 16, 3, dtype=torch.bfloat16),
+                               {"r": 16, "lora_alpha": 32}, spec)
     n = base.nbytes
     host = HostTier(registered * (n + 64), None, True, spec)
     layouts = []

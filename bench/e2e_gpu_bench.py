@@ -28,57 +28,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
 from services.worker.factory import EngineOptions, assemble  # noqa: E402
 from services.worker.perf_config import PerfConfig  # noqa: E402
-from services.worker.model_spec import ModelSpec  # noqa: E402
 from services.worker.sequence import Sampling, Sequence, Stopping  # noqa: E402
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def llama7b_spec(layers: int = 32) -> ModelSpec:
-    return ModelSpec(architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=4096,
-                     intermediate_size=11008, num_layers=layers, num_heads=32, num_kv_heads=32,
-                     head_dim=128, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                     max_position=4096, tie_word_embeddings=False, qkv_bias=False,
-                     eos_token_ids=(2,), bos_token_id=1, torch_dtype="bfloat16",
-                     name="llama-2-7b-shaped-random")
-
-
-def random_weights(spec: ModelSpec, device, dtype) -> dict:
-    g = torch.Generator(device=device).manual_seed(0)
-    def rnd(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
-    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
-    layers = [{"in_norm": torch.ones(h, device=device, dtype=dtype),
-               "post_norm": torch.ones(h, device=device, dtype=dtype),
-               "qkv": rnd(q + 2 * kv, h), "o": rnd(h, q), "gate_up": rnd(2 * i, h),
-               "down": rnd(h, i)} for _ in range(spec.num_layers)]
-    return {"embed": rnd(spec.vocab_size, h), "norm": torch.ones(h, device=device, dtype=dtype),
-            "lm_head": rnd(spec.vocab_size, h), "layers": layers}
-
-
-def weight_bytes(weights: dict) -> int:
-    n = sum(t.numel() * t.element_size() for k, t in weights.items() if k != "layers")
-    return n + sum(t.numel() * t.element_size() for layer in weights["layers"]
-                   for t in layer.values())
-
-
-def adapter_tensors(spec: ModelSpec, rank: int, seed: int, device) -> dict:
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for layer in range(spec.num_layers):
-        for m in TARGETS:
-            k, n = spec.in_out(m)
-            p = f"base_model.model.model.layers.{layer}.self_attn.{m}"
-            out[f"{p}.lora_A.weight"] = torch.randn(rank, k, generator=g, device=device) * 0.01
-            out[f"{p}.lora_B.weight"] = torch.randn(n, rank, generator=g, device=device) * 0.01
-    return out
+from bench.lib.synthetic import (SHAPES, TARGETS, NullTokenizer, adapter_tensors,  # noqa: E402
+                                 llama7b_spec, random_weights, weight_bytes)
+from bench.lib.timing import copy_tbps  # noqa: E402
 
 
 def copy_bandwidth(device) -> float:
     """Device-to-device copy, bytes read + written per second: 2 GiB each way, as the peers' anchors
     measures the card (4.27 TB/s on the H200). Until the 2026-12-01 late-morning session this copied 1 GiB,
     which read 1-3% lower (4.12-4.19 TB/s) and so gave a 1-3% lower floor ratio."""
-    from bench.kernel_bench import copy_tbps
     return copy_tbps(device, 2.0, 25, 100) * 1e12
 
 
@@ -183,11 +142,11 @@ def engine_rows(args, device, variant: str = "") -> tuple[list[dict], dict]:
                          block_size=16, max_batch_tokens=8192, max_running=128,
                          pool_bytes=args.pool_gib << 30, pool_slots=160, max_model_len=1024,
                          graph_max_rank=grank, perf=perf)
-    built = assemble(spec, weights, _NullTokenizer(), opts, device, torch.bfloat16)
+    built = assemble(spec, weights, NullTokenizer(), opts, device, torch.bfloat16)
     n_adapters = max(args.distinct)
     slots = [built.pool.place(f"a{i}", staged_from_tensors(
-                 adapter_tensors(spec, 16, i + 1, device), {"r": 16, "lora_alpha": 32}, spec))
-             for i in range(n_adapters)]
+                 adapter_tensors(spec, 16, i + 1, device=device), {"r": 16, "lora_alpha": 32},
+                 spec)) for i in range(n_adapters)]
     rows = []
     runs = [(batch, n, True) for batch in args.batch for n in [0, *args.distinct] if n <= batch]
     # the same without overlap (each step waits for the last before the next is launched)
@@ -222,18 +181,13 @@ def replay_ms(runner, batch: int) -> float | None:
     return statistics.median(times[2:]) if len(times) > 2 else None
 
 
-class _NullTokenizer:
-    """The bench measures token throughput; text is not produced."""
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
 def peft_rows(args, device) -> list[dict]:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                      num_hidden_layers=args.layers, num_attention_heads=32,
-                      num_key_value_heads=32, max_position_embeddings=4096)
+    shape = SHAPES["7b"]
+    cfg = LlamaConfig(num_hidden_layers=args.layers, **{k: shape[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings")})
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     n_max = max(d for d in args.peft_distinct)

@@ -38,11 +38,10 @@ sys.path.insert(0, str(ROOT))
 from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
 from services.worker.factory import EngineOptions, build_engine  # noqa: E402
 from services.worker.sequence import Sequence, Stopping  # noqa: E402
+from bench.lib.synthetic import SHAPES, adapter_tensors  # noqa: E402
 
 SCENARIOS = {"base-only": 0, "1 adapter": 1, "8 adapters": 8, "32 adapters": 32}
-TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
-        "max_position_embeddings": 512}
+TINY = {k: v for k, v in SHAPES["tiny"].items() if k != "torch_dtype"}     # the demo model's
 
 
 def random_model(path: pathlib.Path) -> pathlib.Path:
@@ -75,19 +74,6 @@ def random_model(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def random_adapter(spec, rank: int, seed: int) -> dict[str, torch.Tensor]:
-    """PEFT-named A/B tensors for q, k, v, o of every layer."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for layer in range(spec.num_layers):
-        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            k, n = spec.in_out(m)
-            name = f"base_model.model.model.layers.{layer}.self_attn.{m}"
-            out[f"{name}.lora_A.weight"] = torch.randn(rank, k, generator=g) * 0.05
-            out[f"{name}.lora_B.weight"] = torch.randn(n, rank, generator=g) * 0.05
-    return out
-
-
 def build(model_dir: pathlib.Path, args, n_adapters: int):
     """A fresh engine with n_adapters random adapters placed; returns (built, slots)."""
     tokens = args.batch * (args.prompt + args.new)
@@ -98,7 +84,7 @@ def build(model_dir: pathlib.Path, args, n_adapters: int):
     built = build_engine(model_dir, opts)
     config = {"r": args.rank, "lora_alpha": 2 * args.rank}
     slots = [built.pool.place(f"a{i}", staged_from_tensors(
-                 random_adapter(built.spec, args.rank, i), config, built.spec))
+                 adapter_tensors(built.spec, args.rank, i, std=0.05), config, built.spec))
              for i in range(n_adapters)]
     return built, slots
 

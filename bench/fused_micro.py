@@ -29,14 +29,17 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.kernel_bench import time_us  # noqa: E402
+from bench.lib.synthetic import SHAPES  # noqa: E402
+from bench.lib.timing import time_us  # noqa: E402
 from kernels import fused  # noqa: E402
 
 
 def cases(args):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    t, hid, heads, d, inter = args.rows, 4096, 32, 128, 11008
+    c = SHAPES["7b"]
+    t, hid, heads, d, inter = args.rows, *(c[k] for k in (
+        "hidden_size", "num_attention_heads", "head_dim", "intermediate_size"))
 
     def rnd(*shape, std=1.0):
         return torch.randn(*shape, generator=g, device=dev).mul_(std).to(torch.bfloat16)

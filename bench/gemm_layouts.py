@@ -24,10 +24,12 @@ import torch.nn.functional as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.kernel_bench import copy_tbps, time_us  # noqa: E402
+from bench.lib.synthetic import SHAPES as MODELS  # noqa: E402
+from bench.lib.timing import copy_tbps, time_us  # noqa: E402
 
-SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
-          "down": (4096, 11008), "lm_head": (32000, 4096)}
+_H, _I, _V = (MODELS["7b"][k] for k in ("hidden_size", "intermediate_size", "vocab_size"))
+SHAPES = {"qkv": (3 * _H, _H), "o": (_H, _H), "gate_up": (2 * _I, _H), "down": (_H, _I),
+          "lm_head": (_V, _H)}                     # the 7B's decode GEMMs, (N, K)
 
 
 def main() -> int:

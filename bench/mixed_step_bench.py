@@ -109,7 +109,7 @@ def main() -> int:
     p.add_argument("--name", default="mixed-step-h200")
     p.add_argument("--commit", default=None)
     a = p.parse_args()
-    from bench.serve_report import base_header
+    from bench.lib.header import base_header
     from bench.timeline import build_engine
     chunks = [int(c) for c in a.chunks.split(",")]
     distincts = [int(d) for d in a.distincts.split(",")]

@@ -228,7 +228,7 @@ def _copy_rows(db: pathlib.Path, seed_id: str, n: int) -> None:
 
 
 def header() -> dict:
-    from bench.serve_report import base_header
+    from bench.lib.header import base_header
     h = base_header("cpu")
     return {**h, "cpu": h["card"], "load_avg_1m": os.getloadavg()[0],
             "python": h["versions"]["python"], "grpcio": h["versions"].get("grpcio", "?"),

@@ -31,7 +31,7 @@ def achieved(records: list[dict], rate: float | None = None) -> tuple:
 class Suite:
     def __init__(self, bench, args, workloads, cold, opened, t0: float | None = None):
         """t0: when the run started (time.monotonic()); --deadline-s counts from it."""
-        from bench.serve_report import base_header
+        from bench.lib.header import base_header
         self.bench, self.args, self.workloads = bench, args, workloads
         self.cold, self.opened = cold, opened
         self.crit = srch.Criteria(slo_ttft_s=args.slo_ttft_ms / 1e3,

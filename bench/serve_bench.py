@@ -51,6 +51,7 @@ if str(ROOT) not in sys.path:
 from bench import serve_model, serve_report, serve_saturation  # noqa: E402
 from bench import serve_scenarios as ss  # noqa: E402
 from bench.serve_run import Bench  # noqa: E402
+from bench.lib.header import base_header  # noqa: E402
 
 GPU_DEFAULTS = {"gpu_pool_bytes": "4GiB", "kv_cache_bytes": "40GiB", "max_running": 256,
                 "max_batch_tokens": 4096, "host_pool_bytes": "8GiB", "store_host_bytes": "16GiB",
@@ -240,7 +241,7 @@ def link_twins(rows: list[dict], scenarios: list[ss.Scenario]) -> None:
 
 
 def header(args, model, cfg, manifest, scenarios, bench: Bench) -> dict:
-    h = serve_report.base_header(args.device, args.commit)
+    h = base_header(args.device, args.commit)
     h["model"] = {"shape": None if args.model else args.shape, "path": str(model),
                   "layers": cfg["num_hidden_layers"], "hidden": cfg["hidden_size"],
                   "vocab": cfg["vocab_size"], "dtype": cfg.get("torch_dtype")}

@@ -17,31 +17,12 @@ import re
 import shutil
 import time
 
+from bench.lib.synthetic import SHAPES, adapter_tensors, model_config, module_shapes
+
 MANIFEST = ".bench-manifest.json"
 FORMAT = 1                           # bump when what is written changes
 
-SHAPES = {
-    # Llama-2-7B: hidden 4096, intermediate 11008, 32 layers, 32 heads (MHA), vocab 32000
-    "7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-           "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
-           "vocab_size": 32000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"},
-    # a small GPU shape with the 7B's head size, vocabulary and context (GPU tests: the same
-    # kernels' code paths in seconds): hidden 1024, 4 layers, 8 heads, 4,096 positions
-    "small": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
-              "vocab_size": 32000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"},
-    # the embedded demo model's shape: hidden 128, 4 layers, 4 query heads over 2 KV heads
-    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-             "vocab_size": 1024, "max_position_embeddings": 512, "torch_dtype": "float32"},
-}
 ADAPTER_ID = re.compile(r"r(\d+)-(\d{4,})")
-
-
-def model_config(shape: str) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-            "bos_token_id": 1, "eos_token_id": 2, **SHAPES[shape]}
 
 
 def _manifest_matches(path: pathlib.Path, want: dict) -> bool:
@@ -153,36 +134,10 @@ def adapter_id(rank: int, index: int) -> str:
     return f"r{rank}-{index:04d}"
 
 
-def _module_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    """PEFT target -> (in, out) features."""
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q = cfg["num_attention_heads"] * hd
-    kv = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) * hd
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-
 def adapter_elements(cfg: dict, rank: int, targets) -> int:
     """Elements of one adapter's A and B matrices over every layer."""
-    shapes = _module_shapes(cfg)
+    shapes = module_shapes(cfg)
     return cfg["num_hidden_layers"] * sum(rank * (shapes[m][0] + shapes[m][1]) for m in targets)
-
-
-def _base_set(cfg: dict, rank: int, targets, dtype, seed: int) -> dict:
-    """One random A/B set (std 0.01) for every layer and target, PEFT-named."""
-    import torch
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
-    shapes = _module_shapes(cfg)
-    out = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for m in targets:
-            parent = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            stem = f"base_model.model.model.layers.{layer}.{parent}.{m}"
-            k, n = shapes[m]
-            out[f"{stem}.lora_A.weight"] = (torch.randn(rank, k, generator=g) * 0.01).to(dtype)
-            out[f"{stem}.lora_B.weight"] = (torch.randn(n, rank, generator=g) * 0.01).to(dtype)
-    return out
 
 
 def _distinct(base: dict, index: int, layers: int) -> dict:
@@ -252,7 +207,9 @@ def _write_rank(out, model_cfg, rank, names, targets, dtype, seed) -> None:
     if not missing:
         print(f"adapters: reusing {len(names)} of rank {rank}", flush=True)
         return
-    base = _base_set(model_cfg, rank, targets, dtype, seed)
+    # one random A/B set (std 0.01) per rank, each adapter's made distinct from it
+    base = adapter_tensors(model_cfg, rank, seed * 1000 + rank, targets=targets,
+                           dtype=dtype)
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
               "target_modules": list(targets), "bias": "none", "lora_dropout": 0.0,
               "task_type": "CAUSAL_LM", "base_model_name_or_path": "lorafleet-bench"}

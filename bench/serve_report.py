@@ -1,64 +1,14 @@
-"""The serving benchmark's results: the header (date, card, versions, commit, argv, model,
-adapters, service command lines), one row per scenario and cold-load source tier, and
+"""The serving benchmark's results: the header (bench.lib.header's base plus model, adapters,
+service command lines), one row per scenario and cold-load source tier, and
 NAME.json, NAME.md and the plots (NAME.png, NAME-cdf.png) under --out."""
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import json
-import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 ROW_FIELDS = ("scenario", "adapters", "zipf", "rate", "concurrency", "out_tok_s", "ttft_p50_ms",
               "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "gpu_hit_rate", "cold_p50_ms",
               "cold_p99_ms", "cold_tier")
-PACKAGES = ("torch", "triton", "grpcio", "protobuf", "transformers", "peft")
-
-
-def card(device: str) -> str:
-    """The GPU's name (nvidia-smi: this process never touches CUDA) or the CPU model."""
-    if device.startswith("cuda") and shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True).stdout.strip().splitlines()
-        if out:
-            return out[0].strip()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def base_header(device: str, commit: str | None = None) -> dict:
-    """commit: what the run's code is, when the checkout's git does not know (a copy of a
-    working tree shipped to another machine); else git's HEAD, +dirty with local changes."""
-    dirty = ""
-    if commit is None:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "card": card(device), "device": device, "cpus": os.cpu_count(),
-            "versions": versions(),
-            "commit": commit + ("+dirty" if dirty else ""), "argv": sys.argv[1:]}
 
 
 # ----------------------------------------------------------------------------------- rows

@@ -20,8 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernel_bench import (TOL, impl_fn, make_problem, make_weights,  # noqa: E402
-                                reference, time_us)
+from bench.kernel_bench import TOL, impl_fn, make_problem, make_weights, reference  # noqa: E402
+from bench.lib.timing import time_us  # noqa: E402
 
 DECODE = [(16, 1, 1), (16, 16, 8), (16, 64, 1), (16, 64, 8), (16, 64, 32), (16, 256, 8),
           (16, 256, 32), (16, 256, 128), (64, 16, 8), (64, 64, 1), (64, 64, 32), (64, 256, 32),

@@ -30,10 +30,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import serve_bench, serve_report  # noqa: E402
+from bench import serve_bench  # noqa: E402
 from bench import serve_scenarios as ss  # noqa: E402
 from bench.serve_run import Bench  # noqa: E402
 from bench.serve_stack import free_port  # noqa: E402
+from bench.lib.header import base_header  # noqa: E402
 
 MEASURE = "startup-32:adapters=32,rank=16,zipf=0,concurrency=64,requests=640,warmup=0,preload=1"
 VARIED = ("varied-base:adapters=0,concurrency=64,requests=128,warmup=0,prompt=1:2048;"
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     rows = {r["scenario"]: r for r in bench.rows}
     result["first_run_tok_s"] = rows[first.name]["out_tok_s"]
     result["second_run_tok_s"] = rows[again.name]["out_tok_s"]
-    header = serve_report.base_header(args.device, args.commit)
+    header = base_header(args.device, args.commit)
     header.update(model={"shape": None if args.model else args.shape, "path": str(model),
                          "layers": cfg["num_hidden_layers"], "hidden": cfg["hidden_size"]},
                   worker_flags=bench.base_flags, kernel_cache=str(kcache),

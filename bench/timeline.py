@@ -118,8 +118,8 @@ def print_rows(title: str, rows: list[dict], span: float) -> None:
 
 def sgmv_main(a) -> None:
     from kernels import sgmv_split
-    from bench.kernel_bench import (TOL, capture_graph, impl_fn, load_vllm, make_problem,
-                                    make_weights, reference)
+    from bench.kernel_bench import TOL, impl_fn, load_vllm, make_problem, make_weights, reference
+    from bench.lib.timing import capture_graph
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     for shape in a.shapes.split(","):
@@ -160,8 +160,7 @@ def build_engine(layers: int, distinct: int, cuda_graphs: bool,
                  kv_cache_bytes: int = 4 << 30, **options):
     """The Llama-7B-shaped engine (random bf16 weights, `layers` layers) with `distinct` rank-16
     q/k/v/o adapters placed in its pool: (built, their slots). options: more EngineOptions."""
-    from bench.e2e_gpu_bench import (_NullTokenizer, adapter_tensors, llama7b_spec,
-                                     random_weights)
+    from bench.lib.synthetic import NullTokenizer, adapter_tensors, llama7b_spec, random_weights
     from services.worker.adapter_layout import staged_from_tensors
     from services.worker.factory import EngineOptions, assemble
     from services.worker.perf_config import PerfConfig
@@ -172,10 +171,10 @@ def build_engine(layers: int, distinct: int, cuda_graphs: bool,
                          max_batch_tokens=max_batch_tokens, max_running=128, pool_bytes=2 << 30,
                          pool_slots=64, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
                          perf=PerfConfig.from_env(os.environ), **extra, **options)
-    built = assemble(spec, random_weights(spec, dev, torch.bfloat16), _NullTokenizer(), opts,
+    built = assemble(spec, random_weights(spec, dev, torch.bfloat16), NullTokenizer(), opts,
                      dev, torch.bfloat16)
     slots = [built.pool.place(f"a{i}", staged_from_tensors(
-                 adapter_tensors(spec, 16, i + 1, dev), {"r": 16, "lora_alpha": 32}, spec))
+                 adapter_tensors(spec, 16, i + 1, device=dev), {"r": 16, "lora_alpha": 32}, spec))
              for i in range(distinct)]
     return built, slots
 
