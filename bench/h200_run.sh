@@ -4,7 +4,7 @@
 #   bash bench/h200_run.sh full      # the benchmarks of bench/results/*-h200.*
 #   bash bench/h200_run.sh check     # GPU tests, a decode profile, batch-64 end to end
 #   bash bench/h200_run.sh final     # GPU tests, end to end with PEFT, kernels vs vLLM
-#   bash bench/h200_run.sh sweep     # SGMV tile sweep (bench/sgmv_sweep.py)
+#   bash bench/h200_run.sh sweep     # SGMV tile sweep (bench/kernels/sgmv_sweep.py)
 #   bash bench/h200_run.sh ab-kernels  # GPU tests, decode kernel shapes with and without PDL
 #   bash bench/h200_run.sh ab-e2e      # batch 64 end to end: PDL on/off, weight layouts
 #   OLD=tmp/ab-old bash bench/h200_run.sh ab-build   # an older build against this one
@@ -26,7 +26,7 @@ if [ "$MODE" = final ]; then
   step timeout 200 python3 -m pytest -q --tb=line -p no:cacheprovider -m gpu tests/test_gpu.py \
        tests/test_pdl.py tests/test_sgmv_split.py tests/test_sgmv.py 2>&1 | tail -8
   step python3 bench/e2e_gpu_bench.py --out "$OUT" 2>&1 | tail -30
-  step python3 bench/kernel_bench.py "${VLLM[@]}" --budget-s 200 --out "$OUT" 2>&1 | tail -40
+  step python3 -m bench.kernels.sgmv "${VLLM[@]}" --budget-s 200 --out "$OUT" 2>&1 | tail -40
 elif [ "$MODE" = check ]; then
   step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_sgmv.py \
        tests/test_sgmv_split.py tests/test_gpu.py 2>&1 | tail -15
@@ -34,14 +34,14 @@ elif [ "$MODE" = check ]; then
   step python3 bench/e2e_gpu_bench.py --no-peft --batches 64 --distincts 1,32 --new 64 \
        --out "$OUT/e2e" 2>&1 | tail -12
 elif [ "$MODE" = gemm ]; then
-  step python3 bench/gemm_layouts.py --out "$OUT" 2>&1 | tail -70
+  step python3 -m bench.kernels.gemm_layouts --out "$OUT" 2>&1 | tail -70
   step python3 bench/e2e_gpu_bench.py --no-peft --batches 64 --distincts 1,32 --new 64 \
        --out "$OUT/e2e" 2>&1 | tail -12
 elif [ "$MODE" = ab-kernels ]; then
   step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
        tests/test_sgmv_split.py tests/test_sgmv.py tests/test_attention.py tests/test_pdl.py \
        2>&1 | tail -8
-  step python3 bench/kernel_bench.py "${VLLM[@]}" --shapes \
+  step python3 -m bench.kernels.sgmv "${VLLM[@]}" --shapes \
        16:1:1,16:16:8,16:64:8,16:64:32,16:256:8,16:256:32,64:16:8,64:64:8,64:256:8,64:256:32 \
        --out "$OUT/kernels" 2>&1 | tail -14
 elif [ "$MODE" = ab-e2e ]; then
@@ -60,15 +60,15 @@ elif [ "$MODE" = ab-build ]; then   # an older build (OLD: its tree, e.g. from `
   step python3 bench/e2e_gpu_bench.py "${E2E[@]}" --variants ";logprobs=5" \
        --out "$OUT/ab-logprobs" 2>&1 | tail -8
 elif [ "$MODE" = sweep ]; then
-  step python3 bench/sgmv_sweep.py --out "$OUT" "${@:2}" 2>&1 | tail -60
+  step python3 -m bench.kernels.sgmv_sweep --out "$OUT" "${@:2}" 2>&1 | tail -60
 elif [ "$MODE" = quick ]; then
   step python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu.py tests/test_sgmv.py \
        tests/test_attention.py 2>&1 | tail -40
-  step python3 bench/kernel_bench.py --quick "${VLLM[@]}" --out "$OUT" 2>&1 | tail -30
+  step python3 -m bench.kernels.sgmv --quick "${VLLM[@]}" --out "$OUT" 2>&1 | tail -30
   step python3 bench/e2e_gpu_bench.py --quick --out "$OUT" 2>&1 | tail -30
   step python3 bench/cold_load_bench.py --gpu --counts 10,100 --reps 20 --out "$OUT" 2>&1 | tail -20
 else
-  step python3 bench/kernel_bench.py "${VLLM[@]}" --out "$OUT" 2>&1 | tail -60
+  step python3 -m bench.kernels.sgmv "${VLLM[@]}" --out "$OUT" 2>&1 | tail -60
   step python3 bench/e2e_gpu_bench.py --out "$OUT" 2>&1 | tail -40
   step python3 bench/cold_load_bench.py --gpu --counts 10,100,1000 --reps 50 --out "$OUT" 2>&1 | tail -20
 fi

@@ -118,7 +118,7 @@ def print_rows(title: str, rows: list[dict], span: float) -> None:
 
 def sgmv_main(a) -> None:
     from kernels import sgmv_split
-    from bench.kernel_bench import TOL, impl_fn, load_vllm, make_problem, make_weights, reference
+    from bench.kernels.sgmv import TOL, impl_fn, load_vllm, make_problem, make_weights, reference
     from bench.lib.timing import capture_graph
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

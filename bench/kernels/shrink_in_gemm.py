@@ -20,7 +20,7 @@ so every call reads cold memory), per layer:
               with no expand launch (x and v are views of one [T, K + n * 16] buffer, as the
               attention's output would be)
 
-    python bench/shrink_in_gemm.py [--rows 64] [--adapters 32] [--rank 16] [--groups o]
+    python -m bench.kernels.shrink_in_gemm [--rows 64] [--adapters 32] [--rank 16] [--groups o]
                                    [--out DIR]
 """
 from __future__ import annotations
@@ -33,12 +33,10 @@ import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.lib.timing import time_us  # noqa: E402
-from kernels.sgmv_ref import rank_tile  # noqa: E402
-from kernels.shrink_blocks import RB, shrink_blocks  # noqa: E402
-from kernels.sgmv_split import (Shrunk, expand, expand_columns, pick_split_config,  # noqa: E402
+from bench.lib.timing import time_us
+from kernels.sgmv_ref import rank_tile
+from kernels.shrink_blocks import RB, shrink_blocks
+from kernels.sgmv_split import (Shrunk, expand, expand_columns, pick_split_config,
                                 sgmv_split)
 
 GROUPS = {"qkv": (4096, [0, 4096, 8192, 12288]), "o": (4096, [0, 4096])}

@@ -12,7 +12,7 @@ the baseline, and the op's cost is the difference per pair:
 
 Llama-2-7B shapes, bf16, T = --rows (64). Writes fused-micro-h200.{json,md} under --out.
 
-  python bench/fused_micro.py --out bench/results/ab
+  python -m bench.kernels.fused_micro --out bench/results/ab
 """
 from __future__ import annotations
 
@@ -26,12 +26,9 @@ import sys
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.lib.synthetic import SHAPES  # noqa: E402
-from bench.lib.timing import time_us  # noqa: E402
-from kernels import fused  # noqa: E402
+from bench.lib.synthetic import SHAPES
+from bench.lib.timing import time_us
+from kernels import fused
 
 
 def cases(args):

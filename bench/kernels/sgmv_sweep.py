@@ -1,27 +1,23 @@
 """Tile and launch-shape sweep for our SGMV kernels on the GPU: for every benchmark shape, time
 each candidate config of the split kernel (kernels/sgmv_split.py) and the fused kernel
-(kernels/sgmv_triton.py), chained as in bench/kernel_bench.py, and print the best few per shape
+(kernels/sgmv_triton.py), chained as in bench/kernels/sgmv.py, and print the best few per shape
 next to what `kernels.sgmv.sgmv` picks today and the cuBLAS per-adapter loop. The winners are
 written into pick_split_config / pick_config by hand (with this run's output as the record).
 
-    python bench/sgmv_sweep.py --out DIR [--decode-only | --large-only] [--chain 4]
+    python -m bench.kernels.sgmv_sweep --out DIR [--decode-only | --large-only] [--chain 4]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.kernel_bench import TOL, impl_fn, make_problem, make_weights, reference  # noqa: E402
-from bench.lib.timing import time_us  # noqa: E402
+from bench.kernels.sgmv import TOL, impl_fn, make_problem, make_weights, reference
+from bench.lib.timing import time_us
 
 DECODE = [(16, 1, 1), (16, 16, 8), (16, 64, 1), (16, 64, 8), (16, 64, 32), (16, 256, 8),
           (16, 256, 32), (16, 256, 128), (64, 16, 8), (64, 64, 1), (64, 64, 32), (64, 256, 32),

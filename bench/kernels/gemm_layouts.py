@@ -5,7 +5,7 @@ batched GEMM (bmm_N2, bmm_K2: other cuBLAS tilings, e.g. more CTAs for down). Me
 CUDA-graph replays, each call on its own weights (cold), achieved bandwidth next to an eager
 copy.
 
-    python bench/gemm_layouts.py --out DIR [--blas cublas,cublaslt] [--names qkv,o]
+    python -m bench.kernels.gemm_layouts --out DIR [--blas cublas,cublaslt] [--names qkv,o]
         [--extra-n 0,512] [--extra-k 0,512] [--pad-ld 256,512] [--name gemm-layouts-h200]
 
 --blas runs the sweep once per torch BLAS backend (torch.backends.cuda.preferred_blas_library);
@@ -22,10 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.lib.synthetic import SHAPES as MODELS  # noqa: E402
-from bench.lib.timing import copy_tbps, time_us  # noqa: E402
+from bench.lib.synthetic import SHAPES as MODELS
+from bench.lib.timing import copy_tbps, time_us
 
 _H, _I, _V = (MODELS["7b"][k] for k in ("hidden_size", "intermediate_size", "vocab_size"))
 SHAPES = {"qkv": (3 * _H, _H), "o": (_H, _H), "gate_up": (2 * _I, _H), "down": (_H, _I),

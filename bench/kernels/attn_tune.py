@@ -3,20 +3,19 @@
 torch reference, then timed by CUDA-graph replay; the last line printed is the fastest correct
 config as BLOCK_N,WARPS,STAGES (bench/e2e_gpu_bench.py --attn-config takes it).
 
-    python bench/attn_tune.py
+    python -m bench.kernels.attn_tune
 """
 from __future__ import annotations
 
+import argparse
 import itertools
-import pathlib
 import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from kernels.attention_ref import paged_attention_ref  # noqa: E402
-from kernels.attention_triton import paged_attention_triton  # noqa: E402
-from bench.lib.timing import timed  # noqa: E402
+from bench.lib.timing import timed
+from kernels.attention_ref import paged_attention_ref
+from kernels.attention_triton import paged_attention_triton
 
 
 def case(batch=64, heads=32, dim=128, ctx=192, bs=16, dev="cuda"):
@@ -33,6 +32,7 @@ def case(batch=64, heads=32, dim=128, ctx=192, bs=16, dev="cuda"):
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     q, k, v, tables, seq, pos = case()
     scale, ctx = 128 ** -0.5, tables.shape[1] * 16
     ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, seq, pos, scale, ctx)

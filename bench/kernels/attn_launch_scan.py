@@ -2,7 +2,7 @@
 launch (BLOCK_N, warps, stages) timed on the same paged cache, after a check against the torch
 reference, by CUDA-graph replay (median of triton's do_bench over a graph of 10 calls).
 
-    python bench/attn_launch_scan.py --out DIR [--groups 1,4] [--batches 8,16,32,64,128]
+    python -m bench.kernels.attn_launch_scan --out DIR [--groups 1,4] [--batches 8,16,32,64,128]
         [--ctxs 192,1024] [--configs 16,1,2;32,4,2]
 
 Writes DIR/attn-launch-scan-<card>.json (rows {"q_heads", "kv_heads", "batch", "ctx", "config",
@@ -21,11 +21,9 @@ import sys
 import torch
 import triton
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.lib.timing import timed  # noqa: E402  (CUDA-graph replay of 10 calls, median)
-from kernels.attention_ref import paged_attention_ref  # noqa: E402
-from kernels.attention_triton import paged_attention_triton  # noqa: E402
+from bench.lib.timing import timed  # (CUDA-graph replay of 10 calls, median)
+from kernels.attention_ref import paged_attention_ref
+from kernels.attention_triton import paged_attention_triton
 
 BS, HQ, D = 16, 32, 128
 

@@ -1,7 +1,7 @@
 """LoRA kernel benchmark: ours (kernels.sgmv_triton) vs vLLM's Triton lora_shrink + lora_expand vs a
 per-adapter cuBLAS loop vs per-token gather + bmm, next to the dense base matmul x @ W.
 
-    python bench/kernel_bench.py --out DIR [--vllm-src .peers/vllm_lora_ops] [--quick]
+    python -m bench.kernels.sgmv --out DIR [--vllm-src .peers/vllm_lora_ops] [--quick]
 
 Op: y[T, H] += s * (x[T, H] @ A_i.T) @ Bt_i for the rows of adapter i, bf16, hidden H = 4096; tokens
 spread evenly over n adapters drawn from a pool of 128. Kernel times are medians of CUDA-graph
@@ -18,7 +18,7 @@ run the kernels only (the "fused"/"split" columns, as kernels.sgmv.use_split pic
 utils.py (from vllm/lora/ops/triton_ops/, or vllm/runtime/modeling/lora/ops/triton_ops/ in newer
 trees); their `vllm.*` imports are stubbed here, so the rest of vLLM need not be installed.
 Plumbing check without a GPU (small shapes; fp16 because the interpreter cannot multiply bf16):
-    TRITON_INTERPRET=1 python bench/kernel_bench.py --out /tmp/b --device cpu --hidden 64 \
+    TRITON_INTERPRET=1 python -m bench.kernels.sgmv --out /tmp/b --device cpu --hidden 64 \
         --dtype fp16 --shapes 16:8:2,32:20:3 --vllm-src .peers/vllm_lora_ops
 """
 from __future__ import annotations
@@ -37,9 +37,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.lib.timing import copy_tbps, time_us  # noqa: E402
+from bench.lib.timing import copy_tbps, time_us
 
 POOL_SLOTS = 128
 SCALE = 0.5
