@@ -118,7 +118,8 @@ def print_rows(title: str, rows: list[dict], span: float) -> None:
 
 def sgmv_main(a) -> None:
     from kernels import sgmv_split
-    from bench.kernels.sgmv import TOL, impl_fn, load_vllm, make_problem, make_weights, reference
+    from bench.kernels.sgmv_cases import TOL, impl_fn, make_problem, make_weights, reference
+    from bench.kernels.vllm_ops import load_vllm
     from bench.lib.timing import capture_graph
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -238,7 +239,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sgmv")
     s.add_argument("--shapes", default="16:64:8,16:64:32,64:64:8,64:256:32")
-    s.add_argument("--impls", default="ours", help="kernel_bench impls (ours, vllm, loop, ...)")
+    s.add_argument("--impls", default="ours", help="bench.kernels.sgmv impls (ours, vllm, loop, ...)")
     s.add_argument("--vllm-src", default=".peers/vllm_lora_ops", help="for the vllm impls")
     s.add_argument("--configs", default="", help="';'-separated LORAFLEET_SGMV_SPLIT values "
                    "run through sgmv_split ('base': none), e.g. 'base;k_chunk=512;progs_per_sm=2'")

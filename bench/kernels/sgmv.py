@@ -16,7 +16,8 @@ run the kernels only (the "fused"/"split" columns, as kernels.sgmv.use_split pic
 
 --vllm-src is a folder holding vLLM's lora_shrink_op.py, lora_expand_op.py, kernel_utils.py and
 utils.py (from vllm/lora/ops/triton_ops/, or vllm/runtime/modeling/lora/ops/triton_ops/ in newer
-trees); their `vllm.*` imports are stubbed here, so the rest of vLLM need not be installed.
+trees); their `vllm.*` imports are stubbed (bench/kernels/vllm_ops.py), so the rest of vLLM
+need not be installed.
 Plumbing check without a GPU (small shapes; fp16 because the interpreter cannot multiply bf16):
     TRITON_INTERPRET=1 python -m bench.kernels.sgmv --out /tmp/b --device cpu --hidden 64 \
         --dtype fp16 --shapes 16:8:2,32:20:3 --vllm-src .peers/vllm_lora_ops
@@ -25,23 +26,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.abc
-import importlib.util
-import inspect
 import json
 import os
-import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
+from bench.kernels.sgmv_cases import (POOL_SLOTS, TOL, impl_fn, make_problem, make_weights,
+                                      reference)
+from bench.kernels.vllm_ops import load_vllm
 from bench.lib.timing import copy_tbps, time_us
 
-POOL_SLOTS = 128
-SCALE = 0.5
-TOL = 2e-2                                   # max |out - ref| / (1 + |ref|) at bf16
 FULL = [(r, t, n) for r in (16, 64) for t in (1, 16, 64, 256, 1024, 4096)
         for n in (1, 8, 32, 128) if n <= t]
 QUICK = [(16, 1, 1), (16, 64, 8), (64, 1024, 32)]
@@ -50,246 +46,6 @@ QUICK = [(16, 1, 1), (16, 64, 8), (64, 1024, 32)]
 IMPLS = ("ours", "ours_nopdl", "ours_fused", "ours_split", "vllm", "vllm_pdl", "loop", "gather")
 
 
-# ----------------------------------------------------------------------------------------------
-# vLLM's kernel files, loaded standalone: every `vllm.*` import they make is answered by a stub
-# module, except the kernel files themselves, which load from --vllm-src.
-_ENV_DEFAULTS = {"VLLM_TUNED_CONFIG_FOLDER": None}   # vLLM's defaults; every other flag False
-
-
-class _Envs(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("VLLM_"):
-            return _ENV_DEFAULTS.get(name, False)
-        raise AttributeError(name)
-
-
-class _Platform:
-    def is_cuda(self):
-        return torch.cuda.is_available()
-
-    def has_device_capability(self, cap):
-        if not torch.cuda.is_available():
-            return False
-        major, minor = torch.cuda.get_device_capability()
-        return major * 10 + minor >= cap
-
-
-class _Logger:
-    def __getattr__(self, name):              # info, warning, warning_once, ...
-        return lambda *a, **k: None
-
-
-def _shim_attrs():
-    import triton
-    import triton.language as tl
-    envs = _Envs("vllm.envs")
-
-    def h2d(values, dtype, device, pin_memory=True):
-        pin = pin_memory and torch.cuda.is_available()
-        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
-
-    return dict(
-        tl=tl, triton=triton, HAS_TRITON=True, envs=envs, current_platform=_Platform(),
-        init_logger=lambda name: _Logger(), next_power_of_2=triton.next_power_of_2,
-        cdiv=triton.cdiv, round_up=lambda x, m: (x + m - 1) // m * m,
-        direct_register_custom_op=lambda *a, **k: None,  # -> torch.ops lookup fails -> plain fn
-        async_tensor_h2d=h2d)
-
-
-class _VllmFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    KERNEL_FILES = ("kernel_utils", "utils", "lora_shrink_op", "lora_expand_op")
-
-    def __init__(self, src: Path):
-        self.src, self.attrs = src, _shim_attrs()
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "vllm" and not fullname.startswith("vllm."):
-            return None
-        head, _, stem = fullname.rpartition(".")
-        if head.endswith("lora.ops.triton_ops") and stem in self.KERNEL_FILES:
-            return importlib.util.spec_from_file_location(fullname, self.src / f"{stem}.py")
-        return importlib.util.spec_from_loader(fullname, self, is_package=True)
-
-    def create_module(self, spec):
-        if spec.name.endswith(".envs"):
-            return self.attrs["envs"]
-        mod = types.ModuleType(spec.name)
-        attrs = self.attrs
-
-        def __getattr__(name):
-            if name in attrs:
-                return attrs[name]
-            if name.startswith("VLLM_"):
-                return getattr(attrs["envs"], name)
-            raise AttributeError(f"{spec.name}.{name} is not shimmed")
-
-        mod.__getattr__ = __getattr__
-        return mod
-
-    def exec_module(self, module):
-        module.__path__ = []
-
-
-def load_vllm(src: str | None):
-    """(shrink_fn, expand_fn, utils_module) from vLLM's kernel files, or an error string."""
-    if not src:
-        return "not requested (--vllm-src not given)"
-    path = Path(src).resolve()
-    missing = [f for f in _VllmFinder.KERNEL_FILES if not (path / f"{f}.py").exists()]
-    if missing:
-        return f"missing in {path}: {missing}"
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        del sys.modules[name]
-    finder = _VllmFinder(path)
-    sys.meta_path.insert(0, finder)
-    try:
-        text = (path / "lora_shrink_op.py").read_text()
-        pkg = ("vllm.runtime.modeling.lora.ops.triton_ops"
-               if "vllm.runtime.modeling.lora" in text else "vllm.lora.ops.triton_ops")
-        shrink = importlib.import_module(f"{pkg}.lora_shrink_op")
-        expand = importlib.import_module(f"{pkg}.lora_expand_op")
-        utils = importlib.import_module(f"{pkg}.utils")
-        return shrink._lora_shrink, expand._lora_expand, utils
-    except Exception as exc:                  # any import failure: skip vLLM, say why
-        return f"import failed: {type(exc).__name__}: {exc}"
-
-
-# ----------------------------------------------------------------------------------------------
-def make_weights(hidden, rank, dtype, device, gen):
-    """A pool of 128 adapters in both layouts: ours (flat, rank-exact) and vLLM's (stacked)."""
-    a_all = (torch.randn(POOL_SLOTS, rank, hidden, generator=gen, device=device)
-             / hidden ** 0.5).to(dtype)
-    bt_all = (torch.randn(POOL_SLOTS, rank, hidden, generator=gen, device=device)
-              / rank ** 0.5).to(dtype)
-    idx = torch.arange(POOL_SLOTS, dtype=torch.int64, device=device)
-    return dict(
-        a_all=a_all, bt_all=bt_all,
-        pool=torch.cat([a_all.flatten(), bt_all.flatten()]),      # all A blobs, then all Bt
-        a_off=(idx * rank * hidden).view(1, -1),
-        b_off=(POOL_SLOTS * rank * hidden + idx * rank * hidden).view(1, -1),
-        ranks=torch.full((POOL_SLOTS,), rank, dtype=torch.int32, device=device),
-        # every offset is a multiple of rank x hidden: the alignment the engine's pool promises
-        align=8 if rank * hidden % 8 == 0 else 1,
-        scales=torch.full((POOL_SLOTS,), SCALE, dtype=torch.float32, device=device),
-        a_stacked=a_all.view(POOL_SLOTS, 1, rank, hidden),          # [loras, 1, r, K]
-        b_stacked=bt_all.transpose(1, 2).contiguous().view(POOL_SLOTS, 1, hidden, rank))
-
-
-def make_problem(weights, hidden, rank, t, n, dtype, device, gen):
-    """x, y0, W and the segment metadata for T tokens spread evenly over n adapters."""
-    slots = sorted(torch.randperm(POOL_SLOTS, generator=gen, device=device)[:n].tolist())
-    lens = [t // n + (i < t % n) for i in range(n)]
-    starts = [0]
-    for ln in lens:
-        starts.append(starts[-1] + ln)
-    pad = POOL_SLOTS + 1 - n
-
-    def i32(values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    token_slot = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lens)).to(device)
-    return dict(
-        weights, hidden=hidden, rank=rank, t=t, n=n, slots=slots, starts=starts,
-        x=torch.randn(t, hidden, generator=gen, device=device).to(dtype),
-        y0=torch.randn(t, hidden, generator=gen, device=device).to(dtype),
-        w=(torch.randn(hidden, hidden, generator=gen, device=device) / hidden ** 0.5).to(dtype),
-        seg_start=i32(starts + [t]), seg_slot=i32(slots + [-1]),        # one padded segment
-        token_slot=token_slot,
-        # vLLM metadata, as LoRAKernelMeta.prepare_tensors builds it (tokens already sorted)
-        token_lora_mapping=token_slot.to(torch.int32),
-        token_indices_sorted_by_lora_ids=torch.arange(t, dtype=torch.int32, device=device),
-        lora_ids=i32(slots + [-1] * pad), num_tokens_per_lora=i32(lens + [0] * pad),
-        lora_token_start_loc=i32(starts + [0] * pad),
-        no_lora_flag_cpu=torch.tensor([False]),
-        num_active_loras=torch.tensor([n], dtype=torch.int32))
-
-
-def reference(p):
-    """fp32: y0 + s * (x @ A.T) @ Bt per adapter segment."""
-    ref = p["y0"].float().clone()
-    for i, s in enumerate(p["slots"]):
-        lo, hi = p["starts"][i], p["starts"][i + 1]
-        v = p["x"][lo:hi].float() @ p["a_all"][s].float().T
-        ref[lo:hi] += SCALE * v @ p["bt_all"][s].float()
-    return ref
-
-
-def impl_fn(name, p, y, vllm):
-    """A closure that adds the LoRA delta into y in place (ours/vllm/loop/gather)."""
-    args = (y, p["x"], p["pool"], p["a_off"], p["b_off"], p["ranks"], p["scales"],
-            [0, p["hidden"]], p["seg_start"], p["seg_slot"], p["rank"])
-    if name == "ours":          # what the engine's eager steps call (with the host tables)
-        from kernels.sgmv import HostSegments, only_live_segment, sgmv
-        host = HostSegments(only_live_segment(p["starts"] + [p["t"]], p["slots"] + [-1]),
-                            p["a_off"].cpu().numpy(), p["b_off"].cpu().numpy(),
-                            p["ranks"].cpu().numpy(), p["scales"].cpu().numpy())
-        return lambda: sgmv(*args, host=host, align=p["align"])
-    if name == "ours_nopdl":
-        from kernels import pdl
-        ours = impl_fn("ours", p, y, vllm)
-
-        def run():                             # the flag is read at each launch
-            with pdl.disabled():
-                ours()
-        return run
-    if name == "vllm_pdl":
-        plain = impl_fn("vllm", p, y, vllm)
-
-        def run():                             # vLLM reads the flag at each call
-            _ENV_DEFAULTS["VLLM_LORA_ENABLE_DUAL_STREAM"] = True
-            try:
-                plain()
-            finally:
-                _ENV_DEFAULTS.pop("VLLM_LORA_ENABLE_DUAL_STREAM")
-        return run
-    if name in ("ours_fused", "ours_split"):
-        from kernels.sgmv_split import sgmv_split
-        from kernels.sgmv_triton import sgmv_triton
-        if name == "ours_fused":
-            return lambda: sgmv_triton(*args)
-        return lambda: sgmv_split(*args, align=p["align"])
-    if name == "vllm":
-        shrink, expand, _ = vllm
-        meta = {k: p[k] for k in ("token_lora_mapping", "token_indices_sorted_by_lora_ids",
-                                  "num_tokens_per_lora", "lora_token_start_loc", "lora_ids",
-                                  "no_lora_flag_cpu", "num_active_loras")}
-        s_kw = _kwargs(shrink, dict(meta, inputs=p["x"], lora_a_weights=[p["a_stacked"]],
-                                    scaling=SCALE))
-        e_kw = _kwargs(expand, dict(meta, lora_b_weights=[p["b_stacked"]], output_tensor=y,
-                                    offset_start=0, add_inputs=True))
-
-        def run():                             # as PunicaWrapperGPU.add_lora_linear
-            buf = torch.empty((1, p["t"], p["rank"]), dtype=torch.float32, device=y.device)
-            shrink(output_tensor=buf, **s_kw)
-            expand(inputs=buf, **e_kw)
-        return run
-    if name == "loop":
-        segs = [(p["starts"][i], p["starts"][i + 1], s) for i, s in enumerate(p["slots"])]
-
-        def run():
-            for lo, hi, s in segs:
-                y[lo:hi].addmm_(p["x"][lo:hi] @ p["a_all"][s].T, p["bt_all"][s], alpha=SCALE)
-        return run
-    if name == "gather":
-        def run():
-            v = torch.bmm(p["a_all"][p["token_slot"]], p["x"].unsqueeze(2))       # [T, r, 1]
-            d = torch.bmm(v.transpose(1, 2), p["bt_all"][p["token_slot"]])      # [T, 1, N]
-            y.add_(d.squeeze(1), alpha=SCALE)
-        return run
-    raise ValueError(name)
-
-
-def _kwargs(fn, available):
-    """The keyword arguments fn takes, from what we have; vLLM's signature varies by version."""
-    params = inspect.signature(fn).parameters
-    needed = [k for k, v in params.items() if v.default is inspect.Parameter.empty]
-    missing = [k for k in needed if k not in available and k not in ("inputs", "output_tensor")]
-    if missing:
-        raise TypeError(f"{fn.__name__} needs arguments this bench does not know: {missing}")
-    return {k: v for k, v in available.items() if k in params}
-
-
-# ----------------------------------------------------------------------------------------------
 def lora_bytes(p, elem):
     return elem * (p["t"] * p["hidden"] * 3 + p["n"] * p["rank"] * 2 * p["hidden"])
 

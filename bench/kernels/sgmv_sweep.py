@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels.sgmv import TOL, impl_fn, make_problem, make_weights, reference
+from bench.kernels.sgmv_cases import TOL, impl_fn, make_problem, make_weights, reference
 from bench.lib.timing import time_us
 
 DECODE = [(16, 1, 1), (16, 16, 8), (16, 64, 1), (16, 64, 8), (16, 64, 32), (16, 256, 8),
