@@ -2,7 +2,7 @@
 # Mixed steps from CUDA graphs on the H200 (device tool), each part packed into one file of $OUT
 # as it ends (a run cut short still returns what finished):
 #   1. tests.tgz    the GPU tests of graphs against eager steps (tiny model)
-#   2. mixed.tgz    bench/mixed_step_bench.py: 64 decode rows beside 0-1,024 prompt tokens, base,
+#   2. mixed.tgz    bench/engine/mixed_step.py: 64 decode rows beside 0-1,024 prompt tokens, base,
 #                   one and 32 rank-16 adapters (DISTINCTS), eager against graph (7B shape, 32
 #                   layers); one adapter: long segments, where a mixed graph's padded segment
 #                   count makes SGMV take its fused kernel and an eager step the split one
@@ -32,7 +32,7 @@ pack tests "$T/tests"
 fi
 if has mixed; then
 mkdir -p "$T/mixed"
-timeout "${BENCH_S:-150}" python3 bench/mixed_step_bench.py --layers 32 --decode 64 \
+timeout "${BENCH_S:-150}" python3 -m bench.engine.mixed_step --layers 32 --decode 64 \
   --chunks 0,64,128,256,512,1024 --distincts ${DISTINCTS:-0,1,32} --out "$T/mixed" --name mixed-step-h200 \
   ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep -v -i warn | tail -20
 pack mixed "$T/mixed"
@@ -40,7 +40,7 @@ fi
 if has split; then                     # LORAFLEET_SPLIT_ATTENTION A/B, interleaved, twice
 mkdir -p "$T/split"
 for i in 1 2; do for S in 0 1; do
-  LORAFLEET_SPLIT_ATTENTION=$S timeout "${BENCH_S:-150}" python3 bench/mixed_step_bench.py \
+  LORAFLEET_SPLIT_ATTENTION=$S timeout "${BENCH_S:-150}" python3 -m bench.engine.mixed_step \
     --layers 32 --decode 64 --chunks 0,64,128,256 --distincts 0,32 --out "$T/split" \
     --name "mixed-step-split$S-run$i-h200" ${COMMIT:+--commit "$COMMIT"} 2>&1 | grep --line-buffered "graph:"
 done; done

@@ -25,17 +25,17 @@ VLLM=()
 if [ "$MODE" = final ]; then
   step timeout 200 python3 -m pytest -q --tb=line -p no:cacheprovider -m gpu tests/test_gpu.py \
        tests/test_pdl.py tests/test_sgmv_split.py tests/test_sgmv.py 2>&1 | tail -8
-  step python3 bench/e2e_gpu_bench.py --out "$OUT" 2>&1 | tail -30
+  step python3 -m bench.engine.e2e --out "$OUT" 2>&1 | tail -30
   step python3 -m bench.kernels.sgmv "${VLLM[@]}" --budget-s 200 --out "$OUT" 2>&1 | tail -40
 elif [ "$MODE" = check ]; then
   step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_sgmv.py \
        tests/test_sgmv_split.py tests/test_gpu.py 2>&1 | tail -15
-  step python3 bench/profile_decode.py --layers 4 --batch 64 --distinct 32 2>&1 | tail -32
-  step python3 bench/e2e_gpu_bench.py --no-peft --batches 64 --distincts 1,32 --new 64 \
+  step python3 -m bench.engine.profile_decode --layers 4 --batch 64 --distinct 32 2>&1 | tail -32
+  step python3 -m bench.engine.e2e --no-peft --batches 64 --distincts 1,32 --new 64 \
        --out "$OUT/e2e" 2>&1 | tail -12
 elif [ "$MODE" = gemm ]; then
   step python3 -m bench.kernels.gemm_layouts --out "$OUT" 2>&1 | tail -70
-  step python3 bench/e2e_gpu_bench.py --no-peft --batches 64 --distincts 1,32 --new 64 \
+  step python3 -m bench.engine.e2e --no-peft --batches 64 --distincts 1,32 --new 64 \
        --out "$OUT/e2e" 2>&1 | tail -12
 elif [ "$MODE" = ab-kernels ]; then
   step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
@@ -45,19 +45,22 @@ elif [ "$MODE" = ab-kernels ]; then
        16:1:1,16:16:8,16:64:8,16:64:32,16:256:8,16:256:32,64:16:8,64:64:8,64:256:8,64:256:32 \
        --out "$OUT/kernels" 2>&1 | tail -14
 elif [ "$MODE" = ab-e2e ]; then
-  step python3 bench/e2e_gpu_bench.py --no-peft --no-waited --batches 64 --distincts 1,32 \
+  step python3 -m bench.engine.e2e --no-peft --no-waited --batches 64 --distincts 1,32 \
        --new 64 --variants "${2:-;pdl=0;pdl=0,layout=nk}" --out "$OUT/e2e" 2>&1 | tail -16
 elif [ "$MODE" = ab-build ]; then   # an older build (OLD: its tree, e.g. from `git archive`)
   # against this one, interleaved, batch 64 with 32 adapters (issue 24), then this build with
   # logprobs off and on (issue 25); prepare OLD here: see bench/PERF_NOTES.md, Next on the card
   cp -r services/common/gen "$OLD/services/common/" 2>/dev/null
   E2E=(--no-peft --no-waited --batches 64 --distincts 32 --new 64)
+  # OLD's e2e bench: the module, or the flat script of a tree from before bench/engine/
+  OLD_E2E="python3 -m bench.engine.e2e"
+  [ -f "$OLD/bench/e2e_gpu_bench.py" ] && OLD_E2E="python3 bench/e2e_gpu_bench.py"
   for i in 1 2; do
-    step bash -c "cd '$OLD' && python3 bench/e2e_gpu_bench.py ${E2E[*]} --out '$OUT/ab-old-$i'" \
+    step bash -c "cd '$OLD' && $OLD_E2E ${E2E[*]} --out '$OUT/ab-old-$i'" \
          2>&1 | tail -6
-    step python3 bench/e2e_gpu_bench.py "${E2E[@]}" --out "$OUT/ab-new-$i" 2>&1 | tail -6
+    step python3 -m bench.engine.e2e "${E2E[@]}" --out "$OUT/ab-new-$i" 2>&1 | tail -6
   done
-  step python3 bench/e2e_gpu_bench.py "${E2E[@]}" --variants ";logprobs=5" \
+  step python3 -m bench.engine.e2e "${E2E[@]}" --variants ";logprobs=5" \
        --out "$OUT/ab-logprobs" 2>&1 | tail -8
 elif [ "$MODE" = sweep ]; then
   step python3 -m bench.kernels.sgmv_sweep --out "$OUT" "${@:2}" 2>&1 | tail -60
@@ -65,10 +68,10 @@ elif [ "$MODE" = quick ]; then
   step python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu.py tests/test_sgmv.py \
        tests/test_attention.py 2>&1 | tail -40
   step python3 -m bench.kernels.sgmv --quick "${VLLM[@]}" --out "$OUT" 2>&1 | tail -30
-  step python3 bench/e2e_gpu_bench.py --quick --out "$OUT" 2>&1 | tail -30
+  step python3 -m bench.engine.e2e --quick --out "$OUT" 2>&1 | tail -30
   step python3 bench/cold_load_bench.py --gpu --counts 10,100 --reps 20 --out "$OUT" 2>&1 | tail -20
 else
   step python3 -m bench.kernels.sgmv "${VLLM[@]}" --out "$OUT" 2>&1 | tail -60
-  step python3 bench/e2e_gpu_bench.py --out "$OUT" 2>&1 | tail -40
+  step python3 -m bench.engine.e2e --out "$OUT" 2>&1 | tail -40
   step python3 bench/cold_load_bench.py --gpu --counts 10,100,1000 --reps 50 --out "$OUT" 2>&1 | tail -20
 fi

@@ -1,9 +1,9 @@
-"""bench/timeline.py's accounting: each kernel is charged from its predecessor's end to its own,
-so kernels that overlap (programmatic dependent launch) are not counted twice, a gap before a
+"""bench.engine.timeline's accounting: each kernel is charged from its predecessor's end to its
+own, so kernels that overlap (programmatic dependent launch) are not counted twice, a gap before a
 kernel is its cost, and the charges add up to the replay's span."""
 from __future__ import annotations
 
-from bench.timeline import split_replays, summarize
+from bench.engine.timeline import split_replays, summarize
 
 
 def test_increments_add_up_to_the_span_and_overlap_counts_once():

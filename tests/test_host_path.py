@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.host_overhead_bench import StandIns      # every key captured, made on first use
+from bench.engine.host_overhead import StandIns      # every key captured, made on first use
 from services.worker.graph_runner import GraphRunner
 from services.worker.scheduler import Scheduled
 from services.worker.sequence import Sampling, Sequence, Stop, Stopping

@@ -1,7 +1,7 @@
 """Pick the decode launch shape of the paged-attention kernel on this GPU: Llama-2-7B heads
 (32 x 128, MHA), 64 sequences at ~192 tokens of context, bf16. Each config is checked against the
 torch reference, then timed by CUDA-graph replay; the last line printed is the fastest correct
-config as BLOCK_N,WARPS,STAGES (bench/e2e_gpu_bench.py --attn-config takes it).
+config as BLOCK_N,WARPS,STAGES (bench/engine/e2e.py --attn-config takes it).
 
     python -m bench.kernels.attn_tune
 """

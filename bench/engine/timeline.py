@@ -4,10 +4,11 @@ before it to its own end ("increment"). Under programmatic dependent launch a ke
 before its predecessor ends, so its duration overstates its cost; the increments add up to the
 replay's span.
 
-    python bench/timeline.py sgmv --shapes 64:64:8,16:64:32 [--chain 8] \
+    python -m bench.engine.timeline sgmv --shapes 64:64:8,16:64:32 [--chain 8] \
         [--configs "base;k_chunk=512"]
-    python bench/timeline.py decode --layers 4 --batch 64 --distinct 32
-    python bench/timeline.py mixed --layers 4 --decode 64 --chunk 128 --distinct 32 [--path eager]
+    python -m bench.engine.timeline decode --layers 4 --batch 64 --distinct 32
+    python -m bench.engine.timeline mixed --layers 4 --decode 64 --chunk 128 --distinct 32 \
+        [--path eager]
 
 Prints, per kernel name: calls per replay, mean duration and mean increment (µs), and their sum.
 
@@ -20,7 +21,7 @@ dram__bytes_read.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
 launch__registers_per_thread,launch__grid_size,launch__occupancy_limit_registers,\
 launch__occupancy_limit_shared_mem,sm__warps_active.avg.pct_of_peak_sustained_active,\
 smsp__issue_active.avg.pct_of_peak_sustained_active --csv \
-        python bench/timeline.py step --layers 2 > ncu-step.csv
+        python -m bench.engine.timeline step --layers 2 > ncu-step.csv
 
 (bench/results/ab/ncu-decode-step-h200.csv was made so.)
 """
@@ -30,15 +31,12 @@ import argparse
 import collections
 import json
 import os
-import pathlib
 import re
 import sys
 import tempfile
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 MARK = "spin_kernel"            # torch.cuda._sleep's kernel: separates the replays
 
@@ -210,7 +208,7 @@ def decode_main(a) -> None:
 def mixed_main(a) -> None:
     """A mixed step (decode rows beside one prompt chunk), replayed from its graph or run
     eagerly, kernel by kernel."""
-    from bench.mixed_step_bench import kv_bytes, mixed_batch
+    from bench.engine.mixed_step import kv_bytes, mixed_batch
     built, slots = build_engine(a.layers, a.distinct, True, a.grank,
                                 max_model_len=max(a.context, a.chunk) + 64,
                                 max_batch_tokens=max(a.decode + a.chunk, 256),
@@ -239,7 +237,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sgmv")
     s.add_argument("--shapes", default="16:64:8,16:64:32,64:64:8,64:256:32")
-    s.add_argument("--impls", default="ours", help="bench.kernels.sgmv impls (ours, vllm, loop, ...)")
+    s.add_argument("--impls", default="ours", help="sgmv bench impls (ours, vllm, loop, ...)")
     s.add_argument("--vllm-src", default=".peers/vllm_lora_ops", help="for the vllm impls")
     s.add_argument("--configs", default="", help="';'-separated LORAFLEET_SGMV_SPLIT values "
                    "run through sgmv_split ('base': none), e.g. 'base;k_chunk=512;progs_per_sm=2'")

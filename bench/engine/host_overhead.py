@@ -1,9 +1,9 @@
 """Host (Python) cost of a CUDA-graph decode step, measured on this CPU without the model forward.
 
-    python bench/host_overhead_bench.py [--model models/tiny-llama] [--batch 32 64 128]
+    python -m bench.engine.host_overhead [--model models/tiny-llama] [--batch 32 64 128]
                                         [--forward model stub] [--out bench/results]
                                         [--baseline OLD.json] [--profile]
-    python bench/host_overhead_bench.py --device cuda --out /tmp/x      # real graphs, on a GPU
+    python -m bench.engine.host_overhead --device cuda --out /tmp/x      # real graphs, on a GPU
 
 On a GPU a graph decode step is: schedule, order the rows, fill the graph's static input buffers
 (GraphRunner._fill: services.worker.step_inputs.StepBuilder.fill), replay the graph, build the
@@ -39,7 +39,7 @@ rows on the base model only, on 8 adapters, or each on its own adapter): best of
 With --device cuda the engine runs the tiny model on the GPU with real captured graphs (one per
 batch size, as services.worker.factory captures them) and a step's host time is its wall time
 minus the graph's device time (CUDA events around the replay): the serial host overhead of the
-step, as bench/e2e_gpu_bench.py reports it (decode step ms vs graph replay ms).
+step, as bench/engine/e2e.py reports it (decode step ms vs graph replay ms).
 
 With --baseline, the host figures of an earlier run (its JSON) are shown beside the new ones.
 On a shared machine, alternate runs of the two versions and combine each side's JSONs (--merge
@@ -64,17 +64,15 @@ import time
 import numpy as np
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import services.worker.graph_runner as graph_runner_mod  # noqa: E402
-from services.worker.adapter_layout import staged_from_peft_dir  # noqa: E402
-from services.worker.factory import EngineOptions, build_engine  # noqa: E402
-from services.worker.perf_config import PerfConfig  # noqa: E402
-from services.worker.graph_runner import GraphRunner  # noqa: E402
-from services.worker.scheduler import Scheduled  # noqa: E402
-from services.worker.sequence import Sampling, Sequence, Stopping  # noqa: E402
-from services.worker.step_inputs import StepPlan  # noqa: E402
+import services.worker.graph_runner as graph_runner_mod
+from bench.lib.header import RESULTS, ROOT
+from services.worker.adapter_layout import staged_from_peft_dir
+from services.worker.factory import EngineOptions, build_engine
+from services.worker.perf_config import PerfConfig
+from services.worker.graph_runner import GraphRunner
+from services.worker.scheduler import Scheduled
+from services.worker.sequence import Sampling, Sequence, Stopping
+from services.worker.step_inputs import StepPlan
 
 ADAPTERS = ("acme-support", "pirate", "poet")
 PROMPTS = ("Tell me about the weather.", "Can you help me?", "Hello!", "How are you?",
@@ -326,7 +324,7 @@ def write(out: pathlib.Path, result: dict) -> None:
              f"demo adapters (rows on base + 3 adapters); median of {result['steps']} "
              f"full-batch decode steps, best of {result['repeats']} runs. "
              "µs per decode step, the replayed forward excluded; sample is the sampling math on "
-             "this CPU (kernel launches on a GPU). See bench/host_overhead_bench.py."
+             "this CPU (kernel launches on a GPU). See bench/engine/host_overhead.py."
              + (f" Before: {base['label']}, best of {base.get('repeats', '?')} runs."
                 if base else "")]
     for forward in FORWARD_TITLES:
@@ -383,7 +381,7 @@ def merge(results: list[dict]) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--batch", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--forward", nargs="+", default=list(FORWARDS), choices=FORWARDS,

@@ -1,7 +1,7 @@
 """Engine decode throughput on this CPU: base-only batches against batches spread over 1, 8 and 32
 distinct LoRA adapters (random rank-16 q/k/v/o adapters placed in the engine's DevicePool).
 
-    python bench/engine_bench.py [--model models/tiny-llama] [--out bench/results] [--threads 1]
+    python -m bench.engine.cpu [--model models/tiny-llama] [--out bench/results] [--threads 1]
                                  [--profile]
 
 Each scenario submits --batch sequences of --prompt random tokens with --new new tokens
@@ -26,19 +26,16 @@ import pathlib
 import platform
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
-from services.worker.factory import EngineOptions, build_engine  # noqa: E402
-from services.worker.sequence import Sequence, Stopping  # noqa: E402
-from bench.lib.synthetic import SHAPES, adapter_tensors  # noqa: E402
+from bench.lib.header import RESULTS, ROOT
+from bench.lib.synthetic import SHAPES, adapter_tensors
+from services.worker.adapter_layout import staged_from_tensors
+from services.worker.factory import EngineOptions, build_engine
+from services.worker.sequence import Sequence, Stopping
 
 SCENARIOS = {"base-only": 0, "1 adapter": 1, "8 adapters": 8, "32 adapters": 32}
 TINY = {k: v for k, v in SHAPES["tiny"].items() if k != "torch_dtype"}     # the demo model's
@@ -167,7 +164,7 @@ def write(out: pathlib.Path, result: dict) -> None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=64)

@@ -7,7 +7,7 @@ Per case: the step's wall time (host to host: inputs built, forward launched, sa
 read back), and on CUDA the GPU's busy time (the sum of its kernels' durations, from the
 profiler): wall well above busy means the step waits on the host launching kernels.
 
-    python bench/mixed_step_bench.py --layers 32 --decode 64 --chunks 0,128,256,512,1024 \
+    python -m bench.engine.mixed_step --layers 32 --decode 64 --chunks 0,128,256,512,1024 \
         --distincts 0,32 --out bench/results --name mixed-step-h200 [--profile 256]
 
 Results: OUT/NAME.json ({"header", "rows": [{"adapters", "decode_rows", "chunk", "path",
@@ -25,8 +25,8 @@ import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.lib.header import RESULTS, base_header
+
 
 
 def mixed_batch(built, slots: list[int], decode: int, context: int, chunk: int):
@@ -105,12 +105,11 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--profile", type=int, default=0, help="print one eager step's profile "
                    "at this chunk (CUDA)")
-    p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     p.add_argument("--name", default="mixed-step-h200")
     p.add_argument("--commit", default=None)
     a = p.parse_args()
-    from bench.lib.header import base_header
-    from bench.timeline import build_engine
+    from bench.engine.timeline import build_engine
     chunks = [int(c) for c in a.chunks.split(",")]
     distincts = [int(d) for d in a.distincts.split(",")]
     cuda = a.device.startswith("cuda")

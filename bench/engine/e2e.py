@@ -6,8 +6,8 @@ and 64 with base only and 1, 8, 32, 128 distinct adapters (at most one per row).
 tokens/s, the median decode-step time and its ratio to the weight-streaming floor (model bytes /
 measured device copy bandwidth), and PEFT's mixed-adapter generate on the same shapes.
 
-    python bench/e2e_gpu_bench.py --out bench/results            # on the H200
-    python bench/e2e_gpu_bench.py --quick --out /tmp/x           # a smoke run
+    python -m bench.engine.e2e --out bench/results            # on the H200
+    python -m bench.engine.e2e --quick --out /tmp/x           # a smoke run
 """
 from __future__ import annotations
 
@@ -24,14 +24,13 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
-from services.worker.factory import EngineOptions, assemble  # noqa: E402
-from services.worker.perf_config import PerfConfig  # noqa: E402
-from services.worker.sequence import Sampling, Sequence, Stopping  # noqa: E402
-from bench.lib.synthetic import (SHAPES, TARGETS, NullTokenizer, adapter_tensors,  # noqa: E402
+from bench.lib.synthetic import (SHAPES, TARGETS, NullTokenizer, adapter_tensors,
                                  llama7b_spec, random_weights, weight_bytes)
-from bench.lib.timing import copy_tbps  # noqa: E402
+from bench.lib.timing import copy_tbps
+from services.worker.adapter_layout import staged_from_tensors
+from services.worker.factory import EngineOptions, assemble
+from services.worker.perf_config import PerfConfig
+from services.worker.sequence import Sampling, Sequence, Stopping
 
 
 def copy_bandwidth(device) -> float:

@@ -1,18 +1,16 @@
 """Where a decode step's GPU time goes: torch.profiler over eager decode steps of the
 Llama-7B-shaped engine (fewer layers: per-layer costs are what matter), kernels by total time.
 
-    python bench/profile_decode.py --layers 4 --batch 64 --distinct 32
+    python -m bench.engine.profile_decode --layers 4 --batch 64 --distinct 32
 """
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from bench.timeline import decode_engine  # noqa: E402
+from bench.engine.timeline import decode_engine
 
 
 def main() -> int:
