@@ -25,34 +25,9 @@ import time
 
 import torch
 
+from bench.engine.build import build_engine, kv_bytes, mixed_batch
 from bench.lib.header import RESULTS, base_header
 
-
-
-def mixed_batch(built, slots: list[int], decode: int, context: int, chunk: int):
-    """decode sequences with `context` tokens in the cache (one row each) and one new
-    sequence with a `chunk`-token prompt (one run of rows), their KV blocks taken; each on an
-    adapter of slots in turn (none: base rows)."""
-    from services.worker.scheduler import Scheduled
-    from services.worker.sequence import Sequence, Stopping
-    blocks = built.engine.scheduler.blocks
-    batch = []
-    for i in range(decode + (1 if chunk else 0)):
-        prefill = i == decode
-        n = chunk if prefill else context + 1
-        seq = Sequence(f"s{i}", list(range(3, 3 + n)), slot=slots[i % len(slots)] if slots
-                       else -1, stopping=Stopping(max_new_tokens=64, ignore_eos=True))
-        if not blocks.ensure(seq, n):
-            raise SystemExit("KV cache too small for the case")
-        seq.num_computed = 0 if prefill else context
-        batch.append(Scheduled(seq, n if prefill else 1))
-    return batch
-
-
-def kv_bytes(layers: int, tokens: int) -> int:
-    """K and V of `tokens` tokens in `layers` layers of the Llama-7B shape (32 KV heads of
-    128, bf16), with a quarter to spare."""
-    return tokens * 2 * layers * 32 * 128 * 2 * 5 // 4
 
 
 def _release(built, batch) -> None:
@@ -109,7 +84,6 @@ def main() -> int:
     p.add_argument("--name", default="mixed-step-h200")
     p.add_argument("--commit", default=None)
     a = p.parse_args()
-    from bench.engine.timeline import build_engine
     chunks = [int(c) for c in a.chunks.split(",")]
     distincts = [int(d) for d in a.distincts.split(",")]
     cuda = a.device.startswith("cuda")

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from bench.engine.timeline import decode_engine
+from bench.engine.build import decode_engine
 
 
 def main() -> int:

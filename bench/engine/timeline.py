@@ -37,6 +37,8 @@ import tempfile
 
 import torch
 
+from bench.engine.build import build_engine, decode_engine, kv_bytes, mixed_batch
+
 
 MARK = "spin_kernel"            # torch.cuda._sleep's kernel: separates the replays
 
@@ -153,49 +155,6 @@ def sgmv_main(a) -> None:
         torch.cuda.empty_cache()
 
 
-def build_engine(layers: int, distinct: int, cuda_graphs: bool,
-                 graph_max_rank: int | None = None, device: str = "cuda",
-                 max_model_len: int = 1024, max_batch_tokens: int = 8192,
-                 kv_cache_bytes: int = 4 << 30, **options):
-    """The Llama-7B-shaped engine (random bf16 weights, `layers` layers) with `distinct` rank-16
-    q/k/v/o adapters placed in its pool: (built, their slots). options: more EngineOptions."""
-    from bench.lib.synthetic import NullTokenizer, adapter_tensors, llama7b_spec, random_weights
-    from services.worker.adapter_layout import staged_from_tensors
-    from services.worker.factory import EngineOptions, assemble
-    from services.worker.perf_config import PerfConfig
-    dev = torch.device(device)
-    spec = llama7b_spec(layers)
-    extra = {} if graph_max_rank is None else {"graph_max_rank": graph_max_rank}
-    opts = EngineOptions(device=device, dtype="bfloat16", kv_cache_bytes=kv_cache_bytes,
-                         max_batch_tokens=max_batch_tokens, max_running=128, pool_bytes=2 << 30,
-                         pool_slots=64, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
-                         perf=PerfConfig.from_env(os.environ), **extra, **options)
-    built = assemble(spec, random_weights(spec, dev, torch.bfloat16), NullTokenizer(), opts,
-                     dev, torch.bfloat16)
-    slots = [built.pool.place(f"a{i}", staged_from_tensors(
-                 adapter_tensors(spec, 16, i + 1, device=dev), {"r": 16, "lora_alpha": 32}, spec))
-             for i in range(distinct)]
-    return built, slots
-
-
-def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
-                  graph_max_rank: int | None = None, max_new: int = 400, device: str = "cuda",
-                  prompt: int = 128):
-    """build_engine's engine with `batch` requests of `prompt` tokens spread over its
-    `distinct` adapters (0: base only), prefilled and a few decode steps in."""
-    from services.worker.sequence import Sequence, Stopping
-    built, slots = build_engine(layers, distinct, cuda_graphs, graph_max_rank, device)
-    eng = built.engine
-    for i in range(batch):
-        slot = slots[i % len(slots)] if slots else -1
-        eng.submit(Sequence(f"r{i}", list(range(3, 3 + prompt)), slot=slot,
-                            stopping=Stopping(max_new_tokens=max_new, ignore_eos=True)),
-                   lambda e: 0)
-    for _ in range(8):                                      # prefill, graph capture, warm steps
-        eng.step()
-    return eng
-
-
 def decode_main(a) -> None:
     eng = decode_engine(a.layers, a.batch, a.distinct, True, a.grank)
     rows, span = summarize(profile_replays(eng.step, a.reps), per=a.layers)
@@ -208,7 +167,6 @@ def decode_main(a) -> None:
 def mixed_main(a) -> None:
     """A mixed step (decode rows beside one prompt chunk), replayed from its graph or run
     eagerly, kernel by kernel."""
-    from bench.engine.mixed_step import kv_bytes, mixed_batch
     built, slots = build_engine(a.layers, a.distinct, True, a.grank,
                                 max_model_len=max(a.context, a.chunk) + 64,
                                 max_batch_tokens=max(a.decode + a.chunk, 256),
