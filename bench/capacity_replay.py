@@ -1,6 +1,6 @@
 """Measured runs as simulator input: the serving benchmark's request sequence regenerated from a
 results file's header (its workload generation is deterministic from scenario and seed:
-bench/serve_scenarios.build_requests), or read from a trace it recorded (--trace-out); the
+bench.serve.scenarios.build_requests), or read from a trace it recorded (--trace-out); the
 fleet flags from its argv; and the figures of a simulated phase, named as serve_bench names its.
 """
 from __future__ import annotations
@@ -10,14 +10,14 @@ import json
 import shlex
 from pathlib import Path
 
-from bench import serve_scenarios as ss
+from bench.serve import scenarios as ss
 from bench.capacity_fleet import Fleet, FleetConfig, SimRequest
 
 TIERS = ("gpu", "worker_host", "store_host", "source")     # what a trace row's tier may be
 
 
 def pct(xs: list[float], q: float) -> float | None:
-    """Nearest-rank percentile, as bench/serve_metrics.pct."""
+    """Nearest-rank percentile, as bench.serve.metrics.pct."""
     s = sorted(xs)
     if not s:
         return None
@@ -26,7 +26,7 @@ def pct(xs: list[float], q: float) -> float | None:
 
 def bench_args(header: dict):
     """serve_bench's parsed flags of a recorded run (its defaults where the argv left them)."""
-    from bench import serve_bench
+    from bench.serve import bench as serve_bench
     return serve_bench.parser().parse_args(header["argv"])
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving benchmark on the H200 through the device tool (results in $OUT, plots drawn later
-# with `python bench/serve_bench.py --replot OUT/serve-h200.json` where matplotlib is):
+# with `python -m bench.serve.bench --replot OUT/serve-h200.json` where matplotlib is):
 #   bash bench/h200_serve.sh check   # the cold path's GPU tests (SKIP_TESTS=1: not), then the
 #                                    # resident, cold and engine suites (32 + 64 rank-16
 #                                    # adapters; SUITE= picks; REPEAT=N: N stacks in turn)
@@ -64,7 +64,7 @@ if [ "$MODE" = check ]; then
        tests/test_adapter_scatter.py \
        "tests/test_gpu.py::test_a_cuda_pool_places_adapters_as_the_cpu_pool_does" 2>&1 | tail -4
   for i in $(seq "${REPEAT:-1}"); do     # REPEAT=2: a second stack on the warm kernel cache
-    step timeout "${BUDGET:-420}" python3 bench/serve_bench.py "${GPU[@]}" \
+    step timeout "${BUDGET:-420}" python3 -m bench.serve.bench "${GPU[@]}" \
          --suite "${SUITE:-resident,cold,engine}" \
          --rate "${RATE:-40}" --cold-rate 4 --cold-requests 32 --requests 400 --warmup 64 \
          --name "serve-h200-check$([ "$i" -gt 1 ] && echo "-$i")"
@@ -72,7 +72,7 @@ if [ "$MODE" = check ]; then
 elif [ "$MODE" = record ]; then
   R=${RATE:-58}                     # 90% of the base model's closed-loop 65.3-65.8 req/s
   OL="rank=8,zipf=1.0,rate=$R,requests=500,warmup=64,path=engine"
-  step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${GPU[@]}" \
+  step timeout "${BUDGET:-570}" python3 -m bench.serve.bench "${GPU[@]}" \
        --suite slora,resident,cold,engine --rate "$R" --steady-rate "${STEADY:-40}" \
        --cold-rate 4 --cold-requests 32 \
        --requests 500 --warmup 64 --name serve-h200 --scenarios \
@@ -82,10 +82,10 @@ elif [ "$MODE" = startup ]; then        # issue 23: bench/results/startup-h200.*
   [ -z "${SKIP_TEST:-}" ] && step timeout 900 python3 -m pytest -q -p no:cacheprovider -m gpu \
        "tests/test_gpu.py::test_no_kernel_compiles_or_graph_captures_after_serving" 2>&1 | tail -5
 elif [ "$MODE" = latency ]; then        # issue 23: bench/results/latency-h200.*
-  step timeout "${BUDGET:-560}" python3 bench/serve_bench.py "${GPU[@]}" --suite latency \
+  step timeout "${BUDGET:-560}" python3 -m bench.serve.bench "${GPU[@]}" --suite latency \
        --requests "${REQUESTS:-400}" --warmup 64 --name latency-h200
 elif [ "$MODE" = resident ]; then       # the resident suite alone (closed loop, base and 32)
-  step timeout "${BUDGET:-300}" python3 bench/serve_bench.py "${GPU[@]}" --suite resident \
+  step timeout "${BUDGET:-300}" python3 -m bench.serve.bench "${GPU[@]}" --suite resident \
        --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-resident --scenarios \
        "prefill_burst:adapters=32,rank=16,zipf=1.0,rate=${BURST_RATE:-33},burst=64,burst_prompt=1024"
   [ -n "${THEN_TEST:-}" ] && step timeout "$THEN_TEST" python3 -m pytest -q -p no:cacheprovider \
@@ -94,7 +94,7 @@ elif [ "$MODE" = resident ]; then       # the resident suite alone (closed loop,
 elif [ "$MODE" = eviction ]; then       # issue 27: cost-aware eviction against LRU, the same
   # trace (1,000 and 2,000 rank-8 adapters, Zipf 1.0), one stack each, LRU first
   for E in lru cost; do
-    step timeout "${BUDGET:-270}" python3 bench/serve_bench.py "${GPU[@]}" --eviction "$E" \
+    step timeout "${BUDGET:-270}" python3 -m bench.serve.bench "${GPU[@]}" --eviction "$E" \
          --suite none --rate "${RATE:-58}" --requests "${REQUESTS:-400}" --warmup 64 \
          --name "serve-h200-eviction-$E" --scenarios \
          "slora-1000:adapters=1000,rank=8,zipf=1.0,rate=${RATE:-58};$(
@@ -119,15 +119,15 @@ elif [ "$MODE" = two-gpu ]; then       # issue 28: bench/results/serve-2gpu-h200
   # the same scenario names and seed in both runs: the same requests; the closed loop keeps
   # CONC rows in flight per worker (capacity), the open loop offers RATE req/s to both
   fleet() { echo "fleet-open:$SC,rate=$R;fleet-closed:$SC,concurrency=$(($C * $1))"; }
-  case $PART in all|w1) step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${BASE[@]}" \
+  case $PART in all|w1) step timeout "${BUDGET:-570}" python3 -m bench.serve.bench "${BASE[@]}" \
        --suite none --scenarios "$(fleet 1)" --name 2gpu-w1 ;; esac
-  case $PART in all|w2) step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${BASE[@]}" \
+  case $PART in all|w2) step timeout "${BUDGET:-570}" python3 -m bench.serve.bench "${BASE[@]}" \
        "${TWO[@]}" --suite none --scenarios "$(fleet 2)" --name 2gpu-w2 ;; esac
-  case $PART in all|kill) step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${BASE[@]}" \
+  case $PART in all|kill) step timeout "${BUDGET:-570}" python3 -m bench.serve.bench "${BASE[@]}" \
        "${TWO[@]}" --suite none --name 2gpu-kill --scenarios \
        "fleet-kill:adapters=$N,rank=8,zipf=1.0,rate=${KILL_RATE:-$R},requests=$KREQ,$SHAPE,$(
        )kill_at=$KAT,kill_worker=1" ;; esac
-  case $PART in all|merge) python3 bench/serve_merge.py --out "$OUT" --name "$NAME" \
+  case $PART in all|merge) python3 -m bench.serve.merge --out "$OUT" --name "$NAME" \
        "$TMPO"/2gpu-w1.json "$TMPO"/2gpu-w2.json "$TMPO"/2gpu-kill.json ;; esac
 elif [ "$MODE" = saturation ]; then    # issue 42: bench/results/saturation-<card>.*
   # One stack, one run, one device call (run's timeout_s 600): the suite stops starting parts
@@ -145,13 +145,13 @@ elif [ "$MODE" = saturation ]; then    # issue 42: bench/results/saturation-<car
   #     zipf-2000 50, mixed-280 50, zipf-5 40, zipf-100 45: ~385 s
   #   total ~500-560 s; on a slow start the deadline drops zipf-100, then zipf-5, first.
   # WORKLOADS=, COLD=, OPEN=, PROBE_S=, PROBES=, DEADLINE= override; SAT_EXTRA= more flags.
-  step timeout "${BUDGET:-570}" python3 bench/serve_bench.py "${GPU[@]}" --suite saturation \
+  step timeout "${BUDGET:-570}" python3 -m bench.serve.bench "${GPU[@]}" --suite saturation \
        --worker-flag=--warmup-max-rank=64 --deadline-s "${DEADLINE:-520}" \
        --probe-s "${PROBE_S:-5}" --max-probes "${PROBES:-4}" \
        ${WORKLOADS:+--sat-workloads "$WORKLOADS"} ${COLD:+--sat-cold "$COLD"} \
        ${OPEN:+--sat-open "$OPEN"} ${SAT_EXTRA:-}
 elif [ "$MODE" = slora ]; then
-  step timeout "${BUDGET:-560}" python3 bench/serve_bench.py "${GPU[@]}" --suite "${SUITE:-slora}" \
+  step timeout "${BUDGET:-560}" python3 -m bench.serve.bench "${GPU[@]}" --suite "${SUITE:-slora}" \
        --rate "${RATE:-58}" --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-slora
 fi
 tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null

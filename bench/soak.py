@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
-from bench.serve_stack import free_port  # noqa: E402
+from bench.serve.stack import free_port  # noqa: E402
 from services.client.client import LorafleetClient  # noqa: E402
 
 MODEL, DEMO = ROOT / "models" / "tiny-llama", ROOT / "models" / "adapters"

@@ -30,10 +30,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import serve_bench  # noqa: E402
-from bench import serve_scenarios as ss  # noqa: E402
-from bench.serve_run import Bench  # noqa: E402
-from bench.serve_stack import free_port  # noqa: E402
+from bench.serve import bench as serve_bench  # noqa: E402
+from bench.serve import scenarios as ss  # noqa: E402
+from bench.serve.run import Bench  # noqa: E402
+from bench.serve.stack import free_port  # noqa: E402
 from bench.lib.header import base_header  # noqa: E402
 
 MEASURE = "startup-32:adapters=32,rank=16,zipf=0,concurrency=64,requests=640,warmup=0,preload=1"

@@ -22,7 +22,7 @@ import grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.serve_stack import free_port  # noqa: E402
+from bench.serve.stack import free_port  # noqa: E402
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb  # noqa: E402
 from services.common.gen.lorafleet.v1 import worker_pb2_grpc  # noqa: E402
 

@@ -7,7 +7,7 @@ import json
 import random
 
 from bench import capacity_replay as cr
-from bench import serve_scenarios as ss
+from bench.serve import scenarios as ss
 from bench.capacity_fleet import Fleet, FleetConfig, SimRequest
 from bench.capacity_model import LoadTimes, StepModel, fit_step_model, measured_load_times
 

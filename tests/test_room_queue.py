@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from bench import serve_model
+from bench.serve import model as serve_model
 from services.common.errors import ResourceExhausted
 from services.common.server import sync_channel
 from services.worker.adapter_manager import AdapterManager

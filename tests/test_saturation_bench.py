@@ -1,4 +1,4 @@
-"""bench/serve_bench.py --suite saturation (issue 42): the goodput search on synthetic probe
+"""bench/serve/bench.py --suite saturation (issue 42): the goodput search on synthetic probe
 outcomes, the probe judgement on synthetic client records, the cross-run ratio check, and a
 --quick run through the real services whose results must follow the schema. Nothing is timed."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from bench import saturation_report as rep
-from bench import saturation_search as srch
-from bench import serve_saturation as sat
-from bench import serve_scenarios as ss
+from bench.serve import saturation_report as rep
+from bench.serve import saturation_search as srch
+from bench.serve import saturation as sat
+from bench.serve import scenarios as ss
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CRIT = srch.Criteria(slo_ttft_s=1.0, slo_itl_s=0.06)
@@ -128,7 +128,7 @@ def test_ratios_are_within_one_run_and_refused_across_runs(tmp_path):
     assert rep.main(["--ratios", str(a), str(b)]) == 1
     assert rep.main(["--merge", str(a), str(b), "--out", str(tmp_path), "--name", "m"]) == 0
     assert "mixes runs" in (tmp_path / "m.md").read_text()
-    from bench import serve_merge
+    from bench.serve import merge as serve_merge
     with pytest.raises(SystemExit, match="saturation_report"):
         serve_merge.merge([{"header": {**head, "suite": "saturation"}, "rows": rows}])
 
@@ -152,7 +152,7 @@ def test_workloads_parse_and_mixed_ranks_take_each_rank_in_turn():
 def test_the_quick_saturation_suite_writes_its_schema_and_a_sound_search(tmp_path):
     out = tmp_path / "out"
     # the quarter-pool workloads of --quick (zipf-128, mixed-32), one stream count: ~1 min
-    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--suite", "saturation",
+    proc = subprocess.run([sys.executable, "-m", "bench.serve.bench", "--suite", "saturation",
                            "--quick", "--out", str(out), "--work", str(tmp_path / "work"),
                            "--sat-workloads", "zipf:128,mixed:32", "--sat-open",
                            "base,zipf:128", "--streams", "8"],
@@ -217,7 +217,7 @@ def _search_is_sound(r: dict, crit: srch.Criteria) -> None:
 def test_parts_past_the_deadline_are_skipped_and_a_failing_part_is_named():
     import time
     from types import SimpleNamespace
-    from bench.saturation_suite import Suite
+    from bench.serve.saturation_suite import Suite
     args = SimpleNamespace(slo_ttft_ms=1000.0, slo_itl_ms=60.0, min_ratio=0.97, commit="abc",
                            deadline_s=100.0, probe_s=5.0)
     alive = SimpleNamespace(check_alive=lambda: None)

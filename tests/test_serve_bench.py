@@ -1,4 +1,4 @@
-"""bench/serve_bench.py: its scenarios, request lists, adapters and figures, and a --quick run
+"""bench/serve/bench.py: its scenarios, request lists, adapters and figures, and a --quick run
 through the real services whose result files must be complete. Nothing here is timed."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from bench import serve_metrics as sm
-from bench import serve_report
-from bench import serve_scenarios as ss
+from bench.serve import metrics as sm
+from bench.serve import report as serve_report
+from bench.serve import scenarios as ss
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULTS = {"requests": 10, "warmup": 0, "prompt": (4, 4), "output": (2, 2), "rate": None,
@@ -57,7 +57,7 @@ def test_adapter_needs_count_a_fresh_adapter_per_cold_request():
 def test_adapters_are_distinct_valid_peft_and_reused(tmp_path):
     import torch
     from safetensors.torch import load_file
-    from bench import serve_model
+    from bench.serve import model as serve_model
     cfg = serve_model.model_config("tiny")
     man = serve_model.ensure_adapters(tmp_path, cfg, [(5, 4), (2, 8)], ["q_proj", "v_proj"],
                                       "bf16")
@@ -130,7 +130,7 @@ def test_quick_run_writes_complete_results(tmp_path):
     """The services as processes, the engine in-process, tiny counts: result files complete,
     the base model's row there, loads from a cold tier, tokens served, no errors."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--quick", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "bench.serve.bench", "--quick", "--out", str(out),
                            "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -163,7 +163,7 @@ def test_quick_run_with_cost_eviction_records_a_trace_the_simulator_replays(tmp_
     from bench.capacity_model import LoadTimes, StepModel
     out, trace = tmp_path / "out", tmp_path / "trace.json"
     scenario = "t:adapters=16,rank=8,zipf=0.5,rate=20,requests=24,warmup=4,prompt=8:16,output=4:8"
-    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--quick", "--suite", "none",
+    proc = subprocess.run([sys.executable, "-m", "bench.serve.bench", "--quick", "--suite", "none",
                            "--scenarios", scenario, "--eviction", "cost", "--trace-out",
                            str(trace), "--out", str(out), "--work", str(tmp_path / "work")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -189,7 +189,7 @@ def test_a_service_that_exits_raises_with_the_end_of_its_log(tmp_path, capsys):
     """A bad flag (the store and worker addresses are closed loopback ports): the router exits
     2, and waiting for it raises at once, naming it, with its log's tail printed."""
     import os
-    from bench.serve_stack import ServiceProc
+    from bench.serve.stack import ServiceProc
     svc = ServiceProc("router", ["--store", "127.0.0.1:1", "--worker", "127.0.0.1:1",
                                  "--max-in-flight-per-worker", "0"], tmp_path, dict(os.environ))
     with pytest.raises(RuntimeError, match="router exited with 2"):
@@ -205,7 +205,7 @@ def test_quick_run_from_s3(tmp_path):
     pytest.importorskip("boto3")
     pytest.importorskip("moto")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--quick", "--source", "s3",
+    proc = subprocess.run([sys.executable, "-m", "bench.serve.bench", "--quick", "--source", "s3",
                            "--suite", "none", "--scenarios",
                            "s3:adapters=3,rank=8,zipf=0,concurrency=2,requests=9",
                            "--out", str(out), "--name", "s3"], cwd=ROOT, capture_output=True,

@@ -1,6 +1,6 @@
-"""The serving benchmark with two workers behind the router (bench/serve_fleet.py): where the
+"""The serving benchmark with two workers behind the router (bench/serve/fleet.py): where the
 workers run, per-worker figures, and a worker killed mid-run and started again. The slow tests
-run bench/serve_bench.py --quick --workers 2 as processes on loopback (tiny model, CPU)."""
+run bench/serve/bench.py --quick --workers 2 as processes on loopback (tiny model, CPU)."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from bench import serve_fleet, serve_report
-from bench import serve_scenarios as ss
+from bench.serve import fleet as serve_fleet, report as serve_report
+from bench.serve import scenarios as ss
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_a_kill_scenario_ends_with_a_tail_sent_after_the_rejoin():
 
 def _run(tmp_path, scenario: str) -> dict:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "bench/serve_bench.py", "--quick", "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "bench.serve.bench", "--quick", "--workers", "2",
                            "--suite", "none", "--scenarios", scenario, "--out", str(out),
                            "--name", "fleet", "--work", str(tmp_path / "work")], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""bench/serve_merge.py: several serving-benchmark runs as one results file. Inputs are two
+"""bench/serve/merge.py: several serving-benchmark runs as one results file. Inputs are two
 committed H200 results that share scenarios (resident-base, resident-32): the 2026-12-02 check
 run and the 2026-12-05 row-LoRA run."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 import json
 import pathlib
 
-from bench import serve_merge
+from bench.serve import merge as serve_merge
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results"
 OLD, NEW = RESULTS / "serve-h200-check.json", RESULTS / "serve-h200-rowlora.json"

@@ -4,7 +4,7 @@ a scenario (GPU hit rate, requests, working set from its residency snapshot), ad
 on more than one worker, and a worker killed (SIGKILL) mid-run and started again on its port,
 with every request of the run classified by how it ended.
 
-Plain Python apart from the gRPC snapshots bench/serve_stack.py takes.
+Plain Python apart from the gRPC snapshots bench/serve/stack.py takes.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def fleet_info(before: list, after: list, lost: dict | None = None) -> tuple:
 
 def histogram_delta(before: list, after: list, lost: dict | None = None) -> dict:
     """serve_metrics.histogram_delta over every worker (a restarted one from zero)."""
-    from bench.serve_metrics import histogram_delta as one
+    from bench.serve.metrics import histogram_delta as one
     from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
     out: dict[str, list[float]] = {}
     pairs = list(zip(before, after)) + [(before[i], info) for i, info in (lost or {}).items()]
@@ -183,7 +183,7 @@ class KillRestart(threading.Thread):
         print(f"kill-restart: {what} at {self.events[what]:.2f}s", flush=True)
 
     def run(self) -> None:
-        from bench.serve_stack import router_workers, worker_info
+        from bench.serve.stack import router_workers, worker_info
         try:
             time.sleep(max(0.0, self.start_t + self.kill_at - time.time()))
             w = self.stack.workers[self.index]

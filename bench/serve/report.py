@@ -58,7 +58,7 @@ def plots(out: pathlib.Path, name: str, header: dict, rows: list[dict], cdfs: di
         matplotlib.use("Agg")
     except ImportError:
         return []
-    from bench.serve_plots import plot_cdfs, plot_scaling
+    from bench.serve.plots import plot_cdfs, plot_scaling
     ordered = {r["scenario"]: cdfs[r["scenario"]] for r in rows if r["scenario"] in cdfs}
     return [p for p in (plot_scaling(out / f"{name}.png", header, rows),
                         plot_cdfs(out / f"{name}-cdf.png", header, ordered)) if p]
@@ -114,7 +114,7 @@ def _cold_tables(rows: list[dict]) -> list[str]:
     cold = [r for r in rows if r["cold_tier"]]
     if not cold:
         return []
-    from bench.serve_metrics import STAGES
+    from bench.serve.metrics import STAGES
     lines = ["", "Cold loads by source tier (p50 / p99 ms; stages from the worker's records, "
              "'-' where it sent none; first step = TTFT - cold load of the requests that had "
              "one):", "", "| scenario | tier | n | from | total | " + " | ".join(

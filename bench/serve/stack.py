@@ -17,11 +17,11 @@ import time
 
 import grpc
 
+from bench.lib.header import ROOT
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb, adapter_store_pb2_grpc
 from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 

@@ -3,10 +3,10 @@ id), NAME.md (each row's ratio to the base model's row of the same run and load)
 (goodput and ITL against adapter count). Ratios are computed within one run only: a table of
 rows from several runs says so and `ratios` refuses it.
 
-    python bench/saturation_report.py --check A.json [B.json ...]   # exit 1: rows of >1 run
-    python bench/saturation_report.py --ratios A.json                # the ratios, or refuses
-    python bench/saturation_report.py --merge A.json B.json --out DIR --name N  # no ratios
-    python bench/saturation_report.py --replot A.json                # NAME.md and NAME.png
+    python -m bench.serve.saturation_report --check A.json [B.json ...]   # exit 1: rows of >1 run
+    python -m bench.serve.saturation_report --ratios A.json                # the ratios, or refuses
+    python -m bench.serve.saturation_report --merge A.json B.json --out DIR --name N  # no ratios
+    python -m bench.serve.saturation_report --replot A.json                # NAME.md and NAME.png
 """
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ import json
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 ROW_FIELDS = ("scenario", "mode", "adapters", "zipf", "ranks", "state", "offered_req_s",
               "req_s", "out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",

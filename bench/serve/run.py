@@ -9,8 +9,8 @@ import pathlib
 import shutil
 import time
 
-from bench import serve_metrics as sm
-from bench import serve_fleet, serve_model, serve_report, serve_scenarios as ss
+from bench.serve import fleet as serve_fleet, metrics as sm, model as serve_model
+from bench.serve import report as serve_report, scenarios as ss
 
 
 def engine_options(args, manifest: dict, ids: list[str]) -> dict:
@@ -114,7 +114,7 @@ class Bench:
         dropped from the worker's pool (cold_adapters host) or from the worker (store)."""
         if s.cold_adapters == "fresh":
             return self.fresh(s)
-        from bench.serve_stack import offload
+        from bench.serve.stack import offload
         ids = self.last_cold.get(s.rank, [])[:s.cold_requests]
         if len(ids) < s.cold_requests:
             raise SystemExit(f"scenario {s.name}: cold_adapters={s.cold_adapters} needs an earlier cold "
@@ -137,7 +137,7 @@ class Bench:
 
     # ---- the engine in-process, before the services ----------------------------------------
     def run_engine(self, scenarios: list[ss.Scenario]) -> None:
-        from bench.serve_engine import run_in_subprocess
+        from bench.serve.engine import run_in_subprocess
         jobs, adapters = [], {}
         for s in scenarios:
             adapters.update({a: str(pathlib.Path(self.manifest["dir"]) / a) for a in self.ids(s)})
@@ -157,8 +157,8 @@ class Bench:
 
     # ---- the services -------------------------------------------------------------------------
     def start_services(self, work: pathlib.Path) -> None:
-        from bench.serve_load import ClientPool
-        from bench.serve_stack import S3_ENV, S3Source, Stack
+        from bench.serve.load import ClientPool
+        from bench.serve.stack import S3_ENV, S3Source, Stack
         logs = work / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -226,7 +226,7 @@ class Bench:
     def run_grpc(self, s: ss.Scenario) -> None:
         """Preload and warm up (unmeasured), then the measured requests (with the cold stream
         on fresh adapters), the worker's and the store's counters read around them."""
-        from bench.serve_stack import residency, store_stats, worker_info
+        from bench.serve.stack import residency, store_stats, worker_info
         ids, start = self.ids(s), time.monotonic()
         if s.preload:
             self._preload(s, ids)

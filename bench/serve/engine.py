@@ -4,7 +4,7 @@
 every adapter placed in the pool up front.
 
 It runs in a subprocess started (and finished) before the services: it needs the GPU memory the
-worker will take. Records have the client records' shape (bench/serve_load.py), so the same
+worker will take. Records have the client records' shape (bench/serve/load.py), so the same
 metrics apply.
 """
 from __future__ import annotations

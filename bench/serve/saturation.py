@@ -1,12 +1,12 @@
-"""The serving benchmark's saturation suite (`serve_bench.py --suite saturation`, issue 42): in
-one run against one stack, per workload, closed loops at fixed streams, a goodput search (the
-highest Poisson rate sustained under the SLO; bench/saturation_search.py) and open-loop latency
-at fractions of the base model's goodput; a cold-fleet row (first touches) before a workload's
-adapters are touched, steady-state rows after a warm-up pass that is not measured. Results:
-OUT/saturation-<card>.{json,md,png} (bench/saturation_report.py).
+"""The serving benchmark's saturation suite (`python -m bench.serve.bench --suite saturation`,
+issue 42): in one run against one stack, per workload, closed loops at fixed streams, a goodput
+search (the highest Poisson rate sustained under the SLO; bench/serve/saturation_search.py) and
+open-loop latency at fractions of the base model's goodput; a cold-fleet row (first touches)
+before a workload's adapters are touched, steady-state rows after a warm-up pass that is not
+measured. Results: OUT/saturation-<card>.{json,md,png} (bench/serve/saturation_report.py).
 
-    python bench/serve_bench.py --suite saturation --quick --out /tmp/sat     # CPU, minutes
-    python bench/serve_bench.py --suite saturation --shape 7b --device cuda \\
+    python -m bench.serve.bench --suite saturation --quick --out /tmp/sat     # CPU, minutes
+    python -m bench.serve.bench --suite saturation --shape 7b --device cuda \\
         --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB --max-running 256 --max-batch-tokens 4096
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 
-from bench import serve_scenarios as ss
+from bench.serve import scenarios as ss
 
 # the GPU defaults (issue 42) and --quick's (tiny model, fp32 adapters in the pool: rank 8 is
 # 112 KiB, rank 64 896 KiB; a pool of 3 MiB holds at most a quarter of the 128 rank-8 adapters
@@ -139,7 +139,7 @@ def all_scenarios(workloads: list[Workload]) -> list[ss.Scenario]:
 def _bytes_to_write(args, workloads: list[Workload], work: pathlib.Path) -> int:
     """What prepare() would still write: the checkpoint (unless --model or already there)
     and every adapter of the workloads not on disk yet."""
-    from bench import serve_model
+    from bench.serve import model as serve_model
     cfg = serve_model.model_config(args.shape)
     elem = 2 if args.adapter_dtype == "bf16" else 4
     total = 0
@@ -177,9 +177,9 @@ def fit_disk(args, workloads: list[Workload], work: pathlib.Path,
 
 def main(args) -> int:
     """--suite saturation: prepare, start the stack, run the suite, write the results."""
-    from bench import serve_bench, saturation_report
-    from bench.saturation_suite import Suite
-    from bench.serve_run import Bench
+    from bench.serve import bench as serve_bench, saturation_report
+    from bench.serve.saturation_suite import Suite
+    from bench.serve.run import Bench
     t0 = time.monotonic()
     defaults(args)
     args = serve_bench.resolve(args)

@@ -179,7 +179,7 @@ def suite(name: str, g) -> list[str]:
                 f"quick-cold:{resident},cold=10,cold_n=4",
                 f"quick-cold-store:{resident},cold=10,cold_n=4,cold_adapters=store"]
     if name == "saturation":
-        raise ValueError("--suite saturation runs alone (bench/serve_saturation.py)")
+        raise ValueError("--suite saturation runs alone (bench/serve/saturation.py)")
     raise ValueError(f"--suite: unknown suite {name!r} (slora, resident, cold, latency, quick, "
                      "engine, saturation)")
 

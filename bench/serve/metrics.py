@@ -2,7 +2,7 @@
 ITL, end-to-end latency, errors) and from the services' counters before and after it (the
 worker's cache hit rates and cold-load records stage by stage, the store's host tier).
 
-Plain Python (no torch); records are the dicts bench/serve_load.py returns, times in wall-clock
+Plain Python (no torch); records are the dicts bench/serve/load.py returns, times in wall-clock
 seconds; figures are in ms.
 """
 from __future__ import annotations

@@ -9,14 +9,14 @@ failed. The goodput is the highest rate that passes, found by bracketing (up or 
 start by `step` until one probe passes and one fails) and then bisecting (geometric mean),
 within a bounded number of probes.
 
-Plain Python on the client records of bench/serve_load.py (no torch, no gRPC calls).
+Plain Python on the client records of bench/serve/load.py (no torch, no gRPC calls).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
 
-from bench.serve_metrics import gaps, ms, pct
+from bench.serve.metrics import gaps, ms, pct
 
 
 @dataclass(frozen=True)

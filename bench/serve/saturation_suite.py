@@ -1,4 +1,4 @@
-"""The saturation suite's measurements on a running stack (bench/serve_saturation.py sets it
+"""The saturation suite's measurements on a running stack (bench/serve/saturation.py sets it
 up): per workload a warm-up pass, closed loops, the goodput search and open-loop rows; the cold
 rows first. Every row says its run id; progress is printed for every probe."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import datetime
 import secrets
 import time
 
-from bench import saturation_search as srch
-from bench import serve_fleet, serve_metrics as sm, serve_scenarios as ss
+from bench.serve import saturation_search as srch
+from bench.serve import fleet as serve_fleet, metrics as sm, scenarios as ss
 
 
 def run_id(commit: str) -> str:
@@ -123,7 +123,7 @@ class Suite:
     # ---- measured -----------------------------------------------------------------------------
     def measure(self, s: ss.Scenario) -> tuple[list, list, dict]:
         """(requests, records, the services' figures) of one scenario's requests."""
-        from bench.serve_stack import store_stats, worker_info
+        from bench.serve.stack import store_stats, worker_info
         b = self.bench
         reqs = b.requests(s, "measure")
         addrs = [x.addr for x in b.stack.workers]
@@ -173,7 +173,7 @@ class Suite:
         ids = self.bench.ids(w.scenario("x", concurrency=1))
         if not ids:
             return None
-        from bench.serve_run import rank_of
+        from bench.serve.run import rank_of
         elem = 4 if self.args.device == "cpu" else 2
         total = sum(elem * self.bench.manifest["elements"][rank_of(a)] for a in ids)
         pool = parse_bytes(self.args.gpu_pool_bytes or WorkerConfig().gpu_pool_bytes)

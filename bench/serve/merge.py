@@ -6,7 +6,7 @@ with more: throughput, its ratio, TTFT, per-worker hit rates and working sets) a
 own tables. With --supersede a scenario measured again in a later run keeps only that run's rows
 (a record's resident table re-measured after a change, the rest of the record as it was).
 
-    python bench/serve_merge.py --out bench/results --name serve-2gpu-h200 \\
+    python -m bench.serve.merge --out bench/results --name serve-2gpu-h200 \\
         OUT/w1.json OUT/w2.json OUT/kill.json
 """
 from __future__ import annotations
@@ -16,11 +16,7 @@ import json
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import serve_report  # noqa: E402
+from bench.serve import report as serve_report
 
 
 def merge(docs: list[dict], supersede: bool = False) -> dict:
@@ -29,8 +25,9 @@ def merge(docs: list[dict], supersede: bool = False) -> dict:
     run's rows, e.g. a record's resident table re-measured after a change, beside the rest of
     the record."""
     if any(d["header"].get("suite") == "saturation" for d in docs):
-        raise SystemExit("saturation results: merge them with bench/saturation_report.py "
-                         "--merge (a table of several runs, no ratios across them)")
+        raise SystemExit("saturation results: merge them with python -m "
+                         "bench.serve.saturation_report --merge (a table of several runs, no "
+                         "ratios across them)")
     header = dict(docs[0]["header"])
     header["runs"] = [d["header"] for d in docs]
     latest = {}

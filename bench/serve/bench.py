@@ -11,24 +11,24 @@ cold stream, the ITL of the other requests while loads run. Results: OUT/NAME.js
 rows), OUT/NAME.md, OUT/NAME.png and OUT/NAME-cdf.png.
 
     # a CPU smoke run (tiny model, a handful of adapters, a pool smaller than the working set)
-    python bench/serve_bench.py --quick --out /tmp/serve
+    python -m bench.serve.bench --quick --out /tmp/serve
     # H200, Llama-2-7B shape: the S-LoRA sweep (5 .. 2,000 rank-8 adapters at 90% of the base
     # model's closed-loop req/s), the resident and cold-load cases, and the engine in-process
-    python bench/serve_bench.py --shape 7b --device cuda --work /data/serve-work \\
+    python -m bench.serve.bench --shape 7b --device cuda --work /data/serve-work \\
         --suite slora,resident,cold,engine --gpu-pool-bytes 4GiB --kv-cache-bytes 40GiB \\
         --max-running 256 --max-batch-tokens 4096
     # latency: open loop at 20-100% of the base model's saturation (rate=sat*F), base and 32
     # adapters, and a prefill burst (64 prompts of --burst-prompt tokens at once) beside them
-    python bench/serve_bench.py --shape 7b --device cuda --suite latency --name latency-h200
+    python -m bench.serve.bench --shape 7b --device cuda --suite latency --name latency-h200
     # one scenario of your own (rate or concurrency; keys: see --scenarios)
-    python bench/serve_bench.py --suite none --scenarios \\
+    python -m bench.serve.bench --suite none --scenarios \\
         "mix:adapters=100,rank=8,zipf=1.0,rate=20,requests=400,prompt=64:256,output=128"
 
     # two workers behind the router, one per GPU (--workers 2 --devices cuda:0,cuda:1, or
     # --device cuda with two GPUs visible), or sharing one device with halved memory budgets
     # (--quick --workers 2); a worker killed mid-run and started again (after_rejoin=N: the
     # requests sent once the router counts it live again; default a tenth of requests):
-    python bench/serve_bench.py --quick --workers 2 --suite none --scenarios \
+    python -m bench.serve.bench --quick --workers 2 --suite none --scenarios \
         "kill:adapters=16,rank=8,zipf=1.0,rate=20,requests=200,kill_at=3,kill_worker=1"
 
 A rerun with the same --work reuses the model and adapters while their manifests match.
@@ -44,14 +44,10 @@ import shutil
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import serve_model, serve_report, serve_saturation  # noqa: E402
-from bench import serve_scenarios as ss  # noqa: E402
-from bench.serve_run import Bench  # noqa: E402
-from bench.lib.header import base_header  # noqa: E402
+from bench.lib.header import RESULTS, base_header
+from bench.serve import model as serve_model, report as serve_report
+from bench.serve import saturation as serve_saturation, scenarios as ss
+from bench.serve.run import Bench
 
 GPU_DEFAULTS = {"gpu_pool_bytes": "4GiB", "kv_cache_bytes": "40GiB", "max_running": 256,
                 "max_batch_tokens": 4096, "host_pool_bytes": "8GiB", "store_host_bytes": "16GiB",
@@ -94,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
     _load_flags(p)
     _service_flags(p)
     serve_saturation.add_flags(p)
-    a("--out", default=str(ROOT / "bench" / "results"))
+    a("--out", default=str(RESULTS))
     a("--replot", help="only redraw NAME.md and the plots of a results NAME.json")
     a("--commit", help="the code's commit for the header, where the checkout's git cannot tell "
       "(a working tree copied to a GPU machine)")
