@@ -43,10 +43,11 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import time
 
 from bench.lib.header import RESULTS, base_header
 from bench.serve import model as serve_model, report as serve_report
-from bench.serve import saturation as serve_saturation, scenarios as ss
+from bench.serve import saturation as sat, scenarios as ss
 from bench.serve.run import Bench
 
 GPU_DEFAULTS = {"gpu_pool_bytes": "4GiB", "kv_cache_bytes": "40GiB", "max_running": 256,
@@ -84,12 +85,12 @@ def parser() -> argparse.ArgumentParser:
       "the default where /dev/shm is writable) or a gRPC stream")
     a("--suite", default=None, help="comma-separated presets: slora, resident, cold, quick, "
       "engine (the in-process twin of the resident case), none (default slora,resident,cold); "
-      "or saturation alone (goodput, closed loops, open-loop latency: serve_saturation.py)")
+      "or saturation alone (goodput, closed loops, open-loop latency: bench/serve/saturation.py)")
     a("--scenarios", default="", help="';'-separated NAME:key=value,... with keys "
       + ", ".join(ss.KEYS))
     _load_flags(p)
     _service_flags(p)
-    serve_saturation.add_flags(p)
+    sat.add_flags(p)
     a("--out", default=str(RESULTS))
     a("--replot", help="only redraw NAME.md and the plots of a results NAME.json")
     a("--commit", help="the code's commit for the header, where the checkout's git cannot tell "
@@ -97,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
     a("--name", help="results name (serve-h200 on an H200, serve-cpu on a CPU)")
     a("--trace-out", help="also write every gRPC scenario's requests here (JSON: per request "
       "the arrival offset, adapter, tenant, prompt and output tokens, the adapter's tier), "
-      "the warm-up's before the measured ones, for bench/capacity_sim.py --replay")
+      "the warm-up's before the measured ones, for python -m bench.capacity.sim replay")
     return p
 
 
@@ -315,6 +316,45 @@ def execute(bench: Bench, scenarios: list[ss.Scenario], work: pathlib.Path) -> l
     return scenarios
 
 
+def run_saturation(args) -> int:
+    """--suite saturation (serve/saturation.py): prepare, start the stack, run the suite, write
+    the results."""
+    from bench.serve import saturation_report
+    from bench.serve.saturation_suite import Suite
+    t0 = time.monotonic()
+    sat.defaults(args)
+    args = resolve(args)
+    tmp = None if args.work else tempfile.mkdtemp(prefix="serve-sat-")
+    work = pathlib.Path(args.work or tmp).resolve()
+    workloads, shrunk = sat.fit_disk(args, sat.parse_workloads(args.sat_workloads), work)
+    scenarios = sat.all_scenarios(workloads)
+    model, cfg, manifest = prepare(args, work, scenarios)
+    bench = Bench(args, model, cfg, manifest)
+    suite = Suite(bench, args, workloads, sat.cold_list(args, workloads),
+                  sat.open_list(args, workloads), t0)
+    try:
+        bench.start_services(work)
+        suite.run()
+    except BaseException:
+        print(f"failed; the work dir {work} (service logs in logs/) is kept", flush=True)
+        raise
+    finally:
+        bench.stop()
+    h = header(args, model, cfg, manifest, scenarios, bench)
+    h.update(suite.header(), disk=shrunk or None, scenarios=[
+        {"workload": w.name, "kind": w.kind, "adapters": w.adapters, "ranks": list(w.ranks),
+         "zipf": 0.0 if w.kind == "resident" else w.zipf} for w in workloads])
+    name = args.name or f"saturation-{saturation_report.card_slug(h['card'], args.device)}"
+    for p in saturation_report.write(pathlib.Path(args.out), name, h, suite.rows):
+        print(f"wrote {p}", flush=True)
+    if tmp:
+        for part in work.iterdir():
+            if part.name != "logs":
+                shutil.rmtree(part, ignore_errors=True)
+    print((pathlib.Path(args.out) / f"{name}.md").read_text(), flush=True)
+    return 0
+
+
 def replot(path: pathlib.Path) -> int:
     doc = json.loads(path.read_text())
     path.with_suffix(".md").write_text(serve_report.markdown(doc["header"], doc["rows"]))
@@ -329,7 +369,7 @@ def main(argv=None) -> int:
     if parsed.replot:
         return replot(pathlib.Path(parsed.replot))
     if parsed.suite == "saturation":
-        return serve_saturation.main(parsed)
+        return run_saturation(parsed)
     args = resolve(parsed)
     md = run(args)
     print(md.read_text(), flush=True)

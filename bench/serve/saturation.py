@@ -15,8 +15,6 @@ import dataclasses
 import math
 import pathlib
 import shutil
-import tempfile
-import time
 
 from bench.serve import scenarios as ss
 
@@ -173,42 +171,3 @@ def fit_disk(args, workloads: list[Workload], work: pathlib.Path,
                f"({free / 2**30:.1f} GiB free less {reserve >> 30} GiB kept)"
         print(f"saturation: {note}", flush=True)
     return out, note
-
-
-def main(args) -> int:
-    """--suite saturation: prepare, start the stack, run the suite, write the results."""
-    from bench.serve import bench as serve_bench, saturation_report
-    from bench.serve.saturation_suite import Suite
-    from bench.serve.run import Bench
-    t0 = time.monotonic()
-    defaults(args)
-    args = serve_bench.resolve(args)
-    tmp = None if args.work else tempfile.mkdtemp(prefix="serve-sat-")
-    work = pathlib.Path(args.work or tmp).resolve()
-    workloads, shrunk = fit_disk(args, parse_workloads(args.sat_workloads), work)
-    scenarios = all_scenarios(workloads)
-    model, cfg, manifest = serve_bench.prepare(args, work, scenarios)
-    bench = Bench(args, model, cfg, manifest)
-    suite = Suite(bench, args, workloads, cold_list(args, workloads), open_list(args, workloads),
-                  t0)
-    try:
-        bench.start_services(work)
-        suite.run()
-    except BaseException:
-        print(f"failed; the work dir {work} (service logs in logs/) is kept", flush=True)
-        raise
-    finally:
-        bench.stop()
-    h = serve_bench.header(args, model, cfg, manifest, scenarios, bench)
-    h.update(suite.header(), disk=shrunk or None, scenarios=[
-        {"workload": w.name, "kind": w.kind, "adapters": w.adapters, "ranks": list(w.ranks),
-         "zipf": 0.0 if w.kind == "resident" else w.zipf} for w in workloads])
-    name = args.name or f"saturation-{saturation_report.card_slug(h['card'], args.device)}"
-    for p in saturation_report.write(pathlib.Path(args.out), name, h, suite.rows):
-        print(f"wrote {p}", flush=True)
-    if tmp:
-        for part in work.iterdir():
-            if part.name != "logs":
-                shutil.rmtree(part, ignore_errors=True)
-    print((pathlib.Path(args.out) / f"{name}.md").read_text(), flush=True)
-    return 0

@@ -1,6 +1,7 @@
-"""The saturation suite's measurements on a running stack (bench/serve/saturation.py sets it
-up): per workload a warm-up pass, closed loops, the goodput search and open-loop rows; the cold
-rows first. Every row says its run id; progress is printed for every probe."""
+"""The saturation suite's measurements on a running stack (bench.serve.bench.run_saturation
+sets it up with bench/serve/saturation.py's workloads and flags): per workload a warm-up pass,
+closed loops, the goodput search and open-loop rows; the cold rows first. Every row says its run
+id; progress is printed for every probe."""
 from __future__ import annotations
 
 import datetime
