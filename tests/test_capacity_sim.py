@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import random
 
-from bench import capacity_replay as cr
+from bench.capacity import replay as cr
 from bench.serve import scenarios as ss
-from bench.capacity_fleet import Fleet, FleetConfig, SimRequest
-from bench.capacity_model import LoadTimes, StepModel, fit_step_model, measured_load_times
+from bench.capacity.fleet import Fleet, FleetConfig, SimRequest
+from bench.capacity.model import LoadTimes, StepModel, fit_step_model, measured_load_times
 
 MB = 1 << 20
 STEP = StepModel(a0=5.0, a1=0.02, c0=0.3, c1=0.01, k_pre=0.02)

@@ -2,11 +2,8 @@
 exclude, spilling a hot adapter (no torch)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -101,23 +98,13 @@ def test_hot_adapter_spills_to_second_worker() -> None:
     assert choose_worker("hot", workers, spill_rows=4) == owner  # two holders: least loaded
 
 
-def _load_capacity_sim():
-    """bench/capacity_sim.py by path (it puts the checkout on sys.path for its bench imports)."""
-    if "capacity_sim" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "bench" / "capacity_sim.py"
-        spec = importlib.util.spec_from_file_location("capacity_sim", path)
-        sys.modules["capacity_sim"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["capacity_sim"]
-
-
 def test_capacity_sim_affinity_and_caps_measured() -> None:
     """The simulator (same policy, placement and gate code) at a small size: affinity raises the
     GPU hit rate over an adapter-blind balancer; caps keep the steady tenants' hit rate up while
     the bursty tenant bursts."""
-    sim = _load_capacity_sim()
-    from bench.capacity_fleet import FleetConfig
-    from bench.capacity_model import LoadTimes, StepModel
+    from bench.capacity import sim
+    from bench.capacity.fleet import FleetConfig
+    from bench.capacity.model import LoadTimes, StepModel
     step = StepModel(a0=5.0, a1=0.02, c0=0.3, c1=0.01, k_pre=0.02)
     loads = LoadTimes({"source": (0.03, 0.07), "worker_host": (0.006, 0.02),
                        "store_host": (0.02, 0.05)}, 16 << 20)
@@ -132,7 +119,7 @@ def test_capacity_sim_affinity_and_caps_measured() -> None:
 
 
 def test_capacity_sim_cli_writes_results(tmp_path) -> None:
-    sim = _load_capacity_sim()
+    from bench.capacity import sim
     sim.main(["table", "--adapters-list", "2000", "--workers-list", "1,2", "--requests", "1500",
               "--requests-per-worker", "0", "--rate-per-worker", "30", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "capacity_sim.json").read_text())

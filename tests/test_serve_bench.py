@@ -158,9 +158,9 @@ def test_quick_run_writes_complete_results(tmp_path):
 def test_quick_run_with_cost_eviction_records_a_trace_the_simulator_replays(tmp_path):
     """--eviction reaches the worker, --trace-out writes every request with its tier, and the
     capacity simulator replays that trace with the run's own flags."""
-    from bench import capacity_replay as cr
-    from bench.capacity_fleet import Fleet
-    from bench.capacity_model import LoadTimes, StepModel
+    from bench.capacity import replay as cr
+    from bench.capacity.fleet import Fleet
+    from bench.capacity.model import LoadTimes, StepModel
     out, trace = tmp_path / "out", tmp_path / "trace.json"
     scenario = "t:adapters=16,rank=8,zipf=0.5,rate=20,requests=24,warmup=4,prompt=8:16,output=4:8"
     proc = subprocess.run([sys.executable, "-m", "bench.serve.bench", "--quick", "--suite", "none",

@@ -71,7 +71,7 @@ def _flag_value(flags: list[str], name: str, default: int) -> int:
 
 
 def trace_rows(records: list[dict]) -> list[dict]:
-    """What bench/capacity_sim.py replays of one phase's client records: arrival offset from
+    """What bench/capacity/sim.py replays of one phase's client records: arrival offset from
     the phase's first send (s), adapter, tenant, phase, prompt and output tokens, the tier the
     adapter came from (gpu, worker_host, store_host, source), TTFT and end-to-end (s)."""
     if not records:

@@ -29,7 +29,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.lib.header import RESULTS
+
 Z99 = 2.3263478740408408      # the standard normal's 99th percentile
 FIXED = 0.5                   # the part of a load that does not grow with its bytes
 

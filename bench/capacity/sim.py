@@ -3,21 +3,21 @@ services run — CachePolicy for the GPU pool (bytes and slots) and the host tie
 cost-aware eviction on the GPU pool), the router's placement (choose_worker with its
 spill_rows / load_floor), its fair gate and quotas — with cold-load times drawn from the
 serving benchmark's measured per-tier distributions and an engine whose step time is a model
-fitted to the e2e bench (bench/capacity_model.py states it; bench/capacity_fleet.py what is
+fitted to the e2e bench (bench/capacity/model.py states it; bench/capacity/fleet.py what is
 simulated and what is not). Outputs throughput (out tok/s, req/s), TTFT percentiles and hit
 rates per tier.
 
     # validate: regenerate bench/results/serve-h200.json's slora scenarios (deterministic from
     # its header), calibrate the two serving terms on its base and 5-adapter rows, predict the
     # 100 / 1,000 / 2,000-adapter rows -> bench/results/capacity-validate.{json,md}
-    python bench/capacity_sim.py validate
+    python -m bench.capacity.sim validate
     # replay a trace serve_bench recorded (--trace-out), with the run's own flags
-    python bench/capacity_sim.py replay /tmp/trace.json [--eviction cost]
+    python -m bench.capacity.sim replay /tmp/trace.json [--eviction cost]
     # the table: 10k and 100k adapters over 1-64 workers, LRU against cost-aware eviction
     # -> bench/results/capacity_sim.{json,md,png}
-    python bench/capacity_sim.py table [--adapters 10000,100000] [--workers 1,2,4,8,16,32,64]
+    python -m bench.capacity.sim table [--adapters 10000,100000] [--workers 1,2,4,8,16,32,64]
     # one synthetic run of your own (every WorkloadConfig / FleetConfig field is a flag)
-    python bench/capacity_sim.py run --adapters 20000 --workers 8 --zipf 1.1 --rate 320
+    python -m bench.capacity.sim run --adapters 20000 --workers 8 --zipf 1.1 --rate 320
 """
 from __future__ import annotations
 
@@ -28,18 +28,16 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a plain script
-from bench import capacity_replay as cr  # noqa: E402
-from bench.capacity_fleet import Fleet, FleetConfig  # noqa: E402
-from bench.capacity_model import RESULTS, fit_step_model, measured_load_times  # noqa: E402
-from bench.capacity_workload import WorkloadConfig, make_requests  # noqa: E402
-from bench import capacity_report as report  # noqa: E402
-from services.common.runtime import parse_bytes  # noqa: E402
+from bench.capacity import replay as cr, report
+from bench.capacity.fleet import Fleet, FleetConfig
+from bench.capacity.model import fit_step_model, measured_load_times
+from bench.capacity.workload import WorkloadConfig, make_requests
+from bench.lib.header import RESULTS, ROOT
+from services.common.runtime import parse_bytes
 
 VALIDATED = ("slora-100", "slora-1000", "slora-2000")
 TARGETS = (1000, 2000)       # the issue's rows; slora-100 goes beside them ("also")
@@ -49,7 +47,7 @@ def meta(started: float) -> dict:
     """Date, machine, versions, commit: the results' header."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
+                                text=True, cwd=ROOT, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

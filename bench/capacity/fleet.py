@@ -3,8 +3,8 @@
 (services.router.placement.choose_worker, with the router's spill_rows / load_floor), and per
 worker the very CachePolicy of the GPU pool (bytes; slots as the device pool enforces them) and
 of the host tier, over the store's host tier; cold loads timed from the measured per-tier
-distributions (bench/capacity_model.LoadTimes) on the worker's loader threads; continuous
-batching with chunked prefill under the step-time model (bench/capacity_model.StepModel).
+distributions (bench.capacity.model.LoadTimes) on the worker's loader threads; continuous
+batching with chunked prefill under the step-time model (bench.capacity.model.StepModel).
 
 What the worker does and the simulator copies: a GPU hit pins the adapter; a miss starts one
 load (the host tier, else the store: its host tier, else the source; the fetched bytes enter the
@@ -22,7 +22,7 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from bench.capacity_model import LoadTimes, StepModel
+from bench.capacity.model import LoadTimes, StepModel
 from services.common.cache_policy import CachePolicy, NoRoom
 from services.router.fair_queue import FairGate
 from services.router.placement import WorkerView, choose_worker

@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 
 from bench.serve import scenarios as ss
-from bench.capacity_fleet import Fleet, FleetConfig, SimRequest
+from bench.capacity.fleet import Fleet, FleetConfig, SimRequest
 
 TIERS = ("gpu", "worker_host", "store_host", "source")     # what a trace row's tier may be
 

@@ -10,7 +10,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from bench.capacity_fleet import SimRequest
+from bench.capacity.fleet import SimRequest
 
 RANKS, RANK_WEIGHTS = (8, 16, 32, 64), (0.3, 0.4, 0.2, 0.1)
 BYTES_PER_RANK = 2 << 20
