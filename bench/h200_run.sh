@@ -69,9 +69,9 @@ elif [ "$MODE" = quick ]; then
        tests/test_attention.py 2>&1 | tail -40
   step python3 -m bench.kernels.sgmv --quick "${VLLM[@]}" --out "$OUT" 2>&1 | tail -30
   step python3 -m bench.engine.e2e --quick --out "$OUT" 2>&1 | tail -30
-  step python3 bench/cold_load_bench.py --gpu --counts 10,100 --reps 20 --out "$OUT" 2>&1 | tail -20
+  step python3 -m bench.stack.cold_load --gpu --counts 10,100 --reps 20 --out "$OUT" 2>&1 | tail -20
 else
   step python3 -m bench.kernels.sgmv "${VLLM[@]}" --out "$OUT" 2>&1 | tail -60
   step python3 -m bench.engine.e2e --out "$OUT" 2>&1 | tail -40
-  step python3 bench/cold_load_bench.py --gpu --counts 10,100,1000 --reps 50 --out "$OUT" 2>&1 | tail -20
+  step python3 -m bench.stack.cold_load --gpu --counts 10,100,1000 --reps 50 --out "$OUT" 2>&1 | tail -20
 fi

@@ -6,7 +6,7 @@
 #                                    # adapters; SUITE= picks; REPEAT=N: N stacks in turn)
 #   bash bench/h200_serve.sh slora   # the S-LoRA sweep: 5, 100, 1,000, 2,000 rank-8 adapters
 #   bash bench/h200_serve.sh startup # start-up on an empty and a warm kernel cache, compiles after
-#                                    # SERVING, first and second run (bench/startup_bench.py)
+#                                    # SERVING, first and second run (bench/stack/startup.py)
 #   bash bench/h200_serve.sh latency # open loop at 20-100% of saturation, base and 32 adapters,
 #                                    # and a prefill burst of 64 long prompts
 #   bash bench/h200_serve.sh resident # the resident suite and the prefill burst (THEN_TEST=S: the
@@ -78,7 +78,7 @@ elif [ "$MODE" = record ]; then
        --requests 500 --warmup 64 --name serve-h200 --scenarios \
        "slora-base-engine:adapters=0,$OL,twin=slora-base;slora-5-engine:adapters=5,$OL,twin=slora-5"
 elif [ "$MODE" = startup ]; then        # issue 23: bench/results/startup-h200.*
-  step timeout "${BUDGET:-560}" python3 bench/startup_bench.py "${GPU[@]}" --name startup-h200
+  step timeout "${BUDGET:-560}" python3 -m bench.stack.startup "${GPU[@]}" --name startup-h200
   [ -z "${SKIP_TEST:-}" ] && step timeout 900 python3 -m pytest -q -p no:cacheprovider -m gpu \
        "tests/test_gpu.py::test_no_kernel_compiles_or_graph_captures_after_serving" 2>&1 | tail -5
 elif [ "$MODE" = latency ]; then        # issue 23: bench/results/latency-h200.*

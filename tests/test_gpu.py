@@ -182,7 +182,7 @@ def test_no_kernel_compiles_or_graph_captures_after_serving(tmp_path):
         "v-r64:adapters=4,rank=64,zipf=0,concurrency=16,requests=48,warmup=0,prompt=1:2048"])
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "bench/startup_bench.py", "--device", "cuda", "--shape", "small",
+        [sys.executable, "-m", "bench.stack.startup", "--device", "cuda", "--shape", "small",
          "--work", str(tmp_path / "work"), "--out", str(out), "--name", "startup-test",
          "--gpu-pool-bytes", "2GiB", "--kv-cache-bytes", "8GiB", "--max-running", "64",
          "--max-batch-tokens", "2048", "--host-pool-bytes", "1GiB", "--clients", "2",

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from bench.registry_bench import adapter_id, make_fleet
+from bench.stack.registry import adapter_id, make_fleet
 from services.client.client import LorafleetClient
 from tests.conftest import Stack
 from tests.support import MODEL_DIR

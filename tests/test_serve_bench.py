@@ -218,10 +218,10 @@ def test_quick_run_from_s3(tmp_path):
 
 @pytest.mark.slow
 def test_the_startup_bench_quick_run_writes_its_figures(tmp_path):
-    """bench/startup_bench.py on the tiny model: two starts on one kernel cache, the measured
+    """bench/stack/startup.py on the tiny model: two starts on one kernel cache, the measured
     scenario twice, the varied workload, and the six figures issue 23 names (not timed)."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "bench/startup_bench.py", "--quick", "--work",
+    proc = subprocess.run([sys.executable, "-m", "bench.stack.startup", "--quick", "--work",
                            str(tmp_path / "work"), "--out", str(out), "--name", "startup-t"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

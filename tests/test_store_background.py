@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from bench.registry_bench import FILES, SEED, adapter_id, make_fleet
+from bench.stack.registry import FILES, SEED, adapter_id, make_fleet
 from services.adapter_store.sources import SETTLED_S
 from tests.support import MODEL_DIR, ROOT, Service, free_port
 from tests.test_store_support import StoreClient

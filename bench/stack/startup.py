@@ -12,8 +12,8 @@ kernel cache. Results: OUT/NAME.json, {"cold_start_s", "warm_start_s",
 "compiles_after_serving", "captures_after_serving", "first_run_tok_s", "second_run_tok_s"}
 with a header and the runs' rows, and OUT/NAME.md.
 
-    python bench/startup_bench.py --quick --out /tmp/startup        # CPU, tiny model
-    python bench/startup_bench.py --shape 7b --device cuda --work /data/serve-work \\
+    python -m bench.stack.startup --quick --out /tmp/startup        # CPU, tiny model
+    python -m bench.stack.startup --shape 7b --device cuda --work /data/serve-work \\
         --out bench/results --name startup-h200
 """
 from __future__ import annotations
@@ -26,15 +26,10 @@ import sys
 import time
 import urllib.request
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.serve import bench as serve_bench  # noqa: E402
-from bench.serve import scenarios as ss  # noqa: E402
-from bench.serve.run import Bench  # noqa: E402
-from bench.serve.stack import free_port  # noqa: E402
-from bench.lib.header import base_header  # noqa: E402
+from bench.lib.header import ROOT, base_header
+from bench.serve import bench as serve_bench, scenarios as ss
+from bench.serve.run import Bench
+from bench.serve.stack import free_port
 
 MEASURE = "startup-32:adapters=32,rank=16,zipf=0,concurrency=64,requests=640,warmup=0,preload=1"
 VARIED = ("varied-base:adapters=0,concurrency=64,requests=128,warmup=0,prompt=1:2048;"

@@ -12,8 +12,8 @@ It checks what issue 29 asks: no unexpected status (UNKNOWN, INTERNAL, or anythi
 of its kind should not get), no ERROR and no traceback in any service's log, the services'
 RSS flat (the last samples within 25% of those a minute in), and every KV block free at the end.
 
-    python bench/soak.py --minutes 10 --out bench/results          # soak-cpu.json / .md
-    python bench/soak.py --minutes 1 --out /tmp/soak               # a short one
+    python -m bench.stack.soak --minutes 10 --out bench/results          # soak-cpu.json / .md
+    python -m bench.stack.soak --minutes 1 --out /tmp/soak               # a short one
 """
 from __future__ import annotations
 
@@ -35,14 +35,11 @@ import threading
 import time
 import urllib.request
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
-
-from bench.serve.stack import free_port  # noqa: E402
-from services.client.client import LorafleetClient  # noqa: E402
+from bench.lib.header import RESULTS, ROOT
+from bench.serve.stack import free_port
+from services.client.client import LorafleetClient
 
 MODEL, DEMO = ROOT / "models" / "tiny-llama", ROOT / "models" / "adapters"
 TENANTS = {"tenants": {
@@ -307,7 +304,7 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--fault-every", type=float, default=45.0, help="seconds between faults")
     p.add_argument("--work", type=pathlib.Path, default=ROOT / "tmp" / "soak")
-    p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     a = p.parse_args(argv)
     shutil.rmtree(a.work, ignore_errors=True)
     a.work.mkdir(parents=True)

@@ -5,26 +5,24 @@ N Generate streams of T tokens in flight straight at the worker, and reads each 
 time from /proc before and after. With `--frontend process` the per-token gRPC work is in the
 front end's process and the core's main thread (its event loop) should do almost none.
 
-    python bench/worker_loop_cpu.py --frontend inline
-    python bench/worker_loop_cpu.py --frontend process
+    python -m bench.stack.worker_loop --frontend inline
+    python -m bench.stack.worker_loop --frontend process
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import pathlib
 import subprocess
 import sys
 import time
 
 import grpc
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.serve.stack import free_port  # noqa: E402
-from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb  # noqa: E402
-from services.common.gen.lorafleet.v1 import worker_pb2_grpc  # noqa: E402
+from bench.lib.header import ROOT
+from bench.serve.stack import free_port
+from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
+from services.common.gen.lorafleet.v1 import worker_pb2_grpc
 
 
 def thread_cpu(pid: int) -> dict[int, float]:

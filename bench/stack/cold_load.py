@@ -9,8 +9,8 @@ On a GPU (`--gpu`), also: staging a rank-16 adapter from the pinned host tier in
 against one pinned copy of the same size and 256 separate tensor copies, and the staging time as
 the number of registered (host-resident) adapters grows from 10 to 1,000.
 
-    python bench/cold_load_bench.py --out bench/results          # CPU tiers, this machine
-    python bench/cold_load_bench.py --gpu --out DIR              # H2D on a GPU
+    python -m bench.stack.cold_load --out bench/results          # CPU tiers, this machine
+    python -m bench.stack.cold_load --gpu --out DIR              # H2D on a GPU
 """
 from __future__ import annotations
 
@@ -27,13 +27,10 @@ import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
-from services.worker.device_pool import DevicePool  # noqa: E402
-from services.worker.model_spec import ModelSpec  # noqa: E402
-from bench.lib.synthetic import (TARGETS, adapter_tensors, llama7b_spec,  # noqa: E402
-                                 model_config)
+from bench.lib.synthetic import TARGETS, adapter_tensors, llama7b_spec, model_config
+from services.worker.adapter_layout import staged_from_tensors
+from services.worker.device_pool import DevicePool
+from services.worker.model_spec import ModelSpec
 
 def stats(xs: list[float]) -> dict:
     xs = sorted(xs)

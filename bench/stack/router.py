@@ -7,8 +7,8 @@ p99 of each and of the difference per request pair. Throughput: C requests kept 
 fixed time, through the router and straight to the worker. Requests generate 1 token (the
 router's cost, not the model's, is what is measured) and, for latency, also 16.
 
-    python bench/router_bench.py                    # about a minute; writes bench/results/
-    python bench/router_bench.py --quick --out /tmp/x
+    python -m bench.stack.router                    # about a minute; writes bench/results/
+    python -m bench.stack.router --quick --out /tmp/x
 """
 from __future__ import annotations
 
@@ -23,15 +23,14 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import grpc  # noqa: E402
+import grpc
 
-from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb  # noqa: E402
-from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc  # noqa: E402
-from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc  # noqa: E402
-from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc  # noqa: E402
-from services.router.stats import percentile  # noqa: E402
+from bench.lib.header import RESULTS, ROOT
+from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
+from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc
+from services.common.gen.lorafleet.v1 import router_pb2 as rpb, router_pb2_grpc
+from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
+from services.router.stats import percentile
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -168,7 +167,7 @@ def write(results: dict, out: pathlib.Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--n", type=int, default=200, help="request pairs per latency measurement")
     p.add_argument("--seconds", type=float, default=5.0, help="per throughput measurement")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])

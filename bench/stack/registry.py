@@ -18,8 +18,8 @@ directories a00000.. of a fresh --adapters-dir. Measured, on loopback processes:
   (moto's server on loopback; one registered through the API, the rest copies of its row):
   start to SERVING, RSS, and every page through the router.
 
-    python bench/registry_bench.py --adapters 10000 --out bench/results
-    python bench/registry_bench.py --adapters 10000 --old-tree /tmp/old --s3 --s3-count 100000
+    python -m bench.stack.registry --adapters 10000 --out bench/results
+    python -m bench.stack.registry --adapters 10000 --old-tree /tmp/old --s3 --s3-count 100000
 
 Writes OUT/registry-cpu.json ({"header", "rows"}) and OUT/registry-cpu.md.
 """
@@ -35,9 +35,7 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.lib.header import RESULTS, ROOT, base_header
 
 SEED = ROOT / "models" / "adapters" / "pirate"
 MODEL = ROOT / "models" / "tiny-llama"
@@ -228,7 +226,6 @@ def _copy_rows(db: pathlib.Path, seed_id: str, n: int) -> None:
 
 
 def header() -> dict:
-    from bench.lib.header import base_header
     h = base_header("cpu")
     return {**h, "cpu": h["card"], "load_avg_1m": os.getloadavg()[0],
             "python": h["versions"]["python"], "grpcio": h["versions"].get("grpcio", "?"),
@@ -242,7 +239,7 @@ def markdown(doc: dict) -> str:
              f"{h['cpu']}, {h['cpus']} cpus (load {h['load_avg_1m']:.2f}), python "
              f"{h['python']}, grpcio {h['grpcio']}, commit {h['commit']}; adapters: "
              f"{h['adapter']} hard-linked, tiny model.", "",
-             f"`{h.get('command', 'python bench/registry_bench.py')}`", "",
+             f"`{h.get('command', 'python -m bench.stack.registry')}`", "",
              "| case | adapters | store start to SERVING (s) | RSS (MiB) | first use (s) | "
              "list all via router: page size, pages, s | background validation of all (s) |",
              "|---|---|---|---|---|---|---|"]
@@ -277,10 +274,10 @@ def main(argv=None) -> int:
                         "directory to finish (s)")
     p.add_argument("--s3", action="store_true", help="also the S3 case (needs moto)")
     p.add_argument("--s3-count", type=int, default=100000)
-    p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS)
     a = p.parse_args(argv)
     head = header()                     # the commit and the load before the runs
-    head["command"] = " ".join(["python bench/registry_bench.py", *(argv or sys.argv[1:])])
+    head["command"] = " ".join(["python -m bench.stack.registry", *(argv or sys.argv[1:])])
     if a.old_tree:
         head["old_tree"] = a.old_tree_label or str(a.old_tree)
     work = pathlib.Path(tempfile.mkdtemp(prefix="registry-bench-"))
