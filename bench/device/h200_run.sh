@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks, as run on the H200 through the device tool (results in $OUT):
-#   bash bench/h200_run.sh quick     # smoke: GPU tests + small benchmark shapes
-#   bash bench/h200_run.sh full      # the benchmarks of bench/results/*-h200.*
-#   bash bench/h200_run.sh check     # GPU tests, a decode profile, batch-64 end to end
-#   bash bench/h200_run.sh final     # GPU tests, end to end with PEFT, kernels vs vLLM
-#   bash bench/h200_run.sh sweep     # SGMV tile sweep (bench/kernels/sgmv_sweep.py)
-#   bash bench/h200_run.sh ab-kernels  # GPU tests, decode kernel shapes with and without PDL
-#   bash bench/h200_run.sh ab-e2e      # batch 64 end to end: PDL on/off, weight layouts
-#   OLD=tmp/ab-old bash bench/h200_run.sh ab-build   # an older build against this one
+# The GPU checks and benchmarks, as run on the H200 through the device tool (results in $OUT),
+# from the repository's root as `bash bench/device/h200_run.sh MODE`, MODE one of:
+#   quick       smoke: GPU tests + small benchmark shapes
+#   full        the benchmarks of bench/results/*-h200.* (the default for any other MODE)
+#   check       GPU tests, a decode profile, batch-64 end to end
+#   final       GPU tests, end to end with PEFT, kernels vs vLLM
+#   gemm        decode GEMM layouts, then batch-64 end to end
+#   sweep       SGMV tile sweep (python -m bench.kernels.sgmv_sweep; more args passed to it)
+#   ab-kernels  GPU tests, decode kernel shapes with and without PDL
+#   ab-e2e      batch 64 end to end: PDL on/off, weight layouts (or the variants of $2)
+#   ab-build    OLD=tmp/ab-old: an older build against this one
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
 set -u
 MODE=${1:-quick}
@@ -19,7 +21,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, \
 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" \
   | tee -a "$OUT/gpu.txt"
-step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t))s: $1 $2"; }
+step() {   # the last line names the command: its first two words, three for python3 -m MODULE
+  echo "=== $*"; local t=$SECONDS; "$@"; local rc=$? what="$1 $2"
+  [ "$2" = -m ] && what="$what $3"
+  echo "=== rc=$rc in $((SECONDS - t))s: $what"; }
 VLLM=()
 [ -d .peers/vllm_lora_ops ] && VLLM=(--vllm-src .peers/vllm_lora_ops)
 if [ "$MODE" = final ]; then

@@ -6,8 +6,8 @@
 #                   one and 32 rank-16 adapters (DISTINCTS), eager against graph (7B shape, 32
 #                   layers); one adapter: long segments, where a mixed graph's padded segment
 #                   count makes SGMV take its fused kernel and an eager step the split one
-#   3. resident-*.tgz  bench/h200_serve.sh resident (closed loop and the prefill burst), for each
-#                   EXTRA of CAPS (worker flags; "-" for none)
+#   3. resident-*.tgz  bench/device/h200_serve.sh resident (closed loop and the prefill burst),
+#                   for each EXTRA of CAPS (worker flags; "-" for none)
 #   4. split.tgz    (PARTS=split) LORAFLEET_SPLIT_ATTENTION 0 against 1, interleaved, twice
 # PARTS (default "tests mixed resident") picks which run. Carry .whl, services/common/gen and
 # tmp/kcache (KCACHE as h200_serve.sh takes it).
@@ -50,7 +50,7 @@ has resident || exit 0
 for C in ${CAPS:--}; do
   N=resident-${C//[^0-9a-z]/}; mkdir -p "$T/$N"
   X=""; [ "$C" != - ] && X="--worker-flag=$C"
-  OUT="$T/$N" EXTRA="$X" BUDGET=${SERVE_S:-140} bash bench/h200_serve.sh resident 2>&1 |
+  OUT="$T/$N" EXTRA="$X" BUDGET=${SERVE_S:-140} bash bench/device/h200_serve.sh resident 2>&1 |
     grep --line-buffered -E "^(resident|prefill|- prefill|worker: SERV|===)" 
   pack "$N" "$T/$N"
 done

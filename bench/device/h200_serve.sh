@@ -1,31 +1,27 @@
 #!/usr/bin/env bash
 # The serving benchmark on the H200 through the device tool (results in $OUT, plots drawn later
-# with `python -m bench.serve.bench --replot OUT/serve-h200.json` where matplotlib is):
-#   bash bench/h200_serve.sh check   # the cold path's GPU tests (SKIP_TESTS=1: not), then the
-#                                    # resident, cold and engine suites (32 + 64 rank-16
-#                                    # adapters; SUITE= picks; REPEAT=N: N stacks in turn)
-#   bash bench/h200_serve.sh slora   # the S-LoRA sweep: 5, 100, 1,000, 2,000 rank-8 adapters
-#   bash bench/h200_serve.sh startup # start-up on an empty and a warm kernel cache, compiles after
-#                                    # SERVING, first and second run (bench/stack/startup.py)
-#   bash bench/h200_serve.sh latency # open loop at 20-100% of saturation, base and 32 adapters,
-#                                    # and a prefill burst of 64 long prompts
-#   bash bench/h200_serve.sh resident # the resident suite and the prefill burst (THEN_TEST=S: the
-#                                    # no-compile test after)
-#   bash bench/h200_serve.sh eviction # --eviction lru against cost at 1,000 and 2,000 adapters
-#   bash bench/h200_serve.sh saturation # issue 42: goodput, closed loops at 64 / 128 streams and
-#                                    # open-loop latency for base, 5 .. 2,000 Zipf, 32 resident
-#                                    # and mixed-rank adapters in one run and one device call:
-#                                    # bench/results/saturation-<card>.{json,md,png} (below)
-#   bash bench/h200_serve.sh record  # all of it in one run: bench/results/serve-h200.*, with the
-#                                    # engine in-process on the resident and base/5-adapter cases
-#   bash bench/h200_serve.sh two-gpu # issue 28 on nvidia-h200-x2: 1,000 rank-8 adapters, Zipf 1.0,
-#                                    # one worker then two (cuda:0, cuda:1), the same requests
-#                                    # (open loop at RATE, closed loop at CONC per worker), then
-#                                    # worker 1 SIGKILLed mid-run and restarted; merged into
-#                                    # bench/results/serve-2gpu-h200.{json,md}. PART=w1|w2|kill|
-#                                    # merge runs one step (one device call each); QUICK=1: the
-#                                    # same on the CPU, tiny model, both workers on the CPU;
-#                                    # ONE_GPU=1: both workers on one GPU, halved budgets
+# with `python -m bench.serve.bench --replot OUT/serve-h200.json` where matplotlib is), run from
+# the repository's root as `bash bench/device/h200_serve.sh MODE`, MODE one of:
+#   check      the cold path's GPU tests (SKIP_TESTS=1: not), then the resident, cold and engine
+#              suites (32 + 64 rank-16 adapters; SUITE= picks; REPEAT=N: N stacks in turn)
+#   slora      the S-LoRA sweep: 5, 100, 1,000, 2,000 rank-8 adapters
+#   startup    start-up on an empty and a warm kernel cache, compiles after SERVING, first and
+#              second run (python -m bench.stack.startup)
+#   latency    open loop at 20-100% of saturation, base and 32 adapters, and a prefill burst of
+#              64 long prompts
+#   resident   the resident suite and the prefill burst (THEN_TEST=S: the no-compile test after)
+#   eviction   --eviction lru against cost at 1,000 and 2,000 adapters
+#   saturation issue 42: goodput, closed loops at 64 / 128 streams and open-loop latency for
+#              base, 5 .. 2,000 Zipf, 32 resident and mixed-rank adapters in one run and one
+#              device call: bench/results/saturation-<card>.{json,md,png} (below)
+#   record     all of it in one run: bench/results/serve-h200.*, with the engine in-process on
+#              the resident and base/5-adapter cases
+#   two-gpu    issue 28 on nvidia-h200-x2: 1,000 rank-8 adapters, Zipf 1.0, one worker then two
+#              (cuda:0, cuda:1), the same requests (open loop at RATE, closed loop at CONC per
+#              worker), then worker 1 SIGKILLed mid-run and restarted; merged into
+#              bench/results/serve-2gpu-h200.{json,md}. PART=w1|w2|kill|merge runs one step (one
+#              device call each); QUICK=1: the same on the CPU, tiny model, both workers on the
+#              CPU; ONE_GPU=1: both workers on one GPU, halved budgets
 # PACK=1: everything in OUT as one results.tgz; SAVE_KCACHE=1: the kernel cache the run left, in
 # 15 MiB parts (carry them as tmp/kcache and pass KCACHE=tmp/kcache/triton-cache.tgz).
 # Needs the wheels the services import that the image lacks in .whl (README: the device tool's
