@@ -1,7 +1,8 @@
 """Measured runs as simulator input: the serving benchmark's request sequence regenerated from a
 results file's header (its workload generation is deterministic from scenario and seed:
 bench.serve.scenarios.build_requests), or read from a trace it recorded (--trace-out); the
-fleet flags from its argv; and the figures of a simulated phase, named as serve_bench names its.
+fleet flags from its argv; and the figures of a simulated phase, named as bench.serve.bench
+names its.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def bench_args(header: dict):
-    """serve_bench's parsed flags of a recorded run (its defaults where the argv left them)."""
+    """bench.serve.bench's parsed flags of a recorded run (its defaults where the argv left
+    them)."""
     from bench.serve import bench as serve_bench
     return serve_bench.parser().parse_args(header["argv"])
 
@@ -87,7 +89,7 @@ def adapter_bytes(header: dict) -> dict[str, int]:
 
 def scenario_phases(header: dict, upto: str) -> list[tuple[str, str, list[SimRequest]]]:
     """(scenario, phase, requests) of every open-loop gRPC scenario of the run up to and
-    including `upto`, warm-up before measured, exactly as serve_bench built them."""
+    including `upto`, warm-up before measured, exactly as bench.serve.bench built them."""
     a, vocab, sizes = bench_args(header), header["model"]["vocab"], adapter_bytes(header)
     out = []
     for fields in header["scenarios"]:
@@ -110,7 +112,7 @@ def scenario_phases(header: dict, upto: str) -> list[tuple[str, str, list[SimReq
 
 
 def trace_phases(path: Path) -> tuple[dict, list[tuple[str, str, list[SimRequest]]]]:
-    """A serve_bench --trace-out file: its header and its scenarios' phases, in order."""
+    """A bench.serve.bench --trace-out file: its header and its scenarios' phases, in order."""
     doc = json.loads(Path(path).read_text())
     sizes, out = adapter_bytes(doc["header"]), []
     for name, rows in doc["scenarios"].items():
@@ -143,7 +145,7 @@ def _rate(h0m0, h1m1) -> float | None:
 
 def figures(reqs: list[SimRequest], before: dict, after: dict, steps,
             counters: bool = True) -> dict:
-    """serve_bench's row fields for one simulated phase, and the tiers requests hit; the hit
+    """bench.serve.bench's row fields for one simulated phase, and the tiers requests hit; the hit
     rates from the tiers' counters before and after (counters=False: None)."""
     done = [r for r in reqs if r.end is not None]
     span = max(r.end for r in done) - min(r.sent for r in done) if done else 0.0

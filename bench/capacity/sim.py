@@ -11,7 +11,7 @@ rates per tier.
     # its header), calibrate the two serving terms on its base and 5-adapter rows, predict the
     # 100 / 1,000 / 2,000-adapter rows -> bench/results/capacity-validate.{json,md}
     python -m bench.capacity.sim validate
-    # replay a trace serve_bench recorded (--trace-out), with the run's own flags
+    # replay a trace bench.serve.bench recorded (--trace-out), with the run's own flags
     python -m bench.capacity.sim replay /tmp/trace.json [--eviction cost]
     # the table: 10k and 100k adapters over 1-64 workers, LRU against cost-aware eviction
     # -> bench/results/capacity_sim.{json,md,png}
@@ -108,7 +108,7 @@ def validate(out: Path) -> dict:
 
 
 def replay_trace(path: Path, eviction: str | None) -> dict:
-    """Replay a serve_bench --trace-out file with its run's flags; figures per scenario."""
+    """Replay a bench.serve.bench --trace-out file with its run's flags; figures per scenario."""
     model, loads, _, _ = models()
     header, phases = cr.trace_phases(path)
     over = {"eviction": eviction} if eviction else {}
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="predict serve-h200.json's slora rows")
     v.add_argument("--out", type=Path, default=RESULTS)
-    r = sub.add_parser("replay", help="replay a serve_bench --trace-out file")
+    r = sub.add_parser("replay", help="replay a bench.serve.bench --trace-out file")
     r.add_argument("trace", type=Path)
     r.add_argument("--eviction", choices=("lru", "cost"))
     t = sub.add_parser("table", help="adapters x workers x eviction")

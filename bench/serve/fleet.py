@@ -73,7 +73,7 @@ def _add(x: dict, y: dict) -> dict:
 
 def fleet_info(before: list, after: list, lost: dict | None = None) -> tuple:
     """Every worker's Info before and after a scenario as one worker's (what
-    serve_metrics.hit_rates and cold_by_tier read): a single worker's as they are; else zero
+    metrics.hit_rates and cold_by_tier read): a single worker's as they are; else zero
     counters before, the summed gains after (a killed incarnation's up to the kill included)
     and every incarnation's cold-load records, oldest first."""
     if len(before) == 1 and not lost:
@@ -95,7 +95,7 @@ def fleet_info(before: list, after: list, lost: dict | None = None) -> tuple:
 
 
 def histogram_delta(before: list, after: list, lost: dict | None = None) -> dict:
-    """serve_metrics.histogram_delta over every worker (a restarted one from zero)."""
+    """metrics.histogram_delta over every worker (a restarted one from zero)."""
     from bench.serve.metrics import histogram_delta as one
     from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
     out: dict[str, list[float]] = {}

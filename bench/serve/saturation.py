@@ -105,7 +105,7 @@ def add_flags(p) -> None:
 
 
 def defaults(args) -> None:
-    """Fill in the suite's flags for the machine (before serve_bench.resolve)."""
+    """Fill in the suite's flags for the machine (before bench.serve.bench.resolve)."""
     gpu = not args.quick and args.device != "cpu"
     for key, value in (QUICK if args.quick else GPU).items():
         if getattr(args, key, None) is None:

@@ -2,7 +2,7 @@
 or captures once serving, and whether a workload's first run after start is as fast as its
 second.
 
-Through the real services (serve_bench's stack, model and adapters): the store and a worker
+Through the real services (bench.serve.bench's stack, model and adapters): the store and a worker
 with `--kernel-cache` pointing at a new, empty directory, then the router; the measured
 scenario (--measure, closed loop, no warm-up requests) twice in a row; the varied workload
 (--varied: the base model, and adapters of ranks 8, 16 and 64 with prompts of 1 to 2,048
