@@ -256,3 +256,132 @@ def test_grpc_grammar_and_its_refusal(stack):
         assert err.value.details().startswith("sampling.grammar.json_schema:")
         info = stub.ModelInfo(rpb.ModelInfoRequest(), timeout=10)
         assert info.tool_call_format == "hermes"
+
+
+def _validate_call(call, tools=TOOLS) -> None:
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+
+
+def test_tool_choice_required_and_named_return_valid_calls(sdk):
+    """A named function and required with parallel_tool_calls false: exactly one call. Required
+    with parallel calls: one or more, as many as the sampled model goes on writing (the tiny
+    one may write them until max_tokens cuts one: the complete ones are returned)."""
+    def one(i: int):
+        choice = "required" if i % 2 else {"type": "function", "function": {"name": "add"}}
+        parallel = i % 4 == 3
+        return choice, parallel, sdk.chat.completions.create(
+            model=MODELS[i % 4], messages=ASK, tools=TOOLS, tool_choice=choice,
+            temperature=1.0, max_tokens=150, parallel_tool_calls=parallel)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(one, range(8)))
+    for choice, parallel, r in replies:
+        c = r.choices[0]
+        assert c.message.tool_calls, c
+        if parallel:
+            assert c.finish_reason in ("tool_calls", "length")
+        else:
+            assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+            assert not c.message.content
+        for call in c.message.tool_calls:
+            _validate_call(call)
+            if choice != "required":
+                assert call.function.name == "add"
+    assert len({call.id for *_, r in replies for call in r.choices[0].message.tool_calls}) == \
+        sum(len(r.choices[0].message.tool_calls) for *_, r in replies)
+
+
+def test_a_chat_with_tool_results_renders_through_the_template(stack, sdk, tmp_path):
+    from transformers import AutoTokenizer
+    chat = [{"role": "system", "content": "Be brief."}, *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather",
+                              "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": -3}'}]
+    import urllib.request
+    body = json.dumps({"model": "base", "messages": chat, "tools": TOOLS}).encode()
+    got = json.loads(urllib.request.urlopen(urllib.request.Request(
+        stack[1] + "/tokenize", body, {"Content-Type": "application/json"}),
+        timeout=30).read())["tokens"]
+    hf_chat = [dict(m) for m in chat]
+    hf_chat[2] = {**chat[2], "content": "", "tool_calls": [{
+        **chat[2]["tool_calls"][0], "function": {"name": "get_weather",
+                                                 "arguments": {"city": "Oslo",
+                                                               "unit": "celsius"}}}]}
+    tok = AutoTokenizer.from_pretrained(make_tools_model(tmp_path))
+    text = tok.apply_chat_template(hf_chat, tools=TOOLS, add_generation_prompt=True,
+                                   tokenize=False)
+    assert "<tool_response>\n{\"temp\": -3}\n</tool_response>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"' in text
+    assert got == tok(text, add_special_tokens=False)["input_ids"]
+    r = sdk.chat.completions.create(model="poet", messages=chat, tools=TOOLS, max_tokens=8,
+                                    temperature=1.0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+CALL_REGEX = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)", '
+              r'"unit": "celsius"\}\}\n</tool_call>')
+
+
+def test_auto_parses_the_call_the_model_writes(sdk):
+    """tool_choice auto: the reply is parsed for calls in the template's format. The tiny
+    model never learned to call tools, so a test grammar (a regex, given beside the tools)
+    makes it write one, text first: what is outside the call stays content."""
+    regex = "(Sure|Ok)\\. " + CALL_REGEX
+    r = sdk.chat.completions.create(model="pirate", messages=ASK, tools=TOOLS,
+                                    tool_choice="auto", temperature=1.0, max_tokens=120,
+                                    extra_body={"guided_regex": regex})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content in ("Sure. ", "Ok. ")
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    _validate_call(call)
+    r = sdk.chat.completions.create(model="pirate", messages=ASK, tools=TOOLS,
+                                    temperature=1.0, max_tokens=20,
+                                    extra_body={"guided_choice": ["No call needed."]})
+    assert r.choices[0].message.content == "No call needed."
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+
+
+def test_calls_stream_as_openai_streams_them(sdk):
+    for extra, choice in (({"guided_regex": CALL_REGEX}, "auto"), ({}, "required")):
+        chunks = list(sdk.chat.completions.create(
+            model="acme-support", messages=ASK, tools=TOOLS, tool_choice=choice,
+            temperature=1.0, max_tokens=150, stream=True, extra_body=extra))
+        calls, content, finish = {}, "", None
+        for ch in chunks:
+            d = ch.choices[0].delta
+            content += d.content or ""
+            for tc in d.tool_calls or ():
+                entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            finish = ch.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and calls and not content.strip()
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for entry in calls.values():
+            assert entry["id"].startswith("call_")
+            jsonschema.validate(json.loads(entry["arguments"]), params[entry["name"]])
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+])
+def test_bad_tools_are_a_400_naming_the_field(sdk, extra, param):
+    body = {"messages": ASK, **extra}
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model="base", max_tokens=8, **{
+            k: v for k, v in body.items() if k in ("messages", "tools", "tool_choice")},
+            extra_body={k: v for k, v in body.items()
+                        if k not in ("messages", "tools", "tool_choice")})
+    assert err.value.body["param"] == param, err.value.body

@@ -1,7 +1,8 @@
 """A test checkpoint: the embedded tiny model (its weights and tokenizer, linked) with a chat
 template that renders tools and tool calls the way Hermes and Qwen templates do (tools in the
 system turn, each call `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, tool
-results as `<tool_response>` turns), so the worker reports tool_call_format "hermes". The
+results as `<tool_response>` turns; each tool as its name and parameter names only, which keeps
+prompts within the tiny model's 512 tokens), so the worker reports tool_call_format "hermes". The
 tiny model was never trained on that format: it writes a call only where a grammar makes it
 (tool_choice required or named, or a test's own grammar beside tool_choice auto)."""
 from __future__ import annotations
@@ -15,8 +16,8 @@ HERMES_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if tools %}<|system|>\n"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
-    "Tools:{% for tool in tools %} {{ tool['function']['name'] }}"
-    "{{ tool['function']['parameters'] | tojson }}{% endfor %}\n"
+    "Tools:{% for tool in tools %} {{ tool['function']['name'] }}("
+    "{{ tool['function']['parameters']['properties'] | list | join(', ') }}){% endfor %}\n"
     "Call: <tool_call>\n{\"name\": NAME, \"arguments\": ARGS}\n</tool_call>{{ eos_token }}\n"
     "{%- elif messages[0]['role'] == 'system' %}<|system|>\n{{ messages[0]['content'] }}"
     "{{ eos_token }}\n{%- endif %}"

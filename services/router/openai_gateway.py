@@ -22,7 +22,7 @@ from services.router.openai_choices import requests as choice_requests
 from services.router.openai_fields import BodyError, build_request, chat_messages, token_ids
 from services.router.openai_errors import error_body, error_response
 from services.router.openai_format import chunker, logprobs, message_json, usage_json
-from services.router.openai_structured import GRAMMAR_KEYS
+from services.router.openai_structured import GRAMMAR_KEYS, tool_list
 from services.router.openai_http import GatewayRunner, check_strings, json_errors
 from services.router import status_page
 
@@ -127,16 +127,18 @@ class OpenAIGateway:
         return web.json_response({"status": "ok", "workers": live})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (rendered with the chat
-        template, as a chat completion's prompt is) -> {"tokens", "count", "max_model_len"}."""
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...], "tools": [...]} (rendered
+        with the chat template, as a chat completion's prompt is) -> {"tokens", "count",
+        "max_model_len"}."""
         body = await self._body(request)
-        extra = set(body) - {"model", "prompt", "messages", "add_special_tokens"}
+        extra = set(body) - {"model", "prompt", "messages", "add_special_tokens", "tools"}
         if extra:
             key = sorted(extra)[0]
             raise BodyError(f"{key}: unknown parameter", key, "unknown_parameter")
         ctx = _Context(request, 30)
         if "messages" in body:
-            req = rpb.TokenizeRequest(messages=chat_messages(body["messages"]))
+            req = rpb.TokenizeRequest(messages=chat_messages(body["messages"]),
+                                      tools=tool_list(body))
         elif isinstance(body.get("prompt"), str):
             req = rpb.TokenizeRequest(text=body["prompt"])
         else:

@@ -164,12 +164,18 @@ def _tool(i: int, t) -> common_pb2.Tool:
     return common_pb2.Tool(name=fn["name"], description=desc, parameters_json=params_json)
 
 
-def tools(body: dict, req) -> None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` onto the request."""
+def tool_list(body: dict) -> list[common_pb2.Tool]:
+    """The body's `tools`."""
     given = body.get("tools")
     if given is not None and not isinstance(given, list):
         raise _error("a list of tools", "tools", "invalid_type")
-    req.tools.extend(_tool(i, t) for i, t in enumerate(given or ()))
+    return [_tool(i, t) for i, t in enumerate(given or ())]
+
+
+def tools(body: dict, req) -> None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` onto the request."""
+    given = tool_list(body)
+    req.tools.extend(given)
     choice, mode = body.get("tool_choice"), common_pb2.ToolChoice
     if choice is None or choice == "auto":
         req.tool_choice.mode = mode.AUTO if given else mode.NONE

@@ -22,6 +22,8 @@ FORMATS = ("hermes", "llama3_json", "mistral")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
+# JSON written compactly, as the worker writes a JSON Schema's (services.worker.grammar)
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _arg_key(fmt: str) -> str:
@@ -40,9 +42,10 @@ def call_schema(fmt: str, tools: list[tuple[str, dict]]) -> dict:
 def call_grammar(fmt: str, tools: list[tuple[str, dict]], single: bool) -> str:
     """Lark text whose sentences are one call (single) or one or more calls of these tools, in
     the format, and nothing else."""
-    one = json.dumps(call_schema(fmt, tools))
+    one = json.dumps({**call_schema(fmt, tools), "x-guidance": COMPACT})
     if fmt == "mistral":
-        array = {"type": "array", "items": call_schema(fmt, tools), "minItems": 1}
+        array = {"type": "array", "items": call_schema(fmt, tools), "minItems": 1,
+                 "x-guidance": COMPACT}
         if single:
             array["maxItems"] = 1
         return f"start: {json.dumps(MISTRAL)} args\nargs: %json {json.dumps(array)}\n"
