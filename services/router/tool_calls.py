@@ -116,6 +116,7 @@ class CallParser:
         self.buf = ""             # text not yet given back
         self.in_call = False      # buf is (the start of) a call region
         self.started = False      # some non-blank text has been seen (llama3_json)
+        self.after_call = False   # newlines right after a call are its separator, not text
 
     @property
     def marker(self) -> str:
@@ -138,7 +139,7 @@ class CallParser:
                     out.append(HERMES_OPEN + region + HERMES_CLOSE)
                 else:
                     calls += parsed
-                    self.buf = self.buf.lstrip("\n")
+                    self.after_call = True
                 continue
             if not self._enter(out):
                 return "".join(out), calls
@@ -146,6 +147,9 @@ class CallParser:
     def _enter(self, out: list[str]) -> bool:
         """In text: give back the text before a call region and enter it (True), or the text
         that cannot start one (False)."""
+        if self.after_call:
+            self.buf = self.buf.lstrip("\n")
+            self.after_call = not self.buf
         if self.fmt == "llama3_json" and not self.started:
             stripped = self.buf.lstrip()
             if not stripped:
