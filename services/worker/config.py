@@ -183,8 +183,9 @@ def _add_grammar_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-compile-threads", type=int, default=2,
                    help="grammars (JSON schemas, regexes, ...) compiled at once, on threads of "
                         "their own (2)")
-    p.add_argument("--grammar-mask-threads", type=int, default=4,
-                   help="threads computing a step's token masks of its constrained rows (4)")
+    p.add_argument("--grammar-mask-threads", type=int, default=0,
+                   help="threads computing a step's token masks when it has 8 or more "
+                        "constrained rows (0: auto, 1 on a CPU worker, 4 on a GPU) (0)")
     p.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="a grammar still compiling after this many seconds is refused "
                         "INVALID_ARGUMENT (10)")

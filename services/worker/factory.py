@@ -25,7 +25,7 @@ from services.worker.norms import norms_for
 from services.worker.perf_config import PerfConfig
 from services.worker.runner import ModelRunner, kv_blocks_for_budget
 from services.worker.scheduler import Scheduler
-from services.worker.token_mask import TokenMasks
+from services.worker.token_mask import TokenMasks, mask_threads
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
                          opts.max_running, max_len, lora=pool.tables, columns=columns)
     masks = runner.masks = TokenMasks(spec.vocab_size, opts.max_running, device,
-                                      opts.grammar.mask_threads)
+                                      mask_threads(opts.grammar.mask_threads, device))
     scheduler = Scheduler(BlockManager(blocks, opts.block_size, opts.share_prefixes),
                           opts.max_batch_tokens, opts.max_running, fair=opts.fair,
                           max_prefill_with_decode=opts.max_prefill_with_decode)

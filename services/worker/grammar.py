@@ -46,13 +46,14 @@ MAX_CHOICE = 1024
 class GrammarOptions:
     """The worker's flags for structured output."""
     compile_threads: int = 2      # grammars compiled at once (--grammar-compile-threads)
-    mask_threads: int = 4         # threads computing one step's token masks (--grammar-mask-threads)
+    mask_threads: int = 0         # a step's mask threads (--grammar-mask-threads; 0: auto)
     timeout_s: float = 10.0       # a compile still running then is refused (--grammar-compile-timeout)
     cache: int = 512              # compiled grammars kept (--grammar-cache)
 
     def __post_init__(self) -> None:
-        if self.compile_threads < 1 or self.mask_threads < 1:
-            raise ValueError("--grammar-compile-threads and --grammar-mask-threads must be >= 1")
+        if self.compile_threads < 1 or self.mask_threads < 0:
+            raise ValueError("--grammar-compile-threads must be >= 1, --grammar-mask-threads "
+                             ">= 0")
         if not 0 < self.timeout_s <= 600:
             raise ValueError("--grammar-compile-timeout must be in (0, 600] seconds")
         if self.cache < 1:

@@ -21,9 +21,17 @@ import time
 
 import llguidance
 import torch
-from llguidance.torch import fill_next_token_bitmask_par
+from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from services.worker.scheduler import Scheduled
+
+PARALLEL_ROWS = 8          # a step's constrained rows from which the executor's threads help
+
+
+def mask_threads(threads: int, device: torch.device) -> int:
+    """--grammar-mask-threads: 0 = auto, 1 on a CPU worker (its own threads would compete
+    with torch's for the cores), 4 on a GPU worker."""
+    return threads or (1 if device.type == "cpu" else 4)
 
 
 class TokenMasks:
@@ -33,34 +41,31 @@ class TokenMasks:
     def __init__(self, vocab: int, rows: int, device: torch.device, threads: int):
         self.vocab, self.device = vocab, device
         self.words = (vocab + 31) // 32
-        self.executor = llguidance.LLExecutor(threads)
+        self.threads = threads
+        self.executor = llguidance.LLExecutor(threads) if threads > 1 else None
         pin = device.type == "cuda"
         self._host = [torch.full((rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
                       for _ in range(2)]
         self._flip = 0
         self.mask_seconds = 0.0            # host time computing masks (benchmarks read it)
         self.masks = 0                     # steps that built a mask
+        self.advance_seconds = 0.0         # host time feeding sampled tokens to matchers
 
     def advance(self, sampled: list[Scheduled], tokens: list[int]) -> list:
         """Feed each constrained row's sampled token to its matcher; marks sequences whose
         grammar is complete (seq.grammar_done). Returns [(seq, error)] for rows whose matcher
         refused its token (a sampler fault: the mask did not allow it)."""
-        pairs, seqs = [], []
+        start, failed = time.perf_counter(), []
         for b, tok in zip(sampled, tokens):
-            m = b.seq.matcher                  # (a sequence ended meanwhile: its token is
-            if m is not None and not b.seq.grammar_done and not b.seq.stop:   # dropped)
-                pairs.append((m, tok))
-                seqs.append(b.seq)
-        if not pairs:
-            return []
-        ok = (self.executor.consume_token_par(pairs) if len(pairs) > 1
-              else [pairs[0][0].consume_token(pairs[0][1])])
-        failed = []
-        for seq, good, (m, _) in zip(seqs, ok, pairs):
-            if not good:
+            seq = b.seq
+            m = seq.matcher                    # (a sequence ended meanwhile: its token is
+            if m is None or seq.grammar_done or seq.stop:                     # dropped)
+                continue
+            if not m.consume_token(tok):
                 failed.append((seq, m.get_error() or "token refused"))
             elif m.is_stopped():
                 seq.grammar_done = True
+        self.advance_seconds += time.perf_counter() - start
         return failed
 
     def build(self, sampled: list[Scheduled]) -> torch.Tensor | None:
@@ -74,7 +79,11 @@ class TokenMasks:
         host = self._host[self._flip][:len(sampled)]
         self._flip ^= 1
         host.fill_(-1)
-        fill_next_token_bitmask_par(self.executor, rows, host)
+        if self.executor is not None and len(rows) >= PARALLEL_ROWS:
+            fill_next_token_bitmask_par(self.executor, rows, host)
+        else:
+            for m, i in rows:
+                fill_next_token_bitmask(m, host, i)
         self.mask_seconds += time.perf_counter() - start
         self.masks += 1
         return host.to(self.device, non_blocking=True)
