@@ -20,6 +20,7 @@ HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANG
 HTTP_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
                "sampling.repetition_penalty": "repetition_penalty",
                "stopping.stop_sequences": "stop", "stopping.max_new_tokens": "max_tokens",
+               "stopping.min_new_tokens": "min_tokens",
                "prompt_token_ids": "prompt", "request_id": "user_request_id"}
 # gRPC status -> OpenAI's error type
 ERROR_TYPES = {"INVALID_ARGUMENT": "invalid_request_error",
