@@ -209,3 +209,15 @@ def test_max_tokens_mid_object_ends_max_tokens(built):
         pass
     assert events[-1].stop is Stop.MAX_TOKENS and events[-1].generated_tokens == 4
     assert text.startswith("".join(e.text for e in events))    # the same seed, cut short
+
+
+def test_a_tokenizer_llguidance_cannot_read_turns_structured_output_off():
+    from tokenizers import Tokenizer, decoders, models
+    from services.worker.grammar import compiler_for
+    from services.worker.structured import matcher as request_matcher
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    assert compiler_for(tok.to_str(), 3, (0,), GrammarOptions()) is None
+    sampling = common_pb2.SamplingParams(grammar=common_pb2.Grammar(regex="a"))
+    with pytest.raises(InvalidArgument, match="sampling.grammar: structured output is off"):
+        asyncio.run(request_matcher(None, sampling, common_pb2.StoppingCriteria()))

@@ -103,16 +103,20 @@ async def prepare(req, formats: ToolFormats) -> str | None:
 
 async def parsed(responses, fmt: str):
     """The responses with their text's calls taken out into tool_calls (each whole, in the
-    message where its text ended)."""
+    message where its text ended). Closing this closes the responses (which settles the
+    request at once)."""
     parser, index = CallParser(fmt), 0
-    async for resp in responses:
-        text, calls = parser.feed(resp.text)
-        if resp.stop_reason:
-            rest, more = parser.close()
-            text, calls = text + rest, calls + more
-        resp.text = text
-        for call in calls:
-            resp.tool_calls.add(index=index, id=new_id(), name=call["name"],
-                                arguments=call["arguments"])
-            index += 1
-        yield resp
+    try:
+        async for resp in responses:
+            text, calls = parser.feed(resp.text)
+            if resp.stop_reason:
+                rest, more = parser.close()
+                text, calls = text + rest, calls + more
+            resp.text = text
+            for call in calls:
+                resp.tool_calls.add(index=index, id=new_id(), name=call["name"],
+                                    arguments=call["arguments"])
+                index += 1
+            yield resp
+    finally:
+        await responses.aclose()

@@ -16,7 +16,7 @@ from services.worker.block_manager import BlockManager
 from services.worker.chat_template import ChatTemplate
 from services.worker.device_pool import DevicePool
 from services.worker.engine import Engine
-from services.worker.grammar import GrammarCompiler, GrammarOptions
+from services.worker.grammar import GrammarCompiler, GrammarOptions, compiler_for
 from services.worker.loader import DTYPES, load_weights
 from services.worker.lora_columns import LoraColumns
 from services.worker.model import LlamaModel
@@ -90,8 +90,8 @@ def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions, layers: int
     tok_json = (pathlib.Path(model_dir) / "tokenizer.json").read_text()
     tok = Tokenizer.from_str(tok_json)
     built = assemble(spec, weights, tok, opts, device, dtype, before_capture)
-    built.grammars = GrammarCompiler(tok_json, spec.vocab_size, tuple(spec.eos_token_ids),
-                                     opts.grammar)
+    built.grammars = compiler_for(tok_json, spec.vocab_size, tuple(spec.eos_token_ids),
+                                  opts.grammar)
     built.chat_template = ChatTemplate.from_model_dir(model_dir)
     log.info("chat template: %s", "the checkpoint's" if built.chat_template else
              "none (chats are rendered as 'role: content' lines)")

@@ -27,6 +27,7 @@ import collections
 import concurrent.futures
 import hashlib
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import llguidance
 
 from services.common.errors import InvalidArgument
 
+log = logging.getLogger(__name__)
 KINDS = ("json_schema", "regex", "choice", "lark", "ebnf")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_TEXT = 256 << 10             # the largest grammar text (bytes)
@@ -186,6 +188,18 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def compiler_for(tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...],
+                 opts: GrammarOptions) -> GrammarCompiler | None:
+    """The checkpoint's compiler, or None (structured output off, said in the log) for a
+    tokenizer llguidance cannot read (a WordPiece one, say)."""
+    try:
+        return GrammarCompiler(tokenizer_json, vocab_size, eos_ids, opts)
+    except ValueError as exc:
+        log.warning("structured output is off: llguidance cannot read this tokenizer (%s)",
+                    exc)
+        return None
 
 
 def _first_line(message: str) -> str:

@@ -19,7 +19,8 @@ async def matcher(grammars, sampling, stopping):
         raise InvalidArgument("stopping.min_new_tokens: not with sampling.grammar (the grammar "
                               "decides where the output ends)")
     if grammars is None:
-        raise InvalidArgument("sampling.grammar: structured output is off on this worker")
+        raise InvalidArgument("sampling.grammar: structured output is off on this worker (its "
+                              "tokenizer is not one llguidance reads)")
     return await grammars.matcher(sampling.grammar)
 
 
