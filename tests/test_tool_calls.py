@@ -32,6 +32,9 @@ CASES = [
     ("mistral", 'ok[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, '
      '{"name": "noop", "arguments": {}}]', "ok", ["add", "noop"]),
     ("mistral", "just [TOOLS] text [TOOL", "just [TOOLS] text [TOOL", []),
+    ("mistral", ' [{"name": "noop", "arguments": {}}]', "", ["noop"]),   # the marker a special
+    ("mistral", "[", "[", []),                                            # token, left out
+    ("mistral", "[1, 2] [{", "[1, 2] [{", []),
 ]
 
 

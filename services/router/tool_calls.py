@@ -9,9 +9,10 @@ function), and the parser that takes calls out of a reply's text as it streams.
 - "mistral": `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any text.
 
 Plain Python (no torch): the grammar is Lark text with the calls' JSON Schema embedded
-(llguidance's `%json`), compiled by the worker as any other grammar. Markers are written as
-text (a tokenizer that has `[TOOL_CALLS]` or `<tool_call>` as one special token is still
-parsed right: the worker detokenizes special tokens as their text).
+(llguidance's `%json`), compiled by the worker as any other grammar; it writes the markers as
+text. The worker's text leaves special tokens out, so a model that writes `[TOOL_CALLS]` or
+`<|python_tag|>` as its special token shows none: a reply that opens with the calls' JSON
+(`[{` for mistral, `{` for llama3_json) is read as calls too.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ FORMATS = ("hermes", "llama3_json", "mistral")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
+LEADING = {"llama3_json": "{", "mistral": "[{"}     # a reply that opens with calls' JSON
 # JSON written compactly, as the worker writes a JSON Schema's (services.worker.grammar)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -115,7 +117,7 @@ class CallParser:
         self.fmt = fmt
         self.buf = ""             # text not yet given back
         self.in_call = False      # buf is (the start of) a call region
-        self.started = False      # some non-blank text has been seen (llama3_json)
+        self.started = False      # some non-blank text has been seen (LEADING)
         self.after_call = False   # newlines right after a call are its separator, not text
 
     @property
@@ -150,12 +152,13 @@ class CallParser:
         if self.after_call:
             self.buf = self.buf.lstrip("\n")
             self.after_call = not self.buf
-        if self.fmt == "llama3_json" and not self.started:
+        lead = LEADING.get(self.fmt)
+        if lead and not self.started:
             stripped = self.buf.lstrip()
-            if not stripped:
-                return False
+            if not stripped or (len(stripped) < len(lead) and lead.startswith(stripped)):
+                return False                     # not yet known
             self.started = True
-            if stripped.startswith("{"):
+            if stripped.startswith(lead):
                 self.in_call = True
                 return True
         at = self.buf.find(self.marker)
