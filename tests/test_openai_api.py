@@ -133,9 +133,8 @@ def test_completions_through_the_sdk_match_grpc(gateway, sdk):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"), ("modalities", ["text", "audio"]), ("store", True),
+    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
+    ("modalities", ["text", "audio"]), ("store", True),
     ("reasoning_effort", "low"), ("not_an_openai_field", 1),
 ])
 def test_chat_fields_not_honoured_are_refused_by_name(sdk, field, value):
@@ -168,6 +167,15 @@ def test_fields_left_at_their_off_values_are_accepted(sdk):
     assert resp.choices[0].message.content is not None
 
 
+def test_tools_on_a_template_that_renders_none_are_refused_naming_tools(sdk):
+    """The tiny model's template renders no tools (ModelInfo.tool_call_format ""): a call
+    could be neither prompted nor parsed. (tool_choice none still passes: see above.)"""
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model="acme-support", messages=CHAT, max_tokens=4,
+                                    tools=[{"type": "function", "function": {"name": "f"}}])
+    assert err.value.body["param"] == "tools", err.value.body
+
+
 @pytest.mark.parametrize("body,param,code", [
     ({"temperature": 2.5}, "temperature", "invalid_value"),
     ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
@@ -181,7 +189,8 @@ def test_fields_left_at_their_off_values_are_accepted(sdk):
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"max_tokens": 100000}, "max_tokens", "invalid_value"),
     ({"model": 5}, "model", "invalid_type"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "unsupported_value"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role",
+     "unsupported_value"),
     ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0]", "invalid_type"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
 ])

@@ -185,7 +185,8 @@ class RequestPath:
         wreq = wpb.WorkerGenerateRequest(
             request_id=adm.request_id, prompt_token_ids=req.prompt_token_ids, text=req.text,
             sampling=req.sampling, stopping=req.stopping, tenant=adm.caller.tenant,
-            messages=req.messages, response=req.response)
+            messages=req.messages, response=req.response,
+            tools=req.tools if req.tool_choice.mode != req.tool_choice.NONE else ())
         if adm.adapter is not None:
             wreq.adapter.CopyFrom(self._ref(adm))
         return wreq

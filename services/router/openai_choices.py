@@ -76,13 +76,14 @@ async def fan_out(servicer, reqs: list[rpb.GenerateRequest], ctx
 
 async def gather(servicer, reqs: list[rpb.GenerateRequest], ctx) -> list[dict]:
     """Every choice to its end: per choice its text, token infos, stop reason and usage."""
-    out = [{"text": [], "tokens": [], "stop": 0, "usage": None, "prompt_tokens": []}
-           for _ in reqs]
+    out = [{"text": [], "tokens": [], "stop": 0, "usage": None, "prompt_tokens": [],
+            "tool_calls": []} for _ in reqs]
     async for i, resp in fan_out(servicer, reqs, ctx):
         c = out[i]
         c["text"].append(resp.text)
         c["prompt_tokens"].extend(resp.prompt_tokens)
         c["tokens"].extend(resp.tokens)
+        c["tool_calls"].extend(resp.tool_calls)
         if resp.stop_reason:
             c["stop"], c["usage"] = resp.stop_reason, resp.usage
     for c in out:

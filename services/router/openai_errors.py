@@ -10,6 +10,7 @@ from aiohttp import web
 
 from services.common.errors import LorafleetError
 from services.router.openai_fields import BodyError
+from services.router.openai_structured import http_param
 
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
                "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
@@ -19,6 +20,7 @@ HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANG
 HTTP_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
                "sampling.repetition_penalty": "repetition_penalty",
                "stopping.stop_sequences": "stop", "stopping.max_new_tokens": "max_tokens",
+               "stopping.min_new_tokens": "min_tokens",
                "prompt_token_ids": "prompt", "request_id": "user_request_id"}
 # gRPC status -> OpenAI's error type
 ERROR_TYPES = {"INVALID_ARGUMENT": "invalid_request_error",
@@ -47,13 +49,16 @@ def _http_message(message: str, chat: bool) -> tuple[str, str | None]:
     return key + sep + rest, key
 
 
-def error_body(err: LorafleetError, chat: bool = False) -> tuple[dict, int]:
+def error_body(err: LorafleetError, chat: bool = False,
+               grammar_key: str | None = None) -> tuple[dict, int]:
     """OpenAI's error object for a refusal: message, type, param, code (and the gRPC status
-    it came from as grpc_code); and the HTTP status."""
+    it came from as grpc_code); and the HTTP status. grammar_key: the body's key the request's
+    grammar came from (a refusal of the grammar names it)."""
     name = err.code.name
     message, param, code = err.message, None, ERROR_CODES.get(name)
     if name == "INVALID_ARGUMENT":
-        message, param = _http_message(err.message, chat)
+        message, param = http_param(err.message, grammar_key) or _http_message(err.message,
+                                                                               chat)
         code = "invalid_value"
         if "exceeds the model's" in message or "cannot fit the model's" in message:
             code = "context_length_exceeded"
@@ -67,9 +72,10 @@ def error_body(err: LorafleetError, chat: bool = False) -> tuple[dict, int]:
                       "param": param, "code": code or name.lower(), "grpc_code": name}}, status
 
 
-def error_response(err: LorafleetError, chat: bool = False) -> web.Response:
+def error_response(err: LorafleetError, chat: bool = False,
+                   grammar_key: str | None = None) -> web.Response:
     headers = {"Retry-After": f"{max(1, round(err.retry_after))}"} if err.retry_after else None
-    body, status = error_body(err, chat)
+    body, status = error_body(err, chat, grammar_key)
     return web.json_response(body, status=status, headers=headers)
 
 

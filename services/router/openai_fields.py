@@ -2,9 +2,11 @@
 `/v1/chat/completions` is honoured (mapped onto the GenerateRequest), accepted with no effect
 on the output where it has none in OpenAI either (`user`, `metadata`, `service_tier`), or
 refused with a 400 that names it (`param`) where lorafleet does not do what it asks. A field
-OpenAI does not define is refused too ("unknown_parameter"), besides the sampling extensions
-vLLM's users send (`top_k`, `repetition_penalty`, `ignore_eos`) and lorafleet's own
-`user_request_id`. Ranges are OpenAI's: temperature 0-2, top_p 0-1, a positive `max_tokens`.
+OpenAI does not define is refused too ("unknown_parameter"), besides the extensions vLLM's
+users send (`top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `structured_outputs`
+and the `guided_*` fields) and lorafleet's own `user_request_id`. Ranges are OpenAI's:
+temperature 0-2, top_p 0-1, a positive `max_tokens`. Structured outputs and tools:
+services.router.openai_structured.
 
 A refusal is a BodyError: INVALID_ARGUMENT with the OpenAI `param` and `code`
 ("unknown_parameter", "unsupported_parameter", "unsupported_value", "invalid_type",
@@ -16,6 +18,7 @@ import math
 
 from services.common.errors import InvalidArgument
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb
+from services.router import openai_structured
 from services.router.openai_choices import MAX_CHOICES
 
 U32 = (1 << 32) - 1
@@ -32,7 +35,8 @@ class BodyError(InvalidArgument):
 # The fields of both endpoints, honoured
 SAMPLING = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
             "seed", "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-            "top_k", "repetition_penalty", "ignore_eos", "min_tokens", "user_request_id")
+            "top_k", "repetition_penalty", "ignore_eos", "min_tokens", "user_request_id",
+            "structured_outputs", *openai_structured.GUIDED)
 MAX_LOGIT_BIAS = 1024          # tokens a request may bias
 TOP_LOGPROBS = {False: 5, True: 20}   # the most alternatives: completions' logprobs, chat's
 # accepted, with no effect on the output (as in OpenAI: abuse tracking, stored-completion tags,
@@ -41,19 +45,14 @@ NO_EFFECT = ("user", "metadata", "service_tier")
 # defined by OpenAI, refused unless left at the value that turns them off
 OFF_VALUES = {
     "best_of": (None, 1), "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False), "modalities": (None, ["text"]),
+    "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "verbosity": (None,), "store": (None, False),
 }
 WHY = {"best_of": "not supported (n choices are; best_of would rank them by logprob)",
        "suffix": "insertion is not supported",
-       "response_format": "only {\"type\": \"text\"} (structured output is not supported)",
-       "tools": "tool calling is not supported", "tool_choice": "tool calling is not supported",
-       "functions": "function calling is not supported",
-       "function_call": "function calling is not supported",
-       "parallel_tool_calls": "true or false (no tool is called either way)",
+       "functions": "the deprecated function calling is not supported (tools are)",
+       "function_call": "the deprecated function calling is not supported (tool_choice is)",
        "modalities": "text only", "audio": "text only", "prediction": "not supported",
        "reasoning_effort": "not a reasoning model", "web_search_options": "not supported",
        "verbosity": "not supported", "store": "completions are not stored"}
@@ -73,8 +72,7 @@ def check_fields(body: dict, chat: bool) -> None:
         if key not in known:
             raise BodyError(f"{key}: unknown parameter", key, "unknown_parameter")
         if key in OFF_VALUES and not any(_is(value, off) for off in OFF_VALUES[key]):
-            code = ("unsupported_value" if key in ("best_of", "response_format", "modalities")
-                    else "invalid_type" if key == "parallel_tool_calls"
+            code = ("unsupported_value" if key in ("best_of", "modalities")
                     else "unsupported_parameter")
             raise BodyError(f"{key}: {WHY[key]} (got {value!r})", key, code)
     if body.get("stream_options") is not None and not body.get("stream"):
@@ -184,6 +182,11 @@ def build_request(body: dict, prompt_text: str = "", prompt_ids=(), messages=(),
     for token, bias in _logit_bias(body).items():
         s.logit_bias[token] = bias
     _logprobs(body, chat, req.response)
+    grammar, _ = openai_structured.grammar(body)
+    if grammar is not None:
+        s.grammar.CopyFrom(grammar)
+    if chat:
+        openai_structured.tools(body, req)
     return req
 
 
@@ -243,26 +246,64 @@ def _content(i: int, content) -> str:
 
 # OpenAI's roles -> what a chat template knows ("developer" is OpenAI's newer name for the
 # system message)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 
 
 def chat_messages(messages) -> list[common_pb2.ChatMessage]:
-    """The body's messages for the worker's chat template: roles system (developer), user and
-    assistant with text content; tool and function messages are refused (no tool calling)."""
+    """The body's messages for the worker's chat template: roles system (developer), user,
+    assistant (with its tool_calls) and tool (a call's result, its tool_call_id), text content;
+    the deprecated function messages are refused."""
     if not isinstance(messages, list) or not messages:
         raise BodyError("messages: a non-empty list is required", "messages", "invalid_value")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "content" not in m or not isinstance(m.get("role"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or (
+                "content" not in m and not m.get("tool_calls")):
             raise BodyError(f"messages[{i}]: each needs a string role and content",
                             f"messages[{i}]", "invalid_type")
         role = ROLES.get(m["role"])
         if role is None:
             raise BodyError(f"messages[{i}].role: {m['role']!r} is not supported (system, "
-                            "developer, user, assistant)", f"messages[{i}].role",
+                            "developer, user, assistant, tool)", f"messages[{i}].role",
                             "unsupported_value")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise BodyError(f"messages[{i}]: tool calls are not supported", f"messages[{i}]",
+        if m.get("function_call"):
+            raise BodyError(f"messages[{i}].function_call: the deprecated function calling is "
+                            "not supported (tool_calls is)", f"messages[{i}]",
                             "unsupported_value")
-        out.append(common_pb2.ChatMessage(role=role, content=_content(i, m["content"])))
+        msg = common_pb2.ChatMessage(role=role, content=_content(i, m.get("content")))
+        if m.get("tool_calls"):
+            msg.tool_calls.extend(_tool_calls(i, m["tool_calls"], role))
+        if role == "tool":
+            msg.tool_call_id = _string(m, "tool_call_id", f"messages[{i}]", required=True)
+        msg.name = _string(m, "name", f"messages[{i}]")
+        out.append(msg)
+    return out
+
+
+def _string(m: dict, key: str, where: str, required: bool = False) -> str:
+    value = m.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        raise BodyError(f"{where}.{key}: a string is required", f"{where}.{key}",
+                        "invalid_type")
+    return value
+
+
+def _tool_calls(i: int, calls, role: str) -> list[common_pb2.ToolCall]:
+    """An assistant message's tool_calls: [{id, type: function, function: {name, arguments
+    (JSON text)}}]."""
+    where = f"messages[{i}].tool_calls"
+    if role != "assistant" or not isinstance(calls, list):
+        raise BodyError(f"{where}: a list, on an assistant message", where, "invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", ""), str):
+            raise BodyError(f"{where}[{j}]: {{id, type: function, function: {{name, arguments "
+                            "(a JSON string)}}}", f"{where}[{j}]", "invalid_type")
+        out.append(common_pb2.ToolCall(index=j, id=str(c.get("id") or ""), name=fn["name"],
+                                       arguments=fn.get("arguments") or "{}"))
     return out

@@ -27,13 +27,15 @@ def chunker(rid: str, model: str, chat: bool):
     created = int(time.time())
 
     def chunk(text, finish, role: bool = False, usage=None, logprobs=None,
-              index: int = 0) -> bytes:
+              index: int = 0, tool_calls=()) -> bytes:
         if usage is not None:                      # the usage chunk: no choices
             data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created, "model": model, "choices": [], "usage": usage}
             return b"data: " + json.dumps(data).encode() + b"\n\n"
         if chat:
             delta = {"role": "assistant"} if role else ({"content": text} if text else {})
+            if tool_calls:
+                delta["tool_calls"] = [{**call_json(c), "index": c.index} for c in tool_calls]
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish}
             obj = "chat.completion.chunk"
@@ -45,6 +47,20 @@ def chunker(rid: str, model: str, chat: bool):
                 "choices": [choice]}
         return b"data: " + json.dumps(data).encode() + b"\n\n"
     return chunk
+
+
+def call_json(call) -> dict:
+    """OpenAI's tool call object of a ToolCall."""
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def message_json(text: str, calls) -> dict:
+    """A chat reply's message: its text (null when it is only calls) and its tool calls."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None,
+            "tool_calls": [call_json(c) for c in calls]}
 
 
 def text_offsets(tokens, text: str | None, start: int = 0) -> list[int]:

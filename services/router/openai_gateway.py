@@ -21,7 +21,8 @@ from services.router.openai_choices import fan_out, gather as gather_choices
 from services.router.openai_choices import requests as choice_requests
 from services.router.openai_fields import BodyError, build_request, chat_messages, token_ids
 from services.router.openai_errors import error_body, error_response
-from services.router.openai_format import chunker, logprobs, usage_json
+from services.router.openai_format import chunker, logprobs, message_json, usage_json
+from services.router.openai_structured import GRAMMAR_KEYS, tool_list
 from services.router.openai_http import GatewayRunner, check_strings, json_errors
 from services.router import status_page
 
@@ -126,16 +127,18 @@ class OpenAIGateway:
         return web.json_response({"status": "ok", "workers": live})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (rendered with the chat
-        template, as a chat completion's prompt is) -> {"tokens", "count", "max_model_len"}."""
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...], "tools": [...]} (rendered
+        with the chat template, as a chat completion's prompt is) -> {"tokens", "count",
+        "max_model_len"}."""
         body = await self._body(request)
-        extra = set(body) - {"model", "prompt", "messages", "add_special_tokens"}
+        extra = set(body) - {"model", "prompt", "messages", "add_special_tokens", "tools"}
         if extra:
             key = sorted(extra)[0]
             raise BodyError(f"{key}: unknown parameter", key, "unknown_parameter")
         ctx = _Context(request, 30)
         if "messages" in body:
-            req = rpb.TokenizeRequest(messages=chat_messages(body["messages"]))
+            req = rpb.TokenizeRequest(messages=chat_messages(body["messages"]),
+                                      tools=tool_list(body))
         elif isinstance(body.get("prompt"), str):
             req = rpb.TokenizeRequest(text=body["prompt"])
         else:
@@ -212,6 +215,7 @@ class OpenAIGateway:
         return error_response(err, chat)
 
     async def _run(self, request, req, body, chat: bool) -> web.StreamResponse:
+        key = _grammar_key(body, req)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         req.request_id = req.request_id or rid
         model = str(body.get("model") or await self._base())
@@ -225,16 +229,17 @@ class OpenAIGateway:
                                      chat)
             return await self._stream(request, reqs, ctx, rid, model, chat,
                                       bool(opts.get("include_usage")),
-                                      bool(body.get("echo")) and not chat)
+                                      bool(body.get("echo")) and not chat, key)
         try:
             if n == 1:
                 resp = await self.servicer.Generate(req, ctx)
                 done = [{"text": resp.text, "tokens": resp.tokens, "stop": resp.stop_reason,
-                         "usage": resp.usage, "prompt_tokens": resp.prompt_tokens}]
+                         "usage": resp.usage, "prompt_tokens": resp.prompt_tokens,
+                         "tool_calls": resp.tool_calls}]
             else:
                 done = await gather_choices(self.servicer, reqs, ctx)
         except LorafleetError as err:
-            return error_response(err, chat)
+            return error_response(err, chat, key)
         echo = "" if chat or not body.get("echo") else await self._echo(req, ctx)
         choices = []
         for i, c in enumerate(done):
@@ -243,7 +248,9 @@ class OpenAIGateway:
                 c["tokens"] = [*c.get("prompt_tokens", ()), *c["tokens"]]
             finish, lp = FINISH.get(c["stop"], "stop"), logprobs(c["tokens"], req, chat,
                                                                 c["text"])
-            choices.append({"index": i, "message": {"role": "assistant", "content": c["text"]},
+            if c["tool_calls"] and finish == "stop":
+                finish = "tool_calls"
+            choices.append({"index": i, "message": message_json(c["text"], c["tool_calls"]),
                             "logprobs": lp, "finish_reason": finish} if chat else
                            {"index": i, "text": c["text"], "finish_reason": finish,
                             "logprobs": lp})
@@ -260,8 +267,8 @@ class OpenAIGateway:
             rpb.DetokenizeRequest(token_ids=req.prompt_token_ids), ctx)
         return resp.text
 
-    async def _stream(self, request, reqs, ctx, rid, model, chat,
-                      include_usage: bool = False, echo: bool = False) -> web.StreamResponse:
+    async def _stream(self, request, reqs, ctx, rid, model, chat, include_usage: bool = False,
+                      echo: bool = False, key: str | None = None) -> web.StreamResponse:
         """SSE chunks, each of one choice (its index); with stream_options.include_usage, a
         last chunk with no choices and the usage, as OpenAI's."""
         req = reqs[0]
@@ -271,7 +278,7 @@ class OpenAIGateway:
             first = await source.__anext__()          # errors before any byte: a plain status
         except LorafleetError as err:
             await source.aclose()
-            return error_response(err, chat)
+            return error_response(err, chat, key)
         except StopAsyncIteration:
             first = None
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -280,17 +287,19 @@ class OpenAIGateway:
         chunk = chunker(rid, model, chat)
         try:
             await self._write_chunks(out, chunk, source, first, reqs, ctx, chat, echo,
-                                     include_usage)
+                                     include_usage, key)
         except ConnectionResetError:    # the client went away (aiohttp's ClientConnection-
             log.debug("HTTP gateway: %s: the client left mid-stream", rid)  # ResetError)
         return out
 
     async def _write_chunks(self, out, chunk, source, first, reqs, ctx, chat: bool,
-                            echo: bool, include_usage: bool) -> None:
-        """Each choice's messages as chunks, then the usage (if asked) and [DONE]; the source
-        is closed however it ends, which settles (or cancels) the requests."""
+                            echo: bool, include_usage: bool, key: str | None) -> None:
+        """Each choice's messages as chunks (a tool call whole in one, as its text ends), then
+        the usage (if asked) and [DONE]; the source is closed however it ends, which settles
+        (or cancels) the requests."""
         req, usages = reqs[0], []
         sent = [0] * len(reqs)           # each choice's characters so far: its text_offset
+        called = [False] * len(reqs)     # each choice made a tool call
         try:
             if chat:
                 for i in range(len(reqs)):
@@ -307,20 +316,31 @@ class OpenAIGateway:
                 if resp.HasField("usage"):
                     usages.append(resp.usage)
                 finish = FINISH.get(resp.stop_reason, "stop") if resp.stop_reason else None
+                called[i] = called[i] or bool(resp.tool_calls)
+                if called[i] and finish == "stop":
+                    finish = "tool_calls"
                 await out.write(chunk(resp.text, finish, index=i, logprobs=logprobs(
-                    resp.tokens, req, chat, resp.text, sent[i])))
+                    resp.tokens, req, chat, resp.text, sent[i]), tool_calls=resp.tool_calls))
                 sent[i] += len(resp.text)
                 item = await source.__anext__()
         except StopAsyncIteration:
             pass
         except LorafleetError as err:                   # mid-stream: an error event, then end
-            await out.write(b"data: " + json.dumps(error_body(err, chat)[0]).encode() + b"\n\n")
+            await out.write(b"data: " + json.dumps(error_body(err, chat, key)[0]).encode()
+                            + b"\n\n")
         finally:
             await source.aclose()
         if include_usage and usages:
             await out.write(chunk(None, None, usage=usage_json(usages)))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
+
+
+def _grammar_key(body: dict, req) -> str | None:
+    """The body's key the request's grammar came from (a refusal of it names that key)."""
+    if req.tool_choice.mode in (req.tool_choice.REQUIRED, req.tool_choice.FUNCTION):
+        return "tools"
+    return next((k for k in GRAMMAR_KEYS if body.get(k) is not None), None)
 
 
 async def _single(stream):

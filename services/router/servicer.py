@@ -24,6 +24,7 @@ from services.router.quotas import Quotas
 from services.router.resolve import Resolver
 from services.router.stats import QUEUED, RouterStats
 from services.router.stats_view import build_stats
+from services.router import tools
 from services.router.workers import WorkerSet
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
     def __init__(self, app: RouterApp):
         self.app = app
         self.path = RequestPath(app)
+        self.tool_formats = tools.ToolFormats(app.workers, app.worker_wait)
 
     def _caller(self, context):
         return self.app.tenants.authenticate(context.invocation_metadata())
@@ -86,13 +88,28 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             with span_attrs.grpc_status(span, context):
                 with trace.use_span(span, end_on_exit=False):
                     self._resize_gate()
+                    fmt = await self._tools(request, caller)
                     adm = await self.path.admit(request, caller, context.time_remaining())
                 span.set_attribute("gen_ai.request.id", adm.request_id)
-                async for resp in traced(span, self.path.stream(request, adm, context, unary)):
+                stream = self.path.stream(request, adm, context, unary)
+                if fmt is not None:                 # calls parsed out of the text
+                    stream = tools.parsed(stream, fmt)
+                async for resp in traced(span, stream):
                     span_attrs.genai_last(span, resp)
                     yield resp
         finally:
             span.end()
+
+    async def _tools(self, request, caller) -> str | None:
+        """The request's tools checked and a required call's grammar added (services.router.
+        tools); the format to parse the reply in. A refusal counts as the admission's do."""
+        if not request.tools and not request.tool_choice.mode:
+            return None
+        try:
+            return await tools.prepare(request, self.tool_formats)
+        except LorafleetError as err:
+            self.app.stats.refuse(caller.tenant, err.code.name)
+            raise
 
     async def Generate(self, request, context):
         out = rpb.GenerateResponse()
@@ -101,6 +118,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             out.token_ids.extend(resp.token_ids)
             out.tokens.extend(resp.tokens)
             out.prompt_tokens.extend(resp.prompt_tokens)
+            out.tool_calls.extend(resp.tool_calls)
             text.append(resp.text)
             if resp.stop_reason:
                 out.stop_reason = resp.stop_reason
@@ -146,7 +164,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         check_prompt_size(self.app.max_prompt_bytes, request.text, request.messages)
         w = self._any_worker()
         resp = await _store_call(w.stub.Tokenize(wpb.WorkerTokenizeRequest(
-            text=request.text, messages=request.messages), timeout=10))
+            text=request.text, messages=request.messages, tools=request.tools), timeout=10))
         return rpb.TokenizeResponse(token_ids=resp.token_ids, tokens=resp.tokens)
 
     async def Detokenize(self, request, context):
@@ -173,7 +191,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
             vocab_size=info.vocab_size, max_sequence_length=info.max_sequence_length,
             hidden_size=info.hidden_size, num_layers=info.num_layers, dtype=info.dtype,
             max_lora_rank=(store.max_rank if store is not None else 0) or info.max_lora_rank,
-            num_workers=len(self.app.workers.live()), has_chat_template=info.has_chat_template)
+            num_workers=len(self.app.workers.live()), has_chat_template=info.has_chat_template,
+            tool_call_format=info.tool_call_format)
 
     async def ListAdapters(self, request, context):
         """One page of the store's listing for the caller's tenant (the store checks the page

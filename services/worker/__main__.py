@@ -55,7 +55,8 @@ def engine_options(cfg: WorkerConfig) -> EngineOptions:
                          max_running=cfg.max_running, pool_bytes=cfg.gpu_pool_bytes,
                          pool_slots=cfg.pool_slots, max_model_len=cfg.max_model_len,
                          share_prefixes=cfg.share_prefixes, fair=cfg.fair_queue,
-                         perf=cfg.perf, fault_inject_after_steps=cfg.fault_inject_after_steps)
+                         perf=cfg.perf, fault_inject_after_steps=cfg.fault_inject_after_steps,
+                         grammar=cfg.grammar)
 
 
 def load_fn(engine):

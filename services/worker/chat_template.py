@@ -6,9 +6,11 @@ a `chat_template.jinja` file beside it, which transformers prefers when both exi
 rendered with transformers' conventions, so a prompt is the very text
 `tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)` gives:
 
-- variables `messages` (dicts with `role` and `content`), `add_generation_prompt`, the special
-  tokens' strings (`bos_token`, `eos_token`, `unk_token`, `pad_token`), `tools` and
-  `documents` (None);
+- variables `messages` (dicts with `role` and `content`; an assistant's `tool_calls` as
+  OpenAI's objects with the arguments parsed, a tool message's `tool_call_id` and `name`),
+  `add_generation_prompt`, the special tokens' strings (`bos_token`, `eos_token`, `unk_token`,
+  `pad_token`), `tools` (OpenAI's `{"type": "function", "function": {...}}` objects, or None)
+  and `documents` (None);
 - `raise_exception(message)` (a template's own refusal, e.g. roles out of order: the request
   gets it as INVALID_ARGUMENT), `strftime_now(format)`, a `tojson` filter that keeps non-ASCII
   text; `trim_blocks` and `lstrip_blocks`; `{% break %}` / `{% continue %}`, and the
@@ -21,6 +23,11 @@ The rendered text is tokenized without the tokenizer's own special tokens (the t
 
 A checkpoint without a template gets the fallback (FALLBACK): "role: content" lines, then
 "assistant:", tokenized with the tokenizer's special tokens as a plain prompt is.
+
+How the template has the model write tool calls (`tool_call_format`) is read from its text:
+"hermes" (`<tool_call>` JSON `</tool_call>`: Hermes, Qwen 2/2.5/3), "mistral" (`[TOOL_CALLS]`),
+"llama3_json" (`<|python_tag|>` or a JSON `{"name", "parameters"}`: Llama 3.1-3.3); "" for a
+template that renders no tools. The router parses and enforces calls in that format.
 """
 from __future__ import annotations
 
@@ -36,7 +43,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.common.errors import InvalidArgument
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -117,26 +125,46 @@ class ChatTemplate:
             object.__setattr__(self, "_compiled", cached)
         return cached
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for these messages; a template's own refusal (raise_exception) or
-        failure is INVALID_ARGUMENT naming the messages."""
+    @property
+    def tool_call_format(self) -> str:
+        """The tool-call format the template teaches (module docstring); "" for none."""
+        src = self.source
+        if "tools" not in src:
+            return ""
+        if "<tool_call>" in src:
+            return "hermes"
+        if "[TOOL_CALLS]" in src:
+            return "mistral"
+        if "<|python_tag|>" in src or ("ipython" in src and "parameters" in src):
+            return "llama3_json"
+        return ""
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt text for these messages (and tools); a template's own refusal
+        (raise_exception) or failure is INVALID_ARGUMENT naming the messages."""
         try:
             return self.compiled.render(messages=messages,
                                         add_generation_prompt=add_generation_prompt,
-                                        tools=None, documents=None, **self.special)
+                                        tools=tools or None, documents=None, **self.special)
         except jinja2.TemplateError as exc:
             raise InvalidArgument(f"messages: the model's chat template refused them: {exc}") \
                 from None
 
 
 def fallback(messages: list[dict]) -> str:
-    """The documented rendering for a checkpoint without a template."""
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+    """The documented rendering for a checkpoint without a template (a tool call as its JSON)."""
+    def text(m):
+        calls = [json.dumps({"name": c["function"]["name"],
+                             "arguments": c["function"]["arguments"]})
+                 for c in m.get("tool_calls", ())]
+        return "\n".join([m["content"], *calls] if m["content"] else calls)
+    return "\n".join(f"{m['role']}: {text(m)}" for m in messages) + "\nassistant:"
 
 
 def check_messages(messages) -> list[dict]:
-    """Proto ChatMessages as the dicts a template reads; roles other than system, user and
-    assistant are refused (tools are not supported), as is an empty chat."""
+    """Proto ChatMessages as the dicts a template reads; roles other than system, user,
+    assistant and tool are refused, as is an empty chat."""
     if not messages:
         raise InvalidArgument("messages: a non-empty list is required")
     out = []
@@ -144,5 +172,36 @@ def check_messages(messages) -> list[dict]:
         if m.role not in ROLES:
             raise InvalidArgument(f"messages[{i}].role: {m.role!r} is not one of "
                                   f"{', '.join(ROLES)}")
-        out.append({"role": m.role, "content": m.content})
+        d = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [_call(f"messages[{i}].tool_calls[{j}]", c)
+                               for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            d["tool_call_id"], d["name"] = m.tool_call_id, m.name
+        out.append(d)
+    return out
+
+
+def _call(field: str, call) -> dict:
+    """A ToolCall as OpenAI's object, the arguments parsed (templates write them with tojson)."""
+    try:
+        args = json.loads(call.arguments or "{}")
+    except (json.JSONDecodeError, RecursionError):
+        raise InvalidArgument(f"{field}.function.arguments: not JSON") from None
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": args}}
+
+
+def check_tools(tools) -> list[dict]:
+    """Proto Tools as the objects a template reads (OpenAI's), the parameters parsed."""
+    out = []
+    for i, t in enumerate(tools):
+        try:
+            params = json.loads(t.parameters_json) if t.parameters_json else {"type": "object"}
+        except (json.JSONDecodeError, RecursionError):
+            raise InvalidArgument(f"tools[{i}].parameters_json: not JSON") from None
+        fn = {"name": t.name, "parameters": params}
+        if t.description:
+            fn["description"] = t.description
+        out.append({"type": "function", "function": fn})
     return out

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
+from services.worker.grammar import GrammarOptions
 from services.worker.perf_config import PerfConfig
 
 
@@ -58,6 +59,8 @@ class WorkerConfig:
     fair_queue: bool = True             # admit waiting sequences in the tenants' VTC order
     fault_inject_after_steps: int = 0   # TEST HOOK: forward passes after which one raises
     perf: PerfConfig = field(default_factory=PerfConfig)   # LORAFLEET_* (perf_config.py)
+    grammar: GrammarOptions = field(default_factory=GrammarOptions)   # --grammar-*
+    tool_call_format: str = "auto"      # auto (the chat template's), none, or a format
 
     def __post_init__(self) -> None:
         if self.metrics_tenants < 0:
@@ -95,6 +98,10 @@ class WorkerConfig:
             raise ValueError("--fault-inject-after-steps must be >= 0")
         if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
             raise ValueError(f"--store-shm-dir {self.store_shm_dir}: not a directory")
+        from services.worker.structured import FORMAT_CHOICES
+        if self.tool_call_format not in FORMAT_CHOICES:
+            raise ValueError(f"--tool-call-format: {self.tool_call_format!r} is not one of "
+                             f"{', '.join(FORMAT_CHOICES)}")
         check_common(self)
         from services.worker.model_spec import load_spec   # torch-free; reads config.json
         try:
@@ -143,6 +150,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--loader-threads", type=int, default=8,
                    help="cold loads (fetch + placement) that run at once (8)")
     _add_start_flags(p)
+    _add_grammar_flags(p)
     a = p.parse_args(argv)
     perf = PerfConfig.from_env(os.environ)
     return WorkerConfig(
@@ -150,8 +158,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes, gpu_pool_bytes=a.gpu_pool_bytes,
         pool_slots=a.pool_slots, host_pool_bytes=a.host_pool_bytes, block_size=a.block_size,
         max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
-        max_prefill_with_decode=a.max_prefill_with_decode,
-        graph_mixed_tokens=a.graph_mixed_tokens,
+        max_prefill_with_decode=a.max_prefill_with_decode, graph_mixed_tokens=a.graph_mixed_tokens,
         max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
         tenant_share=a.tenant_share, eviction=a.eviction, worker_id=a.worker_id,
         **common_values(a),
@@ -162,7 +169,32 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         fair_queue=a.fair_queue == "on",
         warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants,
         precompile_procs=a.precompile_procs,
-        fault_inject_after_steps=a.fault_inject_after_steps)
+        fault_inject_after_steps=a.fault_inject_after_steps, **_grammar_values(a))
+
+
+def _grammar_values(a: argparse.Namespace) -> dict:
+    return {"grammar": GrammarOptions(a.grammar_compile_threads, a.grammar_mask_threads,
+                                      a.grammar_compile_timeout, a.grammar_cache),
+            "tool_call_format": a.tool_call_format}
+
+
+def _add_grammar_flags(p: argparse.ArgumentParser) -> None:
+    """Structured output's flags (services.worker.grammar, token_mask)."""
+    p.add_argument("--grammar-compile-threads", type=int, default=2,
+                   help="grammars (JSON schemas, regexes, ...) compiled at once, on threads of "
+                        "their own (2)")
+    p.add_argument("--grammar-mask-threads", type=int, default=0,
+                   help="threads computing a step's token masks when it has 8 or more "
+                        "constrained rows (0: auto, 1 on a CPU worker, 4 on a GPU) (0)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="a grammar still compiling after this many seconds is refused "
+                        "INVALID_ARGUMENT (10)")
+    p.add_argument("--grammar-cache", type=int, default=512,
+                   help="compiled grammars kept, per grammar and tokenizer (512)")
+    p.add_argument("--tool-call-format", default="auto",
+                   choices=("auto", "none", "hermes", "llama3_json", "mistral"),
+                   help="how the model writes tool calls (the router parses and enforces "
+                        "them in it); auto: read from the chat template (auto)")
 
 
 def _add_start_flags(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,13 @@ request's own refusals (InvalidArgument at submit) are not faults.
 
 The servicer submits sequences and receives TokenEvents through a sink callback (called on the
 engine thread; it must only hand the event over, e.g. loop.call_soon_threadsafe).
+
+Structured output. While some running sequence has a grammar (Sequence.matcher), each step's
+sampled tokens advance the matchers (`grammar.advance`, services.worker.token_mask) as soon as
+they reach the host, before anything else is done with them; a step launched from the one in
+flight with grammar rows is sampled right after (runner.finish: its masks need those tokens),
+so its masks are computed while the device runs its forward pass. A sequence whose grammar is
+complete ends as at EOS; one whose matcher refuses its token (a sampler fault) ends ERROR.
 """
 from __future__ import annotations
 
@@ -85,6 +92,8 @@ class Engine:
         # called once, on the engine thread, when a step raised (see module doc)
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.failed = ""                               # the fatal error, once there is one
+        self.grammar = None          # TokenMasks (structured output; factory.assemble), if on
+        self._constrained = 0        # live sequences with a grammar (0: no grammar work a step)
 
     # --- thread-safe entry points -------------------------------------------------------
     def submit(self, seq: Sequence, sink: Sink) -> None:
@@ -161,6 +170,7 @@ class Engine:
         pending = launch(batch) if launch is not None else None    # raises: fatal (run)
         if pending is None:
             sampled, tokens, lps = self.runner.run(batch)
+            self._advance(sampled, tokens)
         publish = self.scheduler.blocks.publish
         for b in batch:
             seq = b.seq
@@ -216,7 +226,19 @@ class Engine:
                 for b in rows:
                     b.seq.num_computed += 1
         sampled, tokens, lps = self.runner.collect(done)
+        self._advance(sampled, tokens)
+        if self._pending is not None and self._pending.deferred:
+            self.runner.finish(self._pending)      # grammar rows: masks from these tokens
         self._post(sampled, tokens, lps)
+
+    def _advance(self, sampled: list[Scheduled], tokens: list[int]) -> None:
+        """Feed the step's tokens to the grammar rows' matchers (none: nothing to do)."""
+        if not self._constrained:
+            return
+        for seq, error in self.grammar.advance(sampled, tokens):
+            log.error("request %s: its grammar refused a sampled token: %s", seq.request_id,
+                      error)
+            self._finish(seq, Stop.ERROR, error=f"structured output: {error}")
 
     def _continuation(self, batch: list[Scheduled]) -> list[Scheduled] | None:
         """The next decode step of a step in flight, or None when the scheduler must decide:
@@ -253,6 +275,8 @@ class Engine:
                                                           "is already running"))
             elif kind == "add":
                 self._sinks[item.request_id] = (item, sink)
+                if item.matcher is not None:
+                    self._constrained += 1
                 if item.stopping.time_limit_s:
                     self._timed[item.request_id] = item
                 self.scheduler.add(item)
@@ -281,6 +305,8 @@ class Engine:
             seq.first_token = time.monotonic()
         if token in self.eos and not stopping.ignore_eos and seq.num_output >= \
                 seq.sampling.min_tokens:
+            stop = Stop.EOS_TOKEN
+        elif seq.grammar_done:                      # the grammar is complete: as at EOS
             stop = Stop.EOS_TOKEN
         elif len(tokens) - len(seq.prompt) >= stopping.max_new_tokens:     # seq.num_output
             stop = Stop.MAX_TOKENS
@@ -315,6 +341,8 @@ class Engine:
         seq.stop = stop
         if entry is None:
             return
+        if seq.matcher is not None:
+            self._constrained -= 1
         if last is None:
             last = ([], self.detok.detokenize(seq, final=True)[0] if seq.num_output else "",
                     None)

@@ -16,6 +16,7 @@ from services.worker.block_manager import BlockManager
 from services.worker.chat_template import ChatTemplate
 from services.worker.device_pool import DevicePool
 from services.worker.engine import Engine
+from services.worker.grammar import GrammarCompiler, GrammarOptions, compiler_for
 from services.worker.loader import DTYPES, load_weights
 from services.worker.lora_columns import LoraColumns
 from services.worker.model import LlamaModel
@@ -24,6 +25,7 @@ from services.worker.norms import norms_for
 from services.worker.perf_config import PerfConfig
 from services.worker.runner import ModelRunner, kv_blocks_for_budget
 from services.worker.scheduler import Scheduler
+from services.worker.token_mask import TokenMasks, mask_threads
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class EngineOptions:
     fair: bool = True                   # admission in the tenants' VTC order (scheduler.py)
     perf: PerfConfig = field(default_factory=PerfConfig)   # forms of the same math
     fault_inject_after_steps: int = 0   # test hook: forward passes after which one raises
+    grammar: GrammarOptions = field(default_factory=GrammarOptions)   # structured output
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Built:
     device: torch.device
     dtype: torch.dtype
     chat_template: ChatTemplate | None = None    # the checkpoint's (None: the fallback)
+    grammars: GrammarCompiler | None = None      # structured output's compiler (build_engine)
 
 
 def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
@@ -83,8 +87,11 @@ def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions, layers: int
     log.info("loading %s (%s, %d layers, hidden %d) as %s on %s", spec.name, spec.architecture,
              spec.num_layers, spec.hidden_size, str(dtype).replace("torch.", ""), device)
     weights = load_weights(model_dir, spec, dtype, device, first_layers=layers is not None)
-    tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
+    tok_json = (pathlib.Path(model_dir) / "tokenizer.json").read_text()
+    tok = Tokenizer.from_str(tok_json)
     built = assemble(spec, weights, tok, opts, device, dtype, before_capture)
+    built.grammars = compiler_for(tok_json, spec.vocab_size, tuple(spec.eos_token_ids),
+                                  opts.grammar)
     built.chat_template = ChatTemplate.from_model_dir(model_dir)
     log.info("chat template: %s", "the checkpoint's" if built.chat_template else
              "none (chats are rendered as 'role: content' lines)")
@@ -118,6 +125,8 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
                          opts.max_running, max_len, lora=pool.tables, columns=columns)
+    masks = runner.masks = TokenMasks(spec.vocab_size, opts.max_running, device,
+                                      mask_threads(opts.grammar.mask_threads, device))
     scheduler = Scheduler(BlockManager(blocks, opts.block_size, opts.share_prefixes),
                           opts.max_batch_tokens, opts.max_running, fair=opts.fair,
                           max_prefill_with_decode=opts.max_prefill_with_decode)
@@ -132,4 +141,5 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
         runner = FaultyRunner(runner, opts.fault_inject_after_steps)
     engine = Engine(runner, scheduler, tokenizer, spec.eos_token_ids, max_len,
                     overlap=opts.overlap)
+    engine.grammar = masks
     return Built(engine, pool, spec, tokenizer, device, dtype)

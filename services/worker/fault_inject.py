@@ -22,6 +22,7 @@ class FaultyRunner:
         if hasattr(inner, "launch"):
             self.launch = self._launch
             self.collect = inner.collect
+            self.finish = inner.finish
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

@@ -1,6 +1,7 @@
 """The static inputs that captured CUDA graphs read (services.worker.graph_runner), and a step
 launched from one (`PendingStep`: `start_sampling` samples its rows and starts their copy to the
-host, `collect` waits for them).
+host, `collect` waits for them). A step with grammar rows launched from one in flight samples
+later (`finish_sampling`, once the engine has advanced the matchers: services.worker.token_mask).
 
 `StaticInputs` owns two packed device buffers (int64 rows: input ids, positions, KV slots, the
 gather index of a step launched from one in flight, a mixed step's sample rows; int32: q_seq and
@@ -29,6 +30,12 @@ class PendingStep:
     host: torch.Tensor                   # int64 [n], pinned: the copy's destination
     done: torch.cuda.Event | None        # recorded after the copy (None on CPU)
     logprobs: torch.Tensor | None = None  # pack_logprobs' rows, host (pinned): when asked
+    # not sampled yet (grammar rows, launched from a step in flight): finish_sampling samples
+    # the logits with these parameters and masks once the matchers have seen that step's tokens
+    deferred: bool = False
+    logits: torch.Tensor | None = None
+    params: object = None
+    masks: object = None
 
 
 def size32(rows: int, seqs: int, mb: int) -> int:
@@ -96,10 +103,12 @@ class StaticInputs:
 
 
 def start_sampling(batch: list[Scheduled], logits: torch.Tensor, ahead: int,
-                   eos: tuple[int, ...], host_tokens: torch.Tensor) -> PendingStep:
+                   eos: tuple[int, ...], host_tokens: torch.Tensor,
+                   masks=None) -> PendingStep:
     """Sample a launched step's rows (batch, in logits' row order; ahead: 1 when launched from
     a step in flight) and start the copy of their tokens (into host_tokens, pinned) and
-    logprobs, when asked, to the host."""
+    logprobs, when asked, to the host. masks: the grammar rows' TokenMasks; with some and
+    ahead, the step is returned deferred (finish_sampling)."""
     if not batch:         # prompt chunks only: nothing sampled, but an event all the same
         done = torch.cuda.Event() if logits.is_cuda else None  # (collect waits: the
         if done is not None:                  # staging set is not refilled under a copy)
@@ -107,19 +116,34 @@ def start_sampling(batch: list[Scheduled], logits: torch.Tensor, ahead: int,
         return PendingStep([], logits.new_empty(0, dtype=torch.int64),
                            torch.empty(0, dtype=torch.int64), done)
     params = sampling_batch(batch, logits.device, ahead=ahead, eos=eos)
-    tokens = sample(logits, params)
-    host = host_tokens[:len(batch)]
-    host.copy_(tokens, non_blocking=True)
-    lp = None
+    step = PendingStep(batch, None, host_tokens[:len(batch)], None, logits=logits,
+                       params=params)
+    if params.constrained and masks is not None:
+        if ahead:                    # the matchers wait for the tokens in flight
+            step.deferred, step.masks = True, masks
+            return step
+        params.allowed = masks.build(batch)
+    return finish_sampling(step)
+
+
+def finish_sampling(step: PendingStep) -> PendingStep:
+    """Sample a step's rows (a deferred one's grammar masks built now) and start the copy of
+    their tokens and logprobs, when asked, to the host."""
+    logits, params = step.logits, step.params
+    if step.deferred:
+        params.allowed = step.masks.build(step.batch)
+        step.deferred = False
+    tokens = step.tokens = sample(logits, params)
+    step.host.copy_(tokens, non_blocking=True)
     if params.logprobs >= 0:         # asked for: their copy rides the same event
         packed = pack_logprobs(logits, tokens, params.logprobs)
-        lp = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=tokens.is_cuda)
-        lp.copy_(packed, non_blocking=True)
-    done = None
+        step.logprobs = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=tokens.is_cuda)
+        step.logprobs.copy_(packed, non_blocking=True)
     if tokens.is_cuda:
-        done = torch.cuda.Event()
-        done.record()
-    return PendingStep(batch, tokens, host, done, lp)
+        step.done = torch.cuda.Event()
+        step.done.record()
+    step.logits = step.params = step.masks = None
+    return step
 
 
 def collect(pending: PendingStep) -> tuple[list[Scheduled], list[int], list | None]:

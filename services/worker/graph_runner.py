@@ -53,7 +53,8 @@ import torch
 
 from kernels.sgmv_ref import rank_tile
 from services.worker import metrics
-from services.worker.graph_inputs import PendingStep, StaticInputs, collect, start_sampling
+from services.worker.graph_inputs import (PendingStep, StaticInputs, collect, finish_sampling,
+                                          start_sampling)
 from services.worker.lora_meta import LoraMeta
 from services.worker.model import StepContext
 from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
@@ -342,9 +343,11 @@ class GraphRunner:
     def _sampled(self, batch: list[Scheduled], logits: torch.Tensor, ahead: int
                  ) -> PendingStep:
         """graph_inputs.start_sampling into this step's host set."""
-        return start_sampling(batch, logits, ahead, self.eos, self.inputs.filled.tokens)
+        return start_sampling(batch, logits, ahead, self.eos, self.inputs.filled.tokens,
+                              self.runner.masks)
 
     collect = staticmethod(collect)
+    finish = staticmethod(finish_sampling)     # a deferred step (grammar rows), when due
 
     def _graph_key(self, b: int, mask: int, tile: int, columns: bool = False,
                    mixed: bool = False) -> tuple[int, int, int, bool] | None:

@@ -39,6 +39,7 @@ class ModelRunner:
                          for _ in range(spec.num_layers)]
         max_blocks = -(-max_model_len // block_size)
         self.buffers = InputBuffers(max_batch_tokens, max_running, max_blocks, dev)
+        self.masks = None            # structured output's TokenMasks (factory.assemble), if on
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s", num_blocks, block_size,
                  2 * spec.num_layers * self.kv_cache[0][0].numel()
                  * self.kv_cache[0][0].element_size() / 2**20, dev)
@@ -54,6 +55,8 @@ class ModelRunner:
             logits = logits[e:]
         if not inputs.sampled:
             return [], [], None
+        if inputs.sampling.constrained and self.masks is not None:   # while the device runs
+            inputs.sampling.allowed = self.masks.build(inputs.sampled)
         tokens = sample(logits, inputs.sampling)
         k = inputs.sampling.logprobs
         if k < 0:

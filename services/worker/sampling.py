@@ -1,9 +1,10 @@
 """Batched sampling: greedy, temperature, top-k, top-p, the repetition penalty, OpenAI's
-presence and frequency penalties, logit biases, min_tokens, per-request seeds; and the tokens'
-log-probabilities (`pack_logprobs`).
+presence and frequency penalties, logit biases, min_tokens, grammar masks, per-request seeds;
+and the tokens' log-probabilities (`pack_logprobs`).
 
 The logits go through, in order: logit biases, the EOS ban of rows short of min_tokens, the
-repetition penalty, the presence and frequency penalties, then temperature, top-k and top-p.
+repetition penalty, the presence and frequency penalties, the grammar's token mask
+(structured output: services.worker.token_mask), then temperature, top-k and top-p.
 Log-probabilities are the model's own (log-softmax of the raw logits), as vLLM reports them
 by default.
 
@@ -55,12 +56,15 @@ class SamplingBatch:
     eos_ban: torch.Tensor | None = None     # bool [R] rows short of min_tokens
     eos_ids: torch.Tensor | None = None     # int64 [E] the model's end tokens
     logprobs: int = -1                      # the most alternatives a row asks for; -1: none
+    constrained: bool = False               # some row has a grammar (its mask: allowed)
+    allowed: torch.Tensor | None = None     # int32 [R, ceil(V/32)] token bitmask (1: allowed)
 
     @property
     def processed(self) -> bool:
         """Whether any logits processor runs (else greedy rows take the raw argmax)."""
         return (self.penalty is not None or self.presence is not None
-                or self.bias_ids is not None or self.eos_ban is not None)
+                or self.bias_ids is not None or self.eos_ban is not None
+                or self.allowed is not None)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, penalty: torch.Tensor,
@@ -99,7 +103,27 @@ def process(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         logits = apply_repetition_penalty(logits, b.penalty, b.history)
     if b.presence is not None:
         logits = apply_openai_penalties(logits, b.presence, b.frequency, b.output)
+    if b.allowed is not None:
+        logits = apply_bitmask(logits, b.allowed)
     return logits
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Semantics: out[r, v] = -inf if (bitmask[r, v // 32] >> (v % 32)) & 1 == 0 else
+    logits[r, v]. logits float [R, V], bitmask int32 [R, ceil(V/32)] (an unconstrained row is
+    all ones, so untouched). One batched op over the rows (a few elementwise launches), on the
+    logits' device, never a host sync."""
+    shifts = _SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32,
+                                                       device=logits.device)
+    r, v = logits.shape
+    bits = (bitmask[:, :, None] >> shifts) & 1                       # [R, W, 32]
+    allowed = bits.view(r, -1)[:, :v].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def pack_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:

@@ -49,7 +49,8 @@ def sampling_batch(sampled: list[Scheduled], device: torch.device, ahead: int = 
         all_greedy=all(p.greedy for p in params),
         presence=f32[3] if openai else None, frequency=f32[4] if openai else None,
         output=_host_to_device(_history(sampled, True), device) if openai else None,
-        logprobs=max(p.logprobs for p in params))
+        logprobs=max(p.logprobs for p in params),
+        constrained=any(p.constrained for p in params))
     if any(p.logit_bias for p in params):
         batch.bias_ids, batch.bias = (_host_to_device(a, device) for a in _biases(params))
     mins = np.fromiter((p.min_tokens for p in params), np.int64, len(params))

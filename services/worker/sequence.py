@@ -37,6 +37,7 @@ class Sampling:
     min_tokens: int = 0               # the EOS tokens are not sampled before this many
     logprobs: int = -1                # -1: none; 0: the sampled token's; k: and the top k
     prompt_logprobs: int = -1         # the same for the prompt's tokens (echo)
+    constrained: bool = False         # a grammar masks the tokens (Sequence.matcher)
 
     @property
     def greedy(self) -> bool:
@@ -52,7 +53,7 @@ class Sampling:
     def plain(self) -> bool:
         """Greedy argmax of the raw logits, nothing else asked: the batch's fast path."""
         return (self.temperature <= 0.0 and not self.history and not self.logit_bias
-                and self.min_tokens == 0 and self.logprobs < 0)
+                and self.min_tokens == 0 and self.logprobs < 0 and not self.constrained)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,10 @@ class Sequence:
     # as the prompt is computed, handed on with the first token (then None)
     prompt_lps: list | None = None
     charged_output: int = 0              # output tokens charged to the tenant's counter
+    # structured output: the grammar's matcher (llguidance, services.worker.grammar), advanced
+    # with each sampled token; grammar_done once the grammar is complete (the output ends)
+    matcher: object = None
+    grammar_done: bool = False
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -19,8 +20,8 @@ from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, work
 from services.common.telemetry import incoming_context, traced, tracer
 from services.worker import metrics
 from services.worker.adapter_manager import Acquired, AdapterManager
-from services.worker import token_info
-from services.worker.chat_template import check_messages, fallback as chat_fallback
+from services.worker import structured, token_info
+from services.worker.chat_template import check_messages, check_tools, fallback as chat_fallback
 from services.worker.token_info import TokenTexts
 from services.worker.config import WorkerConfig
 from services.worker.engine import TokenEvent
@@ -139,7 +140,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.messages:
             if request.text:
                 raise InvalidArgument("messages: give messages or text, not both")
-            return (await self._encode_chat(request.messages)).ids
+            return (await self._encode_chat(request.messages, request.tools)).ids
         if not request.text:
             raise InvalidArgument("text: empty prompt (give text or prompt_token_ids)")
         return (await self._encode(request.text)).ids
@@ -158,19 +159,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return await asyncio.to_thread(self.built.tokenizer.encode, text,
                                        add_special_tokens=special)
 
-    async def _encode_chat(self, messages):
-        """A chat rendered with the checkpoint's template (services.worker.chat_template) and
-        encoded as apply_chat_template does; without a template, the fallback transcript."""
-        chat = check_messages(messages)
-        size = sum(len(m["content"]) for m in chat)
+    async def _encode_chat(self, messages, tools=()):
+        """A chat (and its tools) rendered with the checkpoint's template (services.worker.
+        chat_template) and encoded as apply_chat_template does; without a template, the
+        fallback transcript (the tools are not rendered then)."""
+        size = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+                   for m in messages) + sum(len(t.parameters_json) for t in tools)
         if size > self.engine.max_model_len * self._chars_per_token:
             raise InvalidArgument(f"messages: {size} characters cannot fit the model's "
                                   f"{self.engine.max_model_len} tokens")
+        chat, tool_list = check_messages(messages), check_tools(tools)
         template = self.built.chat_template
         if template is None:
             return await self._encode(chat_fallback(chat), field="messages")
-        text = template.render(chat) if size <= 4096 else \
-            await asyncio.to_thread(template.render, chat)
+        text = template.render(chat, tools=tool_list) if size <= 4096 else \
+            await asyncio.to_thread(template.render, chat, True, tool_list)
         return await self._encode(text, special=False, field="messages")
 
     @functools.cached_property
@@ -203,6 +206,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         sampling = sampling_from(request.sampling, request.stopping, request.response,
                                  self.built.spec.vocab_size)
         stopping = stopping_from(request.stopping, self.cfg)
+        matcher = await structured.matcher(self.built.grammars, request.sampling, request.stopping)
+        if matcher is not None:
+            sampling = dataclasses.replace(sampling, constrained=True)
         acq = None
         if request.adapter.id:
             acq = await self.manager.acquire(request.adapter.id, request.adapter.version,
@@ -211,7 +217,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         seq = Sequence(f"{request.request_id or 'req'}#{next(_ids)}", prompt,
                        slot=acq.slot if acq else -1, adapter=acq.key if acq else "",
                        tenant=request.tenant, sampling=sampling, stopping=stopping,
-                       arrival=arrival)
+                       arrival=arrival, matcher=matcher)
         # prompt blocks are shared within a tenant and adapter version (block_manager)
         seq.prefix_key = hashlib.blake2b(f"{request.tenant}\0{seq.adapter}".encode(),
                                          digest_size=16).digest()
@@ -254,6 +260,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.manager.release(acq.key)
             raise
         return events
+
+    @functools.cached_property
+    def tool_call_format(self) -> str:
+        """How the template has the model write tool calls (--tool-call-format, else read from
+        the template: services.worker.chat_template)."""
+        return structured.tool_call_format(self.cfg.tool_call_format, self.built.chat_template)
 
     @functools.cached_property
     def token_texts(self) -> TokenTexts:
@@ -319,7 +331,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Tokenize(self, request, context):
         if request.messages and request.text:
             raise InvalidArgument("messages: give messages or text, not both")
-        enc = await (self._encode_chat(request.messages) if request.messages
+        enc = await (self._encode_chat(request.messages, request.tools) if request.messages
                      else self._encode(request.text))
         return wpb.WorkerTokenizeResponse(token_ids=enc.ids, tokens=enc.tokens)
 
@@ -348,6 +360,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             host_resident=len(m.host), device=str(self.built.device),
             eos_token_id=s.eos_token_ids[0] if s.eos_token_ids else 0,
             has_chat_template=self.built.chat_template is not None,
+            tool_call_format=self.tool_call_format,
             cold_load_records=(m.log.since(request.cold_loads_since)
                                if request.cold_load_records else []),
             cold_load_seq=m.log.seq)

@@ -1,0 +1,89 @@
+"""Structured output, the step side: each constrained row's token mask, computed on CPU threads
+while the device runs the step's forward pass, then applied to the logits on the device in one
+batched op before sampling (services.worker.sampling.apply_bitmask).
+
+A row's matcher (services.worker.grammar) is advanced with each token its sequence samples
+(`advance`, once a step, right after the step's tokens reach the host), and then gives the
+mask of the tokens that keep the output a prefix of the grammar's language (`build`: one bit a
+token, int32 words [R, ceil(V/32)], unconstrained rows all ones). llguidance's executor
+computes the rows' masks on its own threads (`mask_threads`, the GIL dropped), into one of two
+pinned host buffers used in turn, whose rows go to the device in one copy that does not wait.
+
+When the step was launched from one still in flight (services.worker.engine's overlap), its
+rows' matchers have not yet seen the tokens of the step before: its sampling waits
+(`PendingStep.deferred`) until the engine has collected those tokens and advanced the
+matchers, and the mask is computed then, while the device runs the forward pass. A step
+without constrained rows computes and copies nothing, and its rows' logits are untouched.
+"""
+from __future__ import annotations
+
+import time
+
+import llguidance
+import torch
+from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
+
+from services.worker.scheduler import Scheduled
+
+PARALLEL_ROWS = 8          # a step's constrained rows from which the executor's threads help
+
+
+def mask_threads(threads: int, device: torch.device) -> int:
+    """--grammar-mask-threads: 0 = auto, 1 on a CPU worker (its own threads would compete
+    with torch's for the cores), 4 on a GPU worker."""
+    return threads or (1 if device.type == "cpu" else 4)
+
+
+class TokenMasks:
+    """Masks for steps of up to `rows` sampling rows over a vocabulary of `vocab` tokens (the
+    logits' width)."""
+
+    def __init__(self, vocab: int, rows: int, device: torch.device, threads: int):
+        self.vocab, self.device = vocab, device
+        self.words = (vocab + 31) // 32
+        self.threads = threads
+        self.executor = llguidance.LLExecutor(threads) if threads > 1 else None
+        pin = device.type == "cuda"
+        self._host = [torch.full((rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
+                      for _ in range(2)]
+        self._flip = 0
+        self.mask_seconds = 0.0            # host time computing masks (benchmarks read it)
+        self.masks = 0                     # steps that built a mask
+        self.advance_seconds = 0.0         # host time feeding sampled tokens to matchers
+
+    def advance(self, sampled: list[Scheduled], tokens: list[int]) -> list:
+        """Feed each constrained row's sampled token to its matcher; marks sequences whose
+        grammar is complete (seq.grammar_done). Returns [(seq, error)] for rows whose matcher
+        refused its token (a sampler fault: the mask did not allow it)."""
+        start, failed = time.perf_counter(), []
+        for b, tok in zip(sampled, tokens):
+            seq = b.seq
+            m = seq.matcher                    # (a sequence ended meanwhile: its token is
+            if m is None or seq.grammar_done or seq.stop:                     # dropped)
+                continue
+            if not m.consume_token(tok):
+                failed.append((seq, m.get_error() or "token refused"))
+            elif m.is_stopped():
+                seq.grammar_done = True
+        self.advance_seconds += time.perf_counter() - start
+        return failed
+
+    def build(self, sampled: list[Scheduled]) -> torch.Tensor | None:
+        """The bitmask of these rows (in sampling order) on the device, int32 [R, words];
+        None when no row is constrained."""
+        rows = [(b.seq.matcher, i) for i, b in enumerate(sampled)
+                if b.seq.matcher is not None]
+        if not rows:
+            return None
+        start = time.perf_counter()
+        host = self._host[self._flip][:len(sampled)]
+        self._flip ^= 1
+        host.fill_(-1)
+        if self.executor is not None and len(rows) >= PARALLEL_ROWS:
+            fill_next_token_bitmask_par(self.executor, rows, host)
+        else:
+            for m, i in rows:
+                fill_next_token_bitmask(m, host, i)
+        self.mask_seconds += time.perf_counter() - start
+        self.masks += 1
+        return host.to(self.device, non_blocking=True)

@@ -1,0 +1,223 @@
+"""Structured output in the worker, in process on the CPU: the grammar compiler (errors naming
+the field, the cache, the time bound, tokens past the tokenizer's never allowed), the batched
+mask against a per-token reference, and the engine stepping constrained rows beside free ones
+(seeded, so a free row's tokens must be exactly what they are without constrained neighbours)
+both eagerly and through the overlap path that GPU graph steps take (a step launched from the
+one in flight samples only once the matchers have seen that step's tokens)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from services.common.errors import InvalidArgument
+from services.common.gen.lorafleet.v1 import common_pb2
+from services.worker.factory import EngineOptions, build_engine
+from services.worker.grammar import GrammarCompiler, GrammarOptions
+from services.worker.graph_inputs import collect, finish_sampling, start_sampling
+from services.worker.sampling import apply_bitmask
+from services.worker.sequence import Sampling, Sequence, Stop, Stopping
+from tests.support import MODEL_DIR
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "n", "tags"], "additionalProperties": False}
+REGEX = r"[a-z]{2,5}-[0-9]{2}"
+
+
+@pytest.fixture(scope="module")
+def built():
+    b = build_engine(MODEL_DIR, EngineOptions(device="cpu", dtype="float32"))
+    yield b
+    b.grammars.close()
+
+
+def compiler(**kw) -> GrammarCompiler:
+    return GrammarCompiler((MODEL_DIR / "tokenizer.json").read_text(), 1024, (2,),
+                           GrammarOptions(**kw))
+
+
+def matcher(c: GrammarCompiler, **grammar):
+    return asyncio.run(c.matcher(common_pb2.Grammar(**grammar)))
+
+
+@pytest.mark.parametrize("grammar, field", [
+    ({"json_schema": '{"type": "objekt"}'}, "sampling.grammar.json_schema: "),
+    ({"json_schema": "{nope"}, "sampling.grammar.json_schema: not JSON"),
+    ({"regex": "(a"}, "sampling.grammar.regex: "),
+    ({"lark": "start: nothing_defined"}, "sampling.grammar.lark: "),
+    ({"ebnf": "root ::= ("}, "sampling.grammar.ebnf: "),
+    ({"choice": common_pb2.Choice()}, "sampling.grammar.choice: "),
+    ({}, "sampling.grammar: set one of"),
+])
+def test_a_bad_grammar_is_invalid_argument_naming_the_field(grammar, field):
+    c = compiler()
+    with pytest.raises(InvalidArgument) as err:
+        matcher(c, **grammar)
+    assert err.value.message.startswith(field), err.value.message
+
+
+def test_compiled_grammars_are_cached_and_shared_by_concurrent_requests():
+    c = compiler()
+    g = common_pb2.Grammar(json_schema=json.dumps(SCHEMA))
+
+    async def many():
+        return await asyncio.gather(*(c.matcher(g) for _ in range(8)))
+    ms = asyncio.run(many())
+    assert c.compiles == 1 and len({id(m) for m in ms}) == 8     # one compile, fresh copies
+    matcher(c, json_schema=json.dumps(SCHEMA))
+    matcher(c, regex=REGEX)
+    assert c.compiles == 2
+
+
+def test_a_compile_past_the_time_bound_is_refused():
+    c = compiler(timeout_s=1e-6)
+    with pytest.raises(InvalidArgument, match=r"sampling.grammar.regex: did not compile within"):
+        matcher(c, regex="[a-z]{1,200}(x|y){3,90}")
+
+
+def test_tokens_past_the_tokenizer_and_eos_follow_the_grammar():
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+    c = compiler()
+    m = matcher(c, choice=common_pb2.Choice(options=["ab"]))
+    mask = allocate_token_bitmask(1, 1024)
+    fill_next_token_bitmask(m, mask)
+    allowed = apply_bitmask(torch.zeros(1, 1024), mask)[0] == 0
+    assert not allowed[915:].any() and not allowed[2]        # padding ids, EOS before "ab"
+    for t in (c.tokenizer.tokenize_str("ab")):
+        assert m.consume_token(t)
+    assert m.is_stopped()
+
+
+def test_the_batched_mask_matches_a_per_token_reference():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 1000, generator=g)
+    bits = torch.randint(0, 2, (7, 1024), generator=g, dtype=torch.int64)
+    bits[3] = 1                                                # an unconstrained row
+    words = (bits.view(7, 32, 32) << torch.arange(32)).sum(-1)
+    mask = words.to(torch.int64).apply_(lambda w: w - (1 << 32) if w >= 1 << 31 else w)
+    out = apply_bitmask(logits, mask.to(torch.int32))
+    ref = torch.where(bits[:, :1000].bool(), logits, torch.tensor(float("-inf")))
+    assert torch.equal(out, ref) and torch.equal(out[3], logits[3])
+
+
+class LaunchingRunner:
+    """The GPU graph runner's launch/collect/finish contract on the CPU: a step launched from
+    one in flight reads that step's tokens as its inputs (the graphs gather them on the
+    device), and with grammar rows it samples only when the engine says (finish)."""
+
+    def __init__(self, runner):
+        self.runner, self.masks = runner, runner.masks
+        self.hosts = [torch.zeros(256, dtype=torch.int64) for _ in range(2)]  # used in turn,
+        # as the graph runner's host sets: a step's tokens outlive the next one's launch
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def launch(self, batch, prev=None):
+        if any(not b.samples or b.num_tokens != 1 for b in batch) and prev is None:
+            return None                          # prefill steps run (eagerly), as on the GPU
+        ahead = []
+        if prev is not None:                     # the in-flight tokens, as the inputs
+            tokens = dict(zip((id(b.seq) for b in prev.batch), prev.host.tolist()))
+            ahead = [b.seq for b in batch]
+            for seq in ahead:
+                seq.tokens.append(tokens[id(seq)])
+        try:
+            inputs = self.runner.steps.eager(batch, self.runner.buffers)
+            logits = self.runner.model.forward(inputs.input_ids, inputs.ctx,
+                                               self.runner.kv_cache)
+        finally:
+            for seq in ahead:
+                seq.tokens.pop()
+        self.hosts.reverse()
+        return start_sampling(inputs.sampled, logits, int(prev is not None),
+                              self.runner.steps.eos, self.hosts[0], self.masks)
+
+    collect = staticmethod(collect)
+    finish = staticmethod(finish_sampling)
+
+
+def run_requests(built, specs, overlap: bool):
+    """specs: (grammar kwargs or None, seed) per request; their texts and final events."""
+    eng = built.engine
+    eng.overlap = overlap
+    saved = eng.runner
+    if overlap:
+        eng.runner = LaunchingRunner(saved)
+    out, prompt = {}, built.tokenizer.encode("Tell me about the weather.").ids
+    try:
+        for i, (grammar, seed) in enumerate(specs):
+            m = asyncio.run(built.grammars.matcher(common_pb2.Grammar(**grammar))) \
+                if grammar else None
+            seq = Sequence(f"r{i}", prompt, sampling=Sampling(temperature=1.0, seed=seed,
+                                                              constrained=m is not None),
+                           stopping=Stopping(max_new_tokens=80), matcher=m)
+            eng.submit(seq, lambda ev, i=i: out.setdefault(i, []).append(ev))
+        for _ in range(500):
+            if not eng.step() and len(out) == len(specs) and all(
+                    e[-1].stop is not Stop.NONE for e in out.values()):
+                break
+    finally:
+        eng.runner, eng.overlap = saved, True
+    return {i: ("".join(e.text for e in evs), evs[-1]) for i, evs in out.items()}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_constrained_rows_beside_free_ones(built, overlap):
+    schema = {"json_schema": json.dumps(SCHEMA)}
+    specs = [(schema, 11), (None, 12), ({"regex": REGEX}, 13), (None, 14), (schema, 15),
+             ({"choice": common_pb2.Choice(options=["sunny", "rain"])}, 16)]
+    got = run_requests(built, specs, overlap)
+    alone = run_requests(built, [s for s in specs if s[0] is None], overlap)
+    for i, (grammar, _) in enumerate(specs):
+        text, last = got[i]
+        if grammar is None:
+            continue
+        assert last.stop is Stop.EOS_TOKEN, (text, last.stop)     # the grammar completed
+        if "json_schema" in grammar:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        elif "regex" in grammar:
+            assert re.fullmatch(REGEX, text)
+        else:
+            assert text in ("sunny", "rain")
+    free = [got[i][0] for i, s in enumerate(specs) if s[0] is None]
+    assert free == [t for t, _ in alone.values()]       # rows without a grammar: untouched
+    if overlap:
+        assert built.engine.grammar.masks > 0
+    eager = run_requests(built, specs, overlap=False)
+    assert {i: t for i, (t, _) in got.items()} == {i: t for i, (t, _) in eager.items()}
+
+
+def test_max_tokens_mid_object_ends_max_tokens(built):
+    got = run_requests(built, [({"json_schema": json.dumps(SCHEMA)}, 3)], overlap=True)
+    text, last = got[0]
+    assert last.stop is Stop.EOS_TOKEN and last.generated_tokens > 4
+    eng = built.engine
+    m = asyncio.run(built.grammars.matcher(common_pb2.Grammar(json_schema=json.dumps(SCHEMA))))
+    seq = Sequence("cut", built.tokenizer.encode("Hi").ids, matcher=m,
+                   sampling=Sampling(temperature=1.0, seed=3, constrained=True),
+                   stopping=Stopping(max_new_tokens=4))
+    events = []
+    eng.submit(seq, events.append)
+    while eng.step():
+        pass
+    assert events[-1].stop is Stop.MAX_TOKENS and events[-1].generated_tokens == 4
+    assert text.startswith("".join(e.text for e in events))    # the same seed, cut short
+
+
+def test_a_tokenizer_llguidance_cannot_read_turns_structured_output_off():
+    from tokenizers import Tokenizer, decoders, models
+    from services.worker.grammar import compiler_for
+    from services.worker.structured import matcher as request_matcher
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    assert compiler_for(tok.to_str(), 3, (0,), GrammarOptions()) is None
+    sampling = common_pb2.SamplingParams(grammar=common_pb2.Grammar(regex="a"))
+    with pytest.raises(InvalidArgument, match="sampling.grammar: structured output is off"):
+        asyncio.run(request_matcher(None, sampling, common_pb2.StoppingCriteria()))
