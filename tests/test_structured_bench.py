@@ -1,4 +1,4 @@
-"""bench/structured_bench.py runs on the CPU with a tiny shape (--cpu), as the lead's GPU run
+"""bench.engine.structured runs on the CPU with a tiny shape (--cpu), as the lead's GPU run
 does on a card: the decode step at 0%, 50% and 100% constrained rows, the host mask time, the
 compile times, written as structured-cpu.{json,md} with the date, card and versions."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.support import ROOT
 
 
 def test_the_benchmark_runs_on_the_cpu_and_writes_its_results(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "structured_bench.py"), "--cpu",
+    out = subprocess.run([sys.executable, "-m", "bench.engine.structured", "--cpu",
                           "--out", str(tmp_path), "--new", "12", "--schemas", "3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

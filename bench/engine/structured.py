@@ -2,7 +2,7 @@
 rows constrained by a JSON schema, the host time of the token masks a step, and the compile
 time of a set of schemas.
 
-The engine in process (as bench/e2e_gpu_bench.py runs it): on a GPU a Llama-2-7B-shaped model
+The engine in process (as bench.engine.e2e runs it): on a GPU a Llama-2-7B-shaped model
 with random bf16 weights, decode steps replayed from CUDA graphs with the overlap on, batch 64,
 every row sampling at temperature 1 (constrained or not, so only the mask differs), prompts of
 128 tokens and 128 new tokens; the decode step is the median wall time of the engine steps
@@ -18,34 +18,33 @@ it is computed while the device runs: the step should not grow). Compile: each s
 (objects, arrays, enums, nested, bounded strings; and two large ones), uncached, with its first
 mask.
 
-    python bench/structured_bench.py                        # on the H100/H200: bench/results
-    python bench/structured_bench.py --cpu --out /tmp/s     # a tiny shape on the CPU (tests)
+    python -m bench.engine.structured                       # on the H100/H200: bench/results
+    python -m bench.engine.structured --cpu --out /tmp/s    # a tiny shape on the CPU (tests)
 
-Writes structured-<card>.json and .md (date, card, versions, commit) under --out.
+Writes OUT/structured-<card>.{json,md} (date, card, versions, commit; `cpu` under --cpu).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
+import dataclasses
 import json
 import pathlib
-import platform
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from services.common.gen.lorafleet.v1 import common_pb2  # noqa: E402
-from services.worker.factory import EngineOptions, assemble  # noqa: E402
-from services.worker.grammar import GrammarCompiler, GrammarOptions  # noqa: E402
-from services.worker.model_spec import ModelSpec  # noqa: E402
-from services.worker.sequence import Sampling, Sequence, Stopping  # noqa: E402
+from bench.lib.header import RESULTS, base_header
+from bench.lib.synthetic import llama7b_spec, random_weights
+from services.common.gen.lorafleet.v1 import common_pb2
+from services.worker.factory import EngineOptions, assemble
+from services.worker.grammar import GrammarCompiler, GrammarOptions
+from services.worker.model_spec import ModelSpec
+from services.worker.sequence import Sampling, Sequence, Stopping
 
 # a row's schema: records with integers, enums and bounded strings, at least 64 of them, so a
 # sampled row never ends it within a run (the batch stays full)
@@ -55,29 +54,16 @@ LONG = {"type": "array", "minItems": 64, "items": {"type": "object", "properties
     "required": ["id", "name", "kind", "note"], "additionalProperties": False}}
 
 
+# the CPU shape: 2 layers, hidden 128, 4 heads (MHA) of 32, fp32
+CPU_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4,
+             "num_kv_heads": 4, "head_dim": 32, "torch_dtype": "float32"}
+
+
 def spec_for(vocab: int, cpu: bool) -> ModelSpec:
-    """Llama-2-7B's shape on a GPU; a 2-layer 128-wide one on the CPU."""
-    h, i, layers, heads, hd = (128, 256, 2, 4, 32) if cpu else (4096, 11008, 32, 32, 128)
-    return ModelSpec(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=h,
-                     intermediate_size=i, num_layers=layers, num_heads=heads,
-                     num_kv_heads=heads, head_dim=hd, rms_norm_eps=1e-5, rope_theta=10000.0,
-                     rope_scaling=None, max_position=4096, tie_word_embeddings=False,
-                     qkv_bias=False, eos_token_ids=(2,), bos_token_id=1,
-                     torch_dtype="float32" if cpu else "bfloat16", name="structured-bench")
-
-
-def random_weights(spec: ModelSpec, device, dtype) -> dict:
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def rnd(*shape):
-        return (torch.randn(*shape, generator=g, device=device) * 0.02).to(dtype)
-    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
-    ones = lambda: torch.ones(h, device=device, dtype=dtype)  # noqa: E731
-    layers = [{"in_norm": ones(), "post_norm": ones(), "qkv": rnd(q + 2 * kv, h),
-               "o": rnd(h, q), "gate_up": rnd(2 * i, h), "down": rnd(h, i)}
-              for _ in range(spec.num_layers)]
-    return {"embed": rnd(spec.vocab_size, h), "norm": ones(), "lm_head": rnd(spec.vocab_size, h),
-            "layers": layers}
+    """Llama-2-7B's spec (bench.lib.synthetic) with the tokenizer's vocabulary on a GPU; on the
+    CPU that spec in a 2-layer 128-wide shape."""
+    return dataclasses.replace(llama7b_spec(), vocab_size=vocab, name="structured-bench",
+                               **(CPU_SHAPE if cpu else {}))
 
 
 def synthetic_tokenizer(vocab: int, seed: int = 0) -> str:
@@ -106,7 +92,6 @@ def synthetic_tokenizer(vocab: int, seed: int = 0) -> str:
 
 def schemas(n: int) -> list[dict]:
     """n varied schemas (as the structured-output tests make them) and two large ones."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
     out = []
     for i in range(n):
         rng = random.Random(i)
@@ -206,22 +191,15 @@ def compile_rows(built, count: int) -> list[dict]:
 
 
 def header(args, vocab: int) -> dict:
+    """bench.lib.header's (the card `cpu` under --cpu) with the versions this one reports at
+    its top and the run's settings."""
     import llguidance
-    card = "cpu" if args.cpu else torch.cuda.get_device_name()
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "card": card, "torch": torch.__version__, "triton": triton_version,
-            "llguidance": llguidance.__version__, "python": platform.python_version(),
-            "commit": commit, "batch": args.batch, "prompt": args.prompt, "new": args.new,
+    head = base_header("cpu" if args.cpu else "cuda")
+    versions = {**head["versions"], "llguidance": llguidance.__version__}
+    return {**head, "card": "cpu" if args.cpu else head["card"], "versions": versions,
+            "torch": torch.__version__, "triton": versions.get("triton"),
+            "llguidance": llguidance.__version__, "python": versions["python"],
+            "batch": args.batch, "prompt": args.prompt, "new": args.new,
             "vocab": vocab, "tokenizer": args.tokenizer or f"synthetic BPE ({args.vocab})",
             "mask_threads": args.mask_threads or "auto",
             "model": "2 layers, hidden 128, fp32 (CPU)" if args.cpu else
@@ -269,7 +247,7 @@ def write(out: pathlib.Path, head: dict, decode: list[dict], compiles: list[dict
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--cpu", action="store_true", help="a tiny shape on the CPU (a smoke run)")
     p.add_argument("--tokenizer", default="", help="a tokenizer.json (default: synthetic BPE)")
     p.add_argument("--vocab", type=int, default=0, help="synthetic BPE size (32000; CPU 2000)")
