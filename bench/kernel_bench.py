@@ -11,7 +11,7 @@ weights) / time, next to a device-to-device copy measured in the same run.
 Writes DIR/kernels-h200.json, DIR/kernels-h200.md and DIR/kernels-h200.png (if matplotlib).
 "ours" is what the engine's eager steps run (kernels.sgmv.sgmv with the host tables: split-K at
 decode sizes, fused above, cuBLAS pairs for one adapter of rank >= 64); captured decode graphs
-run the kernels only (the "fused"/"split" columns, as kernels.sgmv.use_split picks).
+run the kernels only (the "fused"/"split" columns, as kernels.sgmv_choice.use_split picks).
 "ours_fused" and "ours_split" are the two kernels on every shape.
 
 --vllm-src is a folder holding vLLM's lora_shrink_op.py, lora_expand_op.py, kernel_utils.py and
@@ -221,7 +221,8 @@ def impl_fn(name, p, y, vllm):
     args = (y, p["x"], p["pool"], p["a_off"], p["b_off"], p["ranks"], p["scales"],
             [0, p["hidden"]], p["seg_start"], p["seg_slot"], p["rank"])
     if name == "ours":          # what the engine's eager steps call (with the host tables)
-        from kernels.sgmv import HostSegments, only_live_segment, sgmv
+        from kernels.sgmv import sgmv
+        from kernels.sgmv_choice import HostSegments, only_live_segment
         host = HostSegments(only_live_segment(p["starts"] + [p["t"]], p["slots"] + [-1]),
                             p["a_off"].cpu().numpy(), p["b_off"].cpu().numpy(),
                             p["ranks"].cpu().numpy(), p["scales"].cpu().numpy())

@@ -36,7 +36,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.kernel_bench import time_us  # noqa: E402
-from kernels.sgmv_ref import rank_tile  # noqa: E402
+from kernels.sgmv_choice import rank_tile  # noqa: E402
 from kernels.shrink_blocks import RB, shrink_blocks  # noqa: E402
 from kernels.sgmv_split import (Shrunk, expand, expand_columns, pick_split_config,  # noqa: E402
                                 sgmv_split)

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from kernels.sgmv_choice import rank_tile
+
 
 def sgmv_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.Tensor,
              b_off: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
@@ -57,12 +59,6 @@ def sgmv_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.
             delta = (xs @ a.t()) @ bt
             y[lo:hi, c0:c1] += (delta * scale_of[s]).to(y.dtype)
     return y
-
-
-def rank_tile(rank: int) -> int:
-    """The rank tile (the kernels' RANK_BLOCK) that serves adapters up to this rank: the next
-    power of two, at least 16. A captured decode graph bakes one in."""
-    return max(16, 1 << max(0, int(rank) - 1).bit_length())
 
 
 def expand_columns_ref(y: torch.Tensor, v_cols: torch.Tensor, col_slot: torch.Tensor,

@@ -51,7 +51,7 @@ import time
 import numpy as np
 import torch
 
-from kernels.sgmv_ref import rank_tile
+from kernels.sgmv_choice import rank_tile
 from services.worker import metrics
 from services.worker.graph_inputs import PendingStep, StaticInputs, collect, start_sampling
 from services.worker.lora_meta import LoraMeta

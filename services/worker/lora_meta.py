@@ -14,8 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels.sgmv import HostSegments, LoraArgs
-from kernels.sgmv_ref import rank_tile
+from kernels.sgmv import LoraArgs
+from kernels.sgmv_choice import HostSegments, rank_tile
 from services.worker.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns
 from services.worker.lora_tables import LoraTables
 from services.worker.model_spec import GROUP_BIT

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.sgmv import only_live_segment
+from kernels.sgmv_choice import only_live_segment
 from services.worker import lora_meta
 from services.worker.lora_columns import LoraColumns
 from services.worker.lora_meta import LoraMeta

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sgmv_ref import rank_tile
+from kernels.sgmv_choice import rank_tile
 from services.worker.adapter_layout import staged_from_tensors
 from services.worker.device_pool import PoolFull
 from services.worker.engine import Engine
