@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
 from services.worker.device_pool import DevicePool  # noqa: E402
-from services.worker.model_spec import ModelSpec  # noqa: E402
+from services.worker.model.spec import ModelSpec  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -89,7 +89,7 @@ def lora(y, x, a: LoraArgs, impl: str = "auto"):
 
 def lora_expand_columns(y, v_cols, col_slot, a: LoraArgs, impl: str = "auto"):
     """The LoRA expand with v read from columns of the base GEMM's output (column LoRA, see
-    services.worker.lora_columns and kernels.sgmv_ref.expand_columns_ref for the semantics;
+    services.worker.model.lora_columns and kernels.sgmv_ref.expand_columns_ref for the semantics;
     a.a_off is not read): the split expand kernel on CUDA (impl="split" forces it, for the
     interpreter), else the torch reference."""
     if impl not in ("auto", "split", "torch"):

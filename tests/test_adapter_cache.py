@@ -54,7 +54,7 @@ def world(tmp_path_factory):
 
 def pool_bytes_for(root: pathlib.Path, k: int) -> int:
     """Bytes of a device pool that holds exactly k of these (equal-sized) adapters."""
-    from services.worker.model_spec import load_spec
+    from services.worker.model.spec import load_spec
     from services.worker.range_alloc import RangeAllocator
     spec = load_spec(root / "base")
     lay = staged_from_peft_dir(root / "adapters" / "a000", spec)

@@ -23,7 +23,7 @@ from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, common_pb2
 from services.worker.adapter_layout import staged_from_peft_dir
 from services.worker.host_tier import HostTier
-from services.worker.model_spec import load_spec
+from services.worker.model.spec import load_spec
 from services.worker.store_client import StoreClient
 from tests.support import DEMO_ADAPTERS, MODEL_DIR, Service
 from tests.test_store_support import StoreClient as StoreApi, sha256

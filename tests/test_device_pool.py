@@ -17,7 +17,7 @@ from services.common.errors import InvalidArgument
 from services.worker.adapter_layout import (OFFSET_ALIGN, staged_from_peft_dir,
                                             staged_from_tensors)
 from services.worker.device_pool import DevicePool
-from services.worker.model_spec import GROUPS, MODULE_GROUP, load_spec
+from services.worker.model.spec import GROUPS, MODULE_GROUP, load_spec
 from tests.support import DEMO_ADAPTERS, MODEL_DIR
 
 
@@ -185,12 +185,12 @@ def test_the_pool_folds_norm_weights_into_the_a_of_folded_groups():
 
 @pytest.mark.parametrize("kn", [False, True])
 def test_column_blocks_hold_each_adapters_a_rows_in_either_weight_layout(kn):
-    """Column LoRA (services.worker.lora_columns): the extended q/k/v weight keeps the base
+    """Column LoRA (services.worker.model.lora_columns): the extended q/k/v weight keeps the base
     weight's values and memory layout (a CUDA model stores it column-major), the model's
     weight becomes a view of its first rows, and placing an adapter writes its q/k/v A rows
     into a free block (zeros past its rank and for untargeted slices); one block for two
     adapters: the second gets none, and takes the first's once that is removed."""
-    from services.worker.lora_columns import RANK_TILE, LoraColumns
+    from services.worker.model.lora_columns import RANK_TILE, LoraColumns
     spec = load_spec(MODEL_DIR)
     starts = spec.slice_starts("qkv")
     g = torch.Generator().manual_seed(0)
@@ -234,7 +234,7 @@ def test_row_blocks_hold_each_adapters_o_bt_rows_in_either_weight_layout(kn):
     columns (zeros past its rank and in the layers it leaves o out of); a block written for
     one adapter and then another holds only the second's. An adapter that targets o and not
     q/k/v gets a block only with rows."""
-    from services.worker.lora_columns import RANK_TILE, LoraColumns
+    from services.worker.model.lora_columns import RANK_TILE, LoraColumns
     spec = load_spec(MODEL_DIR)
     starts, k = spec.slice_starts("qkv"), spec.q_size
     g = torch.Generator().manual_seed(1)

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from services.worker.graph_runner import GraphRunner
-from services.worker.lora_meta import choose
-from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
+from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
+from services.worker.model.step_context import choose
 from services.worker.scheduler import Scheduled
 from services.worker.sequence import Sequence
 from tests.test_engine_parity import _engine

@@ -271,7 +271,7 @@ def test_a_step_without_its_own_graph_replays_the_smallest_captured_superset(hf_
     blocks; none at all (a rank above the graphs') means eager; and every request still gets
     the eager path's output."""
     from services.worker.graph_runner import ATTENTION
-    from services.worker.model_spec import ALL_GROUPS, GROUP_BIT as bit
+    from services.worker.model.spec import ALL_GROUPS, GROUP_BIT as bit
     root, _, _ = hf_ckpt
     built, slots = _engine(root)
     g = _graph_runner(built)

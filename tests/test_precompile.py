@@ -10,7 +10,7 @@ import pytest
 
 from services.worker import precompile
 from services.worker.factory import EngineOptions, build_engine
-from services.worker.loader import read_checkpoint
+from services.worker.model.checkpoint import read_checkpoint
 from services.worker.precompile import WarmShape
 from services.worker.warmup import Warmup
 from tests.support import MODEL_DIR

@@ -20,7 +20,7 @@ from services.common.server import sync_channel
 from services.worker.adapter_manager import AdapterManager
 from services.worker.device_pool import DevicePool
 from services.worker.host_tier import HostTier
-from services.worker.model_spec import load_spec
+from services.worker.model.spec import load_spec
 from services.worker.range_alloc import ALIGN, RangeAllocator
 from services.worker.store_client import StoreClient
 from tests.support import MODEL_DIR

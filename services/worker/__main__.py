@@ -21,19 +21,19 @@ from services.common.server import create_server, serve, server_credentials, syn
 from services.common.service_auth import describe, read_token
 from services.common.tenant_labels import TenantLabels
 from services.worker import metrics
-from services.worker.engine_metrics import EngineGauges
+from services.worker import precompile
 from services.worker.adapter_manager import AdapterManager
 from services.worker.config import WorkerConfig, parse_args
-from services.worker.frontend_process import Front, FrontendFailed
+from services.worker.engine_metrics import EngineGauges
 from services.worker.factory import Built, EngineOptions, build_engine
+from services.worker.frontend_process import Front, FrontendFailed
 from services.worker.host_tier import HostTier
-from services.worker.model_spec import load_spec
+from services.worker.model.spec import load_spec
+from services.worker.precompile import WarmShape
 from services.worker.residency import ResidencyFeed
 from services.worker.servicer import WorkerServicer
-from services.worker import precompile
-from services.worker.precompile import WarmShape
-from services.worker.warmup import Warmup
 from services.worker.store_client import StoreClient
+from services.worker.warmup import Warmup
 
 log = logging.getLogger("lorafleet.worker")
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -27,7 +27,7 @@ import torch
 from kernels import adapter_scatter as sc
 from services.common import safetensors_parse as st
 from services.common.errors import InvalidArgument
-from services.worker.model_spec import GROUPS, MODULE_GROUP, ModelSpec
+from services.worker.model.spec import GROUPS, MODULE_GROUP, ModelSpec
 
 OFFSET_ALIGN = 8     # elements: 16 bytes in bf16 / fp16
 SRC_ALIGN = 8        # the device copy of a blob starts so that its data section is 8-aligned

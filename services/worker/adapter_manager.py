@@ -37,7 +37,7 @@ from services.worker import cold_fetch, gil, metrics
 from services.worker.adapter_layout import StagedAdapter
 from services.worker.device_pool import DevicePool, PoolFull
 from services.worker.host_tier import HostTier
-from services.worker.model_spec import ModelSpec
+from services.worker.model.spec import ModelSpec
 from services.worker.room_queue import RoomQueue, next_victim, window_busy
 from services.worker.cold_records import (ColdJob, ColdLoadLog, LoopTurns, count_cold,
                                           observe_stages, reload_cost)

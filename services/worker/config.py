@@ -96,7 +96,7 @@ class WorkerConfig:
         if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
             raise ValueError(f"--store-shm-dir {self.store_shm_dir}: not a directory")
         check_common(self)
-        from services.worker.model_spec import load_spec   # torch-free; reads config.json
+        from services.worker.model.spec import load_spec   # torch-free; reads config.json
         try:
             load_spec(self.model)
         except (OSError, ValueError) as exc:

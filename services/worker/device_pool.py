@@ -20,9 +20,9 @@ import torch
 from kernels import adapter_scatter as sc
 from services.worker import gil
 from services.worker.adapter_layout import OFFSET_ALIGN, SRC_ALIGN, StagedAdapter
-from services.worker.lora_columns import LoraColumns
-from services.worker.lora_tables import LoraTables
-from services.worker.model_spec import GROUPS, ModelSpec
+from services.worker.model.lora_columns import LoraColumns
+from services.worker.model.lora_tables import LoraTables
+from services.worker.model.spec import GROUPS, ModelSpec
 from services.worker.range_alloc import ALIGN as BLOB_ALIGN, RangeAllocator
 
 assert BLOB_ALIGN % OFFSET_ALIGN == 0   # blob starts keep the layout's offsets aligned
@@ -37,10 +37,10 @@ class DevicePool:
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                  capacity_bytes: int, max_slots: int, columns: LoraColumns | None = None,
                  norm_fold: dict[str, torch.Tensor] | None = None):
-        """columns: the column LoRA blocks (services.worker.lora_columns; the factory gives the
-        same object to the model), which the pool assigns, writes and frees with its slots;
+        """columns: the column LoRA blocks (services.worker.model.lora_columns; the factory gives
+        the same object to the model), which the pool assigns, writes and frees with its slots;
         None: no column LoRA. norm_fold: group -> [L, K] norm weights folded into that group's
-        GEMM (services.worker.weight_transforms.apply returns them); the pool
+        GEMM (services.worker.model.transforms.apply returns them); the pool
         folds them into the group's LoRA A as it places an adapter, since the model feeds
         those LoRAs the residual, not the normed rows."""
         elem = torch.tensor([], dtype=dtype).element_size()

@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
-from services.worker import weight_transforms
 from services.worker.block_manager import BlockManager
 from services.worker.chat_template import ChatTemplate
 from services.worker.device_pool import DevicePool
 from services.worker.engine import Engine
-from services.worker.loader import DTYPES, load_weights
-from services.worker.lora_columns import LoraColumns
-from services.worker.model import LlamaModel
-from services.worker.model_spec import ModelSpec, load_spec
-from services.worker.norms import norms_for
+from services.worker.model import transforms
+from services.worker.model.checkpoint import DTYPES, load_weights
+from services.worker.model.llama import LlamaModel
+from services.worker.model.lora_columns import LoraColumns
+from services.worker.model.norms import norms_for
+from services.worker.model.spec import ModelSpec, load_spec
 from services.worker.perf_config import PerfConfig
 from services.worker.runner import ModelRunner, kv_blocks_for_budget
 from services.worker.scheduler import Scheduler
@@ -103,7 +103,7 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     # one way: weights -> model; the pool -> its tables, which the step builder reads and
     # hands to the model with each step; the column blocks (extra rows of the q/k/v weights)
     # given to the model (its GEMMs) and to the pool (which writes them)
-    norm_fold = weight_transforms.apply(weights, spec, device, opts.perf)
+    norm_fold = transforms.apply(weights, spec, device, opts.perf)
     n_cols = opts.perf.columns_for(device.type == "cuda")
     row_parts = opts.perf.rows_for(device.type == "cuda")
     columns = LoraColumns(weights, len(spec.slice_starts("qkv")) - 1, n_cols, device,

@@ -14,11 +14,11 @@ graphs read their inputs from static buffers that a step only fills: padding row
 each sequence's sampling row only (sample_rows).
 
 A graph holds LoRA launches only for the projection groups that the step's adapters target
-(services.worker.model_spec.GROUP_BIT): a base-only step replays a graph with none, a batch of
+(services.worker.model.spec.GROUP_BIT): a base-only step replays a graph with none, a batch of
 q/k/v/o adapters one without the MLP's. A graph also bakes in the SGMV rank tile (LoraMeta.rank: the
 kernels' RANK_BLOCK and launch shape) and whether q/k/v run as column LoRA (LoraMeta.columns), so
 graphs are keyed by (batch, mask, tile, columns); the step-input builder makes these choices
-(services.worker.lora_meta.choose), and a step replays the graph for the largest rank among its own
+(services.worker.model.step_context.choose), and a step replays the graph for the largest rank among its own
 adapters, not the pool's: rank-16 adapters run rank-16 kernels even while a rank-64 adapter is
 resident (on the H200, batch 64 with 32 rank-16 adapters spends 38 us a layer in LoRA with the 16
 tile against 83 with the 64 one).
@@ -54,9 +54,8 @@ import torch
 from kernels.sgmv_choice import rank_tile
 from services.worker import metrics
 from services.worker.graph_inputs import PendingStep, StaticInputs, collect, start_sampling
-from services.worker.lora_meta import LoraMeta
-from services.worker.model import StepContext
-from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
+from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
+from services.worker.model.step_context import LoraMeta, StepContext
 from services.worker.runner import ModelRunner
 from services.worker.scheduler import Scheduled
 from services.worker.step_inputs import StepPlan

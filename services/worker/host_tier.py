@@ -22,7 +22,7 @@ import torch
 
 from services.common.cache_policy import CachePolicy, NoRoom
 from services.worker.adapter_layout import PlanCache, StagedAdapter, stage
-from services.worker.model_spec import ModelSpec
+from services.worker.model.spec import ModelSpec
 from services.worker.range_alloc import RangeAllocator
 
 log = logging.getLogger(__name__)

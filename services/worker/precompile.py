@@ -134,7 +134,7 @@ def child(model_dir: str, opts, warm: WarmShape, part: int, parts: int, cache: s
                         format=f"%(asctime)s precompile {part + 1}/{parts} %(message)s")
     from kernels import kernel_cache
     from services.worker.factory import build_engine
-    from services.worker.model_spec import load_spec
+    from services.worker.model.spec import load_spec
     from services.worker.warmup import Warmup
     kernel_cache.use(cache)
     start = time.monotonic()

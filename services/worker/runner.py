@@ -5,10 +5,10 @@ import logging
 
 import torch
 
-from services.worker.lora_columns import LoraColumns
-from services.worker.lora_tables import LoraTables
-from services.worker.model import LlamaModel
-from services.worker.model_spec import ModelSpec
+from services.worker.model.llama import LlamaModel
+from services.worker.model.lora_columns import LoraColumns
+from services.worker.model.lora_tables import LoraTables
+from services.worker.model.spec import ModelSpec
 from services.worker.sampling import pack_logprobs, sample, unpack_logprobs
 from services.worker.scheduler import Scheduled
 from services.worker.step_inputs import InputBuffers, StepBuilder

@@ -19,11 +19,9 @@ import numpy as np
 import torch
 
 from kernels.sgmv_choice import only_live_segment
-from services.worker import lora_meta
-from services.worker.lora_columns import LoraColumns
-from services.worker.lora_meta import LoraMeta
-from services.worker.lora_tables import LoraTables
-from services.worker.model import StepContext
+from services.worker.model.lora_columns import LoraColumns
+from services.worker.model.lora_tables import LoraTables
+from services.worker.model.step_context import LoraMeta, StepContext, choose
 from services.worker.sampling import SamplingBatch
 from services.worker.sampling_inputs import sampling_batch
 from services.worker.scheduler import Scheduled
@@ -105,8 +103,7 @@ class StepBuilder:
         batch = sorted(batch, key=lambda b: (b.seq.slot < 0, b.seq.slot, b.seq.arrival))
         seqs = [b.seq for b in batch]
         slots = np.fromiter((q.slot for q in seqs), dtype=np.int64, count=len(seqs))
-        return StepPlan(batch, seqs, slots, *lora_meta.choose(self.tables, self.columns, slots,
-                                                              graph))
+        return StepPlan(batch, seqs, slots, *choose(self.tables, self.columns, slots, graph))
 
     def fill(self, plan: StepPlan, v: HostViews, lens: np.ndarray | None = None,
              pad: int = 0, src: np.ndarray | None = None, pad_seqs: int | None = None

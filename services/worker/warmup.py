@@ -36,7 +36,7 @@ from kernels.sgmv_choice import rank_tile
 from services.worker.adapter_layout import staged_from_tensors
 from services.worker.device_pool import PoolFull
 from services.worker.engine import Engine
-from services.worker.model_spec import GROUPS, ModelSpec
+from services.worker.model.spec import GROUPS, ModelSpec
 from services.worker.sequence import Sampling, Sequence, Status, Stopping
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.model_spec import ModelSpec
+from services.worker.model.spec import ModelSpec
 from services.worker.perf_config import BLAS_BACKENDS, PerfConfig
 
 

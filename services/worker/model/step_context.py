@@ -1,5 +1,6 @@
-"""One step's LoRA metadata (`LoraMeta`), and the one place that picks a step's LoRA choices
-(`choose`: which projection groups run LoRA, the rank tile, column LoRA or not).
+"""What every layer reads of one step (`StepContext`), its LoRA part (`LoraMeta`), and the one
+place that picks a step's LoRA choices (`choose`: which projection groups run LoRA, the rank
+tile, column LoRA or not).
 
 The step-input builder (services.worker.step_inputs) makes one LoraMeta a step, over its own
 segment tables (eager) or the graph runner's static ones (captured decode graphs); the model
@@ -16,9 +17,9 @@ import torch
 
 from kernels.sgmv import LoraArgs
 from kernels.sgmv_choice import HostSegments, rank_tile
-from services.worker.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns
-from services.worker.lora_tables import LoraTables
-from services.worker.model_spec import GROUP_BIT
+from services.worker.model.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns
+from services.worker.model.lora_tables import LoraTables
+from services.worker.model.spec import GROUP_BIT
 
 
 @dataclass
@@ -29,7 +30,7 @@ class LoraMeta:
     seg_slot: torch.Tensor           # int32 [G]   adapter slot per segment, -1 = base only
     mask: int = 0                    # GROUP_BIT of each group some row's adapter targets
     rank: int = 0                    # the SGMV rank bound: a graph's rank tile, else the pool's
-    columns: bool = False            # q/k/v as column LoRA (services.worker.lora_columns)
+    columns: bool = False            # q/k/v as column LoRA (services.worker.model.lora_columns)
     tables: LoraTables | None = None
     # (first row, end row, slot) of the only segment with an adapter, from the host's copy of
     # the segment table (eager steps; None with none or several, and in captured graphs)
@@ -64,6 +65,19 @@ class LoraMeta:
         o = t.a_layers["o"][layer]
         return LoraArgs(t.pool, o, o, t.ranks, t.scales, (0,), self.seg_start, self.seg_slot,
                         COLUMN_RANK_TILE, t.align)
+
+
+@dataclass
+class StepContext:
+    """Per-step metadata. T = rows (tokens) this step, S = sequences, R = rows that sample."""
+    positions: torch.Tensor     # int64 [T]   absolute position of each row's token
+    slot_mapping: torch.Tensor  # int64 [T]   KV slot of each row (-1 = padding)
+    block_tables: torch.Tensor  # int32 [S, MB]
+    q_seq: torch.Tensor         # int32 [T]   row -> sequence index in block_tables
+    q_pos: torch.Tensor         # int32 [T]   = positions, as the attention kernel wants it
+    sample_rows: torch.Tensor | None  # int64 [R] rows whose logits are needed; None: all
+    max_context: int            # host bound on positions + 1 (for sizing attention)
+    lora: LoraMeta              # the step's LoRA segments, choices and the pool's tables
 
 
 def choose(tables: LoraTables | None, columns: LoraColumns | None, slots: np.ndarray,

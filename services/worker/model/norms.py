@@ -5,7 +5,7 @@ A layer is norm -> q/k/v -> rope and KV write -> attention -> o (+ residual) -> 
 
 - `PlainNorms`: the norms are kernels; each residual add is fused with the norm after it (the
   last one with the final norm), so a block's input is the normed residual.
-- `FoldedNorms` (services.worker.weight_transforms folded each norm's weight into the GEMM
+- `FoldedNorms` (services.worker.model.transforms folded each norm's weight into the GEMM
   after it, and the pool folds it into those groups' LoRA A): a block reads the residual h
   itself, the consumer of its GEMM's output (the rope launch, the SiLU launch) scales rows by
   h's norm factor (their `rms=(h, eps)` argument), and the o and down projections add into h

@@ -1,16 +1,15 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache, with LoRA.
 
-Layers never see a sequence: every per-step tensor comes in a StepContext built in one place
-(services.worker.step_inputs), its LoRA part a services.worker.lora_meta.LoraMeta that also
-carries the adapter pool's tables. LoRA and attention go through kernels/, so the Triton
-kernels replace the torch references on GPU without touching this file. Where the norms run
+Layers never see a sequence: every per-step tensor comes in a StepContext
+(services.worker.model.step_context) built in one place (services.worker.step_inputs), its LoRA
+part a LoraMeta that also carries the adapter pool's tables. LoRA and attention go through
+kernels/, so the Triton kernels replace the torch references on GPU without touching this file. Where the norms run
 (kernels, or folded into the GEMMs) is a strategy chosen at build time
-(services.worker.norms).
+(services.worker.model.norms).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,26 +17,13 @@ import torch.nn.functional as F
 from kernels.attention import paged_attention
 from kernels.fused import rope_write_kv_, silu_mul
 from kernels.sgmv import lora, lora_expand_columns, lora_shrink_rows
-from services.worker.lora_columns import LoraColumns
-from services.worker.lora_meta import LoraMeta
-from services.worker.model_spec import ModelSpec
-from services.worker.norms import Norms, PlainNorms
+from services.worker.model.lora_columns import LoraColumns
+from services.worker.model.norms import Norms, PlainNorms
+from services.worker.model.spec import ModelSpec
+from services.worker.model.step_context import StepContext
 
 
 ROW_MAX_ROWS = 128
-
-
-@dataclass
-class StepContext:
-    """Per-step metadata. T = rows (tokens) this step, S = sequences, R = rows that sample."""
-    positions: torch.Tensor     # int64 [T]   absolute position of each row's token
-    slot_mapping: torch.Tensor  # int64 [T]   KV slot of each row (-1 = padding)
-    block_tables: torch.Tensor  # int32 [S, MB]
-    q_seq: torch.Tensor         # int32 [T]   row -> sequence index in block_tables
-    q_pos: torch.Tensor         # int32 [T]   = positions, as the attention kernel wants it
-    sample_rows: torch.Tensor | None  # int64 [R] rows whose logits are needed; None: all
-    max_context: int            # host bound on positions + 1 (for sizing attention)
-    lora: LoraMeta              # the step's LoRA segments, choices and the pool's tables
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -64,13 +50,13 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Forward pass over fused weights (services.worker.loader.fuse_layers)."""
+    """Forward pass over fused weights (services.worker.model.checkpoint.fuse_layers)."""
 
     def __init__(self, spec: ModelSpec, weights: dict, device: torch.device, dtype: torch.dtype,
                  norms: Norms | None = None, columns: LoraColumns | None = None):
-        """weights as services.worker.weight_transforms left them; norms: the strategy that
-        matches them (services.worker.norms; default: plain norm kernels); columns: the LoRA
-        column blocks of the q/k/v weights (services.worker.lora_columns), None without."""
+        """weights as services.worker.model.transforms left them; norms: the strategy that
+        matches them (services.worker.model.norms; default: plain norm kernels); columns: the LoRA
+        column blocks of the q/k/v weights (services.worker.model.lora_columns), None without."""
         self.norms = norms or PlainNorms(spec.rms_norm_eps)
         self.spec, self.w, self.device, self.dtype = spec, weights, device, dtype
         inv = rope_inv_freq(spec).to(device)
@@ -118,7 +104,7 @@ class LlamaModel:
     def _attn_o(self, i: int, w: dict, h: torch.Tensor, q: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
         """Attention, then o with its LoRA (the norm strategy's projection output). As row LoRA
-        (services.worker.lora_columns) attention writes into the first q_size columns of a
+        (services.worker.model.lora_columns) attention writes into the first q_size columns of a
         [T, q_size + row_width] buffer, the shrink each row's x @ A_o.T into its adapter's
         block of the rest, and one GEMM over the buffer and o_ext adds the expand."""
         s, meta, t = self.spec, ctx.lora, q.shape[0]
@@ -169,7 +155,7 @@ class LlamaModel:
         the model's dtype: a bf16 model's lm_head GEMM rounds them to bf16 either way, and
         sampling (services.worker.sampling.sample) takes fp32 copies only where it computes
         with them (a greedy step's argmax does not: bf16 values order as their fp32 copies).
-        The residual h is updated in place, as the norm strategy says (services.worker.norms).
+        The residual h is updated in place, as the norm strategy says (services.worker.model.norms).
         """
         layers = self.w["layers"][:self.layer_limit]
         h = self.w["embed"][input_ids]                                   # [T, H], a new tensor

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from safetensors import safe_open
 
-from services.worker.model_spec import ModelSpec, UnsupportedModel
+from services.worker.model.spec import ModelSpec, UnsupportedModel
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def _layer(take, spec: ModelSpec, p: str) -> dict:
 
 def load_weights(path: str | pathlib.Path, spec: ModelSpec, dtype: torch.dtype,
                  device: torch.device, first_layers: bool = False) -> dict:
-    """The fused weights of a checkpoint directory, ready for services.worker.model
+    """The fused weights of a checkpoint directory, ready for services.worker.model.llama
     (first_layers: of the first spec.num_layers layers of a deeper checkpoint)."""
     raw = read_checkpoint(pathlib.Path(path), dtype, device,
                           spec.num_layers if first_layers else None)
