@@ -69,11 +69,11 @@ sys.path.insert(0, str(ROOT))
 
 import services.worker.graph_runner as graph_runner_mod  # noqa: E402
 from services.worker.adapter_layout import staged_from_peft_dir  # noqa: E402
+from services.worker.engine.scheduler import Scheduled  # noqa: E402
+from services.worker.engine.sequence import Sampling, Sequence, Stopping  # noqa: E402
 from services.worker.factory import EngineOptions, build_engine  # noqa: E402
-from services.worker.perf_config import PerfConfig  # noqa: E402
 from services.worker.graph_runner import GraphRunner  # noqa: E402
-from services.worker.scheduler import Scheduled  # noqa: E402
-from services.worker.sequence import Sampling, Sequence, Stopping  # noqa: E402
+from services.worker.perf_config import PerfConfig  # noqa: E402
 from services.worker.step_inputs import StepPlan  # noqa: E402
 
 ADAPTERS = ("acme-support", "pirate", "poet")

@@ -33,8 +33,8 @@ def mixed_batch(built, slots: list[int], decode: int, context: int, chunk: int):
     """decode sequences with `context` tokens in the cache (one row each) and one new
     sequence with a `chunk`-token prompt (one run of rows), their KV blocks taken; each on an
     adapter of slots in turn (none: base rows)."""
-    from services.worker.scheduler import Scheduled
-    from services.worker.sequence import Sequence, Stopping
+    from services.worker.engine.scheduler import Scheduled
+    from services.worker.engine.sequence import Sequence, Stopping
     blocks = built.engine.scheduler.blocks
     batch = []
     for i in range(decode + (1 if chunk else 0)):

@@ -118,7 +118,7 @@ def open_loop(engine, slots: dict, requests: list) -> list[dict]:
 
 def _submitter(engine, slots: dict, finished: list):
     """submit(request): hand it to the engine; its record lands in `finished` when it ends."""
-    from services.worker.sequence import Sequence, Stopping
+    from services.worker.engine.sequence import Sequence, Stopping
 
     def submit(r) -> None:
         rec = {"index": r.index, "adapter": r.adapter, "tenant": r.tenant, "cold": False,

@@ -185,7 +185,7 @@ def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
                   prompt: int = 128):
     """build_engine's engine with `batch` requests of `prompt` tokens spread over its
     `distinct` adapters (0: base only), prefilled and a few decode steps in."""
-    from services.worker.sequence import Sequence, Stopping
+    from services.worker.engine.sequence import Sequence, Stopping
     built, slots = build_engine(layers, distinct, cuda_graphs, graph_max_rank, device)
     eng = built.engine
     for i in range(batch):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from services.worker.adapter_layout import staged_from_peft_dir
+from services.worker.engine.sequence import Sequence, Stopping
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.perf_config import PerfConfig
-from services.worker.sequence import Sequence, Stopping
 from tests.hf_fixtures import ADAPTER_SPECS
 
 
@@ -90,7 +90,7 @@ def mixed_requests(names, slots, ckpt, g, prompt: tuple[int, int], new: int):
 def test_prefill_logits_match_peft(ckpt, fold):
     root, base, peft_models = ckpt
     built, slots = _engine(root, perf=PerfConfig(fold_norms=fold == "1"))
-    from services.worker.scheduler import Scheduled
+    from services.worker.engine.scheduler import Scheduled
     prompts = {n: list(range(5 + i, 17 + 2 * i)) for i, n in enumerate(ADAPTER_SPECS)}
     seqs = [Sequence(n, p, slot=slots[n]) for n, p in prompts.items()]
     runner = built.engine.runner

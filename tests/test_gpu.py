@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from services.worker.adapter_layout import staged_from_peft_dir
+from services.worker.engine.sequence import Sequence, Stopping
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.perf_config import PerfConfig
-from services.worker.sequence import Sequence, Stopping
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_DIR, DEMO_ADAPTERS = ROOT / "models" / "tiny-llama", ROOT / "models" / "adapters"
 
@@ -100,7 +100,7 @@ def test_gpu_row_lora_matches_cpu_fp32():
 @needs_cuda
 def test_gpu_prefill_logits_match_cpu_fp32():
     """Prefill logits for every demo adapter (and the base), GPU kernels against the CPU path."""
-    from services.worker.scheduler import Scheduled
+    from services.worker.engine.scheduler import Scheduled
     logits = {}
     for device in ("cpu", "cuda"):
         built = build_engine(MODEL_DIR, EngineOptions(device=device, dtype="float32",
@@ -129,8 +129,8 @@ def test_gpu_sampling_params_match_cpu_with_many_in_flight():
     built back to back, before any sync, all arrive with the CPU's values."""
     import dataclasses
     import random
-    from services.worker.scheduler import Scheduled
-    from services.worker.sequence import Sampling
+    from services.worker.engine.scheduler import Scheduled
+    from services.worker.engine.sequence import Sampling
     from services.worker.step_inputs import sampling_batch
     rng = random.Random(0)
     pending = []
@@ -257,7 +257,7 @@ def test_gpu_mixed_steps_replayed_from_graphs_give_the_eager_logits(split_attent
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
     slots = [built.pool.place(n, staged_from_peft_dir(DEMO_ADAPTERS / n, built.spec))
              for n in names]
-    from services.worker.scheduler import Scheduled
+    from services.worker.engine.scheduler import Scheduled
     blocks, batch = built.engine.scheduler.blocks, []
     for i in range(10):
         seq = Sequence(f"d{i}", list(range(3, 40 + 7 * i)), slot=([*slots, -1])[i % (len(slots)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.sequence import Sequence
 from services.worker.graph_runner import GraphRunner
 from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
 from services.worker.model.step_context import choose
-from services.worker.scheduler import Scheduled
-from services.worker.sequence import Sequence
 from tests.test_engine_parity import _engine
 
 
@@ -141,8 +141,8 @@ def test_a_launched_steps_sampling_and_collect_on_cpu_tensors():
     """graph_inputs.start_sampling then collect: each sampling row's greedy token (and its
     logprobs when asked), in the batch's order, through the host buffer it was given; a step
     that sampled nothing collects nothing."""
+    from services.worker.engine.sequence import Sampling
     from services.worker.graph_inputs import collect, start_sampling
-    from services.worker.sequence import Sampling
     logits = torch.tensor([[0.0, 3.0, 1.0, 0.5], [2.0, 0.0, 1.0, 0.0]])
     rows = []
     for i in range(2):

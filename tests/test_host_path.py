@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from bench.host_overhead_bench import StandIns      # every key captured, made on first use
+from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
 from services.worker.graph_runner import GraphRunner
-from services.worker.scheduler import Scheduled
-from services.worker.sequence import Sampling, Sequence, Stop, Stopping
 from services.worker.step_inputs import StepPlan
 from tests.test_engine_parity import _engine
 

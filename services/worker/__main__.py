@@ -24,7 +24,7 @@ from services.worker import metrics
 from services.worker import precompile
 from services.worker.adapter_manager import AdapterManager
 from services.worker.config import WorkerConfig, parse_args
-from services.worker.engine_metrics import EngineGauges
+from services.worker.engine.gauges import EngineGauges
 from services.worker.factory import Built, EngineOptions, build_engine
 from services.worker.frontend_process import Front, FrontendFailed
 from services.worker.host_tier import HostTier

@@ -23,10 +23,10 @@ from services.common.server import status_for
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import incoming_context, tracer
 from services.worker import token_info
-from services.worker.engine import TokenEvent
+from services.worker.engine.loop import TokenEvent
+from services.worker.engine.sequence import Stop
 from services.worker.link import BlockingEnd
 from services.worker.servicer import generate_attributes
-from services.worker.sequence import Stop
 
 log = logging.getLogger(__name__)
 _tracer = tracer("lorafleet.worker")

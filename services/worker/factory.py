@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
-from services.worker.block_manager import BlockManager
 from services.worker.chat_template import ChatTemplate
 from services.worker.device_pool import DevicePool
-from services.worker.engine import Engine
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.loop import Engine
+from services.worker.engine.scheduler import Scheduler
 from services.worker.model import transforms
 from services.worker.model.checkpoint import DTYPES, load_weights
 from services.worker.model.llama import LlamaModel
@@ -23,7 +24,6 @@ from services.worker.model.norms import norms_for
 from services.worker.model.spec import ModelSpec, load_spec
 from services.worker.perf_config import PerfConfig
 from services.worker.runner import ModelRunner, kv_blocks_for_budget
-from services.worker.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

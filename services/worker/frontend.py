@@ -30,8 +30,8 @@ from services.common.server import (CLIENT_OPTIONS, create_server, drain, server
                                     set_serving)
 from services.common.service_auth import read_token
 from services.worker import token_info
+from services.worker.engine.sequence import Stop
 from services.worker.link import encode, read_message
-from services.worker.sequence import Stop
 
 log = logging.getLogger("lorafleet.worker.frontend")
 SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"]

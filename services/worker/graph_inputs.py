@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.worker.engine.scheduler import Scheduled
 from services.worker.sampling import pack_logprobs, sample, unpack_logprobs
-from services.worker.scheduler import Scheduled
 from services.worker.step_inputs import HostViews, StepBuilder, StepPlan, sampling_batch
 
 

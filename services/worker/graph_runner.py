@@ -40,7 +40,7 @@ Overlap. `launch` starts a decode or mixed step and returns at once (the sampled
 through a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
 flight (`prev`): its rows' input tokens are then gathered on the device from prev's sampled tokens,
 so the engine can queue step N+1 before it has read step N's tokens, and the GPU does not idle
-while the host post-processes step N (services.worker.engine).
+while the host post-processes step N (services.worker.engine.loop).
 """
 from __future__ import annotations
 
@@ -53,11 +53,11 @@ import torch
 
 from kernels.sgmv_choice import rank_tile
 from services.worker import metrics
+from services.worker.engine.scheduler import Scheduled
 from services.worker.graph_inputs import PendingStep, StaticInputs, collect, start_sampling
 from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
 from services.worker.model.step_context import LoraMeta, StepContext
 from services.worker.runner import ModelRunner
-from services.worker.scheduler import Scheduled
 from services.worker.step_inputs import StepPlan
 
 log = logging.getLogger(__name__)

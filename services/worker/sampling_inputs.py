@@ -13,8 +13,8 @@ import itertools
 import numpy as np
 import torch
 
+from services.worker.engine.scheduler import Scheduled
 from services.worker.sampling import SamplingBatch
-from services.worker.scheduler import Scheduled
 
 GREEDY = SamplingBatch(None, None, None, None, None, None, None, all_greedy=True)
 

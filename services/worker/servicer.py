@@ -18,14 +18,14 @@ from services.common.names import name_error
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
 from services.common.telemetry import incoming_context, traced, tracer
 from services.worker import metrics
-from services.worker.adapter_manager import Acquired, AdapterManager
 from services.worker import token_info
+from services.worker.adapter_manager import Acquired, AdapterManager
 from services.worker.chat_template import check_messages, fallback as chat_fallback
-from services.worker.token_info import TokenTexts
 from services.worker.config import WorkerConfig
-from services.worker.engine import TokenEvent
+from services.worker.engine.loop import TokenEvent
+from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
 from services.worker.factory import Built
-from services.worker.sequence import Sampling, Sequence, Stop, Stopping
+from services.worker.token_info import TokenTexts
 
 _tracer = tracer("lorafleet.worker")
 _ids = itertools.count()

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from kernels.sgmv_choice import only_live_segment
+from services.worker.engine.scheduler import Scheduled
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.lora_tables import LoraTables
 from services.worker.model.step_context import LoraMeta, StepContext, choose
 from services.worker.sampling import SamplingBatch
 from services.worker.sampling_inputs import sampling_batch
-from services.worker.scheduler import Scheduled
 
 
 @dataclass

@@ -35,9 +35,9 @@ import torch
 from kernels.sgmv_choice import rank_tile
 from services.worker.adapter_layout import staged_from_tensors
 from services.worker.device_pool import PoolFull
-from services.worker.engine import Engine
+from services.worker.engine.loop import Engine
+from services.worker.engine.sequence import Sampling, Sequence, Status, Stopping
 from services.worker.model.spec import GROUPS, ModelSpec
-from services.worker.sequence import Sampling, Sequence, Status, Stopping
 
 log = logging.getLogger(__name__)
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",

@@ -1,12 +1,12 @@
 """A request's output text as its tokens arrive: incremental detokenization and stop sequences.
 
-The engine calls it for every row of every step (services.worker.engine._append), so a step
+The engine calls it for every row of every step (services.worker.engine.loop._append), so a step
 costs O(1) a row: only a window of the newest tokens is decoded, a decode step's previous
 token's text is memoised, and the text held back for stop sequences is bounded by the longest.
 """
 from __future__ import annotations
 
-from services.worker.sequence import Sequence, Stop
+from services.worker.engine.sequence import Sequence, Stop
 
 _NO_STOP = Stop.NONE
 TOKEN_TEXTS_MAX = 1 << 18          # single-token texts memoised (a vocabulary's worth)

@@ -16,7 +16,7 @@ import hashlib
 
 import numpy as np
 
-from services.worker.sequence import Sequence
+from services.worker.engine.sequence import Sequence
 
 
 class BlockManager:

@@ -22,8 +22,8 @@ import bisect
 from dataclasses import dataclass
 from operator import attrgetter
 
-from services.worker.block_manager import BlockManager
-from services.worker.sequence import Sequence, Status
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.sequence import Sequence, Status
 
 
 _ARRIVAL = attrgetter("arrival")

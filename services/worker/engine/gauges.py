@@ -6,7 +6,7 @@ Gateway API Inference Extension's endpoint picker reads these from a vLLM server
     vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
         (value: the Unix time of the update; the adapter lists are comma-separated ids)
 
-and lorafleet_worker_prefix_blocks_shared_total (services.worker.block_manager's sharing).
+and lorafleet_worker_prefix_blocks_shared_total (services.worker.engine.block_manager's sharing).
 
 EngineGauges.step is the engine's per-step hook (Engine.on_step): it keeps the three counts
 the scheduler already has (two list lengths and the block manager's free count) in plain

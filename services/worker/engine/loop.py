@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from services.common.errors import InvalidArgument, Unavailable
-from services.worker.detokenizer import Detokenizer
+from services.worker.engine.detokenizer import Detokenizer
+from services.worker.engine.scheduler import Scheduled, Scheduler
+from services.worker.engine.sequence import Sequence, Status, Stop
 from services.worker.runner import ModelRunner
-from services.worker.scheduler import Scheduled, Scheduler
-from services.worker.sequence import Sequence, Status, Stop
 
 log = logging.getLogger(__name__)
 _NO_STOP = Stop.NONE      # bound once: an enum member lookup costs ~0.1 µs, paid per row per step

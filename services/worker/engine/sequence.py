@@ -97,7 +97,7 @@ class Sequence:
     detok_prefix: int = 0                # incremental detokenization window over the output
     detok_read: int = 0
     # what a prompt block's KV depends on besides its tokens (tenant, adapter version; see
-    # services.worker.block_manager); b"" shares nothing. Set by the servicer.
+    # services.worker.engine.block_manager); b"" shares nothing. Set by the servicer.
     prefix_key: bytes = b""
     prefix_digests: list | None = None   # BlockManager's, worked out once
     # with sampling.prompt_logprobs >= 0: (token, logprob, top) of prompt tokens 1.., filled
