@@ -6,9 +6,9 @@
     python bench/host_overhead_bench.py --device cuda --out /tmp/x      # real graphs, on a GPU
 
 On a GPU a graph decode step is: schedule, order the rows, fill the graph's static input buffers
-(GraphRunner._fill: services.worker.step_inputs.StepBuilder.fill), replay the graph, build the
-sampling parameters (step_inputs.sampling_batch), sample, copy the tokens back (tolist), then per
-row the stop checks, incremental detokenization and the sink callback (Engine._append).
+(GraphRunner._fill: services.worker.executor.step_inputs.StepBuilder.fill), replay the graph, build
+the sampling parameters (step_inputs.sampling_batch), sample, copy the tokens back (tolist), then
+per row the stop checks, incremental detokenization and the sink callback (Engine._append).
 Everything but the replay is host work that the GPU waits for. This bench runs that very path on the CPU: a real engine is
 built from the tiny model (its byte-level BPE tokenizer, so detokenization is real work) with the
 three demo adapters placed, and wrapped in a GraphRunner whose "graphs" are stand-ins replayed on
@@ -67,14 +67,14 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import services.worker.graph_runner as graph_runner_mod  # noqa: E402
+import services.worker.executor.graph_runner as graph_runner_mod  # noqa: E402
 from services.worker.adapter_layout import staged_from_peft_dir  # noqa: E402
 from services.worker.engine.scheduler import Scheduled  # noqa: E402
 from services.worker.engine.sequence import Sampling, Sequence, Stopping  # noqa: E402
+from services.worker.executor.graph_runner import GraphRunner  # noqa: E402
+from services.worker.executor.step_inputs import StepPlan  # noqa: E402
 from services.worker.factory import EngineOptions, build_engine  # noqa: E402
-from services.worker.graph_runner import GraphRunner  # noqa: E402
 from services.worker.perf_config import PerfConfig  # noqa: E402
-from services.worker.step_inputs import StepPlan  # noqa: E402
 
 ADAPTERS = ("acme-support", "pirate", "poet")
 PROMPTS = ("Tell me about the weather.", "Can you help me?", "Hello!", "How are you?",

@@ -131,7 +131,7 @@ def test_gpu_sampling_params_match_cpu_with_many_in_flight():
     import random
     from services.worker.engine.scheduler import Scheduled
     from services.worker.engine.sequence import Sampling
-    from services.worker.step_inputs import sampling_batch
+    from services.worker.executor.step_inputs import sampling_batch
     rng = random.Random(0)
     pending = []
     for k in range(200):

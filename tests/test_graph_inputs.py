@@ -8,7 +8,7 @@ import torch
 
 from services.worker.engine.scheduler import Scheduled
 from services.worker.engine.sequence import Sequence
-from services.worker.graph_runner import GraphRunner
+from services.worker.executor.graph_runner import GraphRunner
 from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
 from services.worker.model.step_context import choose
 from tests.test_engine_parity import _engine
@@ -122,7 +122,7 @@ def test_mixed_graph_sizes_take_the_budget_and_the_warm_up_turns_them_off(hf_ckp
     under a backlog of prompts), none with --graph-mixed-tokens 0; they serve steps only once
     captured, and the warm-up's eager_mixed turns them off for its duration, through a
     FaultyRunner wrapper too."""
-    from services.worker.fault_inject import FaultyRunner
+    from services.worker.executor.fault_inject import FaultyRunner
     root, _, _ = hf_ckpt
     built, _ = _engine(root)
     runner = built.engine.runner
@@ -142,7 +142,7 @@ def test_a_launched_steps_sampling_and_collect_on_cpu_tensors():
     logprobs when asked), in the batch's order, through the host buffer it was given; a step
     that sampled nothing collects nothing."""
     from services.worker.engine.sequence import Sampling
-    from services.worker.graph_inputs import collect, start_sampling
+    from services.worker.executor.graph_inputs import collect, start_sampling
     logits = torch.tensor([[0.0, 3.0, 1.0, 0.5], [2.0, 0.0, 1.0, 0.0]])
     rows = []
     for i in range(2):

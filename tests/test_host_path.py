@@ -15,8 +15,8 @@ import torch
 from bench.host_overhead_bench import StandIns      # every key captured, made on first use
 from services.worker.engine.scheduler import Scheduled
 from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
-from services.worker.graph_runner import GraphRunner
-from services.worker.step_inputs import StepPlan
+from services.worker.executor.graph_runner import GraphRunner
+from services.worker.executor.step_inputs import StepPlan
 from tests.test_engine_parity import _engine
 
 
@@ -270,7 +270,7 @@ def test_a_step_without_its_own_graph_replays_the_smallest_captured_superset(hf_
     tile holding its rank; a column-LoRA graph only for a step whose q/k/v adapters all have
     blocks; none at all (a rank above the graphs') means eager; and every request still gets
     the eager path's output."""
-    from services.worker.graph_runner import ATTENTION
+    from services.worker.executor.graph_runner import ATTENTION
     from services.worker.model.spec import ALL_GROUPS, GROUP_BIT as bit
     root, _, _ = hf_ckpt
     built, slots = _engine(root)

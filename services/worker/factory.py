@@ -16,6 +16,7 @@ from services.worker.device_pool import DevicePool
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.loop import Engine
 from services.worker.engine.scheduler import Scheduler
+from services.worker.executor.model_runner import ModelRunner, kv_blocks_for_budget
 from services.worker.model import transforms
 from services.worker.model.checkpoint import DTYPES, load_weights
 from services.worker.model.llama import LlamaModel
@@ -23,7 +24,6 @@ from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import norms_for
 from services.worker.model.spec import ModelSpec, load_spec
 from services.worker.perf_config import PerfConfig
-from services.worker.runner import ModelRunner, kv_blocks_for_budget
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +122,13 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
                           opts.max_batch_tokens, opts.max_running, fair=opts.fair,
                           max_prefill_with_decode=opts.max_prefill_with_decode)
     if device.type == "cuda" and opts.cuda_graphs:
-        from services.worker.graph_runner import GraphRunner
+        from services.worker.executor.graph_runner import GraphRunner
         runner = GraphRunner(runner, mixed_tokens=opts.graph_mixed_tokens)
         if before_capture is not None:
             before_capture()
         runner.capture(opts.graph_max_rank)
     if opts.fault_inject_after_steps:
-        from services.worker.fault_inject import FaultyRunner
+        from services.worker.executor.fault_inject import FaultyRunner
         runner = FaultyRunner(runner, opts.fault_inject_after_steps)
     engine = Engine(runner, scheduler, tokenizer, spec.eos_token_ids, max_len,
                     overlap=opts.overlap)

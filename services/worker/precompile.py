@@ -141,7 +141,7 @@ def child(model_dir: str, opts, warm: WarmShape, part: int, parts: int, cache: s
     layers = load_spec(model_dir).num_layers
     built = build_engine(model_dir, child_options(opts, layers), layers=1)
     if built.device.type == "cuda":
-        from services.worker.graph_runner import GraphRunner
+        from services.worker.executor.graph_runner import GraphRunner
         graphs = GraphRunner(built.engine.runner, mixed_tokens=opts.graph_mixed_tokens)
         n = graphs.warm_forwards(opts.graph_max_rank, part, parts)
         log.info("%d graph shapes' forwards in %.1fs", n, time.monotonic() - start)

@@ -1,10 +1,10 @@
 """Before a worker says SERVING: run each kind of eager step it can meet once.
 
-Decode steps, and mixed steps of up to --graph-mixed-tokens tokens, replay CUDA graphs
-captured at start (services.worker.graph_runner), whose kernels the capture compiled. The other
-steps (larger prefill steps, adapters above the graphs' rank tiles, penalties, prompt logprobs;
-while the warm-up runs, every step with prompt tokens: the eager path must be ready for any of
-them) run eagerly,
+Decode steps, and mixed steps of up to --graph-mixed-tokens tokens, replay CUDA graphs captured at
+start (services.worker.executor.graph_runner), whose kernels the capture compiled. The other steps
+(larger prefill steps, adapters above the graphs' rank tiles, penalties, prompt logprobs; while the
+warm-up runs, every step with prompt tokens: the eager path must be ready for any of them) run
+eagerly,
 and an eager step whose shapes a Triton kernel has not seen needs a new specialization of it:
 seconds of compiling on a cold kernel cache, milliseconds of loading on a warm one, either way
 a stall of every row of that step. Triton specializes an integer argument by whether it is 1

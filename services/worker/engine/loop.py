@@ -35,7 +35,7 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.worker.engine.detokenizer import Detokenizer
 from services.worker.engine.scheduler import Scheduled, Scheduler
 from services.worker.engine.sequence import Sequence, Status, Stop
-from services.worker.runner import ModelRunner
+from services.worker.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 _NO_STOP = Stop.NONE      # bound once: an enum member lookup costs ~0.1 µs, paid per row per step

@@ -1,10 +1,10 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache, with LoRA.
 
 Layers never see a sequence: every per-step tensor comes in a StepContext
-(services.worker.model.step_context) built in one place (services.worker.step_inputs), its LoRA
-part a LoraMeta that also carries the adapter pool's tables. LoRA and attention go through
-kernels/, so the Triton kernels replace the torch references on GPU without touching this file. Where the norms run
-(kernels, or folded into the GEMMs) is a strategy chosen at build time
+(services.worker.model.step_context) built in one place (services.worker.executor.step_inputs), its
+LoRA part a LoraMeta that also carries the adapter pool's tables. LoRA and attention go through
+kernels/, so the Triton kernels replace the torch references on GPU without touching this file.
+Where the norms run (kernels, or folded into the GEMMs) is a strategy chosen at build time
 (services.worker.model.norms).
 """
 from __future__ import annotations
@@ -153,7 +153,7 @@ class LlamaModel:
                 kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids [T] -> logits [R, vocab] for ctx.sample_rows (every row when None), in
         the model's dtype: a bf16 model's lm_head GEMM rounds them to bf16 either way, and
-        sampling (services.worker.sampling.sample) takes fp32 copies only where it computes
+        sampling (services.worker.executor.sampling.sample) takes fp32 copies only where it computes
         with them (a greedy step's argmax does not: bf16 values order as their fp32 copies).
         The residual h is updated in place, as the norm strategy says (services.worker.model.norms).
         """

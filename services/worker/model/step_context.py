@@ -2,10 +2,10 @@
 place that picks a step's LoRA choices (`choose`: which projection groups run LoRA, the rank
 tile, column LoRA or not).
 
-The step-input builder (services.worker.step_inputs) makes one LoraMeta a step, over its own
-segment tables (eager) or the graph runner's static ones (captured decode graphs); the model
-reads the pool's tables through it (`args`) and passes each projection's LoRA to the kernels
-as a kernels.sgmv.LoraArgs. The pool owns and writes the tables (services.worker.device_pool).
+The step-input builder (services.worker.executor.step_inputs) makes one LoraMeta a step, over its
+own segment tables (eager) or the graph runner's static ones (captured decode graphs); the model
+reads the pool's tables through it (`args`) and passes each projection's LoRA to the kernels as a
+kernels.sgmv.LoraArgs. The pool owns and writes the tables (services.worker.device_pool).
 """
 from __future__ import annotations
 

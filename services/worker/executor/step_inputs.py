@@ -1,9 +1,9 @@
-"""Build one step's model inputs in one place, `StepBuilder`: row order, token ids, positions,
-KV slots, block tables, the LoRA segments and the step's LoRA metadata (services.worker.
-lora_meta), for eager steps into the runner's own buffers (`eager`) and for decode and mixed
-steps replayed from CUDA graphs into the graph runner's static, padded ones (`fill`, called by
-services.worker.graph_inputs); and the sampling parameters (`sampling_batch`).
-
+"""Build one step's model inputs in one place, `StepBuilder`: row order, token ids, positions, KV
+slots, block tables, the LoRA segments and the step's LoRA metadata
+(services.worker.model.step_context), for eager steps into the runner's own buffers (`eager`) and
+for decode and mixed steps replayed from CUDA graphs into the graph runner's static, padded ones
+(`fill`, called by services.worker.executor.graph_inputs); and the sampling parameters
+(`sampling_batch`).
 Rows are ordered by adapter slot, so rows sharing an adapter form one contiguous segment for
 the SGMV kernel; a sequence's rows stay together and in order. Per row the builder only reads
 attributes (into np.fromiter or list comprehensions; a prefill step copies each sequence's new
@@ -20,11 +20,11 @@ import torch
 
 from kernels.sgmv_choice import only_live_segment
 from services.worker.engine.scheduler import Scheduled
+from services.worker.executor.sampling import SamplingBatch
+from services.worker.executor.sampling_inputs import sampling_batch
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.lora_tables import LoraTables
 from services.worker.model.step_context import LoraMeta, StepContext, choose
-from services.worker.sampling import SamplingBatch
-from services.worker.sampling_inputs import sampling_batch
 
 
 @dataclass

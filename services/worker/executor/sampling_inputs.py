@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from services.worker.engine.scheduler import Scheduled
-from services.worker.sampling import SamplingBatch
+from services.worker.executor.sampling import SamplingBatch
 
 GREEDY = SamplingBatch(None, None, None, None, None, None, None, all_greedy=True)
 

@@ -1,13 +1,14 @@
-"""The static inputs that captured CUDA graphs read (services.worker.graph_runner), and a step
-launched from one (`PendingStep`: `start_sampling` samples its rows and starts their copy to the
-host, `collect` waits for them).
+"""The static inputs that captured CUDA graphs read (services.worker.executor.graph_runner), and a
+step launched from one (`PendingStep`: `start_sampling` samples its rows and starts their copy to
+the host, `collect` waits for them).
 
 `StaticInputs` owns two packed device buffers (int64 rows: input ids, positions, KV slots, the
 gather index of a step launched from one in flight, a mixed step's sample rows; int32: q_seq and
-q_pos per row, the LoRA segments and block tables per sequence) and two sets of pinned host
-staging buffers used in turn: with overlap, step N+1 is filled while step N's copies may still
-be queued behind step N-1. A step is written by the step-input builder (services.worker.
-step_inputs.StepBuilder.fill) into the next host set, then two host-to-device copies.
+q_pos per row, the LoRA segments and block tables per sequence) and two sets of pinned host staging
+buffers used in turn: with overlap, step N+1 is filled while step N's copies may still be queued
+behind step N-1. A step is written by the step-input builder
+(services.worker.executor.step_inputs.StepBuilder.fill) into the next host set, then two
+host-to-device copies.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 
 from services.worker.engine.scheduler import Scheduled
-from services.worker.sampling import pack_logprobs, sample, unpack_logprobs
-from services.worker.step_inputs import HostViews, StepBuilder, StepPlan, sampling_batch
+from services.worker.executor.sampling import pack_logprobs, sample, unpack_logprobs
+from services.worker.executor.step_inputs import HostViews, StepBuilder, StepPlan, sampling_batch
 
 
 @dataclass

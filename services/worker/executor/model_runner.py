@@ -6,12 +6,12 @@ import logging
 import torch
 
 from services.worker.engine.scheduler import Scheduled
+from services.worker.executor.sampling import pack_logprobs, sample, unpack_logprobs
+from services.worker.executor.step_inputs import InputBuffers, StepBuilder
 from services.worker.model.llama import LlamaModel
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.lora_tables import LoraTables
 from services.worker.model.spec import ModelSpec
-from services.worker.sampling import pack_logprobs, sample, unpack_logprobs
-from services.worker.step_inputs import InputBuffers, StepBuilder
 
 log = logging.getLogger(__name__)
 

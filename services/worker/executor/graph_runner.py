@@ -34,7 +34,7 @@ no offsets, so adds nothing; a column-LoRA graph only for a step whose q/k/v ada
 blocks), and a step with no such graph (an adapter above max_rank's tile) runs eagerly. Capture
 never touches the pool's tables, which the adapter manager updates from its own thread. The static
 buffers are filled by the same step-input builder as eager steps
-(services.worker.step_inputs.StepBuilder.fill).
+(services.worker.executor.step_inputs.StepBuilder.fill).
 
 Overlap. `launch` starts a decode or mixed step and returns at once (the sampled tokens come back
 through a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
@@ -54,11 +54,11 @@ import torch
 from kernels.sgmv_choice import rank_tile
 from services.worker import metrics
 from services.worker.engine.scheduler import Scheduled
-from services.worker.graph_inputs import PendingStep, StaticInputs, collect, start_sampling
+from services.worker.executor.graph_inputs import PendingStep, StaticInputs, collect, start_sampling
+from services.worker.executor.model_runner import ModelRunner
+from services.worker.executor.step_inputs import StepPlan
 from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
 from services.worker.model.step_context import LoraMeta, StepContext
-from services.worker.runner import ModelRunner
-from services.worker.step_inputs import StepPlan
 
 log = logging.getLogger(__name__)
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448,
