@@ -18,8 +18,8 @@ A graph holds LoRA launches only for the projection groups that the step's adapt
 q/k/v/o adapters one without the MLP's. A graph also bakes in the SGMV rank tile (LoraMeta.rank: the
 kernels' RANK_BLOCK and launch shape) and whether q/k/v run as column LoRA (LoraMeta.columns), so
 graphs are keyed by (batch, mask, tile, columns); the step-input builder makes these choices
-(services.worker.model.step_context.choose), and a step replays the graph for the largest rank among its own
-adapters, not the pool's: rank-16 adapters run rank-16 kernels even while a rank-64 adapter is
+(services.worker.executor.lora_choice), and a step replays the graph for the largest rank among its
+own adapters, not the pool's: rank-16 adapters run rank-16 kernels even while a rank-64 adapter is
 resident (on the H200, batch 64 with 32 rank-16 adapters spends 38 us a layer in LoRA with the 16
 tile against 83 with the 64 one).
 

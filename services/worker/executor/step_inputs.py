@@ -20,11 +20,12 @@ import torch
 
 from kernels.sgmv_choice import only_live_segment
 from services.worker.engine.scheduler import Scheduled
+from services.worker.executor.lora_choice import choose
 from services.worker.executor.sampling import SamplingBatch
 from services.worker.executor.sampling_inputs import sampling_batch
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.lora_tables import LoraTables
-from services.worker.model.step_context import LoraMeta, StepContext, choose
+from services.worker.model.step_context import LoraMeta, StepContext
 
 
 @dataclass
@@ -77,7 +78,7 @@ class InputBuffers:
 
 @dataclass
 class StepPlan:
-    """A step's rows in order and its LoRA choices (lora_meta.choose), before any buffer is
+    """A step's rows in order and its LoRA choices (lora_choice.choose), before any buffer is
     written: the graph runner picks its graph from them."""
     batch: list[Scheduled]
     seqs: list
@@ -99,7 +100,7 @@ class StepBuilder:
 
     def plan(self, batch: list[Scheduled], graph: bool) -> StepPlan:
         """Rows grouped by adapter slot (base rows last), in arrival order within a slot, and
-        the LoRA choices for them (graph: a captured graph's rank tile, see lora_meta.choose)."""
+        the LoRA choices for them (graph: a captured graph's rank tile, see lora_choice.choose)."""
         batch = sorted(batch, key=lambda b: (b.seq.slot < 0, b.seq.slot, b.seq.arrival))
         seqs = [b.seq for b in batch]
         slots = np.fromiter((q.slot for q in seqs), dtype=np.int64, count=len(seqs))

@@ -24,7 +24,7 @@ buffer and o_ext gives the base output plus every row's o expand, with no expand
 Which adapters get a block: the pool assigns one when it places an adapter of rank <= 16 that
 targets q/k/v (or o, with rows) and a block is free (`assign`), and frees it with the slot
 (`release`). A step takes the column path only when every q/k/v (and, with rows, o) adapter in
-it has a block (LoraMeta.columns, chosen by services.worker.model.step_context.choose); otherwise the
+it has a block (LoraMeta.columns, chosen by services.worker.executor.lora_choice); otherwise the
 split SGMV runs. Blocks are written on the pool's copy stream while graphs may replay: a replay
 computes every block's columns, but reads only those of slots whose `col_slot` entry is set,
 which happens after the block is written.

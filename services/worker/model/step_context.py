@@ -1,6 +1,5 @@
-"""What every layer reads of one step (`StepContext`), its LoRA part (`LoraMeta`), and the one
-place that picks a step's LoRA choices (`choose`: which projection groups run LoRA, the rank
-tile, column LoRA or not).
+"""What every layer reads of one step (`StepContext`) and its LoRA part (`LoraMeta`: the step's
+segments, its LoRA choices, made by services.worker.executor.lora_choice, and the pool's tables).
 
 The step-input builder (services.worker.executor.step_inputs) makes one LoraMeta a step, over its
 own segment tables (eager) or the graph runner's static ones (captured decode graphs); the model
@@ -12,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from kernels.sgmv import LoraArgs
-from kernels.sgmv_choice import HostSegments, rank_tile
-from services.worker.model.lora_columns import RANK_TILE as COLUMN_RANK_TILE, LoraColumns
+from kernels.sgmv_choice import HostSegments
+from services.worker.model.lora_columns import RANK_TILE as COLUMN_RANK_TILE
 from services.worker.model.lora_tables import LoraTables
 from services.worker.model.spec import GROUP_BIT
 
@@ -78,27 +76,3 @@ class StepContext:
     sample_rows: torch.Tensor | None  # int64 [R] rows whose logits are needed; None: all
     max_context: int            # host bound on positions + 1 (for sizing attention)
     lora: LoraMeta              # the step's LoRA segments, choices and the pool's tables
-
-
-def choose(tables: LoraTables | None, columns: LoraColumns | None, slots: np.ndarray,
-           graph: bool) -> tuple[int, int, bool]:
-    """A step's LoRA choices from its rows' adapter slots (-1 = base only): (group mask, rank
-    bound, column LoRA). The rank bound of a graph step is the rank tile of the largest rank
-    among its own adapters (graphs are captured per tile); an eager step's is the pool's
-    largest rank. Column LoRA when every q/k/v adapter among them (and, when the blocks hold o
-    rows too, every o adapter) has a column block."""
-    if tables is None:
-        return 0, 0, False
-    live = slots[slots >= 0]
-    if not len(live):
-        return 0, 0, False
-    groups = tables.slot_groups[live]
-    mask = int(np.bitwise_or.reduce(groups))
-    if not mask:
-        return 0, 0, False
-    cols = False
-    if columns is not None:
-        need = GROUP_BIT["qkv"] | (GROUP_BIT["o"] if columns.rows else 0)
-        cols = columns.covers(live[(groups & need) != 0])
-    rank = rank_tile(int(tables.ranks_host[live].max())) if graph else tables.max_rank
-    return mask, rank, cols
