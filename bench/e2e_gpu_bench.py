@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
+from services.worker.adapters.layout import staged_from_tensors  # noqa: E402
 from services.worker.engine.sequence import Sampling, Sequence, Stopping  # noqa: E402
 from services.worker.factory import EngineOptions, assemble  # noqa: E402
 from services.worker.model.spec import ModelSpec  # noqa: E402

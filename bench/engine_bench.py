@@ -35,7 +35,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.worker.adapter_layout import staged_from_tensors  # noqa: E402
+from services.worker.adapters.layout import staged_from_tensors  # noqa: E402
 from services.worker.engine.sequence import Sequence, Stopping  # noqa: E402
 from services.worker.factory import EngineOptions, build_engine  # noqa: E402
 

@@ -68,7 +68,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import services.worker.executor.graph_runner as graph_runner_mod  # noqa: E402
-from services.worker.adapter_layout import staged_from_peft_dir  # noqa: E402
+from services.worker.adapters.layout import staged_from_peft_dir  # noqa: E402
 from services.worker.engine.scheduler import Scheduled  # noqa: E402
 from services.worker.engine.sequence import Sampling, Sequence, Stopping  # noqa: E402
 from services.worker.executor.graph_runner import GraphRunner  # noqa: E402

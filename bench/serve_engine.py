@@ -51,7 +51,7 @@ def run(params: dict) -> dict:
     """params: model, options (EngineOptions fields), cpu_threads, adapters {id: dir}, jobs
     [{name, concurrency, warmup: [Request], requests: [Request]}]."""
     import torch
-    from services.worker.adapter_layout import staged_from_peft_dir
+    from services.worker.adapters.layout import staged_from_peft_dir
     from services.worker.factory import EngineOptions, build_engine
     from services.worker.perf_config import PerfConfig
     # the worker's own performance choices (it reads LORAFLEET_* in its config)

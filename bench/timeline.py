@@ -162,7 +162,7 @@ def build_engine(layers: int, distinct: int, cuda_graphs: bool,
     q/k/v/o adapters placed in its pool: (built, their slots). options: more EngineOptions."""
     from bench.e2e_gpu_bench import (_NullTokenizer, adapter_tensors, llama7b_spec,
                                      random_weights)
-    from services.worker.adapter_layout import staged_from_tensors
+    from services.worker.adapters.layout import staged_from_tensors
     from services.worker.factory import EngineOptions, assemble
     from services.worker.perf_config import PerfConfig
     dev = torch.device(device)

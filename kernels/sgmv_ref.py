@@ -6,7 +6,7 @@ contiguous blob inside it. For every (layer, slice) an adapter targets, the blob
   Bt : [r, N_s] (PEFT `lora_B.weight` transposed)    at element offset b_off[slice, slot]
 so a kernel reads both row-major with the long dimension contiguous. Offsets are -1 where the
 adapter does not target that slice (or that layer): those rows get nothing added. The worker's
-pool keeps every offset a multiple of 8 elements (services.worker.adapter_layout.OFFSET_ALIGN)
+pool keeps every offset a multiple of 8 elements (services.worker.adapters.layout.OFFSET_ALIGN)
 and says so to the kernels (`align=8`), which then load A and Bt in 16-byte vectors.
 
 Rows of x are sorted so that each segment i (rows seg_start[i]:seg_start[i+1]) uses one slot

@@ -1,6 +1,6 @@
-"""The device pool (services.worker.device_pool) on the tiny model, with the demo adapters: an
-adapter's slot becomes visible only once its weights and tables are written, a failed copy
-gives its range and slot back, every matrix lands where the tables say, transposed and folded
+"""The device pool (services.worker.adapters.device_pool) on the tiny model, with the demo adapters:
+an adapter's slot becomes visible only once its weights and tables are written, a failed copy gives
+its range and slot back, every matrix lands where the tables say, transposed and folded
 as the kernels expect. The device work here is the pool's own, held at an event so that the
 window between reserving a slot and finishing the copy can be looked into."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.worker.adapter_layout import (OFFSET_ALIGN, staged_from_peft_dir,
-                                            staged_from_tensors)
-from services.worker.device_pool import DevicePool
+from services.worker.adapters.layout import (OFFSET_ALIGN, staged_from_peft_dir,
+                                             staged_from_tensors)
+from services.worker.adapters.device_pool import DevicePool
 from services.worker.model.spec import GROUPS, MODULE_GROUP, load_spec
 from tests.support import DEMO_ADAPTERS, MODEL_DIR
 
@@ -315,11 +315,11 @@ def test_split_attention_is_off_unless_asked_and_reaches_the_model(tmp_path):
 
 def test_a_placement_runs_with_a_short_switch_interval_and_restores_it(monkeypatch):
     """A placement's device calls each give the GIL up; the interval a waiter waits before the
-    engine thread must drop it is cut for the placement only (services.worker.gil), and
+    engine thread must drop it is cut for the placement only (services.worker.adapters.gil), and
     concurrent users keep it cut until the last one leaves."""
     import sys
     from kernels import adapter_scatter
-    from services.worker import gil
+    from services.worker.adapters import gil
     spec = load_spec(MODEL_DIR)
     staged = staged_from_peft_dir(DEMO_ADAPTERS / "pirate", spec)
     pool = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 22, 4)

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from services.worker.adapter_layout import staged_from_peft_dir
+from services.worker.adapters.layout import staged_from_peft_dir
 from services.worker.engine.sequence import Sequence, Stopping
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.perf_config import PerfConfig
@@ -114,7 +114,7 @@ def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
     """With folded norms a forward pass runs one norm (the final one, before lm_head) and no
     residual add + norm; the q/k/v and gate/up weights hold g * W, and the pool's q/k/v and
     gate/up A matrices g * A (o's and down's as written)."""
-    from services.worker.adapter_layout import staged_from_peft_dir
+    from services.worker.adapters.layout import staged_from_peft_dir
     from services.worker.model import norms as norms_mod
     calls = {"rms_norm": 0, "add_rms_norm": 0}
     for name in calls:

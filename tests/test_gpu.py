@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from services.worker.adapter_layout import staged_from_peft_dir
+from services.worker.adapters.layout import staged_from_peft_dir
 from services.worker.engine.sequence import Sequence, Stopping
 from services.worker.factory import EngineOptions, build_engine
 from services.worker.perf_config import PerfConfig

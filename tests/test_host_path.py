@@ -381,7 +381,7 @@ def test_prefault_writes_every_page_of_a_new_mapping_from_several_threads():
 
     import numpy as np
 
-    from services.worker.host_tier import prefault
+    from services.worker.adapters.host_tier import prefault
     n = (3 << 20) + 4099                       # not a multiple of the threads or of a page
     mapping = mmap.mmap(-1, n)
     array = np.frombuffer(mapping, dtype=np.uint8, count=n)

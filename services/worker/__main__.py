@@ -22,24 +22,24 @@ from services.common.service_auth import describe, read_token
 from services.common.tenant_labels import TenantLabels
 from services.worker import metrics
 from services.worker import precompile
-from services.worker.adapter_manager import AdapterManager
+from services.worker.adapters.host_tier import HostTier
+from services.worker.adapters.manager import AdapterManager
+from services.worker.adapters.store_client import StoreClient
 from services.worker.config import WorkerConfig, parse_args
 from services.worker.engine.gauges import EngineGauges
 from services.worker.factory import Built, EngineOptions, build_engine
 from services.worker.frontend_process import Front, FrontendFailed
-from services.worker.host_tier import HostTier
 from services.worker.model.spec import load_spec
 from services.worker.precompile import WarmShape
 from services.worker.residency import ResidencyFeed
 from services.worker.servicer import WorkerServicer
-from services.worker.store_client import StoreClient
 from services.worker.warmup import Warmup
 
 log = logging.getLogger("lorafleet.worker")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # How long the engine thread may hold the GIL while another thread waits for it (CPython's
 # default is 5 ms; at 5 ms a cold load's 0.6 ms copy took 5 ms p50 under decode load). While a
-# cold load is in flight the interval is shorter still (services.worker.gil).
+# cold load is in flight the interval is shorter still (services.worker.adapters.gil).
 GIL_SWITCH_S = 0.0005
 PRECOMPILE_TIMEOUT_S = 900.0        # precompile's children are stopped after this
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
+from services.worker.adapters.device_pool import DevicePool
 from services.worker.chat_template import ChatTemplate
-from services.worker.device_pool import DevicePool
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.loop import Engine
 from services.worker.engine.scheduler import Scheduler

@@ -10,7 +10,7 @@ import asyncio
 from typing import AsyncIterator, Callable
 
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
-from services.worker.adapter_manager import AdapterManager
+from services.worker.adapters.manager import AdapterManager
 
 
 class ResidencyFeed:

@@ -19,7 +19,7 @@ from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, work
 from services.common.telemetry import incoming_context, traced, tracer
 from services.worker import metrics
 from services.worker import token_info
-from services.worker.adapter_manager import Acquired, AdapterManager
+from services.worker.adapters.manager import Acquired, AdapterManager
 from services.worker.chat_template import check_messages, fallback as chat_fallback
 from services.worker.config import WorkerConfig
 from services.worker.engine.loop import TokenEvent

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sgmv_choice import rank_tile
-from services.worker.adapter_layout import staged_from_tensors
-from services.worker.device_pool import PoolFull
+from services.worker.adapters.device_pool import PoolFull
+from services.worker.adapters.layout import staged_from_tensors
 from services.worker.engine.loop import Engine
 from services.worker.engine.sequence import Sampling, Sequence, Status, Stopping
 from services.worker.model.spec import GROUPS, ModelSpec

@@ -28,8 +28,8 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  max_batch_tokens: int, max_running: int, max_model_len: int,
                  lora: LoraTables | None = None, columns: LoraColumns | None = None):
-        """lora: the adapter pool's tables (services.worker.device_pool), columns: its column
-        blocks; the step builder reads them and hands them to the model with each step."""
+        """lora: the adapter pool's tables (services.worker.adapters.device_pool), columns: its
+        column blocks; the step builder reads them and hands them to the model with each step."""
         spec, dev, dt = model.spec, model.device, model.dtype
         self.model, self.block_size = model, block_size
         self.steps = StepBuilder(block_size, lora, columns, eos=tuple(spec.eos_token_ids))

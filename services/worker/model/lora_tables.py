@@ -1,5 +1,5 @@
-"""The device view of the adapter pool that the model's LoRA kernels read: the pool owns and
-writes it (services.worker.device_pool); the step-input builder hands it to the model with each
+"""The device view of the adapter pool that the model's LoRA kernels read: the pool owns and writes
+it (services.worker.adapters.device_pool); the step-input builder hands it to the model with each
 step (services.worker.model.step_context.LoraMeta)."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ segments, its LoRA choices, made by services.worker.executor.lora_choice, and th
 The step-input builder (services.worker.executor.step_inputs) makes one LoraMeta a step, over its
 own segment tables (eager) or the graph runner's static ones (captured decode graphs); the model
 reads the pool's tables through it (`args`) and passes each projection's LoRA to the kernels as a
-kernels.sgmv.LoraArgs. The pool owns and writes the tables (services.worker.device_pool).
+kernels.sgmv.LoraArgs. The pool owns and writes the tables (services.worker.adapters.device_pool).
 """
 from __future__ import annotations
 

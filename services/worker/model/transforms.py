@@ -51,7 +51,7 @@ def choose_blas(device: torch.device, name: str) -> None:
 # The GEMMs whose input is a norm's output, and that norm: with folded norms (fold_norms) each
 # keeps g * W (the norm weight g folded into its input columns) and gets the residual h itself;
 # the consumer of its output scales rows by the norm's factor (kernels/fused.py), and the
-# adapter pool folds g into these groups' LoRA A (services.worker.device_pool).
+# adapter pool folds g into these groups' LoRA A (services.worker.adapters.device_pool).
 NORM_OF = {"qkv": "in_norm", "gate_up": "post_norm"}
 
 

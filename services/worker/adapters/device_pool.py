@@ -1,7 +1,7 @@
 """The adapter pool on the compute device: one flat buffer, rank-exact blobs, slot tables.
 
 Mechanism only: which adapter to evict is decided by the adapter manager's policy. Placing a
-staged adapter (services.worker.adapter_layout) is a handful of device operations, whatever its
+staged adapter (services.worker.adapters.layout) is a handful of device operations, whatever its
 tensor count, on a copy stream of its own: its safetensors bytes copied as they are, one
 kernels.adapter_scatter launch that lays every tensor out (B transposed, norms folded into A,
 column LoRA blocks written) and writes the slot's table entries. The slot tables live in two
@@ -18,12 +18,12 @@ import numpy as np
 import torch
 
 from kernels import adapter_scatter as sc
-from services.worker import gil
-from services.worker.adapter_layout import OFFSET_ALIGN, SRC_ALIGN, StagedAdapter
+from services.worker.adapters import gil
+from services.worker.adapters.layout import OFFSET_ALIGN, SRC_ALIGN, StagedAdapter
+from services.worker.adapters.range_alloc import ALIGN as BLOB_ALIGN, RangeAllocator
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.lora_tables import LoraTables
 from services.worker.model.spec import GROUPS, ModelSpec
-from services.worker.range_alloc import ALIGN as BLOB_ALIGN, RangeAllocator
 
 assert BLOB_ALIGN % OFFSET_ALIGN == 0   # blob starts keep the layout's offsets aligned
 GROUP_BITS = np.array([1 << i for i in range(len(GROUPS))], dtype=np.int64)

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from services.common.cache_policy import CachePolicy, NoRoom
-from services.worker.adapter_layout import PlanCache, StagedAdapter, stage
+from services.worker.adapters.layout import PlanCache, StagedAdapter, stage
+from services.worker.adapters.range_alloc import RangeAllocator
 from services.worker.model.spec import ModelSpec
-from services.worker.range_alloc import RangeAllocator
 
 log = logging.getLogger(__name__)
 PREFAULT_THREADS = 8            # threads writing the host tier's pages before it is pinned

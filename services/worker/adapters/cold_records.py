@@ -16,7 +16,7 @@ STAGES = ("fetch", "digest", "layout", "room_wait", "host_to_device", "copy_wait
 
 @dataclass
 class ColdJob:
-    """One cold load's job (services.worker.adapter_manager) across its runs: its record, and
+    """One cold load's job (services.worker.adapters.manager) across its runs: its record, and
     what the last run found and changed, for the event loop to apply."""
     key: str
     adapter_id: str

@@ -8,15 +8,15 @@ batch back. The pin is held until the engine has finished the request, so an ada
 never evicted.
 
 A cold load is one job: the store fetch straight into a host-tier reservation
-(services.worker.store_client), the layout plan, the device-pool admission (evicting unpinned
-adapters) and the placement (services.worker.device_pool), a handful of device operations. A
-job that fetches runs on a loader thread, never on the event loop, which only starts it and
-hears when it is done: loads run side by side and no stream's tokens wait for a fetch. One
-from the worker's host tier is the placement alone, a millisecond or two, and by default runs
-on the event loop, one a loop iteration: the hop to a loader thread and back cost as much again
-under decode load (two thread switches, each waiting for the GIL behind the engine thread).
-When the pool has no room the job hands back and waits its turn (room_queue.py: first come,
-first served), then runs again. Each finished load leaves a record of its stages (ColdLoadLog).
+(services.worker.adapters.store_client), the layout plan, the device-pool admission (evicting
+unpinned adapters) and the placement (services.worker.adapters.device_pool), a handful of device
+operations. A job that fetches runs on a loader thread, never on the event loop, which only starts
+it and hears when it is done: loads run side by side and no stream's tokens wait for a fetch. One
+from the worker's host tier is the placement alone, a millisecond or two, and by default runs on the
+event loop, one a loop iteration: the hop to a loader thread and back cost as much again under
+decode load (two thread switches, each waiting for the GIL behind the engine thread). When the pool
+has no room the job hands back and waits its turn (room_queue.py: first come, first served), then
+runs again. Each finished load leaves a record of its stages (ColdLoadLog).
 """
 from __future__ import annotations
 
@@ -33,15 +33,17 @@ from services.common.cache_policy import CachePolicy, NoRoom
 from services.common.errors import ResourceExhausted
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import tracer
-from services.worker import cold_fetch, gil, metrics
-from services.worker.adapter_layout import StagedAdapter
-from services.worker.device_pool import DevicePool, PoolFull
-from services.worker.host_tier import HostTier
+from services.worker import metrics
+from services.worker.adapters import cold_fetch
+from services.worker.adapters import gil
+from services.worker.adapters.device_pool import DevicePool, PoolFull
+from services.worker.adapters.host_tier import HostTier
+from services.worker.adapters.layout import StagedAdapter
+from services.worker.adapters.room_queue import RoomQueue, next_victim, window_busy
 from services.worker.model.spec import ModelSpec
-from services.worker.room_queue import RoomQueue, next_victim, window_busy
-from services.worker.cold_records import (ColdJob, ColdLoadLog, LoopTurns, count_cold,
-                                          observe_stages, reload_cost)
-from services.worker.store_client import StoreClient
+from services.worker.adapters.cold_records import (ColdJob, ColdLoadLog, LoopTurns, count_cold,
+                                                   observe_stages, reload_cost)
+from services.worker.adapters.store_client import StoreClient
 
 log = logging.getLogger(__name__)
 _tracer = tracer("lorafleet.worker")

@@ -1,4 +1,4 @@
-"""Waiting for room in the device pool, first come first served (services.worker.adapter_manager).
+"""Waiting for room in the device pool, first come first served (services.worker.adapters.manager).
 
 A load the pool has no room for joins the queue. The oldest waiter (the head), when no free
 range fits it, gets a window: the contiguous range of its size that holds the fewest bytes the

@@ -1,10 +1,10 @@
 """A staged adapter and its layout plan: where each of its tensors goes in the device pool.
 
-The worker keeps an adapter as the store sends it: the bytes of its adapter_model.safetensors
-(in the worker's host tier) and a LayoutPlan made from the file's own header, checked against
-the served model. Placing it (services.worker.device_pool) copies those bytes to the device as
-they are, in one copy, and kernels.adapter_scatter moves every tensor to its place in one
-launch, following the plan's segments.
+The worker keeps an adapter as the store sends it: the bytes of its adapter_model.safetensors (in
+the worker's host tier) and a LayoutPlan made from the file's own header, checked against the served
+model. Placing it (services.worker.adapters.device_pool) copies those bytes to the device as they
+are, in one copy, and kernels.adapter_scatter moves every tensor to its place in one launch,
+following the plan's segments.
 
 Pool layout (kernels.sgmv_ref documents it): per (layer, group, slice) the adapter targets, A
 [r, K] then Bt [r, N]; each matrix starts at a multiple of OFFSET_ALIGN elements, so that with
@@ -61,7 +61,8 @@ class LayoutPlan:
     @functools.cached_property
     def flat_offsets(self) -> np.ndarray:
         """Every group's A offsets then its B offsets ([L, n_slices] each, raveled), in GROUPS
-        order: the order of a slot's entries in the pool's tables (services.worker.device_pool)."""
+        order: the order of a slot's entries in the pool's tables
+        (services.worker.adapters.device_pool)."""
         flat = np.concatenate([self.offsets[g][..., k].ravel() for g in GROUPS for k in (0, 1)])
         flat.setflags(write=False)
         return flat

@@ -1,4 +1,4 @@
-"""A cold load's fetch (services.worker.adapter_manager): the store streams the adapter straight
+"""A cold load's fetch (services.worker.adapters.manager): the store streams the adapter straight
 into a worker host-tier reservation, the host tier checks its header and plans its layout. Runs
 on a loader thread; the job's record gets the stages' times."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import time
 from services.common.gen.lorafleet.v1 import common_pb2
 from services.common.telemetry import tracer
 from services.worker import metrics
-from services.worker.adapter_layout import StagedAdapter
-from services.worker.cold_records import ColdJob
-from services.worker.host_tier import HostTier
-from services.worker.store_client import StoreClient
+from services.worker.adapters.cold_records import ColdJob
+from services.worker.adapters.host_tier import HostTier
+from services.worker.adapters.layout import StagedAdapter
+from services.worker.adapters.store_client import StoreClient
 
 _tracer = tracer("lorafleet.worker")
 

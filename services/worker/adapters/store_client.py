@@ -29,7 +29,7 @@ from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc
 from services.common.names import NAME
 from services.common.telemetry import outgoing_metadata
-from services.worker.host_tier import Reservation
+from services.worker.adapters.host_tier import Reservation
 
 
 @dataclass
