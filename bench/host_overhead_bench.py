@@ -37,8 +37,8 @@ rows on the base model only, on 8 adapters, or each on its own adapter): best of
 300 calls.
 
 With --device cuda the engine runs the tiny model on the GPU with real captured graphs (one per
-batch size, as services.worker.factory captures them) and a step's host time is its wall time
-minus the graph's device time (CUDA events around the replay): the serial host overhead of the
+batch size, as services.worker.startup.factory captures them) and a step's host time is its wall
+time minus the graph's device time (CUDA events around the replay): the serial host overhead of the
 step, as bench/e2e_gpu_bench.py reports it (decode step ms vs graph replay ms).
 
 With --baseline, the host figures of an earlier run (its JSON) are shown beside the new ones.
@@ -73,8 +73,8 @@ from services.worker.engine.scheduler import Scheduled  # noqa: E402
 from services.worker.engine.sequence import Sampling, Sequence, Stopping  # noqa: E402
 from services.worker.executor.graph_runner import GraphRunner  # noqa: E402
 from services.worker.executor.step_inputs import StepPlan  # noqa: E402
-from services.worker.factory import EngineOptions, build_engine  # noqa: E402
 from services.worker.perf_config import PerfConfig  # noqa: E402
+from services.worker.startup.factory import EngineOptions, build_engine  # noqa: E402
 
 ADAPTERS = ("acme-support", "pirate", "poet")
 PROMPTS = ("Tell me about the weather.", "Can you help me?", "Hello!", "How are you?",
@@ -170,7 +170,7 @@ def build(model_dir: pathlib.Path, batch: int, prompt_len: int, new: int, clock:
     slots = [built.pool.place(n, staged_from_peft_dir(adapters / n, built.spec))
              for n in ADAPTERS if (adapters / n).exists()]
     gr = GraphRunner(built.engine.runner, sizes=(batch,))
-    if cuda:                           # as services.worker.factory does it, for one batch size
+    if cuda:                  # as services.worker.startup.factory does it, for one batch size
         gr.capture(64)
         gr.timings = []
         built.engine.runner = gr

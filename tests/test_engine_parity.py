@@ -9,8 +9,8 @@ import torch
 
 from services.worker.adapters.layout import staged_from_peft_dir
 from services.worker.engine.sequence import Sequence, Stopping
-from services.worker.factory import EngineOptions, build_engine
 from services.worker.perf_config import PerfConfig
+from services.worker.startup.factory import EngineOptions, build_engine
 from tests.hf_fixtures import ADAPTER_SPECS
 
 

@@ -9,8 +9,8 @@ import torch
 
 from services.worker.adapters.layout import staged_from_peft_dir
 from services.worker.engine.sequence import Sequence, Stopping
-from services.worker.factory import EngineOptions, build_engine
 from services.worker.perf_config import PerfConfig
+from services.worker.startup.factory import EngineOptions, build_engine
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_DIR, DEMO_ADAPTERS = ROOT / "models" / "tiny-llama", ROOT / "models" / "adapters"
 
@@ -200,7 +200,7 @@ def test_no_kernel_compiles_or_graph_captures_after_serving(tmp_path):
 def _capture_and_warm(cache: str, opts) -> None:
     """In a fresh process: the worker's graph capture and warm-up on this kernel cache."""
     from kernels import kernel_cache
-    from services.worker.warmup import Warmup
+    from services.worker.startup.warmup import Warmup
     kernel_cache.use(cache)
     built = build_engine(MODEL_DIR, opts)
     Warmup(built.engine, built.pool, built.spec, opts.max_batch_tokens, max_rank=32,
@@ -209,14 +209,14 @@ def _capture_and_warm(cache: str, opts) -> None:
 
 @needs_cuda
 def test_precompile_children_compile_everything_the_capture_and_warm_up_need(tmp_path):
-    """services.worker.precompile: after two children have filled an empty kernel cache (one
+    """services.worker.startup.precompile: after two children have filled an empty kernel cache (one
     layer each, shares of the graphs' forwards and of the warm-up), a fresh worker process's
     graph capture and warm-up add no kernel to the cache: each one they need, the children
     built."""
     import multiprocessing
     import os
 
-    from services.worker import precompile
+    from services.worker.startup import precompile
     from triton import knobs
     cache = tmp_path / "kernels"
     cache.mkdir()

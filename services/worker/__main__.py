@@ -21,19 +21,19 @@ from services.common.server import create_server, serve, server_credentials, syn
 from services.common.service_auth import describe, read_token
 from services.common.tenant_labels import TenantLabels
 from services.worker import metrics
-from services.worker import precompile
 from services.worker.adapters.host_tier import HostTier
 from services.worker.adapters.manager import AdapterManager
 from services.worker.adapters.store_client import StoreClient
 from services.worker.config import WorkerConfig, parse_args
 from services.worker.engine.gauges import EngineGauges
-from services.worker.factory import Built, EngineOptions, build_engine
 from services.worker.frontend_process import Front, FrontendFailed
 from services.worker.model.spec import load_spec
-from services.worker.precompile import WarmShape
 from services.worker.residency import ResidencyFeed
 from services.worker.servicer import WorkerServicer
-from services.worker.warmup import Warmup
+from services.worker.startup import precompile
+from services.worker.startup.factory import Built, EngineOptions, build_engine
+from services.worker.startup.precompile import WarmShape
+from services.worker.startup.warmup import Warmup
 
 log = logging.getLogger("lorafleet.worker")
 ROOT = pathlib.Path(__file__).resolve().parents[2]

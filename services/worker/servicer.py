@@ -24,7 +24,7 @@ from services.worker.chat_template import check_messages, fallback as chat_fallb
 from services.worker.config import WorkerConfig
 from services.worker.engine.loop import TokenEvent
 from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
-from services.worker.factory import Built
+from services.worker.startup.factory import Built
 from services.worker.token_info import TokenTexts
 
 _tracer = tracer("lorafleet.worker")

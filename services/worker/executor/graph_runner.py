@@ -178,7 +178,7 @@ class GraphRunner:
 
     def warm_forwards(self, max_rank: int, part: int = 0, parts: int = 1) -> int:
         """The warm-up forwards of every parts-th graph that capture() would make, from the
-        part-th, without capturing (services.worker.precompile); how many."""
+        part-th, without capturing (services.worker.startup.precompile); how many."""
         keys = self._plan(max_rank)
         items = [(b, *key, False) for key in keys for b in reversed(self.sizes)]
         items += [(n, *key, True) for key in keys for n in self.mixed_sizes]
@@ -229,7 +229,7 @@ class GraphRunner:
               ) -> StepContext:
         """A graph's warm-up forwards (Triton compiles, autotunes, lazy cuBLAS state) on the
         first layer only: every layer runs the same kernels on the same shapes (as in
-        services.worker.warmup). Returns the graph's step context."""
+        services.worker.startup.warmup). Returns the graph's step context."""
         ctx = (self._ctx_mixed if mixed else self._ctx)(b, mask, tile, columns)
         self.model.layer_limit = 1
         try:

@@ -88,7 +88,7 @@ class Warmup:
                  max_rank: int, max_running: int, decode_rows: tuple[int, ...] = (7, 15),
                  prefill_with_decode: int = 0, part: int = 0, parts: int = 1):
         """part, parts: run every parts-th adapter set from the part-th (a share of the work,
-        services.worker.precompile), else all."""
+        services.worker.startup.precompile), else all."""
         self.engine, self.pool, self.spec = engine, pool, spec
         self.part, self.parts = part, parts
         self.tokens = token_counts(max_batch_tokens)

@@ -1,8 +1,8 @@
 """Fill a cold kernel cache in parallel while the worker loads its weights (GPU only).
 
 On a kernel cache that has not seen this build, the graph captures and the warm-up
-(services.worker.warmup) compile their Triton specializations one after another in the worker,
-each a second or so of single-threaded compiling. `--precompile-procs N` starts N child
+(services.worker.startup.warmup) compile their Triton specializations one after another in the
+worker, each a second or so of single-threaded compiling. `--precompile-procs N` starts N child
 processes at the worker's start, each with a one-layer model of the served shapes (the
 checkpoint's first layer, 1/L of the KV cache, so the same number of blocks), and each runs a
 share of the graphs' warm-up forwards (without capturing) and of the warm-up's adapter sets.
@@ -25,7 +25,7 @@ import pathlib
 import time
 
 log = logging.getLogger(__name__)
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 MARKER = "lorafleet-warm.json"
 SOURCES = ("kernels", "services/worker")        # what compiles, and what picks the shapes
 
@@ -133,9 +133,9 @@ def child(model_dir: str, opts, warm: WarmShape, part: int, parts: int, cache: s
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s precompile {part + 1}/{parts} %(message)s")
     from kernels import kernel_cache
-    from services.worker.factory import build_engine
     from services.worker.model.spec import load_spec
-    from services.worker.warmup import Warmup
+    from services.worker.startup.factory import build_engine
+    from services.worker.startup.warmup import Warmup
     kernel_cache.use(cache)
     start = time.monotonic()
     layers = load_spec(model_dir).num_layers

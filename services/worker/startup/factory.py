@@ -72,7 +72,7 @@ def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtyp
 def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions, layers: int | None = None,
                  before_capture: Callable[[], None] | None = None) -> Built:
     """Load a checkpoint directory and assemble the engine around it (layers: its first layers
-    only, for services.worker.precompile; before_capture: called before the CUDA graphs are
+    only, for services.worker.startup.precompile; before_capture: called before the CUDA graphs are
     captured)."""
     start = time.monotonic()
     spec = load_spec(model_dir)
