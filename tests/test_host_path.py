@@ -170,7 +170,7 @@ def test_event_handoff_delivers_every_call_in_order():
     import threading
     import time
 
-    from services.worker.servicer import EventHandoff
+    from services.worker.api.servicer import EventHandoff
     loop = asyncio.new_event_loop()
     loop.set_exception_handler(lambda loop, context: errors.append(context["exception"]))
     thread = threading.Thread(target=loop.run_forever, daemon=True)

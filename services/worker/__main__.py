@@ -24,12 +24,13 @@ from services.worker import metrics
 from services.worker.adapters.host_tier import HostTier
 from services.worker.adapters.manager import AdapterManager
 from services.worker.adapters.store_client import StoreClient
+from services.worker.api.chat_template import ChatTemplate
+from services.worker.api.frontend_process import Front, FrontendFailed
+from services.worker.api.residency_feed import ResidencyFeed
+from services.worker.api.servicer import WorkerServicer
 from services.worker.config import WorkerConfig, parse_args
 from services.worker.engine.gauges import EngineGauges
-from services.worker.frontend_process import Front, FrontendFailed
 from services.worker.model.spec import load_spec
-from services.worker.residency import ResidencyFeed
-from services.worker.servicer import WorkerServicer
 from services.worker.startup import precompile
 from services.worker.startup.factory import Built, EngineOptions, build_engine
 from services.worker.startup.precompile import WarmShape
@@ -144,7 +145,10 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
     feed = ResidencyFeed(manager, load, worker_id)
     manager.on_change = feed.mark
     feed.bind(asyncio.get_running_loop())
-    servicer = WorkerServicer(cfg, built, manager, feed, worker_id)
+    chat = ChatTemplate.from_model_dir(cfg.model)
+    log.info("chat template: %s", "the checkpoint's" if chat else
+             "none (chats are rendered as 'role: content' lines)")
+    servicer = WorkerServicer(cfg, built, manager, feed, worker_id, chat)
     return Core(built, manager, feed, servicer)
 
 

@@ -12,7 +12,6 @@ import torch
 from tokenizers import Tokenizer
 
 from services.worker.adapters.device_pool import DevicePool
-from services.worker.chat_template import ChatTemplate
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.loop import Engine
 from services.worker.engine.scheduler import Scheduler
@@ -58,7 +57,6 @@ class Built:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
-    chat_template: ChatTemplate | None = None    # the checkpoint's (None: the fallback)
 
 
 def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
@@ -85,9 +83,6 @@ def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions, layers: int
     weights = load_weights(model_dir, spec, dtype, device, first_layers=layers is not None)
     tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
     built = assemble(spec, weights, tok, opts, device, dtype, before_capture)
-    built.chat_template = ChatTemplate.from_model_dir(model_dir)
-    log.info("chat template: %s", "the checkpoint's" if built.chat_template else
-             "none (chats are rendered as 'role: content' lines)")
     log.info("engine ready in %.1fs", time.monotonic() - start)
     return built
 

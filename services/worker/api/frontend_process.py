@@ -1,5 +1,5 @@
-"""The worker's front end as a child process of its core (services.worker.frontend), and the
-core's end of the link to it (services.worker.engine_link)."""
+"""The worker's front end as a child process of its core (services.worker.api.frontend), and the
+core's end of the link to it (services.worker.api.core_link)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +13,9 @@ import sys
 import tempfile
 
 from services.common.owned_dirs import clear_stale, make_owned_dir
+from services.worker.api.core_link import EngineLink
+from services.worker.api.link import BlockingEnd
 from services.worker.config import WorkerConfig
-from services.worker.engine_link import EngineLink
-from services.worker.link import BlockingEnd
 
 log = logging.getLogger("lorafleet.worker")
 TEMP_PREFIX = "lorafleet-worker-"        # + pid + "-" + random (services.common.owned_dirs)
@@ -37,7 +37,7 @@ class FrontendFailed(RuntimeError):
 
 
 class Front:
-    """The worker's front end process (services.worker.frontend) and the link to it: it binds
+    """The worker's front end process (services.worker.api.frontend) and the link to it: it binds
     the public port; this process serves it on a private socket and runs the engine."""
 
     def __init__(self, cfg: WorkerConfig, servicer, loop: asyncio.AbstractEventLoop,
@@ -59,7 +59,7 @@ class Front:
         before the worker drains, `stopped` is set (the worker stops too, exit 1)."""
         ours, theirs = socket.socketpair()
         cfg = self.cfg
-        argv = [sys.executable, "-m", "services.worker.frontend", "--listen", cfg.listen,
+        argv = [sys.executable, "-m", "services.worker.api.frontend", "--listen", cfg.listen,
                 "--core", self.core_address, "--link-fd", str(theirs.fileno()),
                 "--grace", str(cfg.grace), "--log-level", cfg.log_level]
         for flag, value in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key),

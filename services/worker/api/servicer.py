@@ -18,14 +18,15 @@ from services.common.names import name_error
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
 from services.common.telemetry import incoming_context, traced, tracer
 from services.worker import metrics
-from services.worker import token_info
 from services.worker.adapters.manager import Acquired, AdapterManager
-from services.worker.chat_template import check_messages, fallback as chat_fallback
+from services.worker.api import responses
+from services.worker.api.chat_template import (ChatTemplate, check_messages,
+                                               fallback as chat_fallback)
+from services.worker.api.responses import TokenTexts
 from services.worker.config import WorkerConfig
 from services.worker.engine.loop import TokenEvent
 from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
 from services.worker.startup.factory import Built
-from services.worker.token_info import TokenTexts
 
 _tracer = tracer("lorafleet.worker")
 _ids = itertools.count()
@@ -121,8 +122,10 @@ class EventHandoff:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, cfg: WorkerConfig, built: Built, manager: AdapterManager, feed,
-                 worker_id: str):
+                 worker_id: str, chat_template: ChatTemplate | None = None):
+        """chat_template: the checkpoint's (None: chats are rendered by the fallback)."""
         self.cfg, self.built, self.engine = cfg, built, built.engine
+        self.chat_template = chat_template
         self.manager, self.feed, self.worker_id = manager, feed, worker_id
         self.metrics = metrics.RequestMetrics(manager.evictions.tenants, built.spec.name)
         self.draining = False
@@ -159,14 +162,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                        add_special_tokens=special)
 
     async def _encode_chat(self, messages):
-        """A chat rendered with the checkpoint's template (services.worker.chat_template) and
+        """A chat rendered with the checkpoint's template (services.worker.api.chat_template) and
         encoded as apply_chat_template does; without a template, the fallback transcript."""
         chat = check_messages(messages)
         size = sum(len(m["content"]) for m in chat)
         if size > self.engine.max_model_len * self._chars_per_token:
             raise InvalidArgument(f"messages: {size} characters cannot fit the model's "
                                   f"{self.engine.max_model_len} tokens")
-        template = self.built.chat_template
+        template = self.chat_template
         if template is None:
             return await self._encode(chat_fallback(chat), field="messages")
         text = template.render(chat) if size <= 4096 else \
@@ -261,11 +264,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _response(self, ev: TokenEvent, acq, arrival: float) -> wpb.WorkerGenerateResponse:
         out = wpb.WorkerGenerateResponse(token_ids=ev.token_ids, text=ev.text,
-                                         stop_reason=int(ev.stop), tokens=token_info.protos(
-                                             token_info.payload(ev.token_ids, ev.logprobs,
+                                         stop_reason=int(ev.stop), tokens=responses.protos(
+                                             responses.payload(ev.token_ids, ev.logprobs,
                                                                 self.token_texts)),
-                                         prompt_tokens=token_info.protos(
-                                             token_info.prompt_payload(ev.prompt_logprobs,
+                                         prompt_tokens=responses.protos(
+                                             responses.prompt_payload(ev.prompt_logprobs,
                                                                        self.token_texts)))
         if ev.stop is not Stop.NONE:
             out.usage.prompt_tokens = ev.prompt_tokens
@@ -347,7 +350,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             gpu_resident=sum(1 for i in m.info.values() if i.gpu),
             host_resident=len(m.host), device=str(self.built.device),
             eos_token_id=s.eos_token_ids[0] if s.eos_token_ids else 0,
-            has_chat_template=self.built.chat_template is not None,
+            has_chat_template=self.chat_template is not None,
             cold_load_records=(m.log.since(request.cold_loads_since)
                                if request.cold_load_records else []),
             cold_load_seq=m.log.seq)

@@ -1,4 +1,4 @@
-"""The core's end of the link to the worker's front end (see services.worker.link).
+"""The core's end of the link to the worker's front end (see services.worker.api.link).
 
 Each Generate call the front end takes arrives as a "gen" message: it is admitted here as the
 in-process servicer admits one (prompt, sampling, adapter staged and pinned), then handed to
@@ -22,11 +22,11 @@ from services.common.errors import LorafleetError
 from services.common.server import status_for
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import incoming_context, tracer
-from services.worker import token_info
+from services.worker.api import responses
+from services.worker.api.link import BlockingEnd
+from services.worker.api.servicer import generate_attributes
 from services.worker.engine.loop import TokenEvent
 from services.worker.engine.sequence import Stop
-from services.worker.link import BlockingEnd
-from services.worker.servicer import generate_attributes
 
 log = logging.getLogger(__name__)
 _tracer = tracer("lorafleet.worker")
@@ -75,8 +75,8 @@ class EngineLink:
 
         def sink(ev: TokenEvent) -> None:
             details = None if ev.logprobs is None and ev.prompt_logprobs is None else (
-                token_info.payload(ev.token_ids, ev.logprobs, texts),
-                token_info.prompt_payload(ev.prompt_logprobs, texts))
+                responses.payload(ev.token_ids, ev.logprobs, texts),
+                responses.prompt_payload(ev.prompt_logprobs, texts))
             if ev.stop is _NONE:
                 out_of._out.append((h, ev.token_ids, ev.text, details))
                 return

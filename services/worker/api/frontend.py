@@ -1,7 +1,7 @@
 """The worker's front end: its public gRPC port, in a process of its own (no torch).
 
 Started by the worker's core (services.worker.__main__) with one end of a socketpair (the link,
-services.worker.link) and the path of the core's private gRPC socket. Generate calls go over
+services.worker.api.link) and the path of the core's private gRPC socket. Generate calls go over
 the link and their tokens come back one frame per engine step; every other Worker RPC is passed
 through to the core as bytes, with its metadata, deadline and status. grpc.health.v1 here
 says SERVING from the start (the core starts this process once it serves) until the core
@@ -29,9 +29,9 @@ from services.common.runtime import freeze_startup_objects, setup_logging
 from services.common.server import (CLIENT_OPTIONS, create_server, drain, server_credentials,
                                     set_serving)
 from services.common.service_auth import read_token
-from services.worker import token_info
+from services.worker.api import responses
+from services.worker.api.link import encode, read_message
 from services.worker.engine.sequence import Stop
-from services.worker.link import encode, read_message
 
 log = logging.getLogger("lorafleet.worker.frontend")
 SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"]
@@ -111,8 +111,8 @@ class Frontend:
                 if n == 4:                  # (h, token ids, text, token details)
                     tokens, prompt = item[3] or (None, None)
                     yield wpb.WorkerGenerateResponse(token_ids=item[1], text=item[2],
-                                                     tokens=token_info.protos(tokens),
-                                                     prompt_tokens=token_info.protos(prompt))
+                                                     tokens=responses.protos(tokens),
+                                                     prompt_tokens=responses.protos(prompt))
                     continue
                 done = True
                 if n == 2:
@@ -123,8 +123,8 @@ class Frontend:
                     await context.abort(LorafleetError.code, f"generation failed: {error}")
                 details, prompt = details or (None, None)
                 out = wpb.WorkerGenerateResponse(token_ids=tokens, text=text, stop_reason=stop,
-                                                 tokens=token_info.protos(details),
-                                                 prompt_tokens=token_info.protos(prompt))
+                                                 tokens=responses.protos(details),
+                                                 prompt_tokens=responses.protos(prompt))
                 out.usage.prompt_tokens, out.usage.generated_tokens = prompt_tokens, generated
                 t = out.timings
                 t.queue_s, t.time_to_first_token_s, t.total_s = queue_s, ttft_s, total_s
@@ -211,7 +211,7 @@ async def main_async(args) -> int:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m services.worker.frontend",
+    p = argparse.ArgumentParser(prog="python -m services.worker.api.frontend",
                                 description="the worker's public gRPC port (started by the "
                                             "worker; not run by hand)")
     p.add_argument("--listen", required=True)
