@@ -6,7 +6,7 @@
     python bench/host_overhead_bench.py --device cuda --out /tmp/x      # real graphs, on a GPU
 
 On a GPU a graph decode step is: schedule, order the rows, fill the graph's static input buffers
-(GraphRunner._fill: services.worker.executor.step_inputs.StepBuilder.fill), replay the graph, build
+(StaticInputs.fill: services.worker.executor.step_inputs.StepBuilder.fill), replay the graph, build
 the sampling parameters (step_inputs.sampling_batch), sample, copy the tokens back (tolist), then
 per row the stop checks, incremental detokenization and the sink callback (Engine._append).
 Everything but the replay is host work that the GPU waits for. This bench runs that very path on the CPU: a real engine is
@@ -28,11 +28,11 @@ that never match), the median over the full-batch decode steps of the best of --
 - host: step wall time minus the replay, in microseconds;
 - sample: the sample() call; on the CPU this is the sampling math itself (on a GPU it is a few
   kernel launches), so host - sample is the part that stays host work on any device;
-- the phases: schedule, fill (GraphRunner._fill), sampling_batch, other run (decode checks,
+- the phases: schedule, fill (StaticInputs.fill), sampling_batch, other run (decode checks,
   the step plan: row order, slots and LoRA choices; tolist) and post (num_computed updates,
   Engine._append for every row, inbox/expiry).
 
-A second part times GraphRunner._fill alone on synthetic decode batches (context ~200 tokens,
+A second part times StaticInputs.fill alone on synthetic decode batches (context ~200 tokens,
 rows on the base model only, on 8 adapters, or each on its own adapter): best of 5 rounds of
 300 calls.
 
@@ -189,7 +189,7 @@ def instrument(built, gr: GraphRunner, clock: Clock):
     """Wrap the step's phases with timers; returns an undo function."""
     engine = built.engine
     engine.scheduler.schedule = clock.timed("schedule", engine.scheduler.schedule)
-    gr._fill = clock.timed("fill", gr._fill)
+    gr.inputs.fill = clock.timed("fill", gr.inputs.fill)
     gr.run = clock.timed("run", gr.run)
     saved = graph_runner_mod.sampling_batch, graph_runner_mod.sample
     graph_runner_mod.sampling_batch = clock.timed("sampling_batch", saved[0])
@@ -273,7 +273,7 @@ def _top(prof: cProfile.Profile, n: int = 25) -> list[str]:
 
 def fill_bench(model_dir: pathlib.Path, batch: int, layout: str, forward: str = "model",
                iters: int = 300) -> float:
-    """µs a call of GraphRunner._fill on a synthetic decode batch of `batch` sequences (best of
+    """µs a call of StaticInputs.fill on a synthetic decode batch of `batch` sequences (best of
     5 rounds of `iters` calls)."""
     built, gr, _ = build(model_dir, batch, 16, 240, Clock(), forward)
     blocks = built.engine.scheduler.blocks
@@ -294,7 +294,7 @@ def fill_bench(model_dir: pathlib.Path, batch: int, layout: str, forward: str = 
     for _ in range(5):
         t0 = time.perf_counter_ns()
         for _ in range(iters):
-            gr._fill(plan, batch)
+            gr.inputs.fill(plan, batch)
         rounds.append((time.perf_counter_ns() - t0) / iters / 1e3)
     return round(min(rounds), 1)
 
@@ -348,7 +348,7 @@ def write(out: pathlib.Path, result: dict) -> None:
             lines.append(f"| {r['batch']} | {r['mode']} | {u['host']:.0f} | "
                          f"{u['host_minus_sample']:.0f} |{before} "
                          + " | ".join(f"{u[p]:.0f}" for p in PHASES) + " |")
-    lines += ["", "## GraphRunner._fill alone, synthetic decode batches", "",
+    lines += ["", "## StaticInputs.fill alone, synthetic decode batches", "",
               "µs a call, best of 5 rounds of 300 calls.", "",
               "| batch | rows on | µs |" + (" before µs |" if base else ""),
               "| ---: | --- | ---: |" + (" ---: |" if base else "")]
@@ -363,7 +363,7 @@ def write(out: pathlib.Path, result: dict) -> None:
 
 
 def merge(results: list[dict]) -> dict:
-    """Several runs' results as one: per case the run with the least host time, per _fill
+    """Several runs' results as one: per case the run with the least host time, per fill
     case the fastest; repeats added up; the first profile."""
     out = dict(results[-1], runs={}, fill={}, repeats=sum(r["repeats"] for r in results),
                load_average_before=max(r["load_average_before"] for r in results))
@@ -395,7 +395,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per case; the fastest median is kept (the machine is shared)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--no-fill", action="store_true", help="skip the _fill microbenchmark")
+    p.add_argument("--no-fill", action="store_true", help="skip the fill microbenchmark")
     p.add_argument("--baseline", nargs="+", default=[],
                    help="earlier JSON results to compare with (several: merged)")
     p.add_argument("--merge", nargs="+", default=[],

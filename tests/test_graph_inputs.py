@@ -29,7 +29,7 @@ def test_graph_fill_matches_eager_build(hf_ckpt):
     batch = [Scheduled(s, 1) for s in seqs]
     eager = runner.steps.eager(batch, runner.buffers)
     g = GraphRunner(runner, sizes=(8,))
-    g._fill(g.steps.plan(batch, graph=True), 8)
+    g.inputs.fill(g.steps.plan(batch, graph=True), 8)
     n = len(seqs)
     ctx = g._ctx(8, ALL_GROUPS)
     assert torch.equal(g.ids[:n], eager.input_ids)

@@ -1,6 +1,6 @@
 """The host side of a CUDA-graph decode step, checked on CPU.
 
-GraphRunner._fill keeps the block tables of its static buffers from one step to the next and
+StaticInputs.fill keeps the block tables of its static buffers from one step to the next and
 rewrites only the rows that changed: after any sequence of growth, preemption (a freed table
 regrown to the same length with other blocks), reordering and padding, the buffers must hold
 exactly the sequences' tables. And the whole graph path (its buffers replayed by stand-in graphs
@@ -75,7 +75,7 @@ def test_fill_keeps_block_tables_exact_across_steps(hf_ckpt):
             assert blocks.ensure(q, len(q.tokens))
             q.num_computed = len(q.tokens) - 1
         slots = np.array([q.slot for q in rows], dtype=np.int64)      # rows as given
-        g._fill(StepPlan([Scheduled(q, 1) for q in rows], rows, slots, 0, 0, False), 8)
+        g.inputs.fill(StepPlan([Scheduled(q, 1) for q in rows], rows, slots, 0, 0, False), 8)
         _check_buffers(g, rows, 8)
 
     decode_step(seqs)

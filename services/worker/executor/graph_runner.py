@@ -32,15 +32,15 @@ replays the captured graph of its batch size with the fewest groups that include
 smallest tile that holds its rank (correct for any mask: a group no adapter in the step targets has
 no offsets, so adds nothing; a column-LoRA graph only for a step whose q/k/v adapters all have
 blocks), and a step with no such graph (an adapter above max_rank's tile) runs eagerly. Capture
-never touches the pool's tables, which the adapter manager updates from its own thread. The static
-buffers are filled by the same step-input builder as eager steps
-(services.worker.executor.step_inputs.StepBuilder.fill).
+never touches the pool's tables, which the adapter manager updates from its own thread. A step
+fills the static buffers with one call, `self.inputs.fill` (services.worker.executor.graph_inputs:
+the next pinned host set written by the same step-input builder as eager steps, then two copies).
 
 Overlap. `launch` starts a decode or mixed step and returns at once (the sampled tokens come back
-through a pinned buffer and an event); `collect` waits for them. A step may be launched from one still in
-flight (`prev`): its rows' input tokens are then gathered on the device from prev's sampled tokens,
-so the engine can queue step N+1 before it has read step N's tokens, and the GPU does not idle
-while the host post-processes step N (services.worker.engine.loop).
+through a pinned buffer and an event); `collect` waits for them. A step may be launched from one
+still in flight (`prev`): its rows' input tokens are then gathered on the device from prev's sampled
+tokens, so the engine can queue step N+1 before it has read step N's tokens, and the GPU does not
+idle while the host post-processes step N (services.worker.engine.loop).
 """
 from __future__ import annotations
 
@@ -281,7 +281,7 @@ class GraphRunner:
         if prev is not None:
             where = {id(x.seq): i for i, x in enumerate(prev.batch)}
             src = np.fromiter((where[id(x.seq)] for x in batch), np.int64, len(batch))
-        self._fill(plan, b, src)
+        self.inputs.fill(plan, b, src)
         if src is not None:
             n = len(batch)
             torch.index_select(prev.tokens, 0, self.inputs.dev64[3, :n], out=self.ids[:n])
@@ -329,13 +329,14 @@ class GraphRunner:
         return next((m for m in self.mixed_sizes if m >= t and self.mixed_seqs(m) >= n), None)
 
     def fill_mixed(self, plan: StepPlan, size: int) -> list[Scheduled]:
-        """Write a mixed step's inputs for the graph of `size` tokens (as _fill); returns the
-        entries that sample, in the order of the graph's logits rows."""
+        """Write a mixed step's inputs for the graph of `size` tokens (StaticInputs.fill, as a
+        decode step's); returns the entries that sample, in the order of the graph's logits
+        rows."""
         n = len(plan.batch)
         lens = np.fromiter((x.num_tokens for x in plan.batch), dtype=np.int64, count=n)
         samples = np.fromiter((x.samples for x in plan.batch), dtype=bool, count=n)
         rows = np.cumsum(lens)[samples] - 1           # each sampling sequence's last row
-        self._fill(plan, size, lens=lens, seqs=self.mixed_seqs(size), sample_rows=rows)
+        self.inputs.fill(plan, size, lens=lens, seqs=self.mixed_seqs(size), sample_rows=rows)
         return [x for x, s in zip(plan.batch, samples) if s]
 
     def _sampled(self, batch: list[Scheduled], logits: torch.Tensor, ahead: int
@@ -363,10 +364,3 @@ class GraphRunner:
                     and (columns or not c)]
             choice[key] = min(fits)[3] if fits else None
         return choice[key]
-
-
-    def _fill(self, plan: StepPlan, b: int, src: np.ndarray | None = None,
-              lens: np.ndarray | None = None, seqs: int | None = None,
-              sample_rows: np.ndarray | None = None) -> None:
-        """StaticInputs.fill (the step's inputs into the static buffers)."""
-        self.inputs.fill(plan, b, src, lens, seqs, sample_rows)
