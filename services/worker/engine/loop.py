@@ -1,4 +1,10 @@
-"""The engine loop: schedule, run, post-process — on its own thread.
+"""The engine loop: schedule, launch, post-process — on its own thread.
+
+The device side is a `Runner` (services.worker.executor: the eager ModelRunner, the GraphRunner
+that replays CUDA graphs, the FaultyRunner test hook): `run` a step and wait for its tokens, or
+`launch` it and `collect` them later. The scheduler keeps the per-sequence bookkeeping of a step
+(services.worker.engine.scheduler: what runs, what it computed, the next decode step of one in
+flight); the engine turns sampled tokens into requests' events.
 
 Overlap. With a runner that can launch a step without waiting (GraphRunner.launch), a decode
 step is launched, and on the next call the step after it is launched from it (input tokens
@@ -29,13 +35,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.worker.engine.detokenizer import Detokenizer
 from services.worker.engine.scheduler import Scheduled, Scheduler
-from services.worker.engine.sequence import Sequence, Status, Stop
-from services.worker.executor.model_runner import ModelRunner
+from services.worker.engine.sequence import Sequence, Stop
 
 log = logging.getLogger(__name__)
 _NO_STOP = Stop.NONE      # bound once: an enum member lookup costs ~0.1 µs, paid per row per step
@@ -61,16 +66,38 @@ class TokenEvent:
 
 
 Sink = Callable[[TokenEvent], None]
+# what a step gives back: the rows that sampled (in sample order), their new token ids, and
+# their logprobs when some row asked (else None)
+Sampled = tuple[list[Scheduled], list[int], list | None]
+
+
+class Launched(Protocol):
+    """A step a runner launched and has not collected yet."""
+    batch: list[Scheduled]              # its rows that sample, in sample order
+
+
+class Runner(Protocol):
+    """The device side of a step, as the engine drives it."""
+
+    def run(self, batch: list[Scheduled]) -> Sampled:
+        """Compute one step and wait for its tokens."""
+
+    def launch(self, batch: list[Scheduled], prev: Launched | None = None) -> Launched | None:
+        """Start a step without waiting for it (prev: a step in flight whose sampled tokens
+        are this one's inputs); None when this step cannot be launched ahead (run it)."""
+
+    def collect(self, pending: Launched) -> Sampled:
+        """Wait for a launched step's tokens."""
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer,
+    def __init__(self, runner: Runner, scheduler: Scheduler, tokenizer,
                  eos_token_ids: tuple[int, ...], max_model_len: int, overlap: bool = True):
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.detok = Detokenizer(tokenizer)
         # launch steps ahead of their post-processing when the runner can (see module doc)
         self.overlap = overlap
-        self._pending = None                           # a launched step not yet collected
+        self._pending: Launched | None = None          # a launched step not yet collected
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -80,7 +107,7 @@ class Engine:
         self.steps = 0
         self.tokens_generated = 0
         self.flush: Callable[[], None] | None = None   # called after each step (run)
-        # called with the engine after each step (run): the metrics' hook (engine_metrics.py)
+        # called with the engine after each step (run): the metrics' hook (gauges.py)
         self.on_step: Callable[["Engine"], None] | None = None
         # called once, on the engine thread, when a step raised (see module doc)
         self.on_fatal: Callable[[BaseException], None] | None = None
@@ -146,36 +173,55 @@ class Engine:
         self._wake.set()
 
     def step(self) -> bool:
-        """One engine step; False when there was nothing to do."""
+        """One step: schedule, launch, post-process; False when there was nothing to do."""
+        self._arrivals()
+        done, self._pending = self._pending, None          # the step in flight, if any
+        batch = self._schedule(done)
+        if done is None and not batch:
+            return False
+        ran = self._launch(batch, done) if batch else None     # None: launched (or none)
+        if done is not None:
+            self._post(self.runner.collect(done))
+        self._post(ran)
+        return True
+
+    def _arrivals(self) -> None:
+        """Take the inbox's submits and aborts; end the requests past their time limit."""
         self._drain_inbox()
         if self._timed:
             self._expire()
-        if self._pending is not None:
-            self._step_in_flight()
-            return True
-        batch = self.scheduler.schedule()
-        if not batch:
-            return False
-        now = time.monotonic()              # when this step's new sequences were scheduled
-        launch = getattr(self.runner, "launch", None) if self.overlap else None
-        pending = launch(batch) if launch is not None else None    # raises: fatal (run)
-        if pending is None:
-            sampled, tokens, lps = self.runner.run(batch)
-        publish = self.scheduler.blocks.publish
-        for b in batch:
-            seq = b.seq
-            seq.num_computed += b.num_tokens
-            if seq.first_scheduled is None:
-                seq.first_scheduled = now
-            if seq.prefix_key and seq.num_computed - b.num_tokens < len(seq.prompt):
-                publish(seq)                          # a prompt chunk: its full blocks
-        if pending is not None:
-            self._pending = pending
-            return True
-        self._post(sampled, tokens, lps)
-        return True
 
-    def _post(self, sampled: list[Scheduled], tokens: list[int], lps: list | None) -> None:
+    def _schedule(self, done: Launched | None) -> list[Scheduled] | None:
+        """The next step's rows: with a step in flight (done), the decode step that continues
+        it, when nothing new is queued and the scheduler has nothing else to do
+        (Scheduler.continuation; None: done is collected first, the scheduler decides on the
+        next call), else the scheduler's."""
+        if done is None:
+            return self.scheduler.schedule()
+        if not self._inbox.empty():
+            return None
+        return self.scheduler.continuation(done.batch)
+
+    def _launch(self, batch: list[Scheduled], done: Launched | None) -> Sampled | None:
+        """Launch the step (from done, the step in flight, when it continues one) when the runner
+        can, else run it, and count its tokens computed (Scheduler.advance); what it sampled when
+        it ran. Raises: fatal (run)."""
+        if done is not None:
+            self._pending = self.runner.launch(batch, prev=done)
+            if self._pending is not None:
+                self.scheduler.advance_decode(batch)
+            return None
+        now = time.monotonic()              # when this step's new sequences were scheduled
+        self._pending = self.runner.launch(batch) if self.overlap else None
+        ran = self.runner.run(batch) if self._pending is None else None
+        self.scheduler.advance(batch, now)
+        return ran
+
+    def _post(self, out: Sampled | None) -> None:
+        """A step's sampled tokens to their sequences and requests (_append); None: none."""
+        if out is None:
+            return
+        sampled, tokens, lps = out
         self.steps += 1
         self.tokens_generated += len(tokens)
         append = self._append
@@ -204,43 +250,6 @@ class Engine:
                     entry[1](TokenEvent([], "", Stop.ERROR, error=self.failed))
         if self.on_fatal is not None:
             self.on_fatal(exc)
-
-    def _step_in_flight(self) -> None:
-        """Launch the next decode step from the one in flight when nothing else needs the
-        scheduler, then collect and post-process the one in flight."""
-        done, self._pending = self._pending, None
-        rows = self._continuation(done.batch)
-        if rows:
-            self._pending = self.runner.launch(rows, prev=done)     # raises: fatal (run)
-            if self._pending is not None:
-                for b in rows:
-                    b.seq.num_computed += 1
-        sampled, tokens, lps = self.runner.collect(done)
-        self._post(sampled, tokens, lps)
-
-    def _continuation(self, batch: list[Scheduled]) -> list[Scheduled] | None:
-        """The next decode step of a step in flight, or None when the scheduler must decide:
-        something new is queued, a waiting sequence could start now, a running sequence was not
-        in the step, or KV blocks for the next token are short. (A queue that cannot start -
-        rows or KV blocks all taken - does not stop the overlap.) Leaves out sequences finished
-        since, and those whose in-flight token is their last (max_new_tokens)."""
-        sched = self.scheduler
-        if not self._inbox.empty() or sched.would_admit():
-            return None
-        stepped = {id(b.seq) for b in batch}
-        if any(id(s) not in stepped for s in sched.running):
-            return None
-        rows = []
-        for b in batch:
-            seq = b.seq
-            if seq.status is not Status.RUNNING:
-                continue                              # finished or cancelled meanwhile
-            if seq.num_output + 1 >= seq.stopping.max_new_tokens:
-                continue                              # its token in flight is its last
-            if not sched.blocks.ensure(seq, seq.num_computed + 1):
-                return None
-            rows.append(Scheduled(seq, 1))
-        return rows or None
 
     def _drain_inbox(self) -> None:
         inbox = self._inbox

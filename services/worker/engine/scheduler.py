@@ -8,6 +8,10 @@ steps rather than in a few that stall every stream in flight, and a step with no
 takes the whole budget. When KV blocks run out, the newest running sequence is preempted (its
 blocks freed, recomputed later).
 
+The scheduler also keeps a step's per-sequence bookkeeping (`advance`: the tokens a step
+computed, a sequence's first step, the prompt blocks it can share) and, while a step is in
+flight, picks the decode step that continues it (`continuation`) when nothing else needs it.
+
 Admission is fair between tenants by the router's rule (services.router.fair_queue: the
 Virtual Token Counter): each tenant's counter grows by W_IN a prompt token computed at
 admission and W_OUT a token generated (settled when counters are read, not per token), and the next sequence admitted is the oldest waiting
@@ -157,6 +161,48 @@ class Scheduler:
             batch.append(Scheduled(seq, n))
             budget -= n
         return batch
+
+    def advance(self, batch: list[Scheduled], now: float) -> None:
+        """A step's rows were run or launched: their tokens count as computed, a sequence's
+        first step is timed (now), and a prompt chunk's full blocks are published for sharing."""
+        publish = self.blocks.publish
+        for b in batch:
+            seq = b.seq
+            seq.num_computed += b.num_tokens
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            if seq.prefix_key and seq.num_computed - b.num_tokens < len(seq.prompt):
+                publish(seq)                          # a prompt chunk: its full blocks
+
+    @staticmethod
+    def advance_decode(rows: list[Scheduled]) -> None:
+        """A continuation's rows were launched (see continuation): each one's token in flight
+        counts as computed. (No first step to time, no prompt block to publish.)"""
+        for b in rows:
+            b.seq.num_computed += 1
+
+    def continuation(self, batch: list[Scheduled]) -> list[Scheduled] | None:
+        """The next decode step of a step in flight (batch, its sampling rows), or None when
+        schedule() must decide: a waiting sequence could start now, a running sequence was not
+        in the step, or KV blocks for the next token are short. (A queue that cannot start -
+        rows or KV blocks all taken - does not stop the overlap.) Leaves out sequences finished
+        since, and those whose in-flight token is their last (max_new_tokens)."""
+        if self.would_admit():
+            return None
+        stepped = {id(b.seq) for b in batch}
+        if any(id(s) not in stepped for s in self.running):
+            return None
+        rows = []
+        for b in batch:
+            seq = b.seq
+            if seq.status is not Status.RUNNING:
+                continue                              # finished or cancelled meanwhile
+            if seq.num_output + 1 >= seq.stopping.max_new_tokens:
+                continue                              # its token in flight is its last
+            if not self.blocks.ensure(seq, seq.num_computed + 1):
+                return None
+            rows.append(Scheduled(seq, 1))
+        return rows or None
 
     def _decode_first(self) -> list[Sequence]:
         """The running sequences, decoding ones (cheap, latency-bound) before prefill chunks,

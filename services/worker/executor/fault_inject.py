@@ -13,29 +13,31 @@ class InjectedFault(RuntimeError):
 
 
 class FaultyRunner:
-    """Wraps a ModelRunner or GraphRunner: the same calls, failing after `after` passes.
-    launch and collect exist only when the wrapped runner has them (the engine overlaps steps
-    only with a runner that can launch)."""
+    """Wraps a ModelRunner or GraphRunner: the same calls (a Runner of
+    services.worker.engine.loop), failing after `after` passes. A launch that starts nothing
+    (the step runs eagerly instead) is no pass."""
 
     def __init__(self, inner, after: int):
         self._inner, self._after, self.passes = inner, after, 0
-        if hasattr(inner, "launch"):
-            self.launch = self._launch
-            self.collect = inner.collect
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def _count(self) -> None:
+    def _check(self) -> None:
         if self.passes >= self._after:
             raise InjectedFault(f"injected fault: forward pass {self.passes + 1} after "
                                 f"{self._after} (--fault-inject-after-steps)")
-        self.passes += 1
 
     def run(self, batch):
-        self._count()
+        self._check()
+        self.passes += 1
         return self._inner.run(batch)
 
-    def _launch(self, batch, prev=None):
-        self._count()
-        return self._inner.launch(batch, prev=prev)
+    def launch(self, batch, prev=None):
+        self._check()
+        pending = self._inner.launch(batch, prev=prev)
+        self.passes += pending is not None
+        return pending
+
+    def collect(self, pending):
+        return self._inner.collect(pending)

@@ -1,4 +1,8 @@
-"""The only part of the engine that touches the device: KV cache, model forward, sampling."""
+"""The only part of the engine that touches the device: KV cache, model forward, sampling.
+
+`ModelRunner` runs each step eagerly and waits for it (a Runner of services.worker.engine.loop
+that launches nothing ahead); services.worker.executor.graph_runner replays decode and mixed
+steps from CUDA graphs over it, and runs the others through it."""
 from __future__ import annotations
 
 import logging
@@ -6,6 +10,7 @@ import logging
 import torch
 
 from services.worker.engine.scheduler import Scheduled
+from services.worker.executor.graph_inputs import PendingStep, collect
 from services.worker.executor.sampling import pack_logprobs, sample, unpack_logprobs
 from services.worker.executor.step_inputs import InputBuffers, StepBuilder
 from services.worker.model.llama import LlamaModel
@@ -42,6 +47,12 @@ class ModelRunner:
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s", num_blocks, block_size,
                  2 * spec.num_layers * self.kv_cache[0][0].numel()
                  * self.kv_cache[0][0].element_size() / 2**20, dev)
+
+    def launch(self, batch: list[Scheduled], prev: PendingStep | None = None) -> None:
+        """Nothing is launched ahead: an eager step is run and waited for (run)."""
+        return None
+
+    collect = staticmethod(collect)         # the Runner protocol's (never called: no launch)
 
     def run(self, batch: list[Scheduled]) -> tuple[list[Scheduled], list[int], list | None]:
         """One forward pass; returns the entries that sampled, their new token ids, and their
