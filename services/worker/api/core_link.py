@@ -1,9 +1,9 @@
 """The core's end of the link to the worker's front end (see services.worker.api.link).
 
-Each Generate call the front end takes arrives as a "gen" message: it is admitted here as the
+Each Generate call the front end takes arrives as a Generate message: it is admitted here as the
 in-process servicer admits one (prompt, sampling, adapter staged and pinned), then handed to
-the engine with a sink that appends its events to the current step's list; after each step
-the engine thread sends that list as one frame. The event loop sees a call twice (admission
+the engine with a sink that appends its events to the current step's; after each step the
+engine thread sends them as one StepEvents frame. The event loop sees a call twice (admission
 and its end), never per token.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ from services.common.server import status_for
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import incoming_context, tracer
 from services.worker.api import responses
-from services.worker.api.link import BlockingEnd
+from services.worker.api.link import (Abort, BlockingEnd, Bye, Drain, Final, Generate, Ready,
+                                      Refused, StepEvents)
 from services.worker.api.servicer import generate_attributes
 from services.worker.engine.loop import TokenEvent
 from services.worker.engine.sequence import Stop
@@ -43,11 +44,15 @@ class _Call:
     aborted: bool = False
 
 
-class EngineLink:
+class CoreLink:
+    """The core's end of the link: admits the front end's calls, sends their events."""
+
     def __init__(self, end: BlockingEnd, servicer, loop: asyncio.AbstractEventLoop):
         self.end, self.servicer, self.loop = end, servicer, loop
         self.engine, self.manager = servicer.engine, servicer.manager
-        self._out: list = []                  # this step's events (engine thread only)
+        # this step's events (engine thread only): (h, token ids, text, details) rows, Finals
+        self._tokens: list[tuple] = []
+        self._finals: list[Final] = []
         self._calls: dict[int, _Call] = {}    # loop only
         self.front_port: asyncio.Future = loop.create_future()
         self.closed = asyncio.Event()         # the front end said bye, or its end closed
@@ -65,24 +70,22 @@ class EngineLink:
     # --- engine thread --------------------------------------------------------------------
     def flush(self) -> None:
         """Send the step's events (called by the engine thread after each step)."""
-        if self._out:
-            batch, self._out = self._out, []
-            self.end.send(("ev", batch))
+        if self._tokens or self._finals:
+            tokens, self._tokens = self._tokens, []
+            finals, self._finals = self._finals, []
+            self.end.send(StepEvents.of(tokens, finals))
 
     def _sink(self, h: int, call: _Call, cold_s: float, tier: int):
         out_of, loop, finished = self, self.loop, self._finished
         texts = self.servicer.token_texts
 
         def sink(ev: TokenEvent) -> None:
-            details = None if ev.logprobs is None and ev.prompt_logprobs is None else (
-                responses.payload(ev.token_ids, ev.logprobs, texts),
-                responses.prompt_payload(ev.prompt_logprobs, texts))
+            details = None if ev.logprobs is None and ev.prompt_logprobs is None else \
+                responses.details(ev, texts)          # (no call in the usual case)
             if ev.stop is _NONE:
-                out_of._out.append((h, ev.token_ids, ev.text, details))
+                out_of._tokens.append((h, ev.token_ids, ev.text, details))
                 return
-            out_of._out.append((h, ev.token_ids, ev.text, int(ev.stop), ev.prompt_tokens,
-                                ev.generated_tokens, ev.queue_s, ev.ttft_s, ev.total_s,
-                                ev.error, cold_s, tier, details))
+            out_of._finals.append(responses.final(h, ev, cold_s, tier, details))
             loop.call_soon_threadsafe(finished, h, ev)
         return sink
 
@@ -97,21 +100,21 @@ class EngineLink:
 
     # --- the event loop -------------------------------------------------------------------
     def _dispatch(self, msg) -> None:
-        kind = msg[0]
-        if kind == "gen":
-            _, h, raw, remaining, metadata = msg
-            call = self._calls[h] = _Call()
-            call.task = self.loop.create_task(self._admit(h, call, raw, remaining, metadata))
-        elif kind == "abort":
-            self._abort(msg[1])
-        elif kind == "ready":
+        kind = type(msg)
+        if kind is Generate:
+            call = self._calls[msg.h] = _Call()
+            call.task = self.loop.create_task(
+                self._admit(msg.h, call, msg.request, msg.remaining_s, msg.metadata))
+        elif kind is Abort:
+            self._abort(msg.h)
+        elif kind is Ready:
             if not self.front_port.done():
-                self.front_port.set_result(msg[1])
-        elif kind == "bye":
+                self.front_port.set_result(msg.port)
+        elif kind is Bye:
             self.bye = True
             self.closed.set()
         else:
-            log.error("link: unknown message %r from the front end", kind)
+            log.error("link: unknown message %r from the front end", kind.__name__)
 
     def _eof(self) -> None:
         if not self.front_port.done():
@@ -148,7 +151,7 @@ class EngineLink:
             call.task = None
 
     def _refuse(self, h: int, call: _Call, status: status_pb2.Status) -> None:
-        self.end.send(("ev", [(h, status.SerializeToString())]))
+        self.end.send(Refused(h, status.SerializeToString()))
         self._end(h, call, "refused", status.code)
 
     def _end(self, h: int, call: _Call, outcome: str, code: int = code_pb2.CANCELLED) -> None:
@@ -183,7 +186,7 @@ class EngineLink:
 
     def drain(self, fatal: bool = False) -> None:
         """Tell the front end to drain; fatal: the engine failed (it exits 1, not 0)."""
-        self.end.send(("drain", fatal))
+        self.end.send(Drain(fatal))
 
     def close(self) -> None:
         self.end.close()

@@ -30,7 +30,8 @@ from services.common.server import (CLIENT_OPTIONS, create_server, drain, server
                                     set_serving)
 from services.common.service_auth import read_token
 from services.worker.api import responses
-from services.worker.api.link import encode, read_message
+from services.worker.api.link import (Abort, Bye, Drain, Final, Generate, Ready, Refused,
+                                      StepEvents, Tokens, encode, read_message)
 from services.worker.engine.sequence import Stop
 
 log = logging.getLogger("lorafleet.worker.frontend")
@@ -74,25 +75,35 @@ class Frontend:
             self.writer.write(encode(msg))
 
     # --- the link -------------------------------------------------------------------------
-    def deliver(self, items: list) -> None:
+    def deliver(self, step: StepEvents) -> None:
+        """A step's events to their calls: each one's Tokens, then the Finals."""
         calls = self._calls
-        for item in items:
-            q = calls.get(item[0])
+        for h, ids, text, details in zip(step.calls, step.token_ids, step.texts, step.details):
+            q = calls.get(h)
             if q is not None:
-                q.put_nowait(item)
+                q.put_nowait(Tokens(ids, text, details))
+        for final in step.finals:
+            q = calls.get(final.h)
+            if q is not None:
+                q.put_nowait(final)
+
+    def refuse(self, refused: Refused) -> None:
+        q = self._calls.get(refused.h)
+        if q is not None:
+            q.put_nowait(refused)
 
     def core_gone(self) -> None:
         gone = status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0],
                                  message="worker engine exited").SerializeToString()
         for h, q in self._calls.items():
-            q.put_nowait((h, gone))
+            q.put_nowait(Refused(h, gone))
 
     async def drain(self, server: grpc.aio.Server, health, grace: float) -> None:
         """NOT_SERVING, refuse new calls, let those in flight finish (grace; health checks are
         answered NOT_SERVING meanwhile: services.common.server.drain), say bye."""
         self.draining = True
         await drain(server, health, grace)
-        self.send(("bye",))
+        self.send(Bye())
         await self.writer.drain()
 
     # --- Generate -------------------------------------------------------------------------
@@ -102,39 +113,25 @@ class Frontend:
         h = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._calls[h] = q
-        self.send(("gen", h, request, context.time_remaining(), forwarded(context)))
+        self.send(Generate(h, request, context.time_remaining(), forwarded(context)))
         done = False
         try:
             while True:
-                item = await q.get()
-                n = len(item)
-                if n == 4:                  # (h, token ids, text, token details)
-                    tokens, prompt = item[3] or (None, None)
-                    yield wpb.WorkerGenerateResponse(token_ids=item[1], text=item[2],
-                                                     tokens=responses.protos(tokens),
-                                                     prompt_tokens=responses.protos(prompt))
+                item: Tokens | Final | Refused = await q.get()
+                if type(item) is Tokens:
+                    yield responses.token_response(*item)
                     continue
                 done = True
-                if n == 2:
-                    await abort_with_status(context, status_pb2.Status.FromString(item[1]))
-                (_, tokens, text, stop, prompt_tokens, generated, queue_s, ttft_s, total_s,
-                 error, cold_s, tier, details) = item
-                if stop == _ERROR:
-                    await context.abort(LorafleetError.code, f"generation failed: {error}")
-                details, prompt = details or (None, None)
-                out = wpb.WorkerGenerateResponse(token_ids=tokens, text=text, stop_reason=stop,
-                                                 tokens=responses.protos(details),
-                                                 prompt_tokens=responses.protos(prompt))
-                out.usage.prompt_tokens, out.usage.generated_tokens = prompt_tokens, generated
-                t = out.timings
-                t.queue_s, t.time_to_first_token_s, t.total_s = queue_s, ttft_s, total_s
-                t.cold_load_s, t.adapter_tier = cold_s, tier
-                yield out
+                if type(item) is Refused:
+                    await abort_with_status(context, status_pb2.Status.FromString(item.status))
+                if item.stop == _ERROR:
+                    await context.abort(LorafleetError.code, f"generation failed: {item.error}")
+                yield responses.final_response(item)
                 return
         finally:
             self._calls.pop(h, None)
             if not done:
-                self.send(("abort", h))  # cancelled or past its deadline: free its row now
+                self.send(Abort(h))      # cancelled or past its deadline: free its row now
 
     # --- every other RPC: passed through as bytes ----------------------------------------
     def _unary(self, path: str):
@@ -191,7 +188,7 @@ async def main_async(args) -> int:
     await server.start()
     freeze_startup_objects(log)
     await set_serving(health, True)
-    front.send(("ready", port))
+    front.send(Ready(port))
     draining, fatal = None, False
     while True:
         msg = await read_message(reader)
@@ -202,10 +199,12 @@ async def main_async(args) -> int:
             front.core_gone()
             await server.stop(0.5)
             return 1
-        if msg[0] == "ev":
-            front.deliver(msg[1])
-        elif msg[0] == "drain" and draining is None:
-            fatal = len(msg) > 1 and bool(msg[1])
+        if type(msg) is StepEvents:
+            front.deliver(msg)
+        elif type(msg) is Refused:
+            front.refuse(msg)
+        elif type(msg) is Drain and draining is None:
+            fatal = msg.fatal
             draining = asyncio.get_running_loop().create_task(
                 front.drain(server, health, args.grace))
 

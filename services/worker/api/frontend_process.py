@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 from services.common.owned_dirs import clear_stale, make_owned_dir
-from services.worker.api.core_link import EngineLink
+from services.worker.api.core_link import CoreLink
 from services.worker.api.link import BlockingEnd
 from services.worker.config import WorkerConfig
 
@@ -51,7 +51,7 @@ class Front:
         self._dir = make_owned_dir(parent, TEMP_PREFIX)
         self.core_address = f"unix:{self._dir}/core.sock"
         self.proc: subprocess.Popen | None = None
-        self.link: EngineLink | None = None
+        self.link: CoreLink | None = None
         self.failed = False
 
     async def start(self, stopped: asyncio.Event) -> int:
@@ -74,7 +74,7 @@ class Front:
                                             if p)
         self.proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
-        self.link = EngineLink(BlockingEnd(ours), self.servicer, self.loop)
+        self.link = CoreLink(BlockingEnd(ours), self.servicer, self.loop)
         self.link.start()
         port = await self.link.front_port
         if port is None:

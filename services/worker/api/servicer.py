@@ -231,7 +231,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if ev.stop is Stop.ERROR:
                     raise LorafleetError(f"generation failed: {ev.error}")
                 finished = ev.stop is not Stop.NONE
-                yield self._response(ev, acq, arrival)
+                yield self._response(ev, acq)
                 if finished:
                     self.metrics.finished(request.tenant, ev)
                     return
@@ -262,22 +262,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def token_texts(self) -> TokenTexts:
         return TokenTexts(self.built.tokenizer)
 
-    def _response(self, ev: TokenEvent, acq, arrival: float) -> wpb.WorkerGenerateResponse:
-        out = wpb.WorkerGenerateResponse(token_ids=ev.token_ids, text=ev.text,
-                                         stop_reason=int(ev.stop), tokens=responses.protos(
-                                             responses.payload(ev.token_ids, ev.logprobs,
-                                                                self.token_texts)),
-                                         prompt_tokens=responses.protos(
-                                             responses.prompt_payload(ev.prompt_logprobs,
-                                                                       self.token_texts)))
-        if ev.stop is not Stop.NONE:
-            out.usage.prompt_tokens = ev.prompt_tokens
-            out.usage.generated_tokens = ev.generated_tokens
-            t = out.timings
-            t.queue_s, t.time_to_first_token_s, t.total_s = ev.queue_s, ev.ttft_s, ev.total_s
-            t.cold_load_s = acq.seconds if acq else 0.0
-            t.adapter_tier = acq.tier if acq else common_pb2.TIER_UNSPECIFIED
-        return out
+    def _response(self, ev: TokenEvent, acq) -> wpb.WorkerGenerateResponse:
+        """An engine event as a response (services.worker.api.responses, as the front end's)."""
+        details = responses.details(ev, self.token_texts)
+        if ev.stop is Stop.NONE:
+            return responses.token_response(ev.token_ids, ev.text, details)
+        return responses.final_response(responses.final(
+            0, ev, acq.seconds if acq else 0.0,
+            acq.tier if acq else common_pb2.TIER_UNSPECIFIED, details))
 
     async def LoadAdapter(self, request, context):
         remaining = context.time_remaining()
