@@ -133,6 +133,13 @@ class Warmup:
         # count, without (q/k/v through SGMV: a step with an adapter that got no blocks)
         sets.append(("many adapters", [(f"warmup-many-{i}", None, True)
                                         for i in range(self.max_distinct)]))
+        # a step's largest rank sets the kernels' RANK_BLOCK: the segment counts again with one
+        # adapter of each larger tile among them (first, so it is in every step)
+        for t in tiles[1:]:
+            sets.append((f"many adapters, rank {t} among them",
+                         [(f"warmup-many-r{t}-0", zero_adapter(spec, t), True)]
+                         + [(f"warmup-many-r{t}-{i}", None, True)
+                            for i in range(1, self.max_distinct)]))
         cols = getattr(self.pool, "columns", None)
         if cols is not None and cols.n_cols:
             few = min(self.max_distinct, cols.n_cols + 2)
