@@ -3,7 +3,7 @@
 Each time a @triton.jit kernel meets arguments whose specialization it has not run before, it
 compiles (or loads from its on-disk cache) a new binary: a pause of milliseconds to seconds for
 whatever waits on that launch. A server warms every specialization it can meet before it takes
-traffic (services.worker.warmup); this watch lets it prove that: `install(on_new)` calls
+traffic (services.worker.startup.warmup); this watch lets it prove that: `install(on_new)` calls
 on_new(kernel repr) for every new specialization from then on.
 """
 from __future__ import annotations

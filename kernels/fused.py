@@ -3,12 +3,12 @@ embedding of q and k in place (optionally with the KV-cache write of k and v), a
 CUDA each is one Triton launch; elsewhere the torch expressions below, which are also their
 semantics.
 
-Folded norms (`rms=(h, eps)` on rope_write_kv_ and silu_mul): a model whose norm weights are
-folded into the next GEMM's weight (services.worker.norms) feeds that GEMM the residual h itself
-and leaves the row factor 1 / sqrt(mean(h^2) + eps) to the consumer, since norm(h) @ W = factor
-* (h @ (g * W)) row by row. The consumer computes the factor from h's row and scales its input
-by it (rounded to the input's dtype, as a GEMM output would be) before its own work, so a
-decoder layer needs no norm launch.
+Folded norms (`rms=(h, eps)` on rope_write_kv_ and silu_mul): a model whose norm weights are folded
+into the next GEMM's weight (services.worker.model.norms) feeds that GEMM the residual h itself and
+leaves the row factor 1 / sqrt(mean(h^2) + eps) to the consumer, since norm(h) @ W = factor * (h @
+(g * W)) row by row. The consumer computes the factor from h's row and scales its input by it
+(rounded to the input's dtype, as a GEMM output would be) before its own work, so a decoder layer
+needs no norm launch.
 
 Why: inside a CUDA-graph decode step each tiny torch op is still a kernel of ~2-3 µs; unfused,
 a Llama layer has ~45 of them, which costs more than streaming its weights at batch 64.

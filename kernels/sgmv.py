@@ -7,11 +7,12 @@ LoRA); the kernels below work on the tensors inside it. `sgmv` takes the same fi
 arguments, with the semantics of `kernels.sgmv_ref.sgmv_ref` (read its docstring for the pool
 layout); tests and benchmarks call it.
 
-Which kernel runs a call is decided in one place, `choose_kernel`: on CUDA tensors a Triton
-kernel (split-K or fused, as `use_split` picks from the shape), or, when the caller has the
-segment and offset tables on the host (an eager engine step: it wrote them, `HostSegments`) and
-one live segment of a rank-33+ adapter, cuBLAS GEMM pairs on views of the pool (they beat our
-kernels there at every row count; bench/PERF_NOTES.md); elsewhere the torch reference.
+Which kernel runs a call is decided in one place, `choose_kernel` (kernels.sgmv_choice, beside
+`rank_tile`): on CUDA tensors a Triton kernel (split-K or fused, as `use_split` picks from the
+shape), or, when the caller has the segment and offset tables on the host (an eager engine
+step: it wrote them, `HostSegments`) and one live segment of a rank-33+ adapter, cuBLAS GEMM
+pairs on views of the pool (they beat our kernels there at every row count; bench/PERF_NOTES.md);
+elsewhere the torch reference.
 `impl="triton"` forces the fused kernel and `impl="split"` the split one (tests run them under
 TRITON_INTERPRET=1 on CPU); `impl="torch"` the reference, `impl="cublas"` the GEMM pairs.
 Captured decode graphs have no host tables and always run the kernels (a view of one adapter's
@@ -22,32 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
+from kernels.sgmv_choice import HostSegments, choose_kernel
 from kernels.sgmv_ref import expand_columns_ref, sgmv_ref, shrink_blocks_ref
-
-# Which kernel: the split-K one at decode sizes and whenever segments are long; the fused one
-# when many adapters each cover few rows of a large batch (it reads each adapter's A and B once
-# per row tile, where the split kernel's expand re-reads partials per column block), and above
-# SPLIT_MAX_ROWS. The measurements: bench/PERF_NOTES.md, "Why the defaults".
-SPLIT_MAX_ROWS = 2048
-MIN_ROWS_PER_SEGMENT = 32    # 256 < T <= SPLIT_MAX_ROWS: split only with segments this long
-CUBLAS_MIN_RANK = 33          # a single live segment at this rank or more: cuBLAS pairs
-IMPLS = ("auto", "triton", "split", "torch", "cublas")
-
-
-@dataclass(frozen=True)
-class HostSegments:
-    """Host copies of what the device tables hold for one call: the call's only live segment
-    (see only_live_segment) and, for this layer and projection group, the pool's offset
-    tables, ranks and scales."""
-    live: tuple[int, int, int] | None   # (first row, end row, slot); None: none or several
-    a_off: np.ndarray            # int64 [n_slices, n_slots], as a_off
-    b_off: np.ndarray
-    ranks: np.ndarray            # [n_slots]
-    scales: np.ndarray           # [n_slots]
-
 
 @dataclass(slots=True)
 class LoraArgs:
@@ -73,51 +52,6 @@ class LoraArgs:
         kernels' positional arguments, in their order."""
         return (self.pool, self.a_off, self.b_off, self.ranks, self.scales, self.slice_starts,
                 self.seg_start, self.seg_slot)
-
-
-def use_split(t_rows: int, n_segs: int, max_rank: int) -> bool:
-    """The split-K kernel for T rows in n_segs segments (padded ones included), else fused."""
-    if t_rows <= 256:           # decode: split, but rank 64 with ~2 rows an adapter goes fused
-        return not (max_rank > 32 and t_rows >= 256 and n_segs > t_rows // 4)
-    return t_rows <= SPLIT_MAX_ROWS and t_rows // max(n_segs, 1) >= MIN_ROWS_PER_SEGMENT
-
-
-def only_live_segment(starts, slots) -> tuple[int, int, int] | None:
-    """(first row, end row, slot) of the one segment with an adapter and rows, from host copies
-    of seg_start [S+1] and seg_slot [S]; None when there are none or several. Once a step."""
-    starts, slots = np.asarray(starts), np.asarray(slots)
-    live = np.flatnonzero((slots >= 0) & (starts[1:] > starts[:-1]))
-    if len(live) != 1:
-        return None
-    i = int(live[0])
-    return int(starts[i]), int(starts[i + 1]), int(slots[i])
-
-
-def cublas_segment(host: HostSegments | None) -> tuple[int, int, int] | None:
-    """The call's only live segment when it should run on cuBLAS (its adapter's rank is at
-    least CUBLAS_MIN_RANK); None otherwise."""
-    if host is None or host.live is None or int(host.ranks[host.live[2]]) < CUBLAS_MIN_RANK:
-        return None
-    return host.live
-
-
-def choose_kernel(t_rows: int, n_segs: int, max_rank: int, on_cuda: bool,
-                  host: HostSegments | None = None, impl: str = "auto") -> str:
-    """The kernel of one SGMV call: "cublas" (GEMM pairs on the only live segment), "split",
-    "fused" or "torch". impl other than "auto" forces one ("triton": the fused kernel)."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl == "cublas" or (impl == "auto" and on_cuda):
-        if cublas_segment(host) is not None:
-            return "cublas"
-        if impl == "cublas":
-            raise ValueError("impl='cublas' needs host tables with one live segment of rank "
-                             f">= {CUBLAS_MIN_RANK}")
-    if impl == "auto":
-        if not on_cuda:
-            return "torch"
-        return "split" if use_split(t_rows, n_segs, max_rank) else "fused"
-    return {"triton": "fused"}.get(impl, impl)
 
 
 def _cublas(y, x, a: LoraArgs, lo: int, hi: int, s: int):
@@ -155,7 +89,7 @@ def lora(y, x, a: LoraArgs, impl: str = "auto"):
 
 def lora_expand_columns(y, v_cols, col_slot, a: LoraArgs, impl: str = "auto"):
     """The LoRA expand with v read from columns of the base GEMM's output (column LoRA, see
-    services.worker.lora_columns and kernels.sgmv_ref.expand_columns_ref for the semantics;
+    services.worker.model.lora_columns and kernels.sgmv_ref.expand_columns_ref for the semantics;
     a.a_off is not read): the split expand kernel on CUDA (impl="split" forces it, for the
     interpreter), else the torch reference."""
     if impl not in ("auto", "split", "torch"):

@@ -6,7 +6,7 @@ contiguous blob inside it. For every (layer, slice) an adapter targets, the blob
   Bt : [r, N_s] (PEFT `lora_B.weight` transposed)    at element offset b_off[slice, slot]
 so a kernel reads both row-major with the long dimension contiguous. Offsets are -1 where the
 adapter does not target that slice (or that layer): those rows get nothing added. The worker's
-pool keeps every offset a multiple of 8 elements (services.worker.adapter_layout.OFFSET_ALIGN)
+pool keeps every offset a multiple of 8 elements (services.worker.adapters.layout.OFFSET_ALIGN)
 and says so to the kernels (`align=8`), which then load A and Bt in 16-byte vectors.
 
 Rows of x are sorted so that each segment i (rows seg_start[i]:seg_start[i+1]) uses one slot
@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from kernels.sgmv_choice import rank_tile
 
 
 def sgmv_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.Tensor,
@@ -57,12 +59,6 @@ def sgmv_ref(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: torch.
             delta = (xs @ a.t()) @ bt
             y[lo:hi, c0:c1] += (delta * scale_of[s]).to(y.dtype)
     return y
-
-
-def rank_tile(rank: int) -> int:
-    """The rank tile (the kernels' RANK_BLOCK) that serves adapters up to this rank: the next
-    power of two, at least 16. A captured decode graph bakes one in."""
-    return max(16, 1 << max(0, int(rank) - 1).bit_length())
 
 
 def expand_columns_ref(y: torch.Tensor, v_cols: torch.Tensor, col_slot: torch.Tensor,

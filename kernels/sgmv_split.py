@@ -41,7 +41,7 @@ import triton
 
 from kernels import pdl
 from kernels.pdl import launch_args
-from kernels.sgmv_ref import rank_tile
+from kernels.sgmv_choice import rank_tile
 from kernels.sgmv_split_config import (REDUCE_MAX_SEGS, SplitConfig, parse_overrides,  # noqa: F401
                                        pick_split_config, set_overrides)
 from kernels.sgmv_split_kernels import (PER_STEP, SPIN_LIMIT, _expand_kernel,  # noqa: F401

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import launch_args, wait_then_release
-from kernels.sgmv_ref import rank_tile
+from kernels.sgmv_choice import rank_tile
 
 MAX_SLICES = 4
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

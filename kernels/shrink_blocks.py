@@ -11,7 +11,7 @@ buffer); pool [P]; a_off int64 [n_slots]; ranks int32 [n_slots] (<= RB); scales 
 the last segment's end (a captured graph's padding rows) get zeros, so a GEMM over the buffer
 reads no stale values there; rows before seg_start[0] are not written.
 
-What it is for: the expand side of column LoRA (services.worker.lora_columns). With every
+What it is for: the expand side of column LoRA (services.worker.model.lora_columns). With every
 block's Bt stacked under the base weight in K ([K + W, N]), one GEMM over [x | out] gives
 x @ W plus each row's expand, so a projection's LoRA is this launch and no expand launch. The
 shrink must then finish its reduction over K itself: a program takes one row and one of
@@ -19,7 +19,7 @@ shrink must then finish its reduction over K itself: a program takes one row and
 table, before the PDL wait), reads its share of A whole (no split over K) and writes zeros
 over its share of the other blocks' columns, so the programs of a row write each of its
 columns once. The premise is measured by bench/shrink_in_gemm.py (group o, the `row`
-variants); the engine's row LoRA (services.worker.lora_columns, PerfConfig.lora_rows) uses it.
+variants); the engine's row LoRA (services.worker.model.lora_columns, PerfConfig.lora_rows) uses it.
 """
 from __future__ import annotations
 

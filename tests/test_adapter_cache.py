@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, common_pb2
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
-from services.worker.adapter_layout import staged_from_peft_dir
-from services.worker.factory import EngineOptions, build_engine
-from services.worker.sequence import Sequence, Stopping
+from services.worker.adapters.layout import staged_from_peft_dir
+from services.worker.engine.sequence import Sequence, Stopping
+from services.worker.startup.factory import EngineOptions, build_engine
 from tests.hf_fixtures import make_base
 from tests.support import Service
 
@@ -54,8 +54,8 @@ def world(tmp_path_factory):
 
 def pool_bytes_for(root: pathlib.Path, k: int) -> int:
     """Bytes of a device pool that holds exactly k of these (equal-sized) adapters."""
-    from services.worker.model_spec import load_spec
-    from services.worker.range_alloc import RangeAllocator
+    from services.worker.adapters.range_alloc import RangeAllocator
+    from services.worker.model.spec import load_spec
     spec = load_spec(root / "base")
     lay = staged_from_peft_dir(root / "adapters" / "a000", spec)
     return k * RangeAllocator.rounded(lay.plan.numel) * 4

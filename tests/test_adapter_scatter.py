@@ -1,6 +1,6 @@
 """kernels.adapter_scatter: the Triton kernel against its torch reference, on hand-made segments
 (copies, B transposed, folded, into a column-major weight, zero rows, one longer than a
-program's block) and on every segment of a real placement plan (services.worker.adapter_layout),
+program's block) and on every segment of a real placement plan (services.worker.adapters.layout),
 source dtypes bf16 / fp16 / fp32 into bf16 / fp32. Run under the Triton interpreter in a child
 process (TRITON_INTERPRET must be set before triton loads); on CUDA too when there is one.
 
@@ -76,8 +76,8 @@ def real_plan(device: str) -> None:
     """A plan's segments (q/k/v/o + MLP, rank 5, GQA shapes) through both implementations."""
     import dataclasses
     from kernels.adapter_scatter import NFIELDS, adapter_scatter
-    from services.worker.adapter_layout import SRC_ALIGN, staged_from_tensors
-    from services.worker.model_spec import load_spec
+    from services.worker.adapters.layout import SRC_ALIGN, staged_from_tensors
+    from services.worker.model.spec import load_spec
     spec = dataclasses.replace(load_spec(ROOT / "models" / "tiny-llama"), num_layers=2)
     g = torch.Generator().manual_seed(1)
     for src_dt, dst_dt in DTYPES:
@@ -107,7 +107,7 @@ def real_plan(device: str) -> None:
         same(outs[0], outs[1], device, rounds=src_dt != dst_dt)
         for name, w in tensors.items():                    # and where the plan says
             layer, mod = int(name.split(".")[4]), name.split(".")[6]
-            from services.worker.model_spec import MODULE_GROUP
+            from services.worker.model.spec import MODULE_GROUP
             group, j = MODULE_GROUP[mod]
             a, b = plan.offsets[group][layer, j]
             want = w if name.endswith("lora_A.weight") else w.t()
@@ -123,10 +123,10 @@ def pool_placements(device: str, kn: bool = True) -> None:
     contents, device tables and column blocks (q/k/v A rows and, row LoRA, o Bt rows), with
     folded norms, bf16 and fp32 adapters, after a removal and a reuse of the slot. kn: the
     extended q/k/v and o weights column-major, as a CUDA model keeps them."""
-    from services.worker.device_pool import DevicePool
-    from services.worker.lora_columns import LoraColumns
-    from services.worker.model_spec import load_spec
-    from services.worker.adapter_layout import staged_from_peft_dir
+    from services.worker.adapters.device_pool import DevicePool
+    from services.worker.adapters.layout import staged_from_peft_dir
+    from services.worker.model.lora_columns import LoraColumns
+    from services.worker.model.spec import load_spec
     spec = load_spec(ROOT / "models" / "tiny-llama")
     adapters = ROOT / "models" / "adapters"
     g = torch.Generator().manual_seed(5)

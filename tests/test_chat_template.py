@@ -1,4 +1,4 @@
-"""services.worker.chat_template renders what transformers' apply_chat_template renders, for
+"""services.worker.api.chat_template renders what transformers' apply_chat_template renders, for
 templates in the shapes instruct checkpoints ship (ChatML with whitespace control, Llama-3
 headers, alternation checks with raise_exception, loop controls, named templates, a
 chat_template.jinja file), and refuses what a template refuses."""
@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.worker.chat_template import ChatTemplate, fallback
+from services.worker.api.chat_template import ChatTemplate, fallback
 from tests.support import MODEL_DIR
 
 CHATML = ("{%- for m in messages %}"

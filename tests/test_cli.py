@@ -47,7 +47,7 @@ def test_a_prompt_and_prompt_ids_together_are_a_usage_error(capsys):
 @pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_worker_refuses_non_finite_sampling(field, value):
-    from services.worker.servicer import sampling_from
+    from services.worker.api.servicer import sampling_from
     with pytest.raises(InvalidArgument, match="sampling"):
         sampling_from(common_pb2.SamplingParams(**{field: value}))
     sampling_from(common_pb2.SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1))

@@ -21,10 +21,10 @@ import torch
 from services.common.errors import DataLoss, InvalidArgument
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, common_pb2
-from services.worker.adapter_layout import staged_from_peft_dir
-from services.worker.host_tier import HostTier
-from services.worker.model_spec import load_spec
-from services.worker.store_client import StoreClient
+from services.worker.adapters.host_tier import HostTier
+from services.worker.adapters.layout import staged_from_peft_dir
+from services.worker.adapters.store_client import StoreClient
+from services.worker.model.spec import load_spec
 from tests.support import DEMO_ADAPTERS, MODEL_DIR, Service
 from tests.test_store_support import StoreClient as StoreApi, sha256
 
@@ -363,8 +363,8 @@ def test_host_tier_loads_that_arrive_together_place_one_on_the_event_loop():
     address is a closed loopback port)."""
     import asyncio
     from services.common.server import sync_channel
-    from services.worker.adapter_manager import AdapterManager
-    from services.worker.device_pool import DevicePool
+    from services.worker.adapters.device_pool import DevicePool
+    from services.worker.adapters.manager import AdapterManager
 
     def run(placement: str) -> dict[str, float]:
         host = HostTier(5 * len(BLOB) + (1 << 16), None, pin=False, spec=SPEC)

@@ -1,6 +1,6 @@
-"""The device pool (services.worker.device_pool) on the tiny model, with the demo adapters: an
-adapter's slot becomes visible only once its weights and tables are written, a failed copy
-gives its range and slot back, every matrix lands where the tables say, transposed and folded
+"""The device pool (services.worker.adapters.device_pool) on the tiny model, with the demo adapters:
+an adapter's slot becomes visible only once its weights and tables are written, a failed copy gives
+its range and slot back, every matrix lands where the tables say, transposed and folded
 as the kernels expect. The device work here is the pool's own, held at an event so that the
 window between reserving a slot and finishing the copy can be looked into."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.worker.adapter_layout import (OFFSET_ALIGN, staged_from_peft_dir,
-                                            staged_from_tensors)
-from services.worker.device_pool import DevicePool
-from services.worker.model_spec import GROUPS, MODULE_GROUP, load_spec
+from services.worker.adapters.layout import (OFFSET_ALIGN, staged_from_peft_dir,
+                                             staged_from_tensors)
+from services.worker.adapters.device_pool import DevicePool
+from services.worker.model.spec import GROUPS, MODULE_GROUP, load_spec
 from tests.support import DEMO_ADAPTERS, MODEL_DIR
 
 
@@ -185,12 +185,12 @@ def test_the_pool_folds_norm_weights_into_the_a_of_folded_groups():
 
 @pytest.mark.parametrize("kn", [False, True])
 def test_column_blocks_hold_each_adapters_a_rows_in_either_weight_layout(kn):
-    """Column LoRA (services.worker.lora_columns): the extended q/k/v weight keeps the base
+    """Column LoRA (services.worker.model.lora_columns): the extended q/k/v weight keeps the base
     weight's values and memory layout (a CUDA model stores it column-major), the model's
     weight becomes a view of its first rows, and placing an adapter writes its q/k/v A rows
     into a free block (zeros past its rank and for untargeted slices); one block for two
     adapters: the second gets none, and takes the first's once that is removed."""
-    from services.worker.lora_columns import RANK_TILE, LoraColumns
+    from services.worker.model.lora_columns import RANK_TILE, LoraColumns
     spec = load_spec(MODEL_DIR)
     starts = spec.slice_starts("qkv")
     g = torch.Generator().manual_seed(0)
@@ -234,7 +234,7 @@ def test_row_blocks_hold_each_adapters_o_bt_rows_in_either_weight_layout(kn):
     columns (zeros past its rank and in the layers it leaves o out of); a block written for
     one adapter and then another holds only the second's. An adapter that targets o and not
     q/k/v gets a block only with rows."""
-    from services.worker.lora_columns import RANK_TILE, LoraColumns
+    from services.worker.model.lora_columns import RANK_TILE, LoraColumns
     spec = load_spec(MODEL_DIR)
     starts, k = spec.slice_starts("qkv"), spec.q_size
     g = torch.Generator().manual_seed(1)
@@ -303,8 +303,8 @@ def test_column_blocks_default_on_cuda_only():
 def test_split_attention_is_off_unless_asked_and_reaches_the_model(tmp_path):
     """LORAFLEET_SPLIT_ATTENTION: 0 by default, 1 turns it on, anything else is an error
     naming it; the engine's model takes the value its options carry."""
-    from services.worker.factory import EngineOptions, build_engine
     from services.worker.perf_config import PerfConfig
+    from services.worker.startup.factory import EngineOptions, build_engine
     assert not PerfConfig.from_env({}).split_attention
     assert PerfConfig.from_env({"LORAFLEET_SPLIT_ATTENTION": "1"}).split_attention
     with pytest.raises(ValueError, match="LORAFLEET_SPLIT_ATTENTION"):
@@ -315,11 +315,11 @@ def test_split_attention_is_off_unless_asked_and_reaches_the_model(tmp_path):
 
 def test_a_placement_runs_with_a_short_switch_interval_and_restores_it(monkeypatch):
     """A placement's device calls each give the GIL up; the interval a waiter waits before the
-    engine thread must drop it is cut for the placement only (services.worker.gil), and
+    engine thread must drop it is cut for the placement only (services.worker.adapters.gil), and
     concurrent users keep it cut until the last one leaves."""
     import sys
     from kernels import adapter_scatter
-    from services.worker import gil
+    from services.worker.adapters import gil
     spec = load_spec(MODEL_DIR)
     staged = staged_from_peft_dir(DEMO_ADAPTERS / "pirate", spec)
     pool = DevicePool(spec, torch.device("cpu"), torch.float32, 1 << 22, 4)

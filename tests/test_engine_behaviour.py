@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.worker.adapter_layout import staged_from_peft_dir
-from services.worker.factory import EngineOptions, build_engine
-from services.worker.sequence import Sampling, Sequence, Stop, Stopping
+from services.worker.adapters.layout import staged_from_peft_dir
+from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
+from services.worker.startup.factory import EngineOptions, build_engine
 from tests.hf_fixtures import make_adapter, make_base
 from tests.test_engine_parity import hf_greedy
 
@@ -302,7 +302,7 @@ def test_incremental_detokenization_equals_full_decode():
     multi-byte characters split across tokens included (byte-level BPE of the demo model)."""
     import random
     from tokenizers import Tokenizer
-    from services.worker.detokenizer import Detokenizer
+    from services.worker.engine.detokenizer import Detokenizer
     from tests.support import MODEL_DIR
     tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     detok = Detokenizer(tok)

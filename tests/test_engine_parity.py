@@ -7,10 +7,10 @@ import pathlib
 import pytest
 import torch
 
-from services.worker.adapter_layout import staged_from_peft_dir
-from services.worker.factory import EngineOptions, build_engine
+from services.worker.adapters.layout import staged_from_peft_dir
+from services.worker.engine.sequence import Sequence, Stopping
 from services.worker.perf_config import PerfConfig
-from services.worker.sequence import Sequence, Stopping
+from services.worker.startup.factory import EngineOptions, build_engine
 from tests.hf_fixtures import ADAPTER_SPECS
 
 
@@ -90,7 +90,7 @@ def mixed_requests(names, slots, ckpt, g, prompt: tuple[int, int], new: int):
 def test_prefill_logits_match_peft(ckpt, fold):
     root, base, peft_models = ckpt
     built, slots = _engine(root, perf=PerfConfig(fold_norms=fold == "1"))
-    from services.worker.scheduler import Scheduled
+    from services.worker.engine.scheduler import Scheduled
     prompts = {n: list(range(5 + i, 17 + 2 * i)) for i, n in enumerate(ADAPTER_SPECS)}
     seqs = [Sequence(n, p, slot=slots[n]) for n, p in prompts.items()]
     runner = built.engine.runner
@@ -114,8 +114,8 @@ def test_folded_norms_launch_no_norm_in_a_layer(ckpt, monkeypatch):
     """With folded norms a forward pass runs one norm (the final one, before lm_head) and no
     residual add + norm; the q/k/v and gate/up weights hold g * W, and the pool's q/k/v and
     gate/up A matrices g * A (o's and down's as written)."""
-    from services.worker import norms as norms_mod
-    from services.worker.adapter_layout import staged_from_peft_dir
+    from services.worker.adapters.layout import staged_from_peft_dir
+    from services.worker.model import norms as norms_mod
     calls = {"rms_norm": 0, "add_rms_norm": 0}
     for name in calls:
         real = getattr(norms_mod, name)
@@ -159,8 +159,8 @@ def test_fold_norms_setting(ckpt):
     """LORAFLEET_FOLD_NORMS: on by default, 0 turns it off, anything else is an error; a model
     with a q/k/v bias never folds (the norm factor must not scale the bias)."""
     import dataclasses
-    from services.worker.weight_transforms import fold_norms
-    from services.worker.model_spec import load_spec
+    from services.worker.model.spec import load_spec
+    from services.worker.model.transforms import fold_norms
     spec = load_spec(ckpt[0] / "base")
     assert fold_norms(spec, PerfConfig.from_env({}))
     assert not fold_norms(dataclasses.replace(spec, qkv_bias=True), PerfConfig())
@@ -211,7 +211,7 @@ def test_kn_layout_keeps_the_values_and_the_linear():
     """to_kn_layout (what a CUDA model does to its decode GEMMs' weights) stores them
     column-major with the same shape and values, so F.linear gives the same product; a tied
     lm_head stays the row-major embedding table it is gathered from."""
-    from services.worker.weight_transforms import KN_GEMMS, to_kn_layout
+    from services.worker.model.transforms import KN_GEMMS, to_kn_layout
     g = torch.Generator().manual_seed(0)
     layer = {n: torch.randn(48, 32, generator=g) for n in (*KN_GEMMS, "down")}
     before = {n: t.clone() for n, t in layer.items()}
@@ -232,12 +232,12 @@ def test_kn_layout_keeps_the_values_and_the_linear():
 
 @pytest.mark.parametrize("rows", [0, 2])
 def test_column_lora_matches_peft_greedy(ckpt, monkeypatch, rows):
-    """Column LoRA (q/k/v A rows beside the base weight, services.worker.lora_columns) with
+    """Column LoRA (q/k/v A rows beside the base weight, services.worker.model.lora_columns) with
     two blocks: the first two q/k/v adapters of rank <= 16 get one, r64-all never does. A batch
     of those two and base rows takes the column path; with r64-all in it the split SGMV runs.
     Both give every request PEFT's greedy tokens. With rows (row LoRA: the o Bt rows in the
     blocks too, PerfConfig.lora_rows) the column path's steps also run o as row LoRA."""
-    from services.worker import model as model_mod
+    from services.worker.model import llama as model_mod
     calls = {"columns": 0, "rows": 0}
     plain, plain_rows = model_mod.lora_expand_columns, model_mod.lora_shrink_rows
 
@@ -281,7 +281,7 @@ def test_steps_above_the_row_bound_run_o_through_the_split_sgmv(ckpt, monkeypatc
     """Row LoRA only in steps of up to model.row_max_rows rows: with the bound at 3, the
     3-row decode steps of three requests run o as row LoRA, their prompt steps (21 rows) run
     q/k/v as column LoRA and o through the split SGMV; every request gets PEFT's tokens."""
-    from services.worker import model as model_mod
+    from services.worker.model import llama as model_mod
     calls = {"columns": 0, "rows": 0}
     plain, plain_rows = model_mod.lora_expand_columns, model_mod.lora_shrink_rows
 

@@ -7,10 +7,10 @@ import pathlib
 import pytest
 import torch
 
-from services.worker.adapter_layout import staged_from_peft_dir
-from services.worker.factory import EngineOptions, build_engine
+from services.worker.adapters.layout import staged_from_peft_dir
+from services.worker.engine.sequence import Sequence, Stopping
 from services.worker.perf_config import PerfConfig
-from services.worker.sequence import Sequence, Stopping
+from services.worker.startup.factory import EngineOptions, build_engine
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL_DIR, DEMO_ADAPTERS = ROOT / "models" / "tiny-llama", ROOT / "models" / "adapters"
 
@@ -100,7 +100,7 @@ def test_gpu_row_lora_matches_cpu_fp32():
 @needs_cuda
 def test_gpu_prefill_logits_match_cpu_fp32():
     """Prefill logits for every demo adapter (and the base), GPU kernels against the CPU path."""
-    from services.worker.scheduler import Scheduled
+    from services.worker.engine.scheduler import Scheduled
     logits = {}
     for device in ("cpu", "cuda"):
         built = build_engine(MODEL_DIR, EngineOptions(device=device, dtype="float32",
@@ -129,9 +129,9 @@ def test_gpu_sampling_params_match_cpu_with_many_in_flight():
     built back to back, before any sync, all arrive with the CPU's values."""
     import dataclasses
     import random
-    from services.worker.scheduler import Scheduled
-    from services.worker.sequence import Sampling
-    from services.worker.step_inputs import sampling_batch
+    from services.worker.engine.scheduler import Scheduled
+    from services.worker.engine.sequence import Sampling
+    from services.worker.executor.step_inputs import sampling_batch
     rng = random.Random(0)
     pending = []
     for k in range(200):
@@ -200,7 +200,7 @@ def test_no_kernel_compiles_or_graph_captures_after_serving(tmp_path):
 def _capture_and_warm(cache: str, opts) -> None:
     """In a fresh process: the worker's graph capture and warm-up on this kernel cache."""
     from kernels import kernel_cache
-    from services.worker.warmup import Warmup
+    from services.worker.startup.warmup import Warmup
     kernel_cache.use(cache)
     built = build_engine(MODEL_DIR, opts)
     Warmup(built.engine, built.pool, built.spec, opts.max_batch_tokens, max_rank=32,
@@ -209,14 +209,14 @@ def _capture_and_warm(cache: str, opts) -> None:
 
 @needs_cuda
 def test_precompile_children_compile_everything_the_capture_and_warm_up_need(tmp_path):
-    """services.worker.precompile: after two children have filled an empty kernel cache (one
+    """services.worker.startup.precompile: after two children have filled an empty kernel cache (one
     layer each, shares of the graphs' forwards and of the warm-up), a fresh worker process's
     graph capture and warm-up add no kernel to the cache: each one they need, the children
     built."""
     import multiprocessing
     import os
 
-    from services.worker import precompile
+    from services.worker.startup import precompile
     from triton import knobs
     cache = tmp_path / "kernels"
     cache.mkdir()
@@ -257,7 +257,7 @@ def test_gpu_mixed_steps_replayed_from_graphs_give_the_eager_logits(split_attent
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
     slots = [built.pool.place(n, staged_from_peft_dir(DEMO_ADAPTERS / n, built.spec))
              for n in names]
-    from services.worker.scheduler import Scheduled
+    from services.worker.engine.scheduler import Scheduled
     blocks, batch = built.engine.scheduler.blocks, []
     for i in range(10):
         seq = Sequence(f"d{i}", list(range(3, 40 + 7 * i)), slot=([*slots, -1])[i % (len(slots)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.graph_runner import GraphRunner
-from services.worker.lora_meta import choose
-from services.worker.model_spec import ALL_GROUPS, GROUP_BIT
-from services.worker.scheduler import Scheduled
-from services.worker.sequence import Sequence
+from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.sequence import Sequence
+from services.worker.executor.graph_runner import GraphRunner
+from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
+from services.worker.executor.lora_choice import choose
 from tests.test_engine_parity import _engine
 
 
@@ -29,7 +29,7 @@ def test_graph_fill_matches_eager_build(hf_ckpt):
     batch = [Scheduled(s, 1) for s in seqs]
     eager = runner.steps.eager(batch, runner.buffers)
     g = GraphRunner(runner, sizes=(8,))
-    g._fill(g.steps.plan(batch, graph=True), 8)
+    g.inputs.fill(g.steps.plan(batch, graph=True), 8)
     n = len(seqs)
     ctx = g._ctx(8, ALL_GROUPS)
     assert torch.equal(g.ids[:n], eager.input_ids)
@@ -122,7 +122,7 @@ def test_mixed_graph_sizes_take_the_budget_and_the_warm_up_turns_them_off(hf_ckp
     under a backlog of prompts), none with --graph-mixed-tokens 0; they serve steps only once
     captured, and the warm-up's eager_mixed turns them off for its duration, through a
     FaultyRunner wrapper too."""
-    from services.worker.fault_inject import FaultyRunner
+    from services.worker.executor.fault_inject import FaultyRunner
     root, _, _ = hf_ckpt
     built, _ = _engine(root)
     runner = built.engine.runner
@@ -141,8 +141,8 @@ def test_a_launched_steps_sampling_and_collect_on_cpu_tensors():
     """graph_inputs.start_sampling then collect: each sampling row's greedy token (and its
     logprobs when asked), in the batch's order, through the host buffer it was given; a step
     that sampled nothing collects nothing."""
-    from services.worker.graph_inputs import collect, start_sampling
-    from services.worker.sequence import Sampling
+    from services.worker.engine.sequence import Sampling
+    from services.worker.executor.graph_inputs import collect, start_sampling
     logits = torch.tensor([[0.0, 3.0, 1.0, 0.5], [2.0, 0.0, 1.0, 0.0]])
     rows = []
     for i in range(2):
@@ -150,9 +150,9 @@ def test_a_launched_steps_sampling_and_collect_on_cpu_tensors():
         seq.num_computed = 2
         rows.append(Scheduled(seq, 1))
     host = torch.zeros(8, dtype=torch.int64)
-    batch, tokens, lps = collect(start_sampling(rows, logits, 0, (), host))
+    batch, tokens, lps = collect(start_sampling(rows, logits, None, (), host))
     assert batch == rows and tokens == [1, 0] and host[:2].tolist() == [1, 0]
     want = torch.log_softmax(logits, -1)
     assert [round(lp[0], 5) for lp in lps] == [round(float(want[0, 1]), 5),
                                                round(float(want[1, 0]), 5)]
-    assert collect(start_sampling([], logits[:0], 0, (), host)) == ([], [], None)
+    assert collect(start_sampling([], logits[:0], None, (), host)) == ([], [], None)

@@ -1,6 +1,6 @@
 """The host side of a CUDA-graph decode step, checked on CPU.
 
-GraphRunner._fill keeps the block tables of its static buffers from one step to the next and
+StaticInputs.fill keeps the block tables of its static buffers from one step to the next and
 rewrites only the rows that changed: after any sequence of growth, preemption (a freed table
 regrown to the same length with other blocks), reordering and padding, the buffers must hold
 exactly the sequences' tables. And the whole graph path (its buffers replayed by stand-in graphs
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from bench.engine.host_overhead import StandIns      # every key captured, made on first use
-from services.worker.graph_runner import GraphRunner
-from services.worker.scheduler import Scheduled
-from services.worker.sequence import Sampling, Sequence, Stop, Stopping
-from services.worker.step_inputs import StepPlan
+from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
+from services.worker.executor.graph_runner import GraphRunner
+from services.worker.executor.step_inputs import StepPlan
 from tests.test_engine_parity import _engine
 
 
@@ -75,7 +75,7 @@ def test_fill_keeps_block_tables_exact_across_steps(hf_ckpt):
             assert blocks.ensure(q, len(q.tokens))
             q.num_computed = len(q.tokens) - 1
         slots = np.array([q.slot for q in rows], dtype=np.int64)      # rows as given
-        g._fill(StepPlan([Scheduled(q, 1) for q in rows], rows, slots, 0, 0, False), 8)
+        g.inputs.fill(StepPlan([Scheduled(q, 1) for q in rows], rows, slots, 0, 0, False), 8)
         _check_buffers(g, rows, 8)
 
     decode_step(seqs)
@@ -170,7 +170,7 @@ def test_event_handoff_delivers_every_call_in_order():
     import threading
     import time
 
-    from services.worker.servicer import EventHandoff
+    from services.worker.api.servicer import EventHandoff
     loop = asyncio.new_event_loop()
     loop.set_exception_handler(lambda loop, context: errors.append(context["exception"]))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -270,8 +270,8 @@ def test_a_step_without_its_own_graph_replays_the_smallest_captured_superset(hf_
     tile holding its rank; a column-LoRA graph only for a step whose q/k/v adapters all have
     blocks; none at all (a rank above the graphs') means eager; and every request still gets
     the eager path's output."""
-    from services.worker.graph_runner import ATTENTION
-    from services.worker.model_spec import ALL_GROUPS, GROUP_BIT as bit
+    from services.worker.executor.graph_runner import ATTENTION
+    from services.worker.model.spec import ALL_GROUPS, GROUP_BIT as bit
     root, _, _ = hf_ckpt
     built, slots = _engine(root)
     g = _graph_runner(built)
@@ -381,7 +381,7 @@ def test_prefault_writes_every_page_of_a_new_mapping_from_several_threads():
 
     import numpy as np
 
-    from services.worker.host_tier import prefault
+    from services.worker.adapters.host_tier import prefault
     n = (3 << 20) + 4099                       # not a multiple of the threads or of a page
     mapping = mmap.mmap(-1, n)
     array = np.frombuffer(mapping, dtype=np.uint8, count=n)

@@ -9,10 +9,10 @@ import pickle
 import pytest
 import torch
 
-from services.worker.factory import EngineOptions, build_engine
-from services.worker.model_spec import UnsupportedModel, load_spec
-from services.worker.scheduler import Scheduled
-from services.worker.sequence import Sequence, Stopping
+from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.sequence import Sequence, Stopping
+from services.worker.model.spec import UnsupportedModel, load_spec
+from services.worker.startup.factory import EngineOptions, build_engine
 from tests.hf_fixtures import make_family
 from tests.test_engine_parity import hf_greedy, run_all
 
@@ -194,7 +194,7 @@ def test_stray_tensors_are_refused(tmp_path):
 def test_blas_backend_switch_is_checked():
     """LORAFLEET_BLAS names torch's BLAS backend for a CUDA model; a typo is an error even on
     CPU, where nothing is set."""
-    from services.worker.weight_transforms import choose_blas
+    from services.worker.model.transforms import choose_blas
     from services.worker.perf_config import PerfConfig
     choose_blas(torch.device("cpu"), PerfConfig.from_env({"LORAFLEET_BLAS": "cublas"}).blas)
     with pytest.raises(ValueError, match="LORAFLEET_BLAS"):

@@ -1,5 +1,5 @@
-"""services.worker.precompile: the one-layer engines of its children (the same KV blocks, the
-checkpoint's first layer only), warm-up shares that add up to the whole warm-up, real child
+"""services.worker.startup.precompile: the one-layer engines of its children (the same KV blocks,
+the checkpoint's first layer only), warm-up shares that add up to the whole warm-up, real child
 processes that finish their share, and the fingerprint a finished warm-up leaves in the kernel
 cache (CPU: the children's graph forwards need CUDA and are not run here)."""
 from __future__ import annotations
@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from services.worker import precompile
-from services.worker.factory import EngineOptions, build_engine
-from services.worker.loader import read_checkpoint
-from services.worker.precompile import WarmShape
-from services.worker.warmup import Warmup
+from services.worker.model.checkpoint import read_checkpoint
+from services.worker.startup import precompile
+from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.startup.precompile import WarmShape
+from services.worker.startup.warmup import Warmup
 from tests.support import MODEL_DIR
 
 OPTS = EngineOptions(max_batch_tokens=64, max_running=16, pool_bytes=16 << 20, pool_slots=8)

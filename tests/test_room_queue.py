@@ -1,6 +1,6 @@
-"""Room in the adapter pool, first come first served (services/worker/room_queue.py), through
-the AdapterManager and a CPU device pool of 1.5 MiB: the tiny model's fp32 adapters of rank 8
-(112 KiB) and 64 (896 KiB), so the pool holds one rank-64 adapter beside a few rank-8 ones.
+"""Room in the adapter pool, first come first served (services/worker/adapters/room_queue.py),
+through the AdapterManager and a CPU device pool of 1.5 MiB: the tiny model's fp32 adapters of rank
+8 (112 KiB) and 64 (896 KiB), so the pool holds one rank-64 adapter beside a few rank-8 ones.
 A rank-64 load gets room within a bound while rank-8 requests keep pinning the pool; a request
 that is cancelled, or whose deadline passes, leaves no pin, no reservation, no "loading"."""
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 from bench.serve import model as serve_model
 from services.common.errors import ResourceExhausted
 from services.common.server import sync_channel
-from services.worker.adapter_manager import AdapterManager
-from services.worker.device_pool import DevicePool
-from services.worker.host_tier import HostTier
-from services.worker.model_spec import load_spec
-from services.worker.range_alloc import ALIGN, RangeAllocator
-from services.worker.store_client import StoreClient
+from services.worker.adapters.device_pool import DevicePool
+from services.worker.adapters.host_tier import HostTier
+from services.worker.adapters.manager import AdapterManager
+from services.worker.adapters.range_alloc import ALIGN, RangeAllocator
+from services.worker.adapters.store_client import StoreClient
+from services.worker.model.spec import load_spec
 from tests.support import MODEL_DIR
 
 SPEC = load_spec(MODEL_DIR)

@@ -1,7 +1,7 @@
 """A rank-64 adapter gets room in a worker's pool while rank-8 requests keep coming, through
 running store and worker processes (the CPU, the tiny model, fp32 adapters: rank 8 = 112 KiB,
 rank 64 = 896 KiB, a pool of 1536 KiB that holds one rank-64 adapter beside a few rank-8 ones).
-Before the room queue (services/worker/room_queue.py) each release's room went to the next
+Before the room queue (services/worker/adapters/room_queue.py) each release's room went to the next
 rank-8 load, and the rank-64 requests waited until their deadlines, "waiting, loading"."""
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ import torch
 from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
-from services.worker.sampling import (SamplingBatch, apply_repetition_penalty, counter_uniform,
-                                      sample)
+from services.worker.executor.sampling import (SamplingBatch, apply_repetition_penalty,
+                                               counter_uniform, sample)
 
 
 def batch(rows, temperature=1.0, top_k=0, top_p=1.0, seed=None, counter=0, penalty=None,

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from services.worker.block_manager import BlockManager
-from services.worker.scheduler import Scheduler
-from services.worker.sequence import Sequence, Status, Stopping
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sequence import Sequence, Status, Stopping
 
 pytestmark = pytest.mark.policy     # torch-free: `make test-policy`
 
@@ -141,7 +141,7 @@ def test_no_starvation_under_kv_pressure(seed):
 
 def test_bookkeeping_imports_no_torch():
     """The scheduler, block manager and sequences are plain Python (the simulator reuses them)."""
-    code = ("import sys, services.worker.scheduler, services.worker.block_manager; "
+    code = ("import sys, services.worker.engine.scheduler, services.worker.engine.block_manager; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -96,7 +96,7 @@ def test_the_worker_eviction_flag_reaches_its_config():
 
 
 def test_the_worker_mixed_graph_flag_reaches_its_engine_options():
-    from services.worker.__main__ import engine_options
+    from services.worker.app import engine_options
     from services.worker.config import parse_args
     assert engine_options(parse_args([])).graph_mixed_tokens == 1024
     assert engine_options(parse_args(["--graph-mixed-tokens", "0"])).graph_mixed_tokens == 0

@@ -216,7 +216,7 @@ def test_dispatch_uses_reference_on_cpu():
 def test_dispatch_picks_the_kernel_by_shape():
     """Split-K for decode batches and long segments; fused for many short segments of a large
     batch, for rank 64 with ~2 rows an adapter at 256 rows, and for very large batches."""
-    from kernels.sgmv import use_split
+    from kernels.sgmv_choice import use_split
     assert use_split(1, 2, 16) and use_split(64, 64, 64) and use_split(256, 129, 16)
     assert not use_split(256, 129, 64) and use_split(256, 33, 64)
     assert use_split(1024, 9, 64) and not use_split(1024, 129, 16)
@@ -229,7 +229,7 @@ def test_choose_kernel_is_the_one_per_call_choice():
     torch reference elsewhere; impl forces one, and a bad impl is an error."""
     import numpy as np
 
-    from kernels.sgmv import HostSegments, choose_kernel
+    from kernels.sgmv_choice import HostSegments, choose_kernel
     ranks = np.array([64, 8])
     one = HostSegments((0, 5, 0), np.zeros((1, 2)), np.zeros((1, 2)), ranks, np.ones(2))
     low = HostSegments((0, 5, 1), np.zeros((1, 2)), np.zeros((1, 2)), ranks, np.ones(2))
@@ -248,7 +248,7 @@ def test_choose_kernel_is_the_one_per_call_choice():
 
 
 def host_tables(c):
-    from kernels.sgmv import HostSegments, only_live_segment
+    from kernels.sgmv_choice import HostSegments, only_live_segment
     return HostSegments(only_live_segment(c["seg_start"].tolist(), c["seg_slot"].tolist()),
                         c["a_off"].numpy(), c["b_off"].numpy(), c["ranks"].numpy(),
                         c["scales"].numpy())
@@ -260,7 +260,8 @@ def test_cublas_path_for_one_high_rank_segment(name):
     """One live segment of a rank >= 33 adapter (the others base-only or padded): with the host
     tables, the cuBLAS pair path gives the reference's result, also where the adapter leaves a
     slice out."""
-    from kernels.sgmv import cublas_segment, sgmv
+    from kernels.sgmv import sgmv
+    from kernels.sgmv_choice import cublas_segment
     c = build_case(CASES[name], seed=3)
     c["seg_slot"][:] = -1
     c["seg_slot"][0] = 0                                   # slot 0 has the case's max rank
@@ -276,7 +277,8 @@ def test_cublas_path_for_one_high_rank_segment(name):
 
 
 def test_cublas_path_only_for_one_live_high_rank_segment():
-    from kernels.sgmv import cublas_segment, sgmv
+    from kernels.sgmv import sgmv
+    from kernels.sgmv_choice import cublas_segment
     many = build_case(CASES["uniform_qkv_fp16"])          # 4 adapters
     assert cublas_segment(host_tables(many)) is None
     with pytest.raises(ValueError):
@@ -289,7 +291,7 @@ def test_cublas_path_only_for_one_live_high_rank_segment():
 
 
 def test_only_live_segment():
-    from kernels.sgmv import only_live_segment
+    from kernels.sgmv_choice import only_live_segment
     assert only_live_segment([0, 3, 5, 9, 9], [-1, 4, -1, -1]) == (3, 5, 4)
     assert only_live_segment([0, 3, 5, 9, 9], [-1, 4, 2, -1]) is None      # two adapters
     assert only_live_segment([0, 3, 3, 9], [-1, 4, -1]) is None            # empty segment
@@ -527,9 +529,9 @@ if __name__ == "__main__":                                      # child: interpr
 
 
 def test_rank_tile_is_the_kernels_rank_block():
-    """The tile a decode graph is keyed by (kernels.sgmv.rank_tile, computed without triton)
-    is the RANK_BLOCK the kernels use for the same rank."""
+    """The tile a decode graph is keyed by (kernels.sgmv_choice.rank_tile, computed without
+    triton) is the RANK_BLOCK the kernels use for the same rank."""
     triton = pytest.importorskip("triton")
-    from kernels.sgmv_ref import rank_tile
+    from kernels.sgmv_choice import rank_tile
     assert [rank_tile(r) for r in range(0, 300)] == [
         max(16, triton.next_power_of_2(r)) for r in range(0, 300)]

@@ -16,11 +16,12 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.gen.lorafleet.v1 import common_pb2
-from services.worker.factory import EngineOptions, build_engine
-from services.worker.grammar import GrammarCompiler, GrammarOptions
-from services.worker.graph_inputs import collect, finish_sampling, start_sampling
-from services.worker.sampling import apply_bitmask
-from services.worker.sequence import Sampling, Sequence, Stop, Stopping
+from services.worker.config import GrammarOptions
+from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
+from services.worker.executor.graph_inputs import collect, start_sampling
+from services.worker.executor.sampling import apply_bitmask
+from services.worker.grammar import GrammarCompiler, compiler_for
+from services.worker.startup.factory import EngineOptions, build_engine
 from tests.support import MODEL_DIR
 
 SCHEMA = {"type": "object", "properties": {
@@ -32,9 +33,16 @@ REGEX = r"[a-z]{2,5}-[0-9]{2}"
 
 @pytest.fixture(scope="module")
 def built():
-    b = build_engine(MODEL_DIR, EngineOptions(device="cpu", dtype="float32"))
-    yield b
-    b.grammars.close()
+    return build_engine(MODEL_DIR, EngineOptions(device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def grammars(built):
+    """The compiler for the served tokenizer, as the worker makes it (services.worker.app)."""
+    c = compiler_for((MODEL_DIR / "tokenizer.json").read_text(), built.spec.vocab_size,
+                     tuple(built.spec.eos_token_ids), GrammarOptions())
+    yield c
+    c.close()
 
 
 def compiler(**kw) -> GrammarCompiler:
@@ -107,9 +115,9 @@ def test_the_batched_mask_matches_a_per_token_reference():
 
 
 class LaunchingRunner:
-    """The GPU graph runner's launch/collect/finish contract on the CPU: a step launched from
-    one in flight reads that step's tokens as its inputs (the graphs gather them on the
-    device), and with grammar rows it samples only when the engine says (finish)."""
+    """The GPU graph runner's launch/collect contract on the CPU: a step launched from one in
+    flight reads that step's tokens as its inputs (the graphs gather them on the device), and
+    with grammar rows it samples only when that step is collected (graph_inputs.collect)."""
 
     def __init__(self, runner):
         self.runner, self.masks = runner, runner.masks
@@ -136,14 +144,13 @@ class LaunchingRunner:
             for seq in ahead:
                 seq.tokens.pop()
         self.hosts.reverse()
-        return start_sampling(inputs.sampled, logits, int(prev is not None),
-                              self.runner.steps.eos, self.hosts[0], self.masks)
+        return start_sampling(inputs.sampled, logits, prev, self.runner.steps.eos,
+                              self.hosts[0], self.masks)
 
     collect = staticmethod(collect)
-    finish = staticmethod(finish_sampling)
 
 
-def run_requests(built, specs, overlap: bool):
+def run_requests(built, grammars, specs, overlap: bool):
     """specs: (grammar kwargs or None, seed) per request; their texts and final events."""
     eng = built.engine
     eng.overlap = overlap
@@ -153,7 +160,7 @@ def run_requests(built, specs, overlap: bool):
     out, prompt = {}, built.tokenizer.encode("Tell me about the weather.").ids
     try:
         for i, (grammar, seed) in enumerate(specs):
-            m = asyncio.run(built.grammars.matcher(common_pb2.Grammar(**grammar))) \
+            m = asyncio.run(grammars.matcher(common_pb2.Grammar(**grammar))) \
                 if grammar else None
             seq = Sequence(f"r{i}", prompt, sampling=Sampling(temperature=1.0, seed=seed,
                                                               constrained=m is not None),
@@ -169,12 +176,12 @@ def run_requests(built, specs, overlap: bool):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_constrained_rows_beside_free_ones(built, overlap):
+def test_constrained_rows_beside_free_ones(built, grammars, overlap):
     schema = {"json_schema": json.dumps(SCHEMA)}
     specs = [(schema, 11), (None, 12), ({"regex": REGEX}, 13), (None, 14), (schema, 15),
              ({"choice": common_pb2.Choice(options=["sunny", "rain"])}, 16)]
-    got = run_requests(built, specs, overlap)
-    alone = run_requests(built, [s for s in specs if s[0] is None], overlap)
+    got = run_requests(built, grammars, specs, overlap)
+    alone = run_requests(built, grammars, [s for s in specs if s[0] is None], overlap)
     for i, (grammar, _) in enumerate(specs):
         text, last = got[i]
         if grammar is None:
@@ -189,17 +196,17 @@ def test_constrained_rows_beside_free_ones(built, overlap):
     free = [got[i][0] for i, s in enumerate(specs) if s[0] is None]
     assert free == [t for t, _ in alone.values()]       # rows without a grammar: untouched
     if overlap:
-        assert built.engine.grammar.masks > 0
-    eager = run_requests(built, specs, overlap=False)
+        assert built.masks.masks > 0
+    eager = run_requests(built, grammars, specs, overlap=False)
     assert {i: t for i, (t, _) in got.items()} == {i: t for i, (t, _) in eager.items()}
 
 
-def test_max_tokens_mid_object_ends_max_tokens(built):
-    got = run_requests(built, [({"json_schema": json.dumps(SCHEMA)}, 3)], overlap=True)
+def test_max_tokens_mid_object_ends_max_tokens(built, grammars):
+    got = run_requests(built, grammars, [({"json_schema": json.dumps(SCHEMA)}, 3)], overlap=True)
     text, last = got[0]
     assert last.stop is Stop.EOS_TOKEN and last.generated_tokens > 4
     eng = built.engine
-    m = asyncio.run(built.grammars.matcher(common_pb2.Grammar(json_schema=json.dumps(SCHEMA))))
+    m = asyncio.run(grammars.matcher(common_pb2.Grammar(json_schema=json.dumps(SCHEMA))))
     seq = Sequence("cut", built.tokenizer.encode("Hi").ids, matcher=m,
                    sampling=Sampling(temperature=1.0, seed=3, constrained=True),
                    stopping=Stopping(max_new_tokens=4))
@@ -211,9 +218,25 @@ def test_max_tokens_mid_object_ends_max_tokens(built):
     assert text.startswith("".join(e.text for e in events))    # the same seed, cut short
 
 
+def test_a_token_its_grammar_refuses_ends_the_request_error(built, grammars, monkeypatch):
+    """A sampler fault (here: no mask applied) whose token the matcher refuses: the runner marks
+    the sequence, the engine ends it ERROR and drops the token."""
+    monkeypatch.setattr(built.masks, "build", lambda sampled: None)
+    m = asyncio.run(grammars.matcher(common_pb2.Grammar(regex="q{8}")))
+    seq = Sequence("refused", built.tokenizer.encode("Hi").ids, matcher=m,
+                   sampling=Sampling(temperature=1.0, seed=5, constrained=True),
+                   stopping=Stopping(max_new_tokens=8))
+    events = []
+    built.engine.submit(seq, events.append)
+    while built.engine.step():
+        pass
+    last = events[-1]
+    assert last.stop is Stop.ERROR and last.error.startswith("structured output: ")
+    assert last.generated_tokens == 0 and seq.tokens == seq.prompt
+
+
 def test_a_tokenizer_llguidance_cannot_read_turns_structured_output_off():
     from tokenizers import Tokenizer, decoders, models
-    from services.worker.grammar import compiler_for
     from services.worker.structured import matcher as request_matcher
     tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
     tok.decoder = decoders.WordPiece()

@@ -1,5 +1,5 @@
-"""The warm-up a worker runs before SERVING (services.worker.warmup): every prompt length class
-alone and beside decode rows, for the base model and zero adapters, through the real engine,
+"""The warm-up a worker runs before SERVING (services.worker.startup.warmup): every prompt length
+class alone and beside decode rows, for the base model and zero adapters, through the real engine,
 leaving the pool, the scheduler and the KV cache as they were; and the compile watch that
 counts the kernel specializations needed after it."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import types
 
 from services.worker import metrics
-from services.worker.factory import EngineOptions, build_engine
-from services.worker.warmup import Warmup, token_counts
+from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.startup.warmup import Warmup, token_counts
 from tests.support import MODEL_DIR
 
 

@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from services.worker.frontend_process import socket_parent
+from services.worker.api.frontend_process import socket_parent
 from tests.support import MODEL_DIR, ROOT, Service
 
 pytestmark = pytest.mark.slow

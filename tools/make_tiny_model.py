@@ -33,7 +33,7 @@ import time
 import warnings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:          # services.worker.chat_template renders the chats
+if str(ROOT) not in sys.path:          # services.worker.api.chat_template renders the chats
     sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # this script must never touch the hub
@@ -259,8 +259,8 @@ def _step(opt, loss) -> None:
 
 def chat_prompt(prompt: str) -> str:
     """The prompt as a one-message chat, rendered with CHAT_TEMPLATE as the worker renders it
-    (services.worker.chat_template, transformers' conventions)."""
-    from services.worker.chat_template import ChatTemplate
+    (services.worker.api.chat_template, transformers' conventions)."""
+    from services.worker.api.chat_template import ChatTemplate
 
     template = ChatTemplate(CHAT_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
     return template.render([{"role": "user", "content": prompt}])

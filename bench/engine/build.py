@@ -15,9 +15,9 @@ def build_engine(layers: int, distinct: int, cuda_graphs: bool,
     """The Llama-7B-shaped engine (random bf16 weights, `layers` layers) with `distinct` rank-16
     q/k/v/o adapters placed in its pool: (built, their slots). options: more EngineOptions."""
     from bench.lib.synthetic import NullTokenizer, adapter_tensors, llama7b_spec, random_weights
-    from services.worker.adapter_layout import staged_from_tensors
-    from services.worker.factory import EngineOptions, assemble
+    from services.worker.adapters.layout import staged_from_tensors
     from services.worker.perf_config import PerfConfig
+    from services.worker.startup.factory import EngineOptions, assemble
     dev = torch.device(device)
     spec = llama7b_spec(layers)
     extra = {} if graph_max_rank is None else {"graph_max_rank": graph_max_rank}
@@ -38,7 +38,7 @@ def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
                   prompt: int = 128):
     """build_engine's engine with `batch` requests of `prompt` tokens spread over its
     `distinct` adapters (0: base only), prefilled and a few decode steps in."""
-    from services.worker.sequence import Sequence, Stopping
+    from services.worker.engine.sequence import Sequence, Stopping
     built, slots = build_engine(layers, distinct, cuda_graphs, graph_max_rank, device)
     eng = built.engine
     for i in range(batch):
@@ -55,8 +55,8 @@ def mixed_batch(built, slots: list[int], decode: int, context: int, chunk: int):
     """decode sequences with `context` tokens in the cache (one row each) and one new
     sequence with a `chunk`-token prompt (one run of rows), their KV blocks taken; each on an
     adapter of slots in turn (none: base rows)."""
-    from services.worker.scheduler import Scheduled
-    from services.worker.sequence import Sequence, Stopping
+    from services.worker.engine.scheduler import Scheduled
+    from services.worker.engine.sequence import Sequence, Stopping
     blocks = built.engine.scheduler.blocks
     batch = []
     for i in range(decode + (1 if chunk else 0)):

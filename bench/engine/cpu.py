@@ -4,10 +4,10 @@ distinct LoRA adapters (random rank-16 q/k/v/o adapters placed in the engine's D
     python -m bench.engine.cpu [--model models/tiny-llama] [--out bench/results] [--threads 1]
                                  [--profile]
 
-Each scenario submits --batch sequences of --prompt random tokens with --new new tokens
-(ignore_eos) to a fresh engine built by services.worker.factory.build_engine, steps it by hand and
-times every step; a decode step is one where every running sequence feeds exactly one token.
-Reported: median ms per decode step and decode tokens/s (batch / median step), plus the
+Each scenario submits --batch sequences of --prompt random tokens with --new new tokens (ignore_eos)
+to a fresh engine built by services.worker.startup.factory.build_engine, steps it by hand and times
+every step; a decode step is one where every running sequence feeds exactly one token. Reported:
+median ms per decode step and decode tokens/s (batch / median step), plus the
 end-to-end tokens/s of the whole run (prefill included); the fastest of --repeats runs, as the
 machine may be shared. The model is models/tiny-llama when it has been generated (`make`), else a
 random Llama of the same shape. --profile adds the top functions of one 32-adapter decode step
@@ -33,9 +33,9 @@ import torch
 
 from bench.lib.header import RESULTS, ROOT
 from bench.lib.synthetic import SHAPES, adapter_tensors
-from services.worker.adapter_layout import staged_from_tensors
-from services.worker.factory import EngineOptions, build_engine
-from services.worker.sequence import Sequence, Stopping
+from services.worker.adapters.layout import staged_from_tensors
+from services.worker.engine.sequence import Sequence, Stopping
+from services.worker.startup.factory import EngineOptions, build_engine
 
 SCENARIOS = {"base-only": 0, "1 adapter": 1, "8 adapters": 8, "32 adapters": 32}
 TINY = {k: v for k, v in SHAPES["tiny"].items() if k != "torch_dtype"}     # the demo model's

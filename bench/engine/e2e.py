@@ -27,10 +27,10 @@ import torch
 from bench.lib.synthetic import (SHAPES, TARGETS, NullTokenizer, adapter_tensors,
                                  llama7b_spec, random_weights, weight_bytes)
 from bench.lib.timing import copy_tbps
-from services.worker.adapter_layout import staged_from_tensors
-from services.worker.factory import EngineOptions, assemble
+from services.worker.adapters.layout import staged_from_tensors
+from services.worker.engine.sequence import Sampling, Sequence, Stopping
 from services.worker.perf_config import PerfConfig
-from services.worker.sequence import Sampling, Sequence, Stopping
+from services.worker.startup.factory import EngineOptions, assemble
 
 
 def copy_bandwidth(device) -> float:

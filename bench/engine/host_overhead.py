@@ -6,9 +6,9 @@
     python -m bench.engine.host_overhead --device cuda --out /tmp/x      # real graphs, on a GPU
 
 On a GPU a graph decode step is: schedule, order the rows, fill the graph's static input buffers
-(GraphRunner._fill: services.worker.step_inputs.StepBuilder.fill), replay the graph, build the
-sampling parameters (step_inputs.sampling_batch), sample, copy the tokens back (tolist), then per
-row the stop checks, incremental detokenization and the sink callback (Engine._append).
+(StaticInputs.fill: services.worker.executor.step_inputs.StepBuilder.fill), replay the graph, build
+the sampling parameters (step_inputs.sampling_batch), sample, copy the tokens back (tolist), then
+per row the stop checks, incremental detokenization and the sink callback (Engine._append).
 Everything but the replay is host work that the GPU waits for. This bench runs that very path on the CPU: a real engine is
 built from the tiny model (its byte-level BPE tokenizer, so detokenization is real work) with the
 three demo adapters placed, and wrapped in a GraphRunner whose "graphs" are stand-ins replayed on
@@ -28,17 +28,17 @@ that never match), the median over the full-batch decode steps of the best of --
 - host: step wall time minus the replay, in microseconds;
 - sample: the sample() call; on the CPU this is the sampling math itself (on a GPU it is a few
   kernel launches), so host - sample is the part that stays host work on any device;
-- the phases: schedule, fill (GraphRunner._fill), sampling_batch, other run (decode checks,
+- the phases: schedule, fill (StaticInputs.fill), sampling_batch, other run (decode checks,
   the step plan: row order, slots and LoRA choices; tolist) and post (num_computed updates,
   Engine._append for every row, inbox/expiry).
 
-A second part times GraphRunner._fill alone on synthetic decode batches (context ~200 tokens,
+A second part times StaticInputs.fill alone on synthetic decode batches (context ~200 tokens,
 rows on the base model only, on 8 adapters, or each on its own adapter): best of 5 rounds of
 300 calls.
 
 With --device cuda the engine runs the tiny model on the GPU with real captured graphs (one per
-batch size, as services.worker.factory captures them) and a step's host time is its wall time
-minus the graph's device time (CUDA events around the replay): the serial host overhead of the
+batch size, as services.worker.startup.factory captures them) and a step's host time is its wall
+time minus the graph's device time (CUDA events around the replay): the serial host overhead of the
 step, as bench/engine/e2e.py reports it (decode step ms vs graph replay ms).
 
 With --baseline, the host figures of an earlier run (its JSON) are shown beside the new ones.
@@ -64,15 +64,15 @@ import time
 import numpy as np
 import torch
 
-import services.worker.graph_runner as graph_runner_mod
+import services.worker.executor.graph_runner as graph_runner_mod
 from bench.lib.header import RESULTS, ROOT
-from services.worker.adapter_layout import staged_from_peft_dir
-from services.worker.factory import EngineOptions, build_engine
+from services.worker.adapters.layout import staged_from_peft_dir
+from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.sequence import Sampling, Sequence, Stopping
+from services.worker.executor.graph_runner import GraphRunner
+from services.worker.executor.step_inputs import StepPlan
 from services.worker.perf_config import PerfConfig
-from services.worker.graph_runner import GraphRunner
-from services.worker.scheduler import Scheduled
-from services.worker.sequence import Sampling, Sequence, Stopping
-from services.worker.step_inputs import StepPlan
+from services.worker.startup.factory import EngineOptions, build_engine
 
 ADAPTERS = ("acme-support", "pirate", "poet")
 PROMPTS = ("Tell me about the weather.", "Can you help me?", "Hello!", "How are you?",
@@ -168,7 +168,7 @@ def build(model_dir: pathlib.Path, batch: int, prompt_len: int, new: int, clock:
     slots = [built.pool.place(n, staged_from_peft_dir(adapters / n, built.spec))
              for n in ADAPTERS if (adapters / n).exists()]
     gr = GraphRunner(built.engine.runner, sizes=(batch,))
-    if cuda:                           # as services.worker.factory does it, for one batch size
+    if cuda:                  # as services.worker.startup.factory does it, for one batch size
         gr.capture(64)
         gr.timings = []
         built.engine.runner = gr
@@ -187,7 +187,7 @@ def instrument(built, gr: GraphRunner, clock: Clock):
     """Wrap the step's phases with timers; returns an undo function."""
     engine = built.engine
     engine.scheduler.schedule = clock.timed("schedule", engine.scheduler.schedule)
-    gr._fill = clock.timed("fill", gr._fill)
+    gr.inputs.fill = clock.timed("fill", gr.inputs.fill)
     gr.run = clock.timed("run", gr.run)
     saved = graph_runner_mod.sampling_batch, graph_runner_mod.sample
     graph_runner_mod.sampling_batch = clock.timed("sampling_batch", saved[0])
@@ -271,7 +271,7 @@ def _top(prof: cProfile.Profile, n: int = 25) -> list[str]:
 
 def fill_bench(model_dir: pathlib.Path, batch: int, layout: str, forward: str = "model",
                iters: int = 300) -> float:
-    """µs a call of GraphRunner._fill on a synthetic decode batch of `batch` sequences (best of
+    """µs a call of StaticInputs.fill on a synthetic decode batch of `batch` sequences (best of
     5 rounds of `iters` calls)."""
     built, gr, _ = build(model_dir, batch, 16, 240, Clock(), forward)
     blocks = built.engine.scheduler.blocks
@@ -292,7 +292,7 @@ def fill_bench(model_dir: pathlib.Path, batch: int, layout: str, forward: str = 
     for _ in range(5):
         t0 = time.perf_counter_ns()
         for _ in range(iters):
-            gr._fill(plan, batch)
+            gr.inputs.fill(plan, batch)
         rounds.append((time.perf_counter_ns() - t0) / iters / 1e3)
     return round(min(rounds), 1)
 
@@ -346,7 +346,7 @@ def write(out: pathlib.Path, result: dict) -> None:
             lines.append(f"| {r['batch']} | {r['mode']} | {u['host']:.0f} | "
                          f"{u['host_minus_sample']:.0f} |{before} "
                          + " | ".join(f"{u[p]:.0f}" for p in PHASES) + " |")
-    lines += ["", "## GraphRunner._fill alone, synthetic decode batches", "",
+    lines += ["", "## StaticInputs.fill alone, synthetic decode batches", "",
               "µs a call, best of 5 rounds of 300 calls.", "",
               "| batch | rows on | µs |" + (" before µs |" if base else ""),
               "| ---: | --- | ---: |" + (" ---: |" if base else "")]
@@ -361,7 +361,7 @@ def write(out: pathlib.Path, result: dict) -> None:
 
 
 def merge(results: list[dict]) -> dict:
-    """Several runs' results as one: per case the run with the least host time, per _fill
+    """Several runs' results as one: per case the run with the least host time, per fill
     case the fastest; repeats added up; the first profile."""
     out = dict(results[-1], runs={}, fill={}, repeats=sum(r["repeats"] for r in results),
                load_average_before=max(r["load_average_before"] for r in results))
@@ -393,7 +393,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per case; the fastest median is kept (the machine is shared)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--no-fill", action="store_true", help="skip the _fill microbenchmark")
+    p.add_argument("--no-fill", action="store_true", help="skip the fill microbenchmark")
     p.add_argument("--baseline", nargs="+", default=[],
                    help="earlier JSON results to compare with (several: merged)")
     p.add_argument("--merge", nargs="+", default=[],

@@ -41,10 +41,11 @@ import torch
 from bench.lib.header import RESULTS, base_header
 from bench.lib.synthetic import llama7b_spec, random_weights
 from services.common.gen.lorafleet.v1 import common_pb2
-from services.worker.factory import EngineOptions, assemble
-from services.worker.grammar import GrammarCompiler, GrammarOptions
-from services.worker.model_spec import ModelSpec
-from services.worker.sequence import Sampling, Sequence, Stopping
+from services.worker.engine.sequence import Sampling, Sequence, Stopping
+from services.worker.config import GrammarOptions
+from services.worker.grammar import GrammarCompiler
+from services.worker.model.spec import ModelSpec
+from services.worker.startup.factory import EngineOptions, assemble
 
 # a row's schema: records with integers, enums and bounded strings, at least 64 of them, so a
 # sampled row never ends it within a run (the batch stays full)
@@ -122,19 +123,18 @@ def build(args, tok_json: str):
                          kv_cache_bytes=(64 << 20) if args.cpu else (16 << 30),
                          max_batch_tokens=4096, max_running=max(64, args.batch),
                          pool_bytes=1 << 20, pool_slots=4, graph_mixed_tokens=0,
-                         grammar=GrammarOptions(mask_threads=args.mask_threads))
+                         grammar_mask_threads=args.mask_threads)
     built = assemble(spec, random_weights(spec, device, dtype), tokenizer, opts, device, dtype)
-    built.grammars = GrammarCompiler(tok_json, vocab, (2,), opts.grammar)
-    return built
+    return built, GrammarCompiler(tok_json, vocab, (2,), GrammarOptions())
 
 
-def decode_run(built, args, fraction: float) -> dict:
+def decode_run(built, grammars, args, fraction: float) -> dict:
     """One batch to the end; the decode steps while every row runs."""
-    eng, masks = built.engine, built.engine.grammar
+    eng, masks = built.engine, built.masks
     g = torch.Generator().manual_seed(1)
     grammar = common_pb2.Grammar(json_schema=json.dumps(LONG))
     constrained = round(fraction * args.batch)
-    matchers = asyncio.run(_matchers(built.grammars, grammar, constrained))
+    matchers = asyncio.run(_matchers(grammars, grammar, constrained))
     done = []
     for i in range(args.batch):
         m = matchers[i] if i < constrained else None
@@ -172,7 +172,7 @@ async def _matchers(grammars, grammar, n: int) -> list:
     return [await grammars.matcher(grammar) for _ in range(n)]
 
 
-def compile_rows(built, count: int) -> list[dict]:
+def compile_rows(grammars, vocab: int, count: int) -> list[dict]:
     """Each schema compiled uncached, and its first mask (llguidance builds lexer states
     lazily)."""
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
@@ -181,9 +181,9 @@ def compile_rows(built, count: int) -> list[dict]:
     for i, schema in enumerate(schemas(count)):
         text = grammar_text(common_pb2.Grammar(json_schema=json.dumps(schema)))[1]
         t0 = time.perf_counter()
-        m = built.grammars.compile_now("json_schema", text)
+        m = grammars.compile_now("json_schema", text)
         t1 = time.perf_counter()
-        fill_next_token_bitmask(m, allocate_token_bitmask(1, built.spec.vocab_size))
+        fill_next_token_bitmask(m, allocate_token_bitmask(1, vocab))
         rows.append({"schema": i, "bytes": len(json.dumps(schema)),
                      "compile_ms": 1e3 * (t1 - t0),
                      "first_mask_ms": 1e3 * (time.perf_counter() - t1)})
@@ -265,15 +265,15 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)                 # as a CPU worker runs (--cpu-threads 1)
     tok_json = (pathlib.Path(a.tokenizer).read_text() if a.tokenizer
                 else synthetic_tokenizer(a.vocab))
-    built = build(a, tok_json)
-    decode_run(built, a, 0.0)                               # warm: first steps, sampling
-    decode = [decode_run(built, a, f) for f in (0.0, 0.5, 1.0)]
+    built, grammars = build(a, tok_json)
+    decode_run(built, grammars, a, 0.0)                     # warm: first steps, sampling
+    decode = [decode_run(built, grammars, a, f) for f in (0.0, 0.5, 1.0)]
     for r in decode:
         print(json.dumps(r), flush=True)
-    compiles = compile_rows(built, a.schemas)
+    compiles = compile_rows(grammars, built.spec.vocab_size, a.schemas)
     md = write(pathlib.Path(a.out), header(a, built.spec.vocab_size), decode, compiles)
     print(md.read_text())
-    built.grammars.close()
+    grammars.close()
     return 0
 
 

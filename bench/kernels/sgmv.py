@@ -11,7 +11,7 @@ weights) / time, next to a device-to-device copy measured in the same run.
 Writes DIR/kernels-h200.json, DIR/kernels-h200.md and DIR/kernels-h200.png (if matplotlib).
 "ours" is what the engine's eager steps run (kernels.sgmv.sgmv with the host tables: split-K at
 decode sizes, fused above, cuBLAS pairs for one adapter of rank >= 64); captured decode graphs
-run the kernels only (the "fused"/"split" columns, as kernels.sgmv.use_split picks).
+run the kernels only (the "fused"/"split" columns, as kernels.sgmv_choice.use_split picks).
 "ours_fused" and "ours_split" are the two kernels on every shape.
 
 --vllm-src is a folder holding vLLM's lora_shrink_op.py, lora_expand_op.py, kernel_utils.py and

@@ -80,7 +80,8 @@ def impl_fn(name, p, y, vllm):
     args = (y, p["x"], p["pool"], p["a_off"], p["b_off"], p["ranks"], p["scales"],
             [0, p["hidden"]], p["seg_start"], p["seg_slot"], p["rank"])
     if name == "ours":          # what the engine's eager steps call (with the host tables)
-        from kernels.sgmv import HostSegments, only_live_segment, sgmv
+        from kernels.sgmv import sgmv
+        from kernels.sgmv_choice import HostSegments, only_live_segment
         host = HostSegments(only_live_segment(p["starts"] + [p["t"]], p["slots"] + [-1]),
                             p["a_off"].cpu().numpy(), p["b_off"].cpu().numpy(),
                             p["ranks"].cpu().numpy(), p["scales"].cpu().numpy())

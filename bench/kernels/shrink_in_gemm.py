@@ -12,7 +12,7 @@ so every call reads cold memory), per layer:
   ext         out = x @ [W | A_1 .. A_n]                  (the wider GEMM alone)
   ext+expand  out = x @ [W | A...]; the SGMV expand of one K partial (what remains)
   ext+expand_columns  out = x @ [W | A...]; expand_columns reading v from out's extra
-              columns (the engine's column LoRA, services/worker/lora_columns.py)
+              columns (the engine's column LoRA, services/worker/model/lora_columns.py)
   row         y = [x | v] @ [W ; Bt_1 .. Bt_n]            (o only: the K-extended GEMM alone)
   row+shrink_blocks/pPwW  kernels.shrink_blocks writes each row's scaled x @ A.T into its
               adapter's block of v (P rank parts a row, W warps a program), then the GEMM
@@ -34,7 +34,7 @@ import time
 import torch
 
 from bench.lib.timing import time_us
-from kernels.sgmv_ref import rank_tile
+from kernels.sgmv_choice import rank_tile
 from kernels.shrink_blocks import RB, shrink_blocks
 from kernels.sgmv_split import (Shrunk, expand, expand_columns, pick_split_config,
                                 sgmv_split)

@@ -32,7 +32,7 @@ def model_config(shape: str) -> dict:
 
 def llama7b_spec(layers: int = 32):
     """The worker's ModelSpec of model_config("7b") (`layers` of its 32 layers)."""
-    from services.worker.model_spec import ModelSpec
+    from services.worker.model.spec import ModelSpec
     c = model_config("7b")
     return ModelSpec(architecture=c["architectures"][0], vocab_size=c["vocab_size"],
                      hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],

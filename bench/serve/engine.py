@@ -1,7 +1,7 @@
-"""The engine's in-process figure for the serving benchmark: the same workload as a gRPC scenario
-(a closed loop, or open-loop arrivals at their times), run through
-`services.worker.factory.build_engine` + `Engine.submit` (no gRPC, no router, no store), with
-every adapter placed in the pool up front.
+"""The engine's in-process figure for the serving benchmark: the same workload as a gRPC scenario (a
+closed loop, or open-loop arrivals at their times), run through
+`services.worker.startup.factory.build_engine` + `Engine.submit` (no gRPC, no router, no store),
+with every adapter placed in the pool up front.
 
 It runs in a subprocess started (and finished) before the services: it needs the GPU memory the
 worker will take. Records have the client records' shape (bench/serve/load.py), so the same
@@ -51,9 +51,9 @@ def run(params: dict) -> dict:
     """params: model, options (EngineOptions fields), cpu_threads, adapters {id: dir}, jobs
     [{name, concurrency, warmup: [Request], requests: [Request]}]."""
     import torch
-    from services.worker.adapter_layout import staged_from_peft_dir
-    from services.worker.factory import EngineOptions, build_engine
+    from services.worker.adapters.layout import staged_from_peft_dir
     from services.worker.perf_config import PerfConfig
+    from services.worker.startup.factory import EngineOptions, build_engine
     # the worker's own performance choices (it reads LORAFLEET_* in its config)
     opts = EngineOptions(**params["options"], perf=PerfConfig.from_env(os.environ))
     threads = params.get("cpu_threads", 1)          # as the worker's --cpu-threads default
@@ -62,7 +62,7 @@ def run(params: dict) -> dict:
     start = time.monotonic()
     built = build_engine(params["model"], opts)
     if params.get("warmup", opts.device != "cpu"):   # as the worker does before SERVING
-        from services.worker.warmup import Warmup
+        from services.worker.startup.warmup import Warmup
         report = Warmup(built.engine, built.pool, built.spec, opts.max_batch_tokens,
                         max_rank=params.get("warmup_max_rank", 128),
                         max_running=opts.max_running,
@@ -118,7 +118,7 @@ def open_loop(engine, slots: dict, requests: list) -> list[dict]:
 
 def _submitter(engine, slots: dict, finished: list):
     """submit(request): hand it to the engine; its record lands in `finished` when it ends."""
-    from services.worker.sequence import Sequence, Stopping
+    from services.worker.engine.sequence import Sequence, Stopping
 
     def submit(r) -> None:
         rec = {"index": r.index, "adapter": r.adapter, "tenant": r.tenant, "cold": False,

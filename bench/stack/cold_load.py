@@ -28,9 +28,9 @@ import time
 import torch
 
 from bench.lib.synthetic import TARGETS, adapter_tensors, llama7b_spec, model_config
-from services.worker.adapter_layout import staged_from_tensors
-from services.worker.device_pool import DevicePool
-from services.worker.model_spec import ModelSpec
+from services.worker.adapters.device_pool import DevicePool
+from services.worker.adapters.layout import staged_from_tensors
+from services.worker.model.spec import ModelSpec
 
 def stats(xs: list[float]) -> dict:
     xs = sorted(xs)
@@ -58,7 +58,7 @@ async def cpu_tiers(work: pathlib.Path, ranks: list[int], reps: int) -> list[dic
     from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
     from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc
     from services.common.server import channel, sync_channel
-    from services.worker.store_client import StoreClient
+    from services.worker.adapters.store_client import StoreClient
     from tests.support import S3_ENV, MotoS3, Service
     spec = llama7b_spec()
     base_config(work / "base", spec)
@@ -100,8 +100,8 @@ async def _measure_rank(r, reps, pool, spec, store_client, stub) -> list[dict]:
     the worker host tier (offloaded from the pool, kept on the host: WORKER_HOST), then a fresh
     worker (empty tiers) fetching again (the store's host tier: STORE_HOST)."""
     from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
-    from services.worker.adapter_manager import AdapterManager
-    from services.worker.host_tier import HostTier
+    from services.worker.adapters.host_tier import HostTier
+    from services.worker.adapters.manager import AdapterManager
     by_tier: dict[str, list[float]] = {"source": [], "store_host": [], "worker_host": []}
     names = {4: "source", 3: "store_host", 2: "worker_host"}
     nbytes = 0
@@ -169,7 +169,7 @@ def _staging(spec: ModelSpec, registered: int, reps: int) -> list[float]:
     contiguous); the GPU pool holds 64. Stage random ones in: evict the LRU, place (one copy,
     the layout kernel, the slot tables), time it."""
     from services.common.cache_policy import CachePolicy
-    from services.worker.host_tier import HostTier
+    from services.worker.adapters.host_tier import HostTier
     base = staged_from_tensors(adapter_tensors(spec, 16, 3, dtype=torch.bfloat16),
                                {"r": 16, "lora_alpha": 32}, spec)
     n = base.nbytes

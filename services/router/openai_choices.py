@@ -4,7 +4,7 @@ choices are reproducible whatever else is batched), else with a seed of its own.
 
 The first choice starts alone and the others once it has streamed its first message: by then
 its prompt's KV blocks are computed and published at the worker, which gives them to the
-other choices' sequences (same tenant, adapter and prompt: services.worker.block_manager) so
+other choices' sequences (same tenant, adapter and prompt: services.worker.engine.block_manager) so
 the prompt is computed once rather than n times. The others' first tokens come one prefill
 later than the first's.
 """

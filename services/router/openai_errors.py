@@ -79,7 +79,7 @@ def error_response(err: LorafleetError, chat: bool = False,
     return web.json_response(body, status=status, headers=headers)
 
 
-# the engine's refusal of a prompt and a cap that do not fit (services/worker/engine.py)
+# the engine's refusal of a prompt and a cap that do not fit (services/worker/engine/loop.py)
 CONTEXT = re.compile(r"prompt \((\d+)\) \+ max_new_tokens \((\d+)\) exceeds the model's "
                      r"(\d+) tokens")
 

@@ -6,8 +6,29 @@ import os
 from dataclasses import dataclass, field
 
 from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
-from services.worker.grammar import GrammarOptions
 from services.worker.perf_config import PerfConfig
+
+# --tool-call-format: auto (the chat template's), none, or one of the formats the chat template
+# reads (services.worker.chat_template.TOOL_FORMATS)
+TOOL_CALL_FORMATS = ("auto", "none", "hermes", "llama3_json", "mistral")
+
+
+@dataclass(frozen=True)
+class GrammarOptions:
+    """The worker's flags for structured output (services.worker.grammar, token_mask)."""
+    compile_threads: int = 2      # grammars compiled at once (--grammar-compile-threads)
+    mask_threads: int = 0         # a step's mask threads (--grammar-mask-threads; 0: auto)
+    timeout_s: float = 10.0       # a compile running longer is refused (--grammar-compile-timeout)
+    cache: int = 512              # compiled grammars kept (--grammar-cache)
+
+    def __post_init__(self) -> None:
+        if self.compile_threads < 1 or self.mask_threads < 0:
+            raise ValueError("--grammar-compile-threads must be >= 1, --grammar-mask-threads "
+                             ">= 0")
+        if not 0 < self.timeout_s <= 600:
+            raise ValueError("--grammar-compile-timeout must be in (0, 600] seconds")
+        if self.cache < 1:
+            raise ValueError("--grammar-cache must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -98,12 +119,11 @@ class WorkerConfig:
             raise ValueError("--fault-inject-after-steps must be >= 0")
         if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
             raise ValueError(f"--store-shm-dir {self.store_shm_dir}: not a directory")
-        from services.worker.structured import FORMAT_CHOICES
-        if self.tool_call_format not in FORMAT_CHOICES:
+        if self.tool_call_format not in TOOL_CALL_FORMATS:
             raise ValueError(f"--tool-call-format: {self.tool_call_format!r} is not one of "
-                             f"{', '.join(FORMAT_CHOICES)}")
+                             f"{', '.join(TOOL_CALL_FORMATS)}")
         check_common(self)
-        from services.worker.model_spec import load_spec   # torch-free; reads config.json
+        from services.worker.model.spec import load_spec   # torch-free; reads config.json
         try:
             load_spec(self.model)
         except (OSError, ValueError) as exc:
@@ -192,7 +212,7 @@ def _add_grammar_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-cache", type=int, default=512,
                    help="compiled grammars kept, per grammar and tokenizer (512)")
     p.add_argument("--tool-call-format", default="auto",
-                   choices=("auto", "none", "hermes", "llama3_json", "mistral"),
+                   choices=TOOL_CALL_FORMATS,
                    help="how the model writes tool calls (the router parses and enforces "
                         "them in it); auto: read from the chat template (auto)")
 

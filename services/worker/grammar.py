@@ -30,11 +30,11 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import llguidance
 
 from services.common.errors import InvalidArgument
+from services.worker.config import GrammarOptions
 
 log = logging.getLogger(__name__)
 KINDS = ("json_schema", "regex", "choice", "lark", "ebnf")
@@ -42,24 +42,6 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 MAX_TEXT = 256 << 10             # the largest grammar text (bytes)
 MAX_CHOICES = 1024               # choice options, each at most MAX_CHOICE bytes
 MAX_CHOICE = 1024
-
-
-@dataclass(frozen=True)
-class GrammarOptions:
-    """The worker's flags for structured output."""
-    compile_threads: int = 2      # grammars compiled at once (--grammar-compile-threads)
-    mask_threads: int = 0         # a step's mask threads (--grammar-mask-threads; 0: auto)
-    timeout_s: float = 10.0       # a compile still running then is refused (--grammar-compile-timeout)
-    cache: int = 512              # compiled grammars kept (--grammar-cache)
-
-    def __post_init__(self) -> None:
-        if self.compile_threads < 1 or self.mask_threads < 0:
-            raise ValueError("--grammar-compile-threads must be >= 1, --grammar-mask-threads "
-                             ">= 0")
-        if not 0 < self.timeout_s <= 600:
-            raise ValueError("--grammar-compile-timeout must be in (0, 600] seconds")
-        if self.cache < 1:
-            raise ValueError("--grammar-cache must be >= 1")
 
 
 def grammar_text(grammar) -> tuple[str, str]:

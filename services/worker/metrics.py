@@ -1,6 +1,6 @@
 """The worker's Prometheus metrics (the health signals docs/ARCHITECTURE.md names, from this
 worker), and its requests' timings under lorafleet's names and vLLM's (RequestMetrics; the
-engine's gauges are services/worker/engine_metrics.py)."""
+engine's gauges are services/worker/engine/gauges.py)."""
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram

@@ -11,7 +11,7 @@ read); benchmarks and tests pass values.
     LORAFLEET_LORA_COLUMNS   adapters whose q/k/v A rows sit beside the base weight (default:
                              32 on CUDA, 0 on CPU)
     LORAFLEET_LORA_ROWS      0 | 1, 2, 4, 8 or 16: the o projection's LoRA as row LoRA over the
-                             column blocks (services.worker.lora_columns), its shrink in that
+                             column blocks (services.worker.model.lora_columns), its shrink in that
                              many rank parts (default: 4 on CUDA, 0 on CPU); nothing without
                              column blocks
     LORAFLEET_PDL            1 (default): Triton kernels launch with programmatic dependent

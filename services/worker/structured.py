@@ -4,9 +4,7 @@ worker reports (ModelInfo.tool_call_format)."""
 from __future__ import annotations
 
 from services.common.errors import InvalidArgument
-from services.worker.chat_template import TOOL_FORMATS, ChatTemplate
-
-FORMAT_CHOICES = ("auto", "none", *TOOL_FORMATS)
+from services.worker.api.chat_template import ChatTemplate
 
 
 async def matcher(grammars, sampling, stopping):

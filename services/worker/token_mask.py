@@ -1,30 +1,35 @@
 """Structured output, the step side: each constrained row's token mask, computed on CPU threads
 while the device runs the step's forward pass, then applied to the logits on the device in one
-batched op before sampling (services.worker.sampling.apply_bitmask).
+batched op before sampling (services.worker.executor.sampling.apply_bitmask).
 
 A row's matcher (services.worker.grammar) is advanced with each token its sequence samples
-(`advance`, once a step, right after the step's tokens reach the host), and then gives the
-mask of the tokens that keep the output a prefix of the grammar's language (`build`: one bit a
-token, int32 words [R, ceil(V/32)], unconstrained rows all ones). llguidance's executor
-computes the rows' masks on its own threads (`mask_threads`, the GIL dropped), into one of two
-pinned host buffers used in turn, whose rows go to the device in one copy that does not wait.
+(`advance`, by the runner, right after the step's tokens reach the host, before the engine
+post-processes them), and then gives the mask of the tokens that keep the output a prefix of the
+grammar's language (`build`: one bit a token, int32 words [R, ceil(V/32)], unconstrained rows all
+ones). llguidance's executor computes the rows' masks on its own threads (`mask_threads`, the
+GIL dropped), into one of two pinned host buffers used in turn, whose rows go to the device in
+one copy that does not wait. A sequence whose grammar is complete is marked (grammar_done: the
+engine ends it as at EOS); one whose matcher refuses its token (a sampler fault) is marked with
+the error too (grammar_error: the engine ends it ERROR, the token dropped).
 
-When the step was launched from one still in flight (services.worker.engine's overlap), its
-rows' matchers have not yet seen the tokens of the step before: its sampling waits
-(`PendingStep.deferred`) until the engine has collected those tokens and advanced the
-matchers, and the mask is computed then, while the device runs the forward pass. A step
-without constrained rows computes and copies nothing, and its rows' logits are untouched.
+When the step was launched from one still in flight (services.worker.executor.graph_inputs),
+its rows' matchers have not yet seen the tokens of the step before: its sampling waits
+(`PendingStep.deferred`) until the runner has collected those tokens and advanced the matchers,
+and the mask is computed then, while the device runs the forward pass. A step without
+constrained rows computes and copies nothing, and its rows' logits are untouched.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import llguidance
 import torch
 from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
-from services.worker.scheduler import Scheduled
+from services.worker.engine.scheduler import Scheduled
 
+log = logging.getLogger(__name__)
 PARALLEL_ROWS = 8          # a step's constrained rows from which the executor's threads help
 
 
@@ -51,22 +56,24 @@ class TokenMasks:
         self.masks = 0                     # steps that built a mask
         self.advance_seconds = 0.0         # host time feeding sampled tokens to matchers
 
-    def advance(self, sampled: list[Scheduled], tokens: list[int]) -> list:
+    def advance(self, sampled: list[Scheduled], tokens: list[int]) -> None:
         """Feed each constrained row's sampled token to its matcher; marks sequences whose
-        grammar is complete (seq.grammar_done). Returns [(seq, error)] for rows whose matcher
-        refused its token (a sampler fault: the mask did not allow it)."""
-        start, failed = time.perf_counter(), []
+        grammar is complete (seq.grammar_done) and those whose matcher refused the token (a
+        sampler fault: the mask did not allow it; seq.grammar_error as well)."""
+        start = time.perf_counter()
         for b, tok in zip(sampled, tokens):
             seq = b.seq
             m = seq.matcher                    # (a sequence ended meanwhile: its token is
             if m is None or seq.grammar_done or seq.stop:                     # dropped)
                 continue
             if not m.consume_token(tok):
-                failed.append((seq, m.get_error() or "token refused"))
+                error = m.get_error() or "token refused"
+                log.error("request %s: its grammar refused a sampled token: %s",
+                          seq.request_id, error)
+                seq.grammar_error, seq.grammar_done = f"structured output: {error}", True
             elif m.is_stopped():
                 seq.grammar_done = True
         self.advance_seconds += time.perf_counter() - start
-        return failed
 
     def build(self, sampled: list[Scheduled]) -> torch.Tensor | None:
         """The bitmask of these rows (in sampling order) on the device, int32 [R, words];

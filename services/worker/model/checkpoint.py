@@ -1,0 +1,112 @@
+"""Load Hugging Face safetensors checkpoints (sharded or not) into the engine's fused layout."""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from safetensors import safe_open
+
+from services.worker.model.spec import ModelSpec, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+LOAD_THREADS = 8                 # checkpoint shards read at once
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _shard_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise UnsupportedModel(f"{path}: shards listed in {index.name} are missing: "
+                                   f"{', '.join(missing)}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModel(f"{path}: no *.safetensors weights (pickled .bin is not loaded)")
+    return files
+
+
+def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device,
+                    layers: int | None = None) -> dict:
+    """Every tensor of the checkpoint (of its first `layers` decoder layers and the rest, when
+    given), cast to dtype on device, with progress in the log."""
+    files = _shard_files(path)
+    start = time.monotonic()
+
+    def shard(f: pathlib.Path) -> dict[str, torch.Tensor]:
+        out = {}
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for key in st.keys():
+                if layers is not None and key.startswith("model.layers.") and \
+                        int(key.split(".", 3)[2]) >= layers:
+                    continue
+                out[key] = st.get_tensor(key).to(device=device, dtype=dtype)
+        return out
+    # shards in parallel: a copy out of a memory-mapped file is bound by its page faults, and
+    # the copies give the GIL up
+    tensors: dict[str, torch.Tensor] = {}
+    with ThreadPoolExecutor(min(LOAD_THREADS, len(files))) as pool:
+        for i, (f, part) in enumerate(zip(files, pool.map(shard, files)), 1):
+            tensors.update(part)
+            log.info("loaded shard %d/%d (%s) %.1fs", i, len(files), f.name,
+                     time.monotonic() - start)
+    return tensors
+
+
+def fuse_layers(raw: dict, spec: ModelSpec) -> dict:
+    """Rename and fuse HF tensors: per layer one qkv [q+2kv, H] and one gate_up [2I, H]."""
+    def take(name: str) -> torch.Tensor:
+        try:
+            return raw.pop(name)
+        except KeyError as e:
+            raise UnsupportedModel(f"checkpoint lacks tensor {name}") from e
+
+    out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    if spec.tie_word_embeddings:
+        raw.pop("lm_head.weight", None)         # some checkpoints store the tied copy too
+        out["lm_head"] = out["embed"]
+    else:
+        out["lm_head"] = take("lm_head.weight")
+    out["layers"] = [_layer(take, spec, f"model.layers.{i}.") for i in range(spec.num_layers)]
+    leftover = sorted(k for k in raw if not k.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        more = f" (+{len(leftover) - 3} more)" if len(leftover) > 3 else ""
+        raise UnsupportedModel(f"checkpoint has tensors the engine would ignore: "
+                               f"{', '.join(leftover[:3])}{more}")
+    return out
+
+
+def _layer(take, spec: ModelSpec, p: str) -> dict:
+    """One decoder layer's tensors, q/k/v and gate/up fused."""
+    attn = [take(f"{p}self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]
+    layer = {
+        "in_norm": take(f"{p}input_layernorm.weight"),
+        "post_norm": take(f"{p}post_attention_layernorm.weight"),
+        "qkv": torch.cat(attn, 0).contiguous(),
+        "o": take(f"{p}self_attn.o_proj.weight"),
+        "gate_up": torch.cat([take(f"{p}mlp.gate_proj.weight"),
+                              take(f"{p}mlp.up_proj.weight")], 0).contiguous(),
+        "down": take(f"{p}mlp.down_proj.weight"),
+    }
+    if spec.qkv_bias:
+        layer["qkv_bias"] = torch.cat(
+            [take(f"{p}self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")], 0)
+    if spec.o_bias:
+        layer["o_bias"] = take(f"{p}self_attn.o_proj.bias")
+    return layer
+
+
+def load_weights(path: str | pathlib.Path, spec: ModelSpec, dtype: torch.dtype,
+                 device: torch.device, first_layers: bool = False) -> dict:
+    """The fused weights of a checkpoint directory, ready for services.worker.model.llama
+    (first_layers: of the first spec.num_layers layers of a deeper checkpoint)."""
+    raw = read_checkpoint(pathlib.Path(path), dtype, device,
+                          spec.num_layers if first_layers else None)
+    return fuse_layers(raw, spec)

@@ -1,0 +1,166 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache, with LoRA.
+
+Layers never see a sequence: every per-step tensor comes in a StepContext
+(services.worker.model.step_context) built in one place (services.worker.executor.step_inputs), its
+LoRA part a LoraMeta that also carries the adapter pool's tables. LoRA and attention go through
+kernels/, so the Triton kernels replace the torch references on GPU without touching this file.
+Where the norms run (kernels, or folded into the GEMMs) is a strategy chosen at build time
+(services.worker.model.norms).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import paged_attention
+from kernels.fused import rope_write_kv_, silu_mul
+from kernels.sgmv import lora, lora_expand_columns, lora_shrink_rows
+from services.worker.model.lora_columns import LoraColumns
+from services.worker.model.norms import Norms, PlainNorms
+from services.worker.model.spec import ModelSpec
+from services.worker.model.step_context import StepContext
+
+
+ROW_MAX_ROWS = 128
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies, with linear or Llama-3 scaling when the config asks for it."""
+    d = spec.head_dim
+    # fp32, as transformers computes it, so long positions get the very same angles
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = spec.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(
+            sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(wavelen > old / lo, inv / factor,
+                          torch.where(wavelen < old / hi, inv, mid))
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    return inv
+
+
+class LlamaModel:
+    """Forward pass over fused weights (services.worker.model.checkpoint.fuse_layers)."""
+
+    def __init__(self, spec: ModelSpec, weights: dict, device: torch.device, dtype: torch.dtype,
+                 norms: Norms | None = None, columns: LoraColumns | None = None):
+        """weights as services.worker.model.transforms left them; norms: the strategy that
+        matches them (services.worker.model.norms; default: plain norm kernels); columns: the LoRA
+        column blocks of the q/k/v weights (services.worker.model.lora_columns), None without."""
+        self.norms = norms or PlainNorms(spec.rms_norm_eps)
+        self.spec, self.w, self.device, self.dtype = spec, weights, device, dtype
+        inv = rope_inv_freq(spec).to(device)
+        t = torch.arange(spec.max_position, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv)                                   # [max_pos, D/2]
+        self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
+        # run only the first N layers (the warm-up: every layer runs the same kernels on the
+        # same shapes, so one layer meets every specialization a step needs); None: all
+        self.layer_limit: int | None = None
+        self.column_impl = "auto"      # lora_expand_columns: the kernel on CUDA, else torch
+        self.row_impl = "auto"         # lora_shrink_rows: the kernel on CUDA, else torch
+        # a step with prompt chunks: its decode rows in the decode attention launch
+        # (PerfConfig.split_attention; the same outputs)
+        self.split_attention = False
+        self.columns = columns
+        # row LoRA for o (columns.rows): its shrink's rank parts (PerfConfig.lora_rows), and the
+        # largest step that takes it (a program a row and rank part re-reads its adapter's A
+        # for every row; the split SGMV's row tiles read it once a tile: bench/PERF_NOTES.md)
+        self.row_parts = 4
+        self.row_max_rows = ROW_MAX_ROWS
+
+    def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,
+              meta: LoraMeta) -> None:
+        """y += the step's LoRA of this group and layer on x (nothing when no adapter in the
+        step targets the group)."""
+        if meta.runs(group):
+            lora(y, x, meta.args(group, layer, self.slices[group]))
+
+    def _qkv(self, i: int, w: dict, x: torch.Tensor, meta: LoraMeta) -> torch.Tensor:
+        """q/k/v of layer i with its LoRA: [T, q + 2kv]. As column LoRA (meta.columns) one GEMM
+        over the extended weight gives the base output and every resident adapter's x @ A.T;
+        the expand reads v from those columns (the result: a view, rows strided)."""
+        if not (meta.columns and self.columns is not None and meta.runs("qkv")):
+            qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))
+            self._lora("qkv", i, qkv, x, meta)
+            return qkv
+        ext = F.linear(x, w["qkv_ext"], w.get("qkv_ext_bias"))
+        out, v_cols = ext[:, :self.columns.n_base], ext[:, self.columns.n_base:]
+        lora_expand_columns(out, v_cols, self.columns.col_slot,
+                            meta.column_args(i, self.slices["qkv"]), impl=self.column_impl)
+        return out
+
+    def _attn_o(self, i: int, w: dict, h: torch.Tensor, q: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+        """Attention, then o with its LoRA (the norm strategy's projection output). As row LoRA
+        (services.worker.model.lora_columns) attention writes into the first q_size columns of a
+        [T, q_size + row_width] buffer, the shrink each row's x @ A_o.T into its adapter's
+        block of the rest, and one GEMM over the buffer and o_ext adds the expand."""
+        s, meta, t = self.spec, ctx.lora, q.shape[0]
+        cols = self.columns
+        rows = (meta.columns and cols is not None and cols.rows and meta.runs("o")
+                and t <= self.row_max_rows)
+        buf = q.new_empty(t, s.q_size + cols.row_width) if rows else None
+        attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
+                               self.scale, ctx.max_context, split_kinds=self.split_attention,
+                               out=None if buf is None else
+                               buf[:, :s.q_size].view(t, s.num_heads, s.head_dim))
+        attn = attn.reshape(-1, s.q_size)
+        if buf is None:
+            y = self.norms.project(h, attn, w["o"], w.get("o_bias"))
+            self._lora("o", i, y, attn, meta)
+            return y
+        lora_shrink_rows(buf[:, s.q_size:], attn, cols.col_slot, meta.row_args(i),
+                         self.row_parts, impl=self.row_impl)
+        return self.norms.project(h, buf, w["o_ext"], w.get("o_bias"))
+
+    def _layer(self, i: int, w: dict, h: torch.Tensor, x: torch.Tensor, ctx: StepContext,
+               kv: tuple[torch.Tensor, torch.Tensor], next_norm: torch.Tensor) -> torch.Tensor:
+        """Decoder layer i on the residual h (updated in place) and its normed input x (the
+        norm strategy's); returns the next layer's input."""
+        s, norms, meta = self.spec, self.norms, ctx.lora
+        qkv = self._qkv(i, w, x, meta)
+        t = qkv.shape[0]
+        q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)          # views, strided rows
+        k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
+        v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
+        # rotate q and k in place, write k and v to their KV slots (one launch on GPU)
+        rope_write_kv_(q, k, v, self.cos, self.sin, ctx.positions, kv[0], kv[1],
+                       ctx.slot_mapping, rms=norms.rms(h))
+        if not q.is_cuda:
+            q = q.contiguous()               # the torch reference attention wants dense rows
+        x = norms.close(h, self._attn_o(i, w, h, q, kv, ctx), w["post_norm"])
+        gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
+        self._lora("gate_up", i, gu, x, meta)
+        act = silu_mul(gu, rms=norms.rms(h))                           # [T, I]
+        y = norms.project(h, act, w["down"], None)
+        self._lora("down", i, y, act, meta)
+        return norms.close(h, y, next_norm)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext,
+                kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids [T] -> logits [R, vocab] for ctx.sample_rows (every row when None), in
+        the model's dtype: a bf16 model's lm_head GEMM rounds them to bf16 either way, and
+        sampling (services.worker.executor.sampling.sample) takes fp32 copies only where it computes
+        with them (a greedy step's argmax does not: bf16 values order as their fp32 copies).
+        The residual h is updated in place, as the norm strategy says (services.worker.model.norms).
+        """
+        layers = self.w["layers"][:self.layer_limit]
+        h = self.w["embed"][input_ids]                                   # [T, H], a new tensor
+        x = self.norms.enter(h, layers[0]["in_norm"])
+        for i, w in enumerate(layers):
+            after = layers[i + 1]["in_norm"] if i + 1 < len(layers) else self.w["norm"]
+            x = self._layer(i, w, h, x, ctx, kv_cache[i], after)
+        return self.norms.logits(h, x, ctx.sample_rows, self.w["norm"], self.w["lm_head"])

@@ -1,0 +1,135 @@
+"""Assemble an engine from a checkpoint directory (used by the worker's main and by tests)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from services.worker.adapters.device_pool import DevicePool
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.loop import Engine
+from services.worker.engine.scheduler import Scheduler
+from services.worker.executor.model_runner import ModelRunner, kv_blocks_for_budget
+from services.worker.model import transforms
+from services.worker.model.checkpoint import DTYPES, load_weights
+from services.worker.model.llama import LlamaModel
+from services.worker.model.lora_columns import LoraColumns
+from services.worker.model.norms import norms_for
+from services.worker.model.spec import ModelSpec, load_spec
+from services.worker.perf_config import PerfConfig
+from services.worker.token_mask import TokenMasks, mask_threads
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    dtype: str = "auto"                 # auto: the checkpoint's on CPU (fp32 for half), bf16 on GPU
+    kv_cache_bytes: int = 64 << 20
+    block_size: int = 16
+    max_batch_tokens: int = 512
+    max_prefill_with_decode: int = 0    # prompt tokens beside decode rows (scheduler.py; 0: no cap)
+    max_running: int = 64
+    pool_bytes: int = 64 << 20
+    pool_slots: int = 64
+    max_model_len: int = 0              # 0 = the model's max_position_embeddings
+    cuda_graphs: bool = True            # capture decode steps on CUDA
+    graph_max_rank: int = 64            # largest LoRA rank the graphs serve (tiles 16 .. this)
+    graph_mixed_tokens: int = 1024      # mixed steps up to this many tokens replay graphs (0: off)
+    overlap: bool = True                # launch decode step N+1 before post-processing N
+    share_prefixes: bool = True         # prompt blocks shared by sequences of one prefix
+    fair: bool = True                   # admission in the tenants' VTC order (scheduler.py)
+    perf: PerfConfig = field(default_factory=PerfConfig)   # forms of the same math
+    fault_inject_after_steps: int = 0   # test hook: forward passes after which one raises
+    grammar_mask_threads: int = 0       # structured output's mask threads (0: auto; token_mask)
+
+
+@dataclass
+class Built:
+    engine: Engine
+    pool: DevicePool
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    masks: TokenMasks | None = None     # structured output's step side (the runners' TokenMasks)
+
+
+def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if opt != "auto":
+        return DTYPES[opt]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
+
+
+def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions, layers: int | None = None,
+                 before_capture: Callable[[], None] | None = None) -> Built:
+    """Load a checkpoint directory and assemble the engine around it (layers: its first layers
+    only, for services.worker.startup.precompile; before_capture: called before the CUDA graphs are
+    captured)."""
+    start = time.monotonic()
+    spec = load_spec(model_dir)
+    if layers is not None:
+        spec = dataclasses.replace(spec, num_layers=layers)
+    device = torch.device(opts.device)
+    dtype = resolve_dtype(opts.dtype, spec, device)
+    log.info("loading %s (%s, %d layers, hidden %d) as %s on %s", spec.name, spec.architecture,
+             spec.num_layers, spec.hidden_size, str(dtype).replace("torch.", ""), device)
+    weights = load_weights(model_dir, spec, dtype, device, first_layers=layers is not None)
+    tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
+    built = assemble(spec, weights, tok, opts, device, dtype, before_capture)
+    log.info("engine ready in %.1fs", time.monotonic() - start)
+    return built
+
+
+def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
+             device: torch.device, dtype: torch.dtype,
+             before_capture: Callable[[], None] | None = None) -> Built:
+    """Model, KV cache, scheduler, adapter pool and engine around already-loaded weights."""
+    if device.type == "cuda":           # the kernels' process-wide launch choices
+        from kernels import pdl, sgmv_split
+        pdl.set_enabled(opts.perf.pdl)
+        sgmv_split.set_overrides(opts.perf.sgmv_split)
+    # one way: weights -> model; the pool -> its tables, which the step builder reads and
+    # hands to the model with each step; the column blocks (extra rows of the q/k/v weights)
+    # given to the model (its GEMMs) and to the pool (which writes them)
+    norm_fold = transforms.apply(weights, spec, device, opts.perf)
+    n_cols = opts.perf.columns_for(device.type == "cuda")
+    row_parts = opts.perf.rows_for(device.type == "cuda")
+    columns = LoraColumns(weights, len(spec.slice_starts("qkv")) - 1, n_cols, device,
+                          rows=row_parts > 0) if n_cols else None
+    model = LlamaModel(spec, weights, device, dtype,
+                       norms_for(norm_fold is not None, spec.rms_norm_eps), columns)
+    model.split_attention = opts.perf.split_attention
+    model.row_parts = row_parts or model.row_parts
+    pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots,
+                      columns=columns, norm_fold=norm_fold)
+    max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
+    blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
+    runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
+                         opts.max_running, max_len, lora=pool.tables, columns=columns)
+    masks = runner.masks = TokenMasks(spec.vocab_size, opts.max_running, device,
+                                      mask_threads(opts.grammar_mask_threads, device))
+    scheduler = Scheduler(BlockManager(blocks, opts.block_size, opts.share_prefixes),
+                          opts.max_batch_tokens, opts.max_running, fair=opts.fair,
+                          max_prefill_with_decode=opts.max_prefill_with_decode)
+    if device.type == "cuda" and opts.cuda_graphs:
+        from services.worker.executor.graph_runner import GraphRunner
+        runner = GraphRunner(runner, mixed_tokens=opts.graph_mixed_tokens)
+        if before_capture is not None:
+            before_capture()
+        runner.capture(opts.graph_max_rank)
+    if opts.fault_inject_after_steps:
+        from services.worker.executor.fault_inject import FaultyRunner
+        runner = FaultyRunner(runner, opts.fault_inject_after_steps)
+    engine = Engine(runner, scheduler, tokenizer, spec.eos_token_ids, max_len,
+                    overlap=opts.overlap)
+    return Built(engine, pool, spec, tokenizer, device, dtype, masks)
