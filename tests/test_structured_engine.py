@@ -16,11 +16,11 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.common.gen.lorafleet.v1 import common_pb2
+from services.worker.api.grammar import GrammarCompiler, compiler_for
 from services.worker.config import GrammarOptions
 from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
 from services.worker.executor.graph_inputs import collect, start_sampling
 from services.worker.executor.sampling import apply_bitmask
-from services.worker.grammar import GrammarCompiler, compiler_for
 from services.worker.startup.factory import EngineOptions, build_engine
 from tests.support import MODEL_DIR
 
@@ -237,7 +237,7 @@ def test_a_token_its_grammar_refuses_ends_the_request_error(built, grammars, mon
 
 def test_a_tokenizer_llguidance_cannot_read_turns_structured_output_off():
     from tokenizers import Tokenizer, decoders, models
-    from services.worker.structured import matcher as request_matcher
+    from services.worker.api.structured import matcher as request_matcher
     tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
     tok.decoder = decoders.WordPiece()
     assert compiler_for(tok.to_str(), 3, (0,), GrammarOptions()) is None

@@ -41,9 +41,9 @@ import torch
 from bench.lib.header import RESULTS, base_header
 from bench.lib.synthetic import llama7b_spec, random_weights
 from services.common.gen.lorafleet.v1 import common_pb2
-from services.worker.engine.sequence import Sampling, Sequence, Stopping
+from services.worker.api.grammar import GrammarCompiler
 from services.worker.config import GrammarOptions
-from services.worker.grammar import GrammarCompiler
+from services.worker.engine.sequence import Sampling, Sequence, Stopping
 from services.worker.model.spec import ModelSpec
 from services.worker.startup.factory import EngineOptions, assemble
 
@@ -176,7 +176,7 @@ def compile_rows(grammars, vocab: int, count: int) -> list[dict]:
     """Each schema compiled uncached, and its first mask (llguidance builds lexer states
     lazily)."""
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
-    from services.worker.grammar import grammar_text
+    from services.worker.api.grammar import grammar_text
     rows = []
     for i, schema in enumerate(schemas(count)):
         text = grammar_text(common_pb2.Grammar(json_schema=json.dumps(schema)))[1]

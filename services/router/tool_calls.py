@@ -24,7 +24,7 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
 LEADING = {"llama3_json": "{", "mistral": "[{"}     # a reply that opens with calls' JSON
-# JSON written compactly, as the worker writes a JSON Schema's (services.worker.grammar)
+# JSON written compactly, as the worker writes a JSON Schema's (services.worker.api.grammar)
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -28,11 +28,11 @@ from services.worker.adapters.manager import AdapterManager
 from services.worker.adapters.store_client import StoreClient
 from services.worker.api.chat_template import ChatTemplate
 from services.worker.api.frontend_process import Front, FrontendFailed
+from services.worker.api.grammar import compiler_for
 from services.worker.api.residency_feed import ResidencyFeed
 from services.worker.api.servicer import WorkerServicer
 from services.worker.config import WorkerConfig, parse_args
 from services.worker.engine.gauges import EngineGauges
-from services.worker.grammar import compiler_for
 from services.worker.model.spec import load_spec
 from services.worker.startup import precompile
 from services.worker.startup.factory import Built, EngineOptions, build_engine

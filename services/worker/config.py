@@ -15,7 +15,7 @@ TOOL_CALL_FORMATS = ("auto", "none", "hermes", "llama3_json", "mistral")
 
 @dataclass(frozen=True)
 class GrammarOptions:
-    """The worker's flags for structured output (services.worker.grammar, token_mask)."""
+    """The worker's flags for structured output (services.worker.api.grammar, token_mask)."""
     compile_threads: int = 2      # grammars compiled at once (--grammar-compile-threads)
     mask_threads: int = 0         # a step's mask threads (--grammar-mask-threads; 0: auto)
     timeout_s: float = 10.0       # a compile running longer is refused (--grammar-compile-timeout)
@@ -199,7 +199,7 @@ def _grammar_values(a: argparse.Namespace) -> dict:
 
 
 def _add_grammar_flags(p: argparse.ArgumentParser) -> None:
-    """Structured output's flags (services.worker.grammar, token_mask)."""
+    """Structured output's flags (services.worker.api.grammar, token_mask)."""
     p.add_argument("--grammar-compile-threads", type=int, default=2,
                    help="grammars (JSON schemas, regexes, ...) compiled at once, on threads of "
                         "their own (2)")

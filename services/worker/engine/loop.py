@@ -29,10 +29,10 @@ engine thread; it must only hand the event over, e.g. loop.call_soon_threadsafe)
 
 Structured output. A sequence with a grammar (Sequence.matcher) is constrained by the runner: it
 masks the grammar rows' logits before sampling and feeds their matchers the sampled tokens before
-the engine sees them (services.worker.token_mask; a step launched from one in flight samples once
-that step is collected). The engine only ends such a sequence: as at EOS once its grammar is
-complete (grammar_done), ERROR when its matcher refused its token (grammar_error: a sampler fault;
-the token is dropped).
+the engine sees them (services.worker.executor.token_mask; a step launched from one in flight
+samples once that step is collected). The engine only ends such a sequence: as at EOS once its
+grammar is complete (grammar_done), ERROR when its matcher refused its token (grammar_error: a
+sampler fault; the token is dropped).
 """
 from __future__ import annotations
 

@@ -105,9 +105,10 @@ class Sequence:
     # as the prompt is computed, handed on with the first token (then None)
     prompt_lps: list | None = None
     charged_output: int = 0              # output tokens charged to the tenant's counter
-    # structured output: the grammar's matcher (llguidance, services.worker.grammar), advanced
-    # by the runner with each sampled token (services.worker.token_mask); grammar_done once the
-    # grammar is complete (the output ends) or, with grammar_error, the matcher refused a token
+    # structured output: the grammar's matcher (llguidance, services.worker.api.grammar),
+    # advanced by the runner with each sampled token (services.worker.executor.token_mask);
+    # grammar_done once the grammar is complete (the output ends) or, with grammar_error, once
+    # the matcher refused a token
     matcher: object = None
     grammar_done: bool = False
     grammar_error: str = ""

@@ -10,12 +10,12 @@ behind step N-1. A step is written by the step-input builder
 (services.worker.executor.step_inputs.StepBuilder.fill) into the next host set, then two
 host-to-device copies.
 
-Structured output (services.worker.token_mask). A step with grammar rows builds their token masks
-before it samples; `collect` feeds a step's tokens to its grammar rows' matchers as soon as they
-reach the host. A step with grammar rows launched from one still in flight cannot sample yet (its
-masks need the tokens in flight): it is left deferred, and `collect` of the step it was launched
-from samples it (`finish_sampling`) right after advancing the matchers, so its masks are computed
-while the device runs its forward pass.
+Structured output (services.worker.executor.token_mask). A step with grammar rows builds their
+token masks before it samples; `collect` feeds a step's tokens to its grammar rows' matchers as
+soon as they reach the host. A step with grammar rows launched from one still in flight cannot
+sample yet (its masks need the tokens in flight): it is left deferred, and `collect` of the step
+it was launched from samples it (`finish_sampling`) right after advancing the matchers, so its
+masks are computed while the device runs its forward pass.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ and the tokens' log-probabilities (`pack_logprobs`).
 
 The logits go through, in order: logit biases, the EOS ban of rows short of min_tokens, the
 repetition penalty, the presence and frequency penalties, the grammar's token mask
-(structured output: services.worker.token_mask), then temperature, top-k and top-p.
+(structured output: services.worker.executor.token_mask), then temperature, top-k and top-p.
 Log-probabilities are the model's own (log-softmax of the raw logits), as vLLM reports them
 by default.
 

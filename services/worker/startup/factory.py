@@ -16,6 +16,7 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.loop import Engine
 from services.worker.engine.scheduler import Scheduler
 from services.worker.executor.model_runner import ModelRunner, kv_blocks_for_budget
+from services.worker.executor.token_mask import TokenMasks, mask_threads
 from services.worker.model import transforms
 from services.worker.model.checkpoint import DTYPES, load_weights
 from services.worker.model.llama import LlamaModel
@@ -23,7 +24,6 @@ from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import norms_for
 from services.worker.model.spec import ModelSpec, load_spec
 from services.worker.perf_config import PerfConfig
-from services.worker.token_mask import TokenMasks, mask_threads
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,10 @@
 served tokenizer with llguidance, cached, and handed to its sequence as a fresh matcher.
 
 llguidance reads the checkpoint's tokenizer.json itself (LLTokenizer), so the worker needs no
-transformers tokenizer; a matcher is the grammar's parser state for one sequence: the engine
+transformers tokenizer; a matcher is the grammar's parser state for one sequence: the runner
 advances it with each sampled token and asks it for the next token mask
-(services.worker.token_mask). docs/ARCHITECTURE.md says why llguidance rather than xgrammar.
+(services.worker.executor.token_mask). docs/ARCHITECTURE.md says why llguidance rather than
+xgrammar.
 
 Compiling (building the grammar's lexer and parser for this tokenizer) runs on the compile
 threads (llguidance drops the GIL meanwhile), never on the event loop or the engine thread,

@@ -2,7 +2,7 @@
 while the device runs the step's forward pass, then applied to the logits on the device in one
 batched op before sampling (services.worker.executor.sampling.apply_bitmask).
 
-A row's matcher (services.worker.grammar) is advanced with each token its sequence samples
+A row's matcher (services.worker.api.grammar) is advanced with each token its sequence samples
 (`advance`, by the runner, right after the step's tokens reach the host, before the engine
 post-processes them), and then gives the mask of the tokens that keep the output a prefix of the
 grammar's language (`build`: one bit a token, int32 words [R, ceil(V/32)], unconstrained rows all

@@ -1,5 +1,5 @@
 """Structured output at a request's admission: its grammar's matcher (compiled or cached by
-services.worker.grammar, before the request reaches the engine), and the tool-call format the
+services.worker.api.grammar, before the request reaches the engine), and the tool-call format the
 worker reports (ModelInfo.tool_call_format)."""
 from __future__ import annotations
 
