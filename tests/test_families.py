@@ -29,6 +29,7 @@ CASES = {
     "mistral-window": ((10, 11), 10),
     "phi3-window": ((10, 11), 10),
     "gemma3": ((10, 11), 10),
+    "qwen2-dynamic": ((10, 7), 10),
 }
 
 
@@ -123,7 +124,8 @@ def test_spec_reads_the_family(family):
             "qwen3-yarn": ("Qwen3ForCausalLM", True, ()),
             "mistral-window": ("MistralForCausalLM", False, (16, 16)),
             "phi3-window": ("Phi3ForCausalLM", False, (24, 24)),
-            "gemma3": ("Gemma3ForCausalLM", True, (16, 0, 16, 0))}[name]
+            "gemma3": ("Gemma3ForCausalLM", True, (16, 0, 16, 0)),
+            "qwen2-dynamic": ("Qwen2ForCausalLM", False, ())}[name]
     assert (spec.architecture, spec.qk_norm, spec.windows) == want
     if name.startswith("phi3"):
         assert spec.lora_targets == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

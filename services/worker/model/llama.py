@@ -18,7 +18,7 @@ from kernels.fused import gate_mul, rms_norm, rope_write_kv_
 from kernels.sgmv import lora, lora_expand_columns, lora_shrink_rows
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import Norms, PlainNorms
-from services.worker.model.rope import rope_tables
+from services.worker.model.rope import dynamic_ropes, rope_tables
 from services.worker.model.spec import ModelSpec
 from services.worker.model.step_context import StepContext
 
@@ -37,6 +37,7 @@ class LlamaModel:
         self.norms = norms or PlainNorms(spec.rms_norm_eps)
         self.spec, self.w, self.device, self.dtype = spec, weights, device, dtype
         self.rope = rope_tables(spec, device, dtype)          # per layer: cos, sin [P, D/2]
+        self.dynamic = dynamic_ropes(spec, device)            # per layer: None, or per step
         self.scale = spec.scale
         self.windows = [spec.window(i) for i in range(spec.num_layers)]
         # Gemma: the embedding's rows times sqrt(hidden), rounded to the dtype as HF does
@@ -104,8 +105,24 @@ class LlamaModel:
                          self.row_parts, impl=self.row_impl)
         return self.norms.project(h, buf, w["o_ext"], w.get("o_bias"))
 
+    def _angles(self, ctx: StepContext) -> list[tuple]:
+        """Each layer's (cos, sin, index): its tables and the rows' positions, or, for dynamic
+        NTK RoPE, this step's angles a row (computed once a step) and the row index."""
+        step = {}
+        out = []
+        for table, dyn in zip(self.rope, self.dynamic):
+            if dyn is None:
+                out.append((*table, ctx.positions))
+                continue
+            if id(dyn) not in step:
+                rows = torch.arange(ctx.positions.shape[0], device=ctx.positions.device)
+                step[id(dyn)] = (*dyn.angles(ctx.positions, ctx.rope_len, self.dtype), rows)
+            out.append(step[id(dyn)])
+        return out
+
     def _layer(self, i: int, w: dict, h: torch.Tensor, x: torch.Tensor, ctx: StepContext,
-               kv: tuple[torch.Tensor, torch.Tensor], next_norm: torch.Tensor) -> torch.Tensor:
+               kv: tuple[torch.Tensor, torch.Tensor], next_norm: torch.Tensor,
+               rope: tuple) -> torch.Tensor:
         """Decoder layer i on the residual h (updated in place) and its normed input x (the
         norm strategy's); returns the next layer's input. Gemma's norms of the attention's and
         the MLP's outputs (attn_out_norm, mlp_out_norm) go before their residual adds."""
@@ -118,8 +135,8 @@ class LlamaModel:
         # (q/k norms,) rotate q and k in place, write k and v to their KV slots (one launch
         # on GPU)
         qk_norm = (w["q_norm"], w["k_norm"], s.rms_norm_eps) if s.qk_norm else None
-        rope_write_kv_(q, k, v, *self.rope[i], ctx.positions, kv[0], kv[1], ctx.slot_mapping,
-                       rms=norms.rms(h), qk_norm=qk_norm)
+        rope_write_kv_(q, k, v, *rope, kv[0], kv[1], ctx.slot_mapping, rms=norms.rms(h),
+                       qk_norm=qk_norm)
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
         y = self._attn_o(i, w, h, q, kv, ctx)
@@ -149,9 +166,10 @@ class LlamaModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         x = self.norms.enter(h, layers[0]["in_norm"])
+        angles = self._angles(ctx)
         for i, w in enumerate(layers):
             after = layers[i + 1]["in_norm"] if i + 1 < len(layers) else self.w["norm"]
-            x = self._layer(i, w, h, x, ctx, kv_cache[i], after)
+            x = self._layer(i, w, h, x, ctx, kv_cache[i], after, angles[i])
         logits = self.norms.logits(h, x, ctx.sample_rows, self.w["norm"], self.w["lm_head"])
         cap = self.spec.final_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap

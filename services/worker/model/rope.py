@@ -1,5 +1,6 @@
 """Rotary position tables: inverse frequencies as transformers computes them (default, linear,
-llama3 and yarn scaling), and the cos / sin tables each layer rotates q and k with.
+llama3 and yarn scaling), and the cos / sin tables each layer rotates q and k with; dynamic NTK
+scaling's angles, which depend on the length they are computed for, per step (`DynamicRope`).
 
 Computed in fp32 with transformers' own operations, so long positions get the very same angles
 (the tables are then cast to the model's dtype, as transformers casts cos and sin).
@@ -72,9 +73,51 @@ def inv_freq(theta: float, scaling: dict | None, head_dim: int,
         return _llama3(inv, sc), 1.0
     if kind == "yarn":
         return _yarn(theta, head_dim, sc, max_position)
-    if kind not in (None, "default"):
+    if kind not in (None, "default", "dynamic"):      # dynamic: these up to its length
         raise ValueError(f"rope scaling {kind!r} is not supported")
     return inv, 1.0
+
+
+class DynamicRope:
+    """Dynamic NTK scaling as transformers runs it: a forward's angles are computed for its
+    length L (the largest position + 1) and, past the model's max_position_embeddings, with the
+    base theta * (factor * L / max_pos - (factor - 1)) ** (D / (D - 2)); the keys in the cache
+    keep the angles they were written with. So a prompt's rows are rotated for the prompt's
+    length and each later token for its own position + 1: L = max(position + 1, prompt length)
+    a row (StepContext.rope_len), the base's operations in fp32 as transformers does them."""
+
+    def __init__(self, theta: float, scaling: dict, head_dim: int, device: torch.device):
+        self.theta, self.factor = theta, float(scaling["factor"])
+        self.orig = int(scaling["original_max_position_embeddings"])
+        self.power = head_dim / (head_dim - 2)
+        self.exps = (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim).to(device)
+        self.inv = _base_inv_freq(theta, head_dim).to(device)
+
+    def angles(self, positions: torch.Tensor, rope_len: torch.Tensor | None,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, D/2] of each row (positions, rope_len: int64 [T])."""
+        if rope_len is None:
+            rope_len = positions + 1
+        length = torch.clamp(rope_len, min=self.orig).float()
+        base = self.theta * ((self.factor * length / self.orig) - (self.factor - 1)) ** self.power
+        inv = torch.where((rope_len > self.orig)[:, None], 1.0 / (base[:, None] ** self.exps),
+                          self.inv)
+        freqs = positions.float()[:, None] * inv
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def dynamic_ropes(spec: ModelSpec, device: torch.device) -> list[DynamicRope | None]:
+    """Each layer's DynamicRope, None for a layer whose RoPE is not dynamic."""
+    out, made = [], {}
+    for layer in range(spec.num_layers):
+        theta, scaling = spec.layer_rope(layer)
+        if not scaling or scaling.get("rope_type") != "dynamic":
+            out.append(None)
+            continue
+        key = repr((theta, sorted(scaling.items())))
+        made.setdefault(key, DynamicRope(theta, scaling, spec.head_dim, device))
+        out.append(made[key])
+    return out
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:

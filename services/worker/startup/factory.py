@@ -113,7 +113,9 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
                          opts.max_running, max_len, lora=pool.tables, columns=columns)
-    scheduler = Scheduler(BlockManager(blocks, opts.block_size, opts.share_prefixes),
+    # dynamic NTK RoPE rotates a prompt's keys for the prompt's length: no sharing of them
+    share = opts.share_prefixes and not any(model.dynamic)
+    scheduler = Scheduler(BlockManager(blocks, opts.block_size, share),
                           opts.max_batch_tokens, opts.max_running, fair=opts.fair,
                           max_prefill_with_decode=opts.max_prefill_with_decode)
     if device.type == "cuda" and opts.cuda_graphs:
