@@ -21,7 +21,8 @@ GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "ful
 FAMILIES = {
     # name: (config class, model class, overrides of BASE)
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
-    "qwen3-yarn": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_parameters": YARN}),
+    "qwen3-yarn": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_parameters": YARN,
+                                                      "max_position_embeddings": 128}),
     "qwen2-dynamic": ("Qwen2Config", "Qwen2ForCausalLM",
                       {"rope_parameters": DYNAMIC, "max_position_embeddings": 32}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),

@@ -116,6 +116,25 @@ def test_windows_matter(family):
     assert (got[0] - got[1]).abs().max() > 1e-3
 
 
+def test_the_warm_up_runs_the_family(family):
+    """The warm-up's zero adapters take the family's targets (Phi-3's fused projections) and
+    every set runs through the family's first layer; the pool and the KV cache are left as
+    they were."""
+    from services.worker.startup.warmup import Warmup, zero_adapter
+    name, root, _, _ = family
+    if name not in ("phi3", "gemma3", "qwen2-dynamic"):     # the others: Llama's layer shapes
+        pytest.skip("covered by the families of the same layer")
+    built = build_engine(root / "base", EngineOptions(device="cpu", dtype="float32",
+                                                      max_batch_tokens=16, max_running=4,
+                                                      pool_slots=6, block_size=4))
+    assert zero_adapter(built.spec, 8).plan.groups_mask == 0b1111      # every group
+    report = Warmup(built.engine, built.pool, built.spec, 16, max_rank=16, max_running=4).run()
+    assert report.steps > 0
+    assert built.pool.free_bytes == built.pool.capacity_bytes
+    sched = built.engine.scheduler
+    assert not sched.running and not sched.waiting and sched.blocks.used_fraction == 0.0
+
+
 def test_spec_reads_the_family(family):
     name, root, _, _ = family
     spec = load_spec(root / "base")
