@@ -24,8 +24,10 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, impl: str = "auto"):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
-                    impl: str = "auto", split_kinds: bool = False, out=None):
-    """Causal attention of each row over its sequence's cache; see paged_attention_ref.
+                    impl: str = "auto", split_kinds: bool = False, out=None, window: int = 0,
+                    softcap: float = 0.0):
+    """Causal attention of each row over its sequence's cache; see paged_attention_ref
+    (window > 0: a sliding window of that many positions; softcap > 0: scores capped).
     split_kinds: the kernels' launch choice for steps with prompt chunks (see
     paged_attention_triton; the same outputs). out: a [T, H_q, D] tensor (unit last stride,
     any row and head strides: a view into a wider buffer) to write into; returns it."""
@@ -36,7 +38,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_
     if _use_triton(impl, q):
         from kernels.attention_triton import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale,
-                                      max_context, split_kinds=split_kinds, out=out)
+                                      max_context, split_kinds=split_kinds, out=out,
+                                      window=window, softcap=softcap)
     res = paged_attention_ref(q, k_cache, v_cache, block_tables, q_seq, q_pos, scale,
-                              max_context)
+                              max_context, window, softcap)
     return res if out is None else out.copy_(res)

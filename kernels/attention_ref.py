@@ -23,12 +23,15 @@ def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
-                        scale: float, max_context: int) -> torch.Tensor:
+                        scale: float, max_context: int, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each query row over its own sequence's cached keys and values.
 
-    Semantics: for row t with s = q_seq[t], p = q_pos[t]:
-        out[t, h] = softmax(scale * q[t, h] @ K_s[0:p+1, h // g].T) @ V_s[0:p+1, h // g]
-    where K_s, V_s are sequence s's cached rows (this step's rows already written).
+    Semantics: for row t with s = q_seq[t], p = q_pos[t], w0 = max(0, p + 1 - window) with a
+    sliding window (window > 0; transformers' `kv_idx > q_idx - sliding_window`), else 0:
+        out[t, h] = softmax(cap(scale * q[t, h] @ K_s[w0:p+1, h // g].T)) @ V_s[w0:p+1, h // g]
+    where K_s, V_s are sequence s's cached rows (this step's rows already written), and
+    cap(x) = softcap * tanh(x / softcap) with a softcap > 0 (Gemma's), else x.
     Decode rows and chunked-prefill rows are the same case: a row attends to every position up to
     its own. Rows with q_seq < 0 (padding) produce zeros.
 
@@ -53,7 +56,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v_cache[tables].reshape(hi - lo, length, h_kv, d).float()
         qq = q[lo:hi].float().view(hi - lo, h_kv, group, d)              # [t, H_kv, g, D]
         scores = torch.einsum("tkgd,tlkd->tkgl", qq, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         mask = positions[None, :] > q_pos[lo:hi, None].long()            # [t, L]
+        if window:
+            mask |= positions[None, :] <= q_pos[lo:hi, None].long() - window
         scores.masked_fill_(mask[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("tkgl,tlkd->tkgd", probs, v).reshape(hi - lo, h_q, d)

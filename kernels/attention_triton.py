@@ -1,8 +1,10 @@
 """Triton paged attention over block tables (GQA, decode and chunked-prefill rows) and KV writes.
 
-Semantics (the same as kernels.attention_ref), for row t with s = q_seq[t] >= 0, p = q_pos[t]:
-    out[t, h] = softmax(scale * q[t, h] @ K_s[0:p+1, h // g].T) @ V_s[0:p+1, h // g]
-K_s[i] = k_cache[block_tables[s, i // BS], i % BS]; rows with q_seq < 0 get zeros.
+Semantics (the same as kernels.attention_ref), for row t with s = q_seq[t] >= 0, p = q_pos[t],
+w0 = max(0, p + 1 - window) with a sliding window (window > 0), else 0:
+    out[t, h] = softmax(cap(scale * q[t, h] @ K_s[w0:p+1, h // g].T)) @ V_s[w0:p+1, h // g]
+K_s[i] = k_cache[block_tables[s, i // BS], i % BS]; rows with q_seq < 0 get zeros; cap(x) =
+softcap * tanh(x / softcap) with a softcap > 0, else x.
 Shapes: q [T, H_q, D]; k_cache, v_cache [NB, BS, H_kv, D]; block_tables int32 [S, MB];
 q_seq, q_pos int32 [T]; out [T, H_q, D] in q's dtype.
 
@@ -14,7 +16,9 @@ once for all of them. Keys are gathered through the block table BLOCK_N position
 softmax is online (running max and sum in fp32, exp2 with log2(e) folded into the scale); each
 row is masked causally at its own position. When BLOCK_N equals the cache's block size (decode
 steps) a tile is one KV block: one block-table load a tile and a scalar base address, not a
-block-table gather and an address per key.
+block-table gather and an address per key. With a window the key tiles start at the tile of
+the run's first row's w0 (tiles before it are skipped, not masked), so a long context costs what
+its window does.
 A row leads when it is the first row, follows a different sequence or a non-consecutive
 position, or has q_pos % ROWS == 0; so runs never exceed ROWS rows and need no host metadata.
 """
@@ -36,14 +40,20 @@ def _starts_run(seq, prev_seq, pos, prev_pos, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, kt, vt, p_n, pos, ctx, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """One key tile of the online softmax: kt [D, BLOCK_N], vt [BLOCK_N, D] at positions p_n."""
+def _attend_tile(q, kt, vt, p_n, pos, first, ctx, m_i, l_i, acc, qk_scale,
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key tile of the online softmax: kt [D, BLOCK_N], vt [BLOCK_N, D] at positions p_n;
+    row r sees positions first[r] .. pos[r]. A row that sees no key of a tile yet gets weights
+    that the first tile it does see rescales to zero (alpha = exp2(-1e30 - m) = 0)."""
     if UPCAST:
         kt = kt.to(tl.float32)
         vt = vt.to(tl.float32)
     s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale           # log2 domain
-    keep = (p_n[None, :] <= pos[:, None]) & (p_n < ctx)[None, :]
+    if SOFTCAP > 0:                       # cap * tanh(x / cap), x = s / log2(e); tanh via exp
+        y = s * (0.6931471805599453 / SOFTCAP)
+        s = (SOFTCAP * 1.4426950408889634) * (1.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
+    keep = ((p_n[None, :] <= pos[:, None]) & (p_n[None, :] >= first[:, None])
+            & (p_n < ctx)[None, :])
     s = tl.where(keep, s, -1.0e30)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
@@ -53,15 +63,16 @@ def _attend_tile(q, kt, vt, p_n, pos, ctx, m_i, l_i, acc, qk_scale, DOT_PREC: tl
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("window",))    # a layer's: one kernel serves every layer
 def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_ptr, part_ptr,
-                       ml_ptr, T, ctx_cap, block_size, bt_stride, qk_scale,
+                       ml_ptr, T, ctx_cap, block_size, bt_stride, qk_scale, window,
                        stride_qt, stride_qh, stride_ot, stride_oh,
                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, H_q,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
                        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ALIGNED: tl.constexpr,
-                       SPLITS: tl.constexpr, USE_PDL: tl.constexpr, ROW_KIND: tl.constexpr):
+                       SPLITS: tl.constexpr, USE_PDL: tl.constexpr, ROW_KIND: tl.constexpr,
+                       SOFTCAP: tl.constexpr):
     t0 = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)                          # the part of the context (SPLITS > 1)
@@ -108,6 +119,10 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
         q_ptrs = q_ptr + t.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         ctx = tl.minimum(tl.max(tl.where(row_ok, pos, 0), axis=0) + 1, ctx_cap)
+        # the window's first key of each row, and the tile of the run's first row's
+        first = tl.where(window > 0, pos - window + 1, 0)
+        lo = tl.maximum(pos0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        lo = tl.where(window > 0, lo, 0)
         m_i = tl.full((M,), -1.0e30, dtype=tl.float32)
         l_i = tl.zeros((M,), dtype=tl.float32)
         acc = tl.zeros((M, D_PAD), dtype=tl.float32)
@@ -116,9 +131,9 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
         n = tl.arange(0, BLOCK_N)
         k_off = (n * stride_ks)[None, :] + d[:, None]      # ALIGNED: offsets within a block
         v_off = (n * stride_vs)[:, None] + d[None, :]
-        # this program's part of the key tiles (all of them unless SPLITS > 1)
-        per = ((ctx + BLOCK_N - 1) // BLOCK_N + SPLITS - 1) // SPLITS * BLOCK_N
-        for start in range(sp * per, tl.minimum(sp * per + per, ctx), BLOCK_N):
+        # this program's part of the key tiles from lo (all of them unless SPLITS > 1)
+        per = ((ctx - lo + BLOCK_N - 1) // BLOCK_N + SPLITS - 1) // SPLITS * BLOCK_N
+        for start in range(lo + sp * per, tl.minimum(lo + sp * per + per, ctx), BLOCK_N):
             p_n = start + n
             n_ok = p_n < ctx
             if ALIGNED:
@@ -137,8 +152,8 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
                              mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
                 vt = tl.load(v_ptr + v_rows[:, None] + d[None, :],
                              mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
-            m_i, l_i, acc = _attend_tile(q, kt, vt, p_n, pos, ctx, m_i, l_i, acc, qk_scale,
-                                         DOT_PREC, UPCAST)
+            m_i, l_i, acc = _attend_tile(q, kt, vt, p_n, pos, first, ctx, m_i, l_i, acc,
+                                         qk_scale, DOT_PREC, UPCAST, SOFTCAP)
         if SPLITS == 1:
             out = acc / l_i[:, None]
             o_ptrs = (out_ptr + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
@@ -294,8 +309,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None,
                            splits: int | None = None, split_kinds: bool = False,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal paged attention of each row over its sequence's cache; see kernels.attention_ref.
+                           out: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
+    """Causal paged attention of each row over its sequence's cache; see kernels.attention_ref
+    (window > 0: each row's last `window` positions; softcap > 0: scores capped).
 
     rows_per_program bounds a prefill run (default: 1 when T <= S, as in decode, else enough
     rows for a 64-row query tile). splits > 1 (a power of two; default: the launch's, 1) cuts
@@ -313,9 +330,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if t_rows == 0:
         return out
     kinds = split_kinds and not decode
+    extra = {"window": int(window), "softcap": float(softcap)}
     if kinds:
         _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
-                decode_config(s_rows, h_kv, group), 1, kind=1)
+                decode_config(s_rows, h_kv, group), 1, kind=1, **extra)
     cfg = (decode_config(t_rows, h_kv, group) if decode
            else {"block_n": 64, "num_warps": 4, "num_stages": 2})
     cfg = {"block_n": block_n or cfg["block_n"], "num_warps": num_warps or cfg["num_warps"],
@@ -323,12 +341,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rows_per_program is None:
         rows_per_program = 1 if decode else max(1, 64 // triton.next_power_of_2(group))
     _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context, cfg,
-            rows_per_program, kind=2 if kinds else 0)
+            rows_per_program, kind=2 if kinds else 0, **extra)
     return out
 
 
 def _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
-            cfg: dict, rows_per_program: int, kind: int) -> None:
+            cfg: dict, rows_per_program: int, kind: int, window: int = 0,
+            softcap: float = 0.0) -> None:
     """One attention launch into out (and its combine when the context is cut into parts),
     over the rows of `kind`: 0 all, 1 those that are their sequence's only row, 2 the rest."""
     t_rows, h_q, d = q.shape
@@ -347,14 +366,14 @@ def _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_con
         ml = torch.empty(t_rows * h_q * splits * 2, dtype=torch.float32, device=q.device)
     _paged_attn_kernel[(t_rows, h_kv, splits)](
         out, q, k_cache, v_cache, block_tables, q_seq, q_pos, part, ml,
-        t_rows, ctx_cap, bs, block_tables.stride(0), scale * _LOG2E,
+        t_rows, ctx_cap, bs, block_tables.stride(0), scale * _LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), h_q,
         GROUP=group, GROUP_PAD=group_pad, ROWS=rows, D=d, D_PAD=d_pad, BLOCK_N=block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=(q.dtype == torch.bfloat16 and not q.is_cuda),
-        ALIGNED=(block_n == bs), SPLITS=splits, ROW_KIND=kind,
+        ALIGNED=(block_n == bs), SPLITS=splits, ROW_KIND=kind, SOFTCAP=softcap,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(q.device))
     if splits > 1:
         _split_combine_kernel[(t_rows, h_q)](

@@ -1,7 +1,7 @@
 """Fused elementwise kernels for the decoder layer: RMSNorm (with the residual add), rotary
-embedding of q and k in place (optionally with the KV-cache write of k and v), and SiLU-gate. On
-CUDA each is one Triton launch; elsewhere the torch expressions below, which are also their
-semantics.
+embedding of q and k in place (optionally after an RMSNorm over each head, and with the
+KV-cache write of k and v), and the MLP's gate (SiLU, or GELU-tanh for GeGLU). On CUDA each is
+one Triton launch; elsewhere the torch expressions below, which are also their semantics.
 
 Folded norms (`rms=(h, eps)` on rope_write_kv_ and silu_mul): a model whose norm weights are folded
 into the next GEMM's weight (services.worker.model.norms) feeds that GEMM the residual h itself and
@@ -60,13 +60,26 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         x[..., half:] = x2 * c + x1 * s
 
 
-def silu_mul_ref(gu: torch.Tensor, rms: tuple[torch.Tensor, float] | None = None
-                 ) -> torch.Tensor:
-    """gu [T, 2I] = [gate | up] -> silu(gate) * up [T, I]; with rms = (h, eps) gu is first
-    scaled by h's row factor (folded norms)."""
+def qk_norm_ref(q: torch.Tensor, k: torch.Tensor, qk_norm: tuple) -> None:
+    """In place, each head of q [T, Hq, D] and k [T, Hk, D] through an RMSNorm over D:
+    qk_norm = (q weight [D], k weight [D], eps) (Qwen3's and Gemma 3's q_norm and k_norm)."""
+    wq, wk, eps = qk_norm
+    q.copy_(rms_norm_ref(q, wq, eps))
+    k.copy_(rms_norm_ref(k, wk, eps))
+
+
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+def silu_mul_ref(gu: torch.Tensor, rms: tuple[torch.Tensor, float] | None = None,
+                 act: str = "silu") -> torch.Tensor:
+    """gu [T, 2I] = [gate | up] -> act(gate) * up [T, I] (act: silu, or gelu_pytorch_tanh:
+    GeGLU); with rms = (h, eps) gu is first scaled by h's row factor (folded norms)."""
     if rms is not None:
         gu = scale_rows_ref(gu, rms)
     gate, up = gu.chunk(2, dim=-1)
+    if act == "gelu_pytorch_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     return torch.nn.functional.silu(gate) * up
 
 
@@ -106,15 +119,34 @@ def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, e
 
 
 @triton.jit
+def _head_norm(x1, x2, hs, n_q, qn_ptr, kn_ptr, qk_eps, HALF: tl.constexpr):
+    """An RMSNorm over each head (halves x1, x2 [BLOCK_H, HALF]): q's weight for heads below
+    n_q, k's for the others. As rms_norm_ref: normed rows rounded to x's dtype, then times w."""
+    ds = tl.arange(0, HALF)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    ms = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF)
+    r = (1.0 / tl.sqrt(ms + qk_eps))[:, None]
+    is_q = (hs < n_q)[:, None]
+    w1 = tl.where(is_q, tl.load(qn_ptr + ds)[None, :], tl.load(kn_ptr + ds)[None, :])
+    w2 = tl.where(is_q, tl.load(qn_ptr + HALF + ds)[None, :], tl.load(kn_ptr + HALF + ds)[None, :])
+    dt = x1.dtype
+    x1 = ((x1f * r).to(dt).to(tl.float32) * w1.to(tl.float32)).to(dt)
+    x2 = ((x2f * r).to(dt).to(tl.float32) * w2.to(tl.float32)).to(dt)
+    return x1, x2
+
+
+@triton.jit
 def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, h0, n_heads,
-                h_ptr, stride_h, H, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                RMS: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr):
+                h_ptr, stride_h, H, eps, qn_ptr, kn_ptr, n_q, qk_eps, HALF: tl.constexpr,
+                BLOCK_H: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr,
+                QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """Rotate heads h0 .. h0 + BLOCK_H (of n_heads) of one row of x in place; returns the
     rotated halves [BLOCK_H, HALF] (in x's dtype), the head indices, their mask and the row's
     factor. With RMS the heads are first scaled by the row factor of h (folded norms; else the
-    factor is 1). Under PDL the position and its angles (a step input and a table) and h are
-    read before the wait (h was written two or more kernels back: the GEMM before this one
-    reads it), x after it."""
+    factor is 1). With QK_NORM each head then goes through its RMSNorm (_head_norm). Under PDL
+    the position and its angles (a step input and a table) and h are read before the wait (h
+    was written two or more kernels back: the GEMM before this one reads it), x after it."""
     pos = tl.load(pos_ptr + row).to(tl.int64)
     hs = h0 + tl.arange(0, BLOCK_H)
     ds = tl.arange(0, HALF)
@@ -131,6 +163,8 @@ def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, 
     if RMS:
         x1 = (x1.to(tl.float32) * f).to(x_ptr.dtype.element_ty)
         x2 = (x2.to(tl.float32) * f).to(x_ptr.dtype.element_ty)
+    if QK_NORM:
+        x1, x2 = _head_norm(x1, x2, hs, n_q, qn_ptr, kn_ptr, qk_eps, HALF)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     y1 = (x1 * c - x2 * s).to(x_ptr.dtype.element_ty)
@@ -144,24 +178,28 @@ def _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, stride_head, 
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_heads,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, tl.program_id(0).to(tl.int64), stride_row,
-                stride_head, 0, n_heads, x_ptr, 0, 0, 1.0, HALF, BLOCK_H, False, 1, USE_PDL)
+                stride_head, 0, n_heads, x_ptr, 0, 0, 1.0, x_ptr, x_ptr, 0, 1.0, HALF, BLOCK_H,
+                False, 1, False, USE_PDL)
 
 
 @triton.jit
 def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, h_ptr,
-                    stride_row, stride_v, n_q, n_heads, kv_elems, stride_h, H, eps,
-                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-                    RMS: tl.constexpr, BLOCK_HID: tl.constexpr, USE_PDL: tl.constexpr):
+                    qn_ptr, kn_ptr, stride_row, stride_v, n_q, n_heads, kv_elems, stride_h, H,
+                    eps, qk_eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_V: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr,
+                    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """One row (program_id 0), or part program_id 1 of it: rotate its q and k heads (side by
     side in x) in place, and write the rotated k and its v to the cache slot (none when the
     slot is negative). Part p takes heads p * BLOCK_H .. and v elements p * BLOCK_V ... With
-    RMS, q, k and v are first scaled by h's row factor (folded norms; each part computes it)."""
+    RMS, q, k and v are first scaled by h's row factor (folded norms; each part computes it);
+    with QK_NORM q and k heads go through their RMSNorms before the rotation."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     slot = tl.load(slot_ptr + row).to(tl.int64)     # a step input: before the PDL wait
     y1, y2, hs, ok, f = _rotate_row(x_ptr, cos_ptr, sin_ptr, pos_ptr, row, stride_row, 2 * HALF,
-                                    part * BLOCK_H, n_heads, h_ptr, stride_h, H, eps, HALF,
-                                    BLOCK_H, RMS, BLOCK_HID, USE_PDL)
+                                    part * BLOCK_H, n_heads, h_ptr, stride_h, H, eps, qn_ptr,
+                                    kn_ptr, n_q, qk_eps, HALF, BLOCK_H, RMS, BLOCK_HID, QK_NORM,
+                                    USE_PDL)
     ds = tl.arange(0, HALF)
     if slot >= 0:
         kh = hs - n_q                                 # k head index; negative for q heads
@@ -180,8 +218,9 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, h_ptr, inter, stride_gu, stride_o, stride_h, H, eps,
                      BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    """silu(gate) * up for one row's column block; with RMS gate and up are first scaled by
+                     ACT: tl.constexpr, USE_PDL: tl.constexpr):
+    """act(gate) * up for one row's column block (ACT 0: SiLU, 1: GELU with the tanh
+    approximation, tanh(y) = 1 - 2 / (1 + exp(2y))); with RMS gate and up are first scaled by
     h's row factor (folded norms: every block of the row computes it, before the PDL wait: h
     was written two or more kernels back, the gate/up GEMM before this one reads it)."""
     row = tl.program_id(0).to(tl.int64)
@@ -197,7 +236,12 @@ def _silu_mul_kernel(gu_ptr, out_ptr, h_ptr, inter, stride_gu, stride_o, stride_
         u = (u.to(tl.float32) * f).to(gu_ptr.dtype.element_ty)
     g = g.to(tl.float32)
     u = u.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if ACT == 0:
+        act = g / (1.0 + tl.exp(-g))
+    else:
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -277,13 +321,15 @@ def _rms_args(rms, x: torch.Tensor) -> tuple:
 
 
 def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
-                   impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None) -> None:
+                   impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None,
+                   qk_norm: tuple | None = None) -> None:
     """rope_(q, k, ...) then write_kv(k_cache, v_cache, k, v, slot_mapping): one launch on CUDA
     when q, k and v sit side by side in one row (the engine's qkv layout); otherwise the two
     ops. Shapes: q [T, Hq, D], k and v [T, Hk, D]; caches [NB, BS, Hk, D]; slot_mapping [T].
     rms = (h [T, H], eps): q and k are scaled in place by h's row factor before the rotation,
     and v on its way to the cache (v itself is left as it is): folded norms, see the module
-    docstring."""
+    docstring. qk_norm = (q weight [D], k weight [D], eps): each q and k head through its
+    RMSNorm (qk_norm_ref) before the rotation."""
     from kernels.attention import write_kv
     if not _triton(q, impl) or not _side_by_side(q, k, v) or not (
             k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -292,6 +338,8 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
             q.copy_(scale_rows_ref(q, rms))
             k.copy_(scale_rows_ref(k, rms))
             v = scale_rows_ref(v, rms)
+        if qk_norm is not None:
+            qk_norm_ref(q, k, qk_norm)
         rope_(q, k, cos, sin, positions, impl=impl)
         write_kv(k_cache, v_cache, k, v, slot_mapping, impl=impl)
         return None
@@ -301,20 +349,23 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
     kv_elems = k.shape[1] * d
     h, stride_h, hid, eps, on, block_hid = _rms_args(rms, q)
     parts, heads = ROPE_LAUNCH["parts"], hq + k.shape[1]
+    qn, kn, qk_eps = qk_norm if qk_norm is not None else (q, q, 1.0)
     _rope_kv_kernel[(t, parts)](
-        q, v, k_cache, v_cache, cos, sin, positions, slot_mapping, h, q.stride(0), v.stride(0),
-        hq, heads, kv_elems, stride_h, hid, eps, HALF=d // 2,
+        q, v, k_cache, v_cache, cos, sin, positions, slot_mapping, h, qn, kn, q.stride(0),
+        v.stride(0), hq, heads, kv_elems, stride_h, hid, eps, float(qk_eps), HALF=d // 2,
         BLOCK_H=triton.next_power_of_2(triton.cdiv(heads, parts)),
         BLOCK_V=triton.next_power_of_2(triton.cdiv(kv_elems, parts)), RMS=on,
-        BLOCK_HID=block_hid, num_warps=ROPE_LAUNCH["num_warps"], **launch_args(q.device))
+        BLOCK_HID=block_hid, QK_NORM=qk_norm is not None,
+        num_warps=ROPE_LAUNCH["num_warps"], **launch_args(q.device))
     return None
 
 
-def silu_mul(gu, impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None):
-    """silu(gate) * up of gu [T, 2I] = [gate | up]; rms = (h [T, H], eps): gu scaled by h's
-    row factor first (folded norms)."""
+def silu_mul(gu, impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None,
+             act: str = "silu"):
+    """act(gate) * up of gu [T, 2I] = [gate | up] (act: silu or gelu_pytorch_tanh); rms =
+    (h [T, H], eps): gu scaled by h's row factor first (folded norms)."""
     if not _triton(gu, impl):
-        return silu_mul_ref(gu, rms)
+        return silu_mul_ref(gu, rms, act)
     t, two_i = gu.shape
     inter = two_i // 2
     out = torch.empty((t, inter), dtype=gu.dtype, device=gu.device)
@@ -322,5 +373,11 @@ def silu_mul(gu, impl: str = "auto", rms: tuple[torch.Tensor, float] | None = No
     h, stride_h, hid, eps, on, block_hid = _rms_args(rms, gu)
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](
         gu, out, h, inter, gu.stride(0), out.stride(0), stride_h, hid, eps, BLOCK=block, RMS=on,
-        BLOCK_HID=block_hid, num_warps=SILU_LAUNCH["num_warps"], **launch_args(gu.device))
+        BLOCK_HID=block_hid, ACT=ACTS[act], num_warps=SILU_LAUNCH["num_warps"],
+        **launch_args(gu.device))
     return out
+
+
+def gate_mul(gu, act: str, impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None):
+    """The MLP's act(gate) * up (silu_mul with the model's activation)."""
+    return silu_mul(gu, impl=impl, rms=rms, act=act)

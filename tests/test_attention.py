@@ -87,8 +87,9 @@ def build_case(spec, seed: int = 0, device: str = "cpu"):
                 scale=d ** -0.5, max_context=max(lens), dtype=dtype)
 
 
-def sdpa_reference(c):
-    """Per row: gather K, V of positions 0..p of its sequence, run torch SDPA in fp32."""
+def sdpa_reference(c, window: int = 0, softcap: float = 0.0):
+    """Per row: gather K, V of positions 0..p of its sequence (p - window + 1..p with a
+    window), run torch SDPA in fp32 (scores, tanh cap and softmax spelled out with a softcap)."""
     q, kc, vc, bt = (c[n].float().cpu() for n in ("q", "k_cache", "v_cache", "block_tables"))
     bs, h_kv = kc.shape[1], kc.shape[2]
     group = q.shape[1] // h_kv
@@ -96,11 +97,16 @@ def sdpa_reference(c):
     for t, (s, p) in enumerate(zip(c["q_seq"].tolist(), c["q_pos"].tolist())):
         if s < 0:
             continue
-        pos = torch.arange(p + 1)
+        pos = torch.arange(max(0, p + 1 - window) if window else 0, p + 1)
         blocks = bt[s].long()[pos // bs]
         k = kc[blocks, pos % bs].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
         v = vc[blocks, pos % bs].repeat_interleave(group, dim=1).transpose(0, 1)
-        out[t] = F.scaled_dot_product_attention(q[t][:, None], k, v, scale=c["scale"])[:, 0]
+        if softcap:
+            scores = torch.tanh(q[t][:, None] @ k.transpose(1, 2) * c["scale"] / softcap)
+            out[t] = (torch.softmax(scores * softcap, -1) @ v)[:, 0]
+        else:
+            out[t] = F.scaled_dot_product_attention(q[t][:, None], k, v,
+                                                    scale=c["scale"])[:, 0]
     return out
 
 
@@ -131,6 +137,35 @@ KIND_CASES = {"mixed_gqa2_bf16_kinds": ("mixed_gqa2_bf16", None),
               "mixed_gqa3_fp32_d24_kinds_one_part": ("mixed_gqa3_fp32_d24", "one_part")}
 
 
+# sliding windows (Mistral's, Gemma 3's) and score softcapping: name -> (case, window, softcap,
+# splits, split_kinds). Windows shorter and longer than a block, starting mid-tile; the context
+# in parts with the window's tiles spread over them; prefill runs whose rows' windows differ
+WINDOW_CASES = {"mixed_gqa2_bf16_window5": ("mixed_gqa2_bf16", 5, 0.0, 1, False),
+                "mixed_gqa2_bf16_window6_kinds": ("mixed_gqa2_bf16", 6, 0.0, None, True),
+                "prefill_runs_bf16_window7_cap": ("prefill_runs_bf16", 7, 2.0, 1, False),
+                "step_mha_bf16_window13_split4": ("step_mha_bf16_one_block_tiles", 13, 0.0, 4,
+                                                  False),
+                "step_gqa4_fp16_window9": ("step_gqa4_fp16_bs4", 9, 0.0, None, False),
+                "decode_gqa8_fp16_window20_split8": ("decode_gqa8_fp16", 20, 0.0, 8, False),
+                "odd_positions_fp32_window3_cap": ("odd_positions_fp32", 3, 1.5, 1, False),
+                "mixed_mha_fp16_runs4_window1": ("mixed_mha_fp16_runs4", 1, 0.0, 2, False)}
+
+
+def run_window_case(name: str, device: str = "cpu") -> dict:
+    from kernels.attention_triton import paged_attention_triton
+    base, window, softcap, splits, kinds = WINDOW_CASES[name]
+    spec = CASES[base]
+    c = build_case(spec, seed=len(base), device=device)
+    out = paged_attention_triton(*_args(c), rows_per_program=spec[5], block_n=spec[6],
+                                 splits=splits, split_kinds=kinds, window=window,
+                                 softcap=softcap)
+    err = max_err(out, sdpa_reference(c, window, softcap))
+    # the window must matter: the full-context answer differs
+    full = max_err(out, sdpa_reference(c, 0, softcap))
+    tol = TOL[c["dtype"]]
+    return {"case": name, "err": err, "tol": tol, "ok": err <= tol and full > 10 * tol}
+
+
 def run_kinds_case(name: str, device: str = "cpu") -> dict:
     from kernels import attention_triton as at
     base, override = KIND_CASES[name]
@@ -151,6 +186,8 @@ def run_triton_case(name: str, device: str = "cpu") -> dict:
     from kernels.attention_triton import paged_attention_triton
     if name in KIND_CASES:
         return run_kinds_case(name, device)
+    if name in WINDOW_CASES:
+        return run_window_case(name, device)
     base, splits = SPLIT_CASES.get(name, (name, None))
     spec = CASES[base]
     if splits is None and spec[6] is not None:
@@ -188,7 +225,7 @@ def run_write_kv_case(device: str = "cpu") -> dict:
 def interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, __file__, *CASES, *SPLIT_CASES, *KIND_CASES,
-                           "write_kv"], env=env,
+                           *WINDOW_CASES, "write_kv"], env=env,
                           cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -198,7 +235,8 @@ def interpreted():
     return {r["case"]: r for r in rows}
 
 
-@pytest.mark.parametrize("name", [*CASES, *SPLIT_CASES, *KIND_CASES, "write_kv"])
+@pytest.mark.parametrize("name", [*CASES, *SPLIT_CASES, *KIND_CASES, *WINDOW_CASES,
+                                  "write_kv"])
 def test_triton_matches_sdpa(interpreted, name):
     assert interpreted[name]["ok"], interpreted[name]
 
@@ -207,6 +245,14 @@ def test_triton_matches_sdpa(interpreted, name):
 def test_reference_matches_sdpa(name):
     c = build_case(CASES[name], seed=len(name))
     assert max_err(paged_attention_ref(*_args(c)), sdpa_reference(c)) <= TOL[c["dtype"]]
+
+
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_reference_window_and_softcap_match_sdpa(name):
+    base, window, softcap = WINDOW_CASES[name][:3]
+    c = build_case(CASES[base], seed=len(base))
+    out = paged_attention_ref(*_args(c), window=window, softcap=softcap)
+    assert max_err(out, sdpa_reference(c, window, softcap)) <= TOL[c["dtype"]]
 
 
 def test_dispatch_and_checks():
@@ -223,7 +269,7 @@ def test_dispatch_and_checks():
 
 
 # _paged_attn_kernel's and _split_combine_kernel's argument types (compile_for_sm90)
-ATTN_TYPES = ["*bf16"] * 4 + ["*i32"] * 3 + ["*fp32"] * 2 + ["i32"] * 4 + ["fp32"] + ["i32"] * 11
+ATTN_TYPES = ["*bf16"] * 4 + ["*i32"] * 3 + ["*fp32"] * 2 + ["i32"] * 4 + ["fp32"] + ["i32"] * 12
 COMBINE_TYPES = ["*bf16", "*fp32", "*fp32", "*i32"] + ["i32"] * 4
 
 
@@ -235,8 +281,9 @@ def test_kernels_compile_for_hopper():
     types = ATTN_TYPES
     consts = dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64,
                   DOT_PREC="tf32", UPCAST=False, ALIGNED=False, SPLITS=1, USE_PDL=False,
-                  ROW_KIND=0)
+                  ROW_KIND=0, SOFTCAP=0.0)
     assert compile_for_sm90(_paged_attn_kernel, types, consts).asm["cubin"]
+    assert compile_for_sm90(_paged_attn_kernel, types, dict(consts, SOFTCAP=50.0)).asm["cubin"]
     # the context in 4 parts, and their combine; split_kinds' two launches
     assert compile_for_sm90(_paged_attn_kernel, types, dict(consts, SPLITS=4)).asm["cubin"]
     for kind in (0, 1):
@@ -265,7 +312,7 @@ def test_decode_configs_compile_for_hopper(t_rows, h_kv):
     consts = dict(GROUP=group, GROUP_PAD=group, ROWS=triton.cdiv(16, group), D=128, D_PAD=128,
                   BLOCK_N=cfg["block_n"], DOT_PREC="tf32", UPCAST=False,
                   ALIGNED=cfg["block_n"] == 16, SPLITS=cfg.get("splits", 1), USE_PDL=True,
-                  ROW_KIND=0)
+                  ROW_KIND=0, SOFTCAP=0.0)
     assert compile_for_sm90(_paged_attn_kernel, types, consts, num_stages=cfg["num_stages"],
                             num_warps=cfg["num_warps"]).asm["cubin"]
 
@@ -299,7 +346,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("name", [*CASES, *SPLIT_CASES])
+@pytest.mark.parametrize("name", [*CASES, *SPLIT_CASES, *WINDOW_CASES])
 def test_triton_on_gpu(name):
     r = run_triton_case(name, device="cuda")
     # On the GPU fp32 dots may use tf32 for P @ V; allow that.

@@ -38,14 +38,22 @@ def check(device: str = "cpu") -> None:
         torch.testing.assert_close(a, b, atol=10 * tol, rtol=10 * tol)
         check_rope_write_kv(g, device, dtype, tol)
         check_rope_write_kv(g, device, dtype, tol, folded=True)
+        check_rope_write_kv(g, device, dtype, tol, qk=True)            # Qwen3's, Gemma 3's
         fused.ROPE_LAUNCH["parts"] = 3          # each row's heads and v in three programs
         try:
             check_rope_write_kv(g, device, dtype, tol, folded=True)
+            check_rope_write_kv(g, device, dtype, tol, qk=True)
         finally:
             fused.ROPE_LAUNCH["parts"] = 1
         gu = torch.randn(6, 2 * 80, generator=g).to(device, dtype)
         torch.testing.assert_close(fused.silu_mul(gu, impl="triton"), fused.silu_mul_ref(gu),
                                    atol=tol, rtol=tol)
+        gelu = fused.gate_mul(3 * gu, "gelu_pytorch_tanh", impl="triton")     # GeGLU
+        torch.testing.assert_close(gelu, fused.silu_mul_ref(3 * gu, act="gelu_pytorch_tanh"),
+                                   atol=tol, rtol=tol)
+        gate, up = (3 * gu).float().chunk(2, dim=-1)
+        torch.testing.assert_close(gelu.float(), torch.nn.functional.gelu(gate, approximate="tanh")
+                                   * up, atol=4 * tol, rtol=4 * tol)
         # folded norms: gate and up scaled by each row's RMS factor of h (H = 96 of 128 lanes)
         h = (torch.randn(6, 96, generator=g) * torch.arange(1, 7)[:, None]).to(device, dtype)
         got = fused.silu_mul(gu, impl="triton", rms=(h, 1e-5))
@@ -58,10 +66,11 @@ def check(device: str = "cpu") -> None:
                                    atol=20 * tol, rtol=20 * tol)
 
 
-def check_rope_write_kv(g, device, dtype, tol, folded: bool = False) -> None:
+def check_rope_write_kv(g, device, dtype, tol, folded: bool = False, qk: bool = False) -> None:
     """The fused rope + KV write (GQA: 4 q heads, 2 kv heads; one row with no slot) against
     rope_ then write_kv; caches poisoned with NaN, so unwritten or stray writes show. folded:
-    with rms=(h, eps), against q, k, v scaled by h's row factors first."""
+    with rms=(h, eps), against q, k, v scaled by h's row factors first. qk: with q/k norms
+    (their own weights), against qk_norm_ref before the rotation."""
     from kernels import fused
     from kernels.attention_ref import write_kv_ref
     t, hq, hk, d = 5, 4, 2, 16
@@ -70,9 +79,12 @@ def check_rope_write_kv(g, device, dtype, tol, folded: bool = False) -> None:
     slots = torch.tensor([5, -1, 0, 13, 7]).to(device)
     cos = torch.randn(64, d // 2, generator=g).to(device, dtype)
     sin = torch.randn(64, d // 2, generator=g).to(device, dtype)
-    rms = None
+    rms = qk_norm = None
     if folded:
         rms = ((torch.randn(t, 40, generator=g) * 3).to(device, dtype), 1e-5)
+    if qk:
+        qk_norm = ((1 + torch.randn(d, generator=g)).to(device, dtype),
+                   (1 + torch.randn(d, generator=g)).to(device, dtype), 1e-6)
     out = []
     for impl in ("triton", "torch", "fallback"):
         x = qkv.clone()
@@ -82,15 +94,18 @@ def check_rope_write_kv(g, device, dtype, tol, folded: bool = False) -> None:
         kc = torch.full((4, 4, hk, d), float("nan"), dtype=dtype, device=device)
         vc = kc.clone()
         if impl == "triton":
-            fused.rope_write_kv_(q, k, v, cos, sin, pos, kc, vc, slots, impl="triton", rms=rms)
+            fused.rope_write_kv_(q, k, v, cos, sin, pos, kc, vc, slots, impl="triton", rms=rms,
+                                 qk_norm=qk_norm)
         elif impl == "fallback":       # not side by side: the two ops (and torch's scaling)
             fused.rope_write_kv_(q.clone(), k, v.clone(), cos, sin, pos, kc, vc, slots,
-                                 impl="triton", rms=rms)
+                                 impl="triton", rms=rms, qk_norm=qk_norm)
             x = None
         else:
             if folded:               # q and k scaled in place, v only in the cache
                 x[:, :(hq + hk) * d] = fused.scale_rows_ref(x[:, :(hq + hk) * d], rms)
                 v = fused.scale_rows_ref(v, rms)
+            if qk:
+                fused.qk_norm_ref(q, k, qk_norm)
             fused.rope_ref(q, k, cos, sin, pos)
             write_kv_ref(kc, vc, k, v, slots)
         out.append((x, kc, vc))

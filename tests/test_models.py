@@ -162,7 +162,8 @@ def test_pickle_only_checkpoint_is_refused_unopened(tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
+     "longrope"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"mlp_bias": True}, "mlp_bias"),
 ])
@@ -174,10 +175,13 @@ def test_unsupported_variants_are_refused(change, message, tmp_path):
         load_spec(tmp_path)
 
 
-def test_mistral_sliding_window_caps_the_length(tmp_path):
+def test_mistral_sliding_window_is_computed_not_a_cap(tmp_path):
+    """The window is computed in attention (tests/test_sliding_window.py), so the model serves
+    its whole max_position_embeddings."""
     make_family(tmp_path, "mistral", sliding_window=128)
-    assert load_spec(tmp_path).max_position == 128
-    assert engine_for(tmp_path).engine.max_model_len == 128
+    spec = load_spec(tmp_path)
+    assert spec.max_position == 256 and spec.windows == (128, 128)
+    assert engine_for(tmp_path).engine.max_model_len == 256
 
 
 def test_stray_tensors_are_refused(tmp_path):

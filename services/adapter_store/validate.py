@@ -3,12 +3,17 @@
 `validate(config_bytes, blob, base, max_rank)` applies the field policy of peft_config.py to
 adapter_config.json, checks the safetensors container (safetensors_parse), maps every tensor to a
 (layer, module, A|B) of the base and checks its shape, and refuses NaN/Inf. Every refusal is a
-Refusal (INVALID_ARGUMENT) naming the field or tensor and the reason. Shapes, per projection:
+Refusal (INVALID_ARGUMENT) naming the field or tensor and the reason. The modules are the base
+family's (services.common.families: Phi-3's fused qkv_proj and gate_up_proj, q/k/v and gate/up
+apart for the others), so an adapter trained on another family is refused naming the module the
+base lacks, and one of another size naming the shape and the base. Shapes, per projection:
 
     q: A [r, hidden]            B [n_heads * head_dim, r]
     k, v: A [r, hidden]         B [n_kv_heads * head_dim, r]
+    qkv (Phi-3): A [r, hidden]  B [(n_heads + 2 * n_kv_heads) * head_dim, r]
     o: A [r, n_heads*head_dim]  B [hidden, r]
     gate, up: A [r, hidden]     B [intermediate, r]
+    gate_up (Phi-3): A [r, hidden]  B [2 * intermediate, r]
     down: A [r, intermediate]   B [hidden, r]
 """
 from __future__ import annotations
@@ -22,13 +27,14 @@ from dataclasses import dataclass
 from services.common import safetensors_parse as st
 from services.adapter_store.peft_config import LoraFields, check_config
 from services.common.errors import Refusal
+from services.common.families import (PARENT as _PARENT, SPLIT_TARGETS, Family, family_of,
+                                      in_out)
 
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {m: "self_attn" for m in MODULES[:4]} | {m: "mlp" for m in MODULES[4:]}
+MODULES = SPLIT_TARGETS
 # base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}[.{adapter name}].weight
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d{1,6})\.(self_attn|mlp)\."
-                  r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
-                  r"lora_(A|B)(?:\.[A-Za-z0-9_-]{1,64})?\.weight")
+                  r"(q_proj|k_proj|v_proj|qkv_proj|o_proj|gate_proj|up_proj|gate_up_proj|"
+                  r"down_proj)\.lora_(A|B)(?:\.[A-Za-z0-9_-]{1,64})?\.weight")
 
 
 @dataclass(frozen=True)
@@ -41,27 +47,36 @@ class BaseShapes:
     heads: int
     kv_heads: int
     head_dim: int
+    architecture: str = "LlamaForCausalLM"
+    targets: tuple[str, ...] = SPLIT_TARGETS      # the family's linear layers (PEFT targets)
 
     def in_out(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a projection."""
-        h, i = self.hidden, self.intermediate
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[module]
+        return in_out(module, self.hidden, self.intermediate, self.heads * self.head_dim,
+                      self.kv_heads * self.head_dim)
+
+    @property
+    def described(self) -> str:
+        return f"{self.architecture} ({', '.join(self.targets)})"
 
 
 def load_base_shapes(path: pathlib.Path) -> BaseShapes:
-    """Read a Hugging Face Llama-family config.json; ValueError if it lacks a dimension."""
+    """Read a Hugging Face config.json of a family the worker serves (services.common.families);
+    ValueError if it lacks a dimension or is of another architecture."""
     cfg = json.loads(path.read_text())
+    found = family_of(cfg) if cfg.get("architectures") else ("LlamaForCausalLM", Family())
+    if found is None:
+        raise ValueError(f"{path}: architecture {cfg.get('architectures')!r} is not served")
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         shapes = BaseShapes(hidden=hidden, intermediate=int(cfg["intermediate_size"]),
                             layers=int(cfg["num_hidden_layers"]), heads=heads,
                             kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                            head_dim=int(cfg.get("head_dim") or hidden // heads))
+                            head_dim=int(cfg.get("head_dim") or hidden // heads),
+                            architecture=found[0], targets=found[1].targets)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: not a Llama-family config ({exc})") from None
-    if min(shapes.__dict__.values()) <= 0:
+    if min(v for v in shapes.__dict__.values() if isinstance(v, int)) <= 0:
         raise ValueError(f"{path}: dimensions must be positive: {shapes}")
     return shapes
 
@@ -130,15 +145,17 @@ def check_targets(config_bytes: bytes, base: BaseShapes, max_rank: int
 
 
 def targets_and_layers(pairs: set[tuple[int, str]]) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(targeted modules in MODULES order, targeted layers ascending) of (layer, module) pairs."""
+    """(targeted modules in the families' order, targeted layers ascending) of (layer, module)
+    pairs."""
     modules = {m for _, m in pairs}
-    return (tuple(m for m in MODULES if m in modules),
+    return (tuple(m for m in _PARENT if m in modules),
             tuple(sorted({layer for layer, _ in pairs})))
 
 
 def base_module_names(base: BaseShapes) -> list[str]:
     """The base's module names as PEFT matches target_modules against them (plus lm_head)."""
-    names = [f"model.layers.{i}.{_PARENT[m]}.{m}" for i in range(base.layers) for m in MODULES]
+    names = [f"model.layers.{i}.{_PARENT[m]}.{m}" for i in range(base.layers)
+             for m in base.targets]
     return names + ["lm_head"]
 
 
@@ -159,12 +176,12 @@ def expected_pairs(fields: LoraFields, base: BaseShapes) -> set[tuple[int, str]]
             hits = [n for n in names if n == entry or n.endswith("." + entry)]
             if not hits:
                 raise Refusal("target_modules", f"target_modules: the base model has no "
-                                                f"module {entry!r} (LoRA targets: "
-                                                f"{', '.join(MODULES)})")
+                                                f"module {entry!r} (LoRA targets of "
+                                                f"{base.described})")
             matched += hits
     if "lm_head" in matched:
         raise Refusal("target_modules", "target_modules: lm_head is not supported (LoRA "
-                                        f"targets: {', '.join(MODULES)})")
+                                        f"targets of {base.described})")
     pairs = {(int(n.split(".")[2]), n.rsplit(".", 1)[1]) for n in matched}
     if fields.layers is not None:
         pairs = {p for p in pairs if p[0] in fields.layers}
@@ -174,9 +191,10 @@ def expected_pairs(fields: LoraFields, base: BaseShapes) -> set[tuple[int, str]]
 def _check_tensor(t: st.RawTensor, r: int, base: BaseShapes) -> tuple[int, str, str]:
     """Map a tensor to (layer, module, A|B) and check its shape; raises Refusal."""
     m = _KEY.fullmatch(t.name)
-    if m is None or _PARENT[m.group(3)] != m.group(2):
+    if m is None or _PARENT[m.group(3)] != m.group(2) or m.group(3) not in base.targets:
         raise Refusal("tensor_name", f"tensor {t.name!r}: not a LoRA A/B weight of a "
-                                     f"{'/'.join(MODULES)} projection")
+                                     f"{'/'.join(base.targets)} projection (the served base "
+                                     f"is {base.architecture})")
     layer, module, part = int(m.group(1)), m.group(3), m.group(4)
     if layer >= base.layers:
         raise Refusal("tensor_name", f"tensor {t.name!r}: layer {layer} out of range (the base "
@@ -185,7 +203,10 @@ def _check_tensor(t: st.RawTensor, r: int, base: BaseShapes) -> tuple[int, str, 
     want = (r, fan_in) if part == "A" else (fan_out, r)
     if t.shape != want:
         raise Refusal("shape", f"tensor {t.name!r}: shape {list(t.shape)}, expected "
-                               f"{list(want)} for r={r} and the served base")
+                               f"{list(want)} for r={r} and the served base "
+                               f"({base.architecture}, hidden {base.hidden}, intermediate "
+                               f"{base.intermediate}, {base.heads}/{base.kv_heads} heads of "
+                               f"{base.head_dim})")
     return layer, module, part
 
 

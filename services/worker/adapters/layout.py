@@ -7,7 +7,9 @@ are, in one copy, and kernels.adapter_scatter moves every tensor to its place in
 following the plan's segments.
 
 Pool layout (kernels.sgmv_ref documents it): per (layer, group, slice) the adapter targets, A
-[r, K] then Bt [r, N]; each matrix starts at a multiple of OFFSET_ALIGN elements, so that with
+[r, K] then Bt [r, N] (an adapter of a fused projection, Phi-3's qkv_proj or gate_up_proj, is
+sliced to the engine's layout here: its A copied to each slice, its B cut into the slices' rows);
+each matrix starts at a multiple of OFFSET_ALIGN elements, so that with
 the blob's own start aligned the SGMV kernels may load A and Bt in 16-byte vectors whatever r,
 K and N are (the gaps are never read: the kernels mask by rank and width). Offsets are relative
 to the adapter's start in the pool; the pool adds its position when it places it.
@@ -27,7 +29,7 @@ import torch
 from kernels import adapter_scatter as sc
 from services.common import safetensors_parse as st
 from services.common.errors import InvalidArgument
-from services.worker.model.spec import GROUPS, MODULE_GROUP, ModelSpec
+from services.worker.model.spec import FUSED, GROUPS, MODULE_GROUP, ModelSpec
 
 OFFSET_ALIGN = 8     # elements: 16 bytes in bf16 / fp16
 SRC_ALIGN = 8        # the device copy of a blob starts so that its data section is 8-aligned
@@ -117,7 +119,7 @@ def plan_layout(head: bytes, size: int, r: int, scale: float, spec: ModelSpec) -
     every tensor a LoRA A/B of a supported projection, pairs complete, shapes matching the
     model (INVALID_ARGUMENT naming the tensor otherwise)."""
     tensors = st.parse_header(head, size)
-    pairs = _pairs(tensors)
+    pairs = _pairs(tensors, spec)
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise InvalidArgument(f"adapter tensors have several dtypes ({sorted(dtypes)}); one is "
@@ -130,15 +132,17 @@ def plan_layout(head: bytes, size: int, r: int, scale: float, spec: ModelSpec) -
     return builder.plan(r, scale, src_dtype, data_start)
 
 
-def _pairs(tensors: list[st.RawTensor]) -> dict[tuple[int, str], dict[str, st.RawTensor]]:
+def _pairs(tensors: list[st.RawTensor], spec: ModelSpec
+           ) -> dict[tuple[int, str], dict[str, st.RawTensor]]:
     pairs: dict[tuple[int, str], dict[str, st.RawTensor]] = {}
     for t in tensors:
         m = KEY.search(t.name)
         if m is None:
             raise InvalidArgument(f"tensor {t.name}: not a LoRA A/B weight of a known projection")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if module not in MODULE_GROUP:
-            raise InvalidArgument(f"tensor {t.name}: module {module} is not a supported target")
+        if module not in spec.lora_targets:
+            raise InvalidArgument(f"tensor {t.name}: module {module} is not a supported target "
+                                  f"of {spec.architecture} ({', '.join(spec.lora_targets)})")
         pairs.setdefault((layer, module), {})[ab] = t
     return pairs
 
@@ -176,16 +180,28 @@ class _Builder:
         if a.shape != (r, k) or b.shape != (n, r):
             raise InvalidArgument(f"layer {layer} {module}: shapes {a.shape}, {b.shape} do not "
                                   f"match r={r} and the base model")
-        group, j = MODULE_GROUP[module]
+        if module in FUSED:                  # each slice: the whole A, its rows of B
+            group = FUSED[module]
+            starts = spec.slice_starts(group)
+            for j in range(len(starts) - 1):
+                self._slice(group, j, layer, a, b, starts[j], starts[j + 1])
+        else:
+            group, j = MODULE_GROUP[module]
+            self._slice(group, j, layer, a, b, 0, n)
+
+    def _slice(self, group: str, j: int, layer: int, a: st.RawTensor, b: st.RawTensor,
+               lo: int, hi: int) -> None:
+        """Slice j of the group: A [r, K] as it is; rows lo..hi of B [N, r], read row by row,
+        written as Bt [r, hi - lo]."""
+        r, k, n = self.r, a.shape[1], hi - lo
         a_at, b_at = self._take(r * k), self._take(r * n)
         self.offsets[group][layer, j] = (a_at, b_at)
         if group == "qkv":
             self.qkv_a[layer, j] = len(self.rows)
         elif group == "o":
             self.o_b[layer] = len(self.rows) + 1
-        # A [r, K] as it is; B [N, r] read row by row, written as Bt [r, N]
         self._row(a_at, self._src(a), r, k, k, k, 1, GROUP_INDEX[group], layer)
-        self._row(b_at, self._src(b), n, r, r, 1, n, -1, layer)
+        self._row(b_at, self._src(b) + lo * r * self.itemsize, n, r, r, 1, n, -1, layer)
 
     def _row(self, d_off, s_off, rows, cols, s_rs, d_rs, d_cs, group, layer) -> None:
         seg = [0] * sc.NFIELDS

@@ -3,7 +3,8 @@ step launched from one (`PendingStep`: `start_sampling` samples its rows and sta
 the host, `collect` waits for them).
 
 `StaticInputs` owns two packed device buffers (int64 rows: input ids, positions, KV slots, the
-gather index of a step launched from one in flight, a mixed step's sample rows; int32: q_seq and
+gather index of a step launched from one in flight, a mixed step's sample rows, each row's
+dynamic-RoPE length; int32: q_seq and
 q_pos per row, the LoRA segments and block tables per sequence) and two sets of pinned host staging
 buffers used in turn: with overlap, step N+1 is filled while step N's copies may still be queued
 behind step N-1. A step is written by the step-input builder
@@ -60,18 +61,18 @@ def split32(buf: torch.Tensor, rows: int, seqs: int, mb: int):
 
 
 class _HostSet:
-    """One set of pinned staging buffers (host64 [5, rows], host32 as split32), the sampled
+    """One set of pinned staging buffers (host64 [6, rows], host32 as split32), the sampled
     tokens' copy target; the step builder's views of them."""
 
     def __init__(self, rows: int, seqs: int, mb: int, pin: bool):
-        self.host64 = torch.zeros(5, rows, dtype=torch.int64, pin_memory=pin)
+        self.host64 = torch.zeros(6, rows, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(size32(rows, seqs, mb), dtype=torch.int32, pin_memory=pin)
         self.tokens = torch.zeros(seqs, dtype=torch.int64, pin_memory=pin)
         h = self.host64.numpy()
         q_seq, q_pos, seg_start, seg_slot, tables = (
             t.numpy() for t in split32(self.host32, rows, seqs, mb))
         self.views = HostViews(h[0], h[1], h[2], q_seq, seg_start, seg_slot, tables,
-                               q_pos=q_pos, src=h[3])
+                               q_pos=q_pos, src=h[3], rope_len=h[5])
         self.sample_rows = h[4]
 
 
@@ -81,13 +82,13 @@ class StaticInputs:
 
     def __init__(self, steps: StepBuilder, rows: int, seqs: int, mb: int, dev: torch.device):
         self.steps = steps
-        self.dev64 = torch.zeros(5, rows, dtype=torch.int64, device=dev)
+        self.dev64 = torch.zeros(6, rows, dtype=torch.int64, device=dev)
         self.dev32 = torch.zeros(size32(rows, seqs, mb), dtype=torch.int32, device=dev)
         self._sets = [_HostSet(rows, seqs, mb, dev.type == "cuda") for _ in range(2)]
         self._flip = 0
         self.filled = self._sets[0]              # the set the last fill wrote
         self.ids, self.pos, self.slots = self.dev64[0], self.dev64[1], self.dev64[2]
-        self.sample_rows = self.dev64[4]
+        self.sample_rows, self.rope_len = self.dev64[4], self.dev64[5]
         self.q_seq, self.q_pos, self.seg_start, self.seg_slot, self.tables = split32(
             self.dev32, rows, seqs, mb)
 

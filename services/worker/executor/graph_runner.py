@@ -125,7 +125,8 @@ class GraphRunner:
         return StepContext(positions=self.pos[:b], slot_mapping=self.slots[:b],
                            block_tables=self.tables[:b], q_seq=self.q_seq[:b],
                            q_pos=self.q_pos[:b], sample_rows=None,   # every row samples
-                           max_context=self.max_blocks * self.block_size, lora=lora)
+                           max_context=self.max_blocks * self.block_size, lora=lora,
+                           rope_len=self.inputs.rope_len[:b])
 
     def mixed_seqs(self, t: int) -> int:
         """The sequences a mixed graph of t tokens holds (fewer than t: its attention launch
@@ -142,7 +143,8 @@ class GraphRunner:
         return StepContext(positions=self.pos[:t], slot_mapping=self.slots[:t],
                            block_tables=self.tables[:s], q_seq=self.q_seq[:t],
                            q_pos=self.q_pos[:t], sample_rows=self.sample_rows[:s],
-                           max_context=self.max_blocks * self.block_size, lora=lora)
+                           max_context=self.max_blocks * self.block_size, lora=lora,
+                           rope_len=self.inputs.rope_len[:t])
 
     def capture(self, max_rank: int = 64) -> None:
         """Capture every decode and mixed graph (see the module docstring), largest first, sharing

@@ -47,8 +47,9 @@ class HostViews:
     of `tables` holds (see StepBuilder._sync_tables)."""
 
     def __init__(self, ids, pos, slots, q_seq, seg_start, seg_slot, tables, q_pos=None,
-                 src=None):
+                 src=None, rope_len=None):
         self.ids, self.pos, self.slots, self.q_seq, self.q_pos = ids, pos, slots, q_seq, q_pos
+        self.rope_len = rope_len         # [T] max(position + 1, prompt length): dynamic RoPE
         self.seg_start, self.seg_slot, self.tables, self.src = seg_start, seg_slot, tables, src
         self.held = ([None] * len(tables), [0] * len(tables))
 
@@ -63,8 +64,8 @@ class InputBuffers:
             return host, torch.zeros(shape, dtype=dtype, device=device)
         self.device = device
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-        # rows: ids, positions, slots, q_seq ; seqs: sample rows ; segments: start/slot
-        self.rows = pair((4, max_tokens), torch.int64)
+        # rows: ids, positions, slots, q_seq, rope_len ; seqs: sample rows ; segments
+        self.rows = pair((5, max_tokens), torch.int64)
         self.tables = pair((max_seqs, max_blocks), torch.int32)
         self.segs = pair((2, max_seqs + 1), torch.int32)
         # the rows whose logits a step needs: prompt rows of sequences that asked for their
@@ -73,7 +74,7 @@ class InputBuffers:
         rows, segs = self.rows[0].numpy(), self.segs[0].numpy()
         self.host_sample_rows = self.sample_rows[0].numpy()
         self.views = HostViews(rows[0], rows[1], rows[2], rows[3], segs[0], segs[1],
-                               self.tables[0].numpy())
+                               self.tables[0].numpy(), rope_len=rows[4])
 
 
 @dataclass
@@ -140,6 +141,9 @@ class StepBuilder:
         v.q_seq[:t] = q_seq
         if v.q_pos is not None:
             v.q_pos[:t] = pos
+        if v.rope_len is not None:
+            prompt = np.fromiter((len(q.prompt) for q in seqs), dtype=np.int64, count=n)
+            np.maximum(pos + 1, prompt[q_seq], out=v.rope_len[:t])
         if pad > t:                   # padding rows: token 0, no KV write, no attention
             v.ids[t:pad], v.pos[t:pad], v.slots[t:pad], v.q_seq[t:pad] = 0, 0, -1, -1
             if v.q_pos is not None:
@@ -264,5 +268,5 @@ def _to_device(buf: InputBuffers, plan: StepPlan, tables: LoraTables | None, t_r
     ctx = StepContext(
         positions=rows[1], slot_mapping=rows[2], block_tables=block_tables,
         q_seq=rows[3].to(torch.int32), q_pos=rows[1].to(torch.int32), sample_rows=srows,
-        max_context=max_ctx, lora=lora)
+        max_context=max_ctx, lora=lora, rope_len=rows[4])
     return StepInputs(rows[0], ctx, None, sampled)

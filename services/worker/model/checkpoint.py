@@ -61,12 +61,14 @@ def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device
 
 
 def fuse_layers(raw: dict, spec: ModelSpec) -> dict:
-    """Rename and fuse HF tensors: per layer one qkv [q+2kv, H] and one gate_up [2I, H]."""
+    """Rename and fuse HF tensors: per layer one qkv [q+2kv, H] and one gate_up [2I, H] (a
+    Phi-3 checkpoint stores them fused already); Gemma's (1 + w) norm weights stored as 1 + w."""
     def take(name: str) -> torch.Tensor:
         try:
-            return raw.pop(name)
+            t = raw.pop(name)
         except KeyError as e:
             raise UnsupportedModel(f"checkpoint lacks tensor {name}") from e
+        return t + 1 if spec.gemma_norms and name.endswith("norm.weight") else t
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
     if spec.tie_word_embeddings:
@@ -83,18 +85,36 @@ def fuse_layers(raw: dict, spec: ModelSpec) -> dict:
     return out
 
 
-def _layer(take, spec: ModelSpec, p: str) -> dict:
-    """One decoder layer's tensors, q/k/v and gate/up fused."""
+def _fused(take, spec: ModelSpec, p: str) -> dict:
+    """q/k/v and gate/up of one layer, fused (as they are in a Phi-3 checkpoint)."""
+    if "qkv_proj" in spec.lora_targets:
+        return {"qkv": take(f"{p}self_attn.qkv_proj.weight"),
+                "gate_up": take(f"{p}mlp.gate_up_proj.weight")}
     attn = [take(f"{p}self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]
+    return {"qkv": torch.cat(attn, 0).contiguous(),
+            "gate_up": torch.cat([take(f"{p}mlp.gate_proj.weight"),
+                                  take(f"{p}mlp.up_proj.weight")], 0).contiguous()}
+
+
+def _layer(take, spec: ModelSpec, p: str) -> dict:
+    """One decoder layer's tensors, q/k/v and gate/up fused. post_norm is the norm before the
+    MLP (Gemma's pre_feedforward_layernorm); Gemma's norms of the attention's and the MLP's
+    outputs are attn_out_norm and mlp_out_norm."""
     layer = {
         "in_norm": take(f"{p}input_layernorm.weight"),
-        "post_norm": take(f"{p}post_attention_layernorm.weight"),
-        "qkv": torch.cat(attn, 0).contiguous(),
         "o": take(f"{p}self_attn.o_proj.weight"),
-        "gate_up": torch.cat([take(f"{p}mlp.gate_proj.weight"),
-                              take(f"{p}mlp.up_proj.weight")], 0).contiguous(),
         "down": take(f"{p}mlp.down_proj.weight"),
+        **_fused(take, spec, p),
     }
+    if spec.gemma_norms:
+        layer["post_norm"] = take(f"{p}pre_feedforward_layernorm.weight")
+        layer["attn_out_norm"] = take(f"{p}post_attention_layernorm.weight")
+        layer["mlp_out_norm"] = take(f"{p}post_feedforward_layernorm.weight")
+    else:
+        layer["post_norm"] = take(f"{p}post_attention_layernorm.weight")
+    if spec.qk_norm:
+        layer["q_norm"] = take(f"{p}self_attn.q_norm.weight")
+        layer["k_norm"] = take(f"{p}self_attn.k_norm.weight")
     if spec.qkv_bias:
         layer["qkv_bias"] = torch.cat(
             [take(f"{p}self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")], 0)

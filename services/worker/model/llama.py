@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache, with LoRA.
+"""The decoder of every family served (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 3; what sets
+them apart: services.common.families) over a paged KV cache, with LoRA.
 
 Layers never see a sequence: every per-step tensor comes in a StepContext
 (services.worker.model.step_context) built in one place (services.worker.executor.step_inputs), its
@@ -9,44 +10,20 @@ Where the norms run (kernels, or folded into the GEMMs) is a strategy chosen at 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from kernels.attention import paged_attention
-from kernels.fused import rope_write_kv_, silu_mul
+from kernels.fused import gate_mul, rms_norm, rope_write_kv_
 from kernels.sgmv import lora, lora_expand_columns, lora_shrink_rows
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import Norms, PlainNorms
+from services.worker.model.rope import dynamic_ropes, rope_tables
 from services.worker.model.spec import ModelSpec
 from services.worker.model.step_context import StepContext
 
 
 ROW_MAX_ROWS = 128
-
-
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Inverse frequencies, with linear or Llama-3 scaling when the config asks for it."""
-    d = spec.head_dim
-    # fp32, as transformers computes it, so long positions get the very same angles
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = spec.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type"))
-    if kind == "linear":
-        inv = inv / float(sc["factor"])
-    elif kind == "llama3":
-        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(
-            sc["high_freq_factor"])
-        old = float(sc["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        smooth = ((old / wavelen) - lo) / (hi - lo)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        inv = torch.where(wavelen > old / lo, inv / factor,
-                          torch.where(wavelen < old / hi, inv, mid))
-    elif kind not in (None, "default"):
-        raise ValueError(f"rope scaling {kind!r} is not supported")
-    return inv
 
 
 class LlamaModel:
@@ -59,11 +36,13 @@ class LlamaModel:
         column blocks of the q/k/v weights (services.worker.model.lora_columns), None without."""
         self.norms = norms or PlainNorms(spec.rms_norm_eps)
         self.spec, self.w, self.device, self.dtype = spec, weights, device, dtype
-        inv = rope_inv_freq(spec).to(device)
-        t = torch.arange(spec.max_position, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv)                                   # [max_pos, D/2]
-        self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.rope = rope_tables(spec, device, dtype)          # per layer: cos, sin [P, D/2]
+        self.dynamic = dynamic_ropes(spec, device)            # per layer: None, or per step
+        self.scale = spec.scale
+        self.windows = [spec.window(i) for i in range(spec.num_layers)]
+        # Gemma: the embedding's rows times sqrt(hidden), rounded to the dtype as HF does
+        self.embed_scale = (torch.tensor(spec.embed_scale).to(dtype)
+                            if spec.embed_scale != 1.0 else None)
         self.slices = {g: spec.slice_starts(g) for g in ("qkv", "o", "gate_up", "down")}
         # run only the first N layers (the warm-up: every layer runs the same kernels on the
         # same shapes, so one layer meets every specialization a step needs); None: all
@@ -115,7 +94,8 @@ class LlamaModel:
         attn = paged_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_seq, ctx.q_pos,
                                self.scale, ctx.max_context, split_kinds=self.split_attention,
                                out=None if buf is None else
-                               buf[:, :s.q_size].view(t, s.num_heads, s.head_dim))
+                               buf[:, :s.q_size].view(t, s.num_heads, s.head_dim),
+                               window=self.windows[i], softcap=s.attn_softcap)
         attn = attn.reshape(-1, s.q_size)
         if buf is None:
             y = self.norms.project(h, attn, w["o"], w.get("o_bias"))
@@ -125,27 +105,51 @@ class LlamaModel:
                          self.row_parts, impl=self.row_impl)
         return self.norms.project(h, buf, w["o_ext"], w.get("o_bias"))
 
+    def _angles(self, ctx: StepContext) -> list[tuple]:
+        """Each layer's (cos, sin, index): its tables and the rows' positions, or, for dynamic
+        NTK RoPE, this step's angles a row (computed once a step) and the row index."""
+        step = {}
+        out = []
+        for table, dyn in zip(self.rope, self.dynamic):
+            if dyn is None:
+                out.append((*table, ctx.positions))
+                continue
+            if id(dyn) not in step:
+                rows = torch.arange(ctx.positions.shape[0], device=ctx.positions.device)
+                step[id(dyn)] = (*dyn.angles(ctx.positions, ctx.rope_len, self.dtype), rows)
+            out.append(step[id(dyn)])
+        return out
+
     def _layer(self, i: int, w: dict, h: torch.Tensor, x: torch.Tensor, ctx: StepContext,
-               kv: tuple[torch.Tensor, torch.Tensor], next_norm: torch.Tensor) -> torch.Tensor:
+               kv: tuple[torch.Tensor, torch.Tensor], next_norm: torch.Tensor,
+               rope: tuple) -> torch.Tensor:
         """Decoder layer i on the residual h (updated in place) and its normed input x (the
-        norm strategy's); returns the next layer's input."""
+        norm strategy's); returns the next layer's input. Gemma's norms of the attention's and
+        the MLP's outputs (attn_out_norm, mlp_out_norm) go before their residual adds."""
         s, norms, meta = self.spec, self.norms, ctx.lora
         qkv = self._qkv(i, w, x, meta)
         t = qkv.shape[0]
         q = qkv[:, :s.q_size].view(t, s.num_heads, s.head_dim)          # views, strided rows
         k = qkv[:, s.q_size:s.q_size + s.kv_size].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size:].view(t, s.num_kv_heads, s.head_dim)
-        # rotate q and k in place, write k and v to their KV slots (one launch on GPU)
-        rope_write_kv_(q, k, v, self.cos, self.sin, ctx.positions, kv[0], kv[1],
-                       ctx.slot_mapping, rms=norms.rms(h))
+        # (q/k norms,) rotate q and k in place, write k and v to their KV slots (one launch
+        # on GPU)
+        qk_norm = (w["q_norm"], w["k_norm"], s.rms_norm_eps) if s.qk_norm else None
+        rope_write_kv_(q, k, v, *rope, kv[0], kv[1], ctx.slot_mapping, rms=norms.rms(h),
+                       qk_norm=qk_norm)
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
-        x = norms.close(h, self._attn_o(i, w, h, q, kv, ctx), w["post_norm"])
+        y = self._attn_o(i, w, h, q, kv, ctx)
+        if "attn_out_norm" in w:
+            y = rms_norm(y, w["attn_out_norm"], s.rms_norm_eps)
+        x = norms.close(h, y, w["post_norm"])
         gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
         self._lora("gate_up", i, gu, x, meta)
-        act = silu_mul(gu, rms=norms.rms(h))                           # [T, I]
+        act = gate_mul(gu, s.act, rms=norms.rms(h))                    # [T, I]
         y = norms.project(h, act, w["down"], None)
         self._lora("down", i, y, act, meta)
+        if "mlp_out_norm" in w:
+            y = rms_norm(y, w["mlp_out_norm"], s.rms_norm_eps)
         return norms.close(h, y, next_norm)
 
     @torch.inference_mode()
@@ -159,8 +163,13 @@ class LlamaModel:
         """
         layers = self.w["layers"][:self.layer_limit]
         h = self.w["embed"][input_ids]                                   # [T, H], a new tensor
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         x = self.norms.enter(h, layers[0]["in_norm"])
+        angles = self._angles(ctx)
         for i, w in enumerate(layers):
             after = layers[i + 1]["in_norm"] if i + 1 < len(layers) else self.w["norm"]
-            x = self._layer(i, w, h, x, ctx, kv_cache[i], after)
-        return self.norms.logits(h, x, ctx.sample_rows, self.w["norm"], self.w["lm_head"])
+            x = self._layer(i, w, h, x, ctx, kv_cache[i], after, angles[i])
+        logits = self.norms.logits(h, x, ctx.sample_rows, self.w["norm"], self.w["lm_head"])
+        cap = self.spec.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap

@@ -76,3 +76,6 @@ class StepContext:
     sample_rows: torch.Tensor | None  # int64 [R] rows whose logits are needed; None: all
     max_context: int            # host bound on positions + 1 (for sizing attention)
     lora: LoraMeta              # the step's LoRA segments, choices and the pool's tables
+    # int64 [T] the length a dynamic-NTK RoPE scales each row's angles for: its prompt's
+    # length for a prompt row, position + 1 after (services.worker.model.rope.dynamic_angles)
+    rope_len: torch.Tensor | None = None

@@ -58,8 +58,10 @@ NORM_OF = {"qkv": "in_norm", "gate_up": "post_norm"}
 def fold_norms(spec: ModelSpec, perf: PerfConfig) -> bool:
     """PerfConfig.fold_norms (default on): fold the in-layer RMSNorms into the GEMMs after
     them, so a decoder layer launches no norm kernel (the residual adds go into the o and down
-    GEMMs' epilogues). Off for a model with a q/k/v bias, which the factor must not scale."""
-    return perf.fold_norms and not spec.qkv_bias
+    GEMMs' epilogues). Off for a model with a q/k/v bias, which the factor must not scale, with
+    q/k norms (their eps would see the unscaled rows) and with Gemma's norms of the blocks'
+    outputs (which come between the GEMM and the residual add)."""
+    return perf.fold_norms and not (spec.qkv_bias or spec.qk_norm or spec.gemma_norms)
 
 
 def fold_norm_weights(weights: dict) -> dict[str, torch.Tensor]:

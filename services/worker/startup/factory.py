@@ -118,7 +118,9 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
                          opts.max_running, max_len, lora=pool.tables, columns=columns)
     masks = runner.masks = TokenMasks(spec.vocab_size, opts.max_running, device,
                                       mask_threads(opts.grammar_mask_threads, device))
-    scheduler = Scheduler(BlockManager(blocks, opts.block_size, opts.share_prefixes),
+    # dynamic NTK RoPE rotates a prompt's keys for the prompt's length: no sharing of them
+    share = opts.share_prefixes and not any(model.dynamic)
+    scheduler = Scheduler(BlockManager(blocks, opts.block_size, share),
                           opts.max_batch_tokens, opts.max_running, fair=opts.fair,
                           max_prefill_with_decode=opts.max_prefill_with_decode)
     if device.type == "cuda" and opts.cuda_graphs:

@@ -37,11 +37,10 @@ from services.worker.adapters.device_pool import PoolFull
 from services.worker.adapters.layout import staged_from_tensors
 from services.worker.engine.loop import Engine
 from services.worker.engine.sequence import Sampling, Sequence, Status, Stopping
-from services.worker.model.spec import GROUPS, ModelSpec
+from services.common.families import PARENT
+from services.worker.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 SAMPLINGS = (Sampling(), Sampling(0.8, 0, 0.9, 7, 1.0), Sampling(1.0, 20, 1.0, 8, 1.1),
              Sampling(0.7, 50, 0.95, 9, 1.0),
              # OpenAI's penalties, a logit bias, min_tokens and logprobs with alternatives
@@ -60,15 +59,17 @@ def token_counts(max_tokens: int) -> list[int]:
     return sorted(t for t in out if 1 <= t <= max_tokens)
 
 
-def zero_adapter(spec: ModelSpec, rank: int, modules=tuple(MODULES), layers=(0,)):
-    """A PEFT adapter of zeros (its output is the base model's) on `modules` of these layers:
-    the first only by default, the one the warm-up's eager steps run (a 7B model's adapters
-    of every layer were ~1.4 GB of zeros to make, stage and place for nothing)."""
+def zero_adapter(spec: ModelSpec, rank: int, modules=None, layers=(0,)):
+    """A PEFT adapter of zeros (its output is the base model's) on `modules` (default: every
+    target of the model's family) of these layers: the first only by default, the one the
+    warm-up's eager steps run (a 7B model's adapters of every layer were ~1.4 GB of zeros to
+    make, stage and place for nothing)."""
     tensors = {}
+    modules = tuple(modules or spec.lora_targets)
     for layer in layers:
         for m in modules:
             k, n = spec.in_out(m)
-            stem = f"base_model.model.model.layers.{layer}.{MODULES[m]}.{m}"
+            stem = f"base_model.model.model.layers.{layer}.{PARENT[m]}.{m}"
             tensors[f"{stem}.lora_A.weight"] = torch.zeros(rank, k, dtype=torch.bfloat16)
             tensors[f"{stem}.lora_B.weight"] = torch.zeros(n, rank, dtype=torch.bfloat16)
     config = {"r": rank, "lora_alpha": rank, "target_modules": list(modules),
@@ -123,10 +124,10 @@ class Warmup:
             sets.append((f"rank {t}", [(f"warmup-r{t}", zero_adapter(spec, t), True)]))
         sets.append(("rank 16 without columns",
                      [("warmup-r16-split", zero_adapter(spec, 16), False)]))
-        attn = tuple(m for g in ("qkv", "o") for m in GROUPS[g])
+        attn = tuple(m for m in spec.lora_targets if PARENT[m] == "self_attn")
         sets.append(("rank 8, attention only",
                      [("warmup-r8-attn", zero_adapter(spec, 8, attn), True)]))
-        mlp = tuple(m for g in ("gate_up", "down") for m in GROUPS[g])
+        mlp = tuple(m for m in spec.lora_targets if PARENT[m] == "mlp")
         sets.append(("rank 8, MLP only", [("warmup-r8-mlp", zero_adapter(spec, 8, mlp), True)]))
         # several adapters a step: with column LoRA (q/k/v in the GEMM while every adapter of
         # the step has column blocks; past their count q/k/v go through SGMV), and, up to that
