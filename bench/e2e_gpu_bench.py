@@ -26,10 +26,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from services.worker.adapters.layout import staged_from_tensors  # noqa: E402
+from services.worker.config import EngineOptions  # noqa: E402
 from services.worker.engine.sequence import Sampling, Sequence, Stopping  # noqa: E402
 from services.worker.model.spec import ModelSpec  # noqa: E402
 from services.worker.perf_config import PerfConfig  # noqa: E402
-from services.worker.startup.factory import EngineOptions, assemble  # noqa: E402
+from services.worker.startup.factory import assemble  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -36,8 +36,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.worker.adapters.layout import staged_from_tensors  # noqa: E402
+from services.worker.config import EngineOptions  # noqa: E402
 from services.worker.engine.sequence import Sequence, Stopping  # noqa: E402
-from services.worker.startup.factory import EngineOptions, build_engine  # noqa: E402
+from services.worker.startup.factory import build_engine  # noqa: E402
 
 SCENARIOS = {"base-only": 0, "1 adapter": 1, "8 adapters": 8, "32 adapters": 32}
 TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,

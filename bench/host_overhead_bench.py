@@ -69,12 +69,13 @@ sys.path.insert(0, str(ROOT))
 
 import services.worker.executor.graph_runner as graph_runner_mod  # noqa: E402
 from services.worker.adapters.layout import staged_from_peft_dir  # noqa: E402
+from services.worker.config import EngineOptions  # noqa: E402
 from services.worker.engine.scheduler import Scheduled  # noqa: E402
 from services.worker.engine.sequence import Sampling, Sequence, Stopping  # noqa: E402
 from services.worker.executor.graph_runner import GraphRunner  # noqa: E402
 from services.worker.executor.step_inputs import StepPlan  # noqa: E402
 from services.worker.perf_config import PerfConfig  # noqa: E402
-from services.worker.startup.factory import EngineOptions, build_engine  # noqa: E402
+from services.worker.startup.factory import build_engine  # noqa: E402
 
 ADAPTERS = ("acme-support", "pirate", "poet")
 PROMPTS = ("Tell me about the weather.", "Can you help me?", "Hello!", "How are you?",

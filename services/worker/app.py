@@ -5,6 +5,7 @@ drain."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import pathlib
 import sys
@@ -30,11 +31,11 @@ from services.worker.api.chat_template import ChatTemplate
 from services.worker.api.frontend_process import Front, FrontendFailed
 from services.worker.api.residency_feed import ResidencyFeed
 from services.worker.api.servicer import WorkerServicer
-from services.worker.config import WorkerConfig, parse_args
+from services.worker.config import EngineOptions, WorkerConfig, parse_args
 from services.worker.engine.gauges import EngineGauges
 from services.worker.model.spec import load_spec
 from services.worker.startup import precompile
-from services.worker.startup.factory import Built, EngineOptions, build_engine
+from services.worker.startup.factory import Built, build_engine, resolve_device
 from services.worker.startup.precompile import WarmShape
 from services.worker.startup.warmup import Warmup
 
@@ -48,17 +49,9 @@ PRECOMPILE_TIMEOUT_S = 900.0        # precompile's children are stopped after th
 
 
 def engine_options(cfg: WorkerConfig) -> EngineOptions:
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return EngineOptions(device=device, dtype=cfg.dtype, kv_cache_bytes=cfg.kv_cache_bytes,
-                         block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens,
-                         max_prefill_with_decode=cfg.max_prefill_with_decode,
-                         graph_mixed_tokens=cfg.graph_mixed_tokens,
-                         max_running=cfg.max_running, pool_bytes=cfg.gpu_pool_bytes,
-                         pool_slots=cfg.pool_slots, max_model_len=cfg.max_model_len,
-                         share_prefixes=cfg.share_prefixes, fair=cfg.fair_queue,
-                         perf=cfg.perf, fault_inject_after_steps=cfg.fault_inject_after_steps)
+    """The config's engine options on this machine's device (--device auto resolved), as the
+    engine, the precompile children and their fingerprint get them."""
+    return dataclasses.replace(cfg.engine, device=resolve_device(cfg.engine.device))
 
 
 def load_fn(engine):
@@ -98,8 +91,8 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
     and wire the adapter manager, the residency feed and the servicer."""
     opts = engine_options(cfg)
     warm_up = cfg.warmup == "on" or (cfg.warmup == "auto" and opts.device.startswith("cuda"))
-    shape = WarmShape(cfg.max_batch_tokens, cfg.warmup_max_rank, cfg.max_running,
-                      cfg.max_prefill_with_decode)
+    shape = WarmShape(opts.max_batch_tokens, cfg.warmup_max_rank, opts.max_running,
+                      opts.max_prefill_with_decode)
     cuda = opts.device.startswith("cuda")
     digest = precompile.fingerprint(cfg.model, opts, shape) if warm_up and cuda else ""
     wait = None
@@ -132,7 +125,7 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
                              loader_threads=cfg.loader_threads, eviction=cfg.eviction,
                              host_placement=cfg.host_placement,
                              evictions=metrics.Evictions(TenantLabels(cfg.metrics_tenants)))
-    gauges = EngineGauges(built.spec.name, cfg.pool_slots)
+    gauges = EngineGauges(built.spec.name, cfg.engine.pool_slots)
     REGISTRY.register(gauges)
     built.engine.on_step = gauges.step
     base_load = load_fn(built.engine)
