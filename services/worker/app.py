@@ -18,6 +18,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from kernels import compile_watch, kernel_cache
+from services.common.config import ServiceFlags
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from services.common.runtime import freeze_startup_objects, run_service
 from services.common.server import create_server, serve, server_credentials, sync_channel
@@ -106,9 +107,10 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
         asyncio.to_thread(build_engine, cfg.model, opts, None, wait),
         asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
                           opts.device.startswith("cuda"), load_spec(cfg.model)))
-    store = StoreClient(sync_channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
-                                     keepalive_s=cfg.keepalive_s,
-                                     service_token=read_token(cfg.service_token_file)),
+    common = cfg.common
+    store = StoreClient(sync_channel(cfg.store, common.tls_ca, common.tls_cert, common.tls_key,
+                                     keepalive_s=common.keepalive_s,
+                                     service_token=read_token(common.service_token_file)),
                         shm_dir=cfg.store_shm_dir or None)
     await asyncio.to_thread(built.pool.warm_up)
     if warm_up:
@@ -161,14 +163,7 @@ async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:
     thread = threading.Thread(target=built.engine.run, args=(stop,), name="engine", daemon=True)
     thread.start()
     front = Front(cfg, servicer, loop, ROOT, env) if cfg.frontend == "process" else None
-    server, port, health = create_server(
-        front.core_address if front else cfg.listen,
-        lambda s: (worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
-                   ["lorafleet.v1.Worker"])[1],
-        None if front else server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
-        reflection=cfg.reflection and front is None,
-        service_token="" if front else read_token(cfg.service_token_file))
-    describe("worker", read_token(cfg.service_token_file), cfg.tls_ca)
+    server, port, health = _server(cfg.common, servicer, front)
     ticker = loop.create_task(feed.tick())
 
     async def started():
@@ -186,8 +181,8 @@ async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:
         if front is not None:
             front.link.drain(fatal=bool(built.engine.failed))
     try:
-        await serve(server, health, cfg.grace, on_drain=drain, name="worker", started=started,
-                    stop=stopped)
+        await serve(server, health, cfg.common.grace, on_drain=drain, name="worker",
+                    started=started, stop=stopped)
     except FrontendFailed as exc:
         log.error("%s", exc)
         await server.stop(0)
@@ -195,7 +190,7 @@ async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:
     finally:
         ticker.cancel()
         if front is not None:
-            await front.close(cfg.grace + 5)
+            await front.close(cfg.common.grace + 5)
         core.manager.close()
         stop.set()
         built.engine.wake()
@@ -204,6 +199,21 @@ async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:
         log.error("worker stopped: its engine failed (%s)", built.engine.failed)
         return 1
     return 1 if front is not None and front.failed else 0
+
+
+def _server(common: ServiceFlags, servicer: WorkerServicer, front: Front | None):
+    """The core's gRPC server (not started): on --listen, or with a front end process on the
+    private socket it passes calls through (the front end then has the TLS, the token check
+    and reflection); (server, port, health)."""
+    server = create_server(
+        front.core_address if front else common.listen,
+        lambda s: (worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
+                   ["lorafleet.v1.Worker"])[1],
+        None if front else server_credentials(common.tls_cert, common.tls_key, common.tls_ca),
+        reflection=common.reflection and front is None,
+        service_token="" if front else read_token(common.service_token_file))
+    describe("worker", read_token(common.service_token_file), common.tls_ca)
+    return server
 
 
 def main(argv: list[str] | None, env: dict[str, str]) -> int:

@@ -6,7 +6,9 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
+from services.common.config import ServiceFlags, add_flags
+from services.common.internal_auth import check_internal_server
+from services.common.runtime import parse_bytes
 from services.worker.perf_config import PerfConfig
 
 
@@ -56,7 +58,6 @@ WORKER_ENGINE = EngineOptions(device="auto", kv_cache_bytes=256 << 20, max_batch
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    listen: str = "127.0.0.1:7002"
     model: str = "models/tiny-llama"
     store: str = "127.0.0.1:7003"
     engine: EngineOptions = WORKER_ENGINE
@@ -66,19 +67,8 @@ class WorkerConfig:
     tenant_share: float = 0.5           # per-tenant cap of each adapter tier; 0 = caps off
     eviction: str = "lru"               # the GPU pool's order: lru, or cost (GDSF)
     metrics_tenants: int = 50           # tenants named on /metrics; the rest are "other"
-    metrics_port: int = 9102
-    metrics_host: str = ""             # "" = the --listen host
-    keepalive_s: float = 20.0          # ping interval of channels to peers
-    service_token_file: str = ""       # the internal services' shared token
-    grace: float = 10.0
-    log_level: str = "INFO"
-    otlp_endpoint: str | None = None
-    trace_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    reflection: bool = False           # serve grpc.reflection (--reflection)
-    insecure_internal: bool = False    # allow open internal calls (services.common.internal_auth)
+    # the flags every service takes (services.common.config)
+    common: ServiceFlags = ServiceFlags(listen="127.0.0.1:7002", metrics_port=9102)
     worker_id: str = ""
     cpu_threads: int = 1                # torch intra-op threads for a CPU engine (0 = torch's)
     store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
@@ -114,7 +104,7 @@ class WorkerConfig:
             raise ValueError(f"--host-placement: {self.host_placement!r} is not inline or loader")
         if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
             raise ValueError(f"--store-shm-dir {self.store_shm_dir}: not a directory")
-        check_common(self)
+        check_internal_server(self.common)
         from services.worker.model.spec import load_spec   # torch-free; reads config.json
         try:
             load_spec(self.model)
@@ -126,10 +116,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     """The worker's config from its flags (argv; None: sys.argv) and environment."""
     a = parser().parse_args(argv)
     return WorkerConfig(
-        listen=a.listen, model=a.model, store=a.store, engine=engine_options(a),
+        common=ServiceFlags.from_args(a), model=a.model, store=a.store, engine=engine_options(a),
         host_pool_bytes=a.host_pool_bytes, max_new_tokens=a.max_new_tokens,
         tenant_share=a.tenant_share, eviction=a.eviction, worker_id=a.worker_id,
-        **common_values(a),
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
         loader_threads=a.loader_threads, host_placement=a.host_placement,
         frontend=a.frontend, warmup=a.warmup, kernel_cache=a.kernel_cache,
@@ -147,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     """The worker's flags."""
     p = argparse.ArgumentParser(prog="python -m services.worker",
                                 description="lorafleet worker: base model, engine, adapter pool")
-    add_common_flags(p, listen="127.0.0.1:7002", metrics_port=9102, grace=10.0)
+    add_flags(p, listen="127.0.0.1:7002", metrics_port=9102, grace=10.0)
     p.add_argument("--model", default="models/tiny-llama", help="HF checkpoint directory")
     p.add_argument("--store", default=os.environ.get("LORAFLEET_STORE", "127.0.0.1:7003"),
                    help="adapter-store address (127.0.0.1:7003)")
