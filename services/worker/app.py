@@ -158,7 +158,7 @@ async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:
     built, servicer, feed = core.built, core.servicer, core.feed
     stop, stopped = threading.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    # a forward pass failed (engine.py): the requests have ended INTERNAL; drain and exit 1
+    # a forward pass failed (engine/loop.py): the requests have ended INTERNAL; drain and exit 1
     built.engine.on_fatal = lambda exc: loop.call_soon_threadsafe(stopped.set)
     thread = threading.Thread(target=built.engine.run, args=(stop,), name="engine", daemon=True)
     thread.start()
