@@ -17,8 +17,9 @@ from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb
 from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc, common_pb2
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from services.worker.adapters.layout import staged_from_peft_dir
+from services.worker.config import EngineOptions
 from services.worker.engine.sequence import Sequence, Stopping
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.startup.factory import build_engine
 from tests.hf_fixtures import make_base
 from tests.support import Service
 

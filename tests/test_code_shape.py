@@ -1,7 +1,9 @@
-"""Issue 24's shape of the code, kept: no module in services/ or kernels/ over 400 lines, no
-function in services/ over 60 (the generated stubs aside). Issue 44's: bench/ in packages by level
-(no module at its top but __init__, imports only to lib/ or an earlier level) with no import
-cycle."""
+"""The shape of the code. Issue 24's, kept: no module in services/ or kernels/ over 400 lines,
+no function in services/ over 60 (the generated stubs aside). Issue 44's: no import cycle in
+services/, kernels/ or bench/ (`import_cycles(top)`, for any top folder), the worker's parts import
+only downwards in a declared order, at most 8 modules directly in services/worker/, Engine.step
+about ten lines, and bench/ in packages by level (no module at its top but __init__, imports only
+to lib/ or an earlier level)."""
 from __future__ import annotations
 
 import ast
@@ -32,67 +34,147 @@ def test_no_service_function_over_60_lines():
     assert not long, long
 
 
-def _import_cycles(top: str) -> list[list[str]]:
-    """The import cycles among the modules under ROOT/top (generated stubs aside): the strongly
-    connected components of more than one module of the graph of imports found anywhere in a
-    module (a function's own imports too), each as its sorted module names. `from pkg import
-    name` counts as an import of pkg.name where that is a module, else of pkg; a package's
-    __init__ is not counted as imported with its submodules."""
-    mods = {}
-    for p in _sources(top):
-        parts = p.relative_to(ROOT).with_suffix("").parts
-        is_pkg = parts[-1] == "__init__"
-        mods[".".join(parts[:-1] if is_pkg else parts)] = (p, is_pkg)
+# --- the import graph (issue 44) -------------------------------------------------------------
 
-    def known(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
 
-    graph: dict[str, set[str]] = {}
-    for name, (path, is_pkg) in mods.items():
-        package = name if is_pkg else name.rpartition(".")[0]
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                deps.update(known(a.name) for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([node.module] if node.module else []))
-                for a in node.names:
-                    deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else known(base))
-        graph[name] = {d for d in deps if d and d != name}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    cycles = []
 
-    def visit(v: str) -> None:              # Tarjan's strongly connected components
+def _is_package(path: pathlib.Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _imports(path: pathlib.Path, module_level: bool) -> set[str]:
+    """The dotted names a module imports (module_level: only the imports that run when it is
+    imported, not those inside functions or classes); `from a import b` gives a.b and a (b may
+    be a module or a name in a), a relative import its absolute name."""
+    tree = ast.parse(path.read_text())
+    here = _module_name(path).split(".")
+    package = here if _is_package(path) else here[:-1]
+    nodes = tree.body if module_level else list(ast.walk(tree))
+    if module_level:                       # and those in module-level if/try blocks
+        todo, nodes = list(tree.body), []
+        while todo:
+            node = todo.pop()
+            nodes.append(node)
+            if isinstance(node, (ast.If, ast.Try)):
+                todo += node.body + node.orelse + getattr(node, "finalbody", [])
+                todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names if a.name != "*"}
+    return out
+
+
+def _graph(top: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same tree it imports when it is imported (a module's
+    packages included: importing a.b.c runs a and a.b first)."""
+    mods = {_module_name(p): p for p in _sources(top)}
+    graph = {}
+    for name, path in mods.items():
+        edges = set()
+        for imp in _imports(path, module_level=True):
+            parts = imp.split(".")
+            for i in range(1, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in mods and dep != name:
+                    edges.add(dep)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(top: str) -> list[list[str]]:
+    """Every import cycle among the modules under the folder `top` (module-level imports), as
+    the modules of each strongly connected component of more than one module."""
+    graph = _graph(top)
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:                     # Tarjan's strongly connected components
         index[v] = low[v] = len(index)
         stack.append(v)
-        for w in graph[v]:
+        on.add(v)
+        for w in sorted(graph[v]):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
-            elif w in stack:
+            elif w in on:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
-            comp = []
-            while not comp or comp[-1] != v:
-                comp.append(stack.pop())
-            if len(comp) > 1:
-                cycles.append(sorted(comp))
-
+            scc = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    return cycles
+    return out
 
 
-def test_no_import_cycle_in_bench():
-    assert not _import_cycles("bench")
+def test_no_import_cycle_in_services_kernels_or_bench():
+    for top in ("services", "kernels", "bench"):
+        assert import_cycles(top) == [], top
+
+
+# The worker's parts, lowest first: a module may import from its own part and the parts before
+# it, never from one after it (any import, in functions too). The top-level modules are parts
+# of their own: the performance choices and the metrics below everything, the config (which
+# reads the checkpoint's spec) below what it configures, the app and __main__ on top.
+WORKER_ORDER = ("perf_config", "metrics", "model", "config", "engine", "executor", "adapters",
+                "startup", "api", "app", "__main__")
+
+
+def _worker_part(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["services", "worker"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def test_the_worker_imports_only_downwards():
+    worker = ROOT / "services" / "worker"
+    parts = {p.stem if p.is_file() else p.name for p in worker.iterdir()
+             if (p.is_file() and p.suffix == ".py" and p.name != "__init__.py")
+             or (p.is_dir() and (p / "__init__.py").exists())}
+    assert parts == set(WORKER_ORDER), parts ^ set(WORKER_ORDER)
+    rank = {name: i for i, name in enumerate(WORKER_ORDER)}
+    upward = []
+    for path in sorted(worker.rglob("*.py")):
+        mine = _worker_part(_module_name(path))
+        if mine is None:
+            continue
+        for imp in _imports(path, module_level=False):
+            theirs = _worker_part(imp)
+            if theirs in rank and rank[theirs] > rank[mine]:
+                upward.append(f"{path.relative_to(ROOT)} imports {imp}")
+    assert not upward, upward
+
+
+def test_at_most_8_modules_directly_in_the_worker():
+    flat = sorted(p.name for p in (ROOT / "services" / "worker").glob("*.py"))
+    assert len(flat) <= 8, flat
+
+
+def test_the_engine_step_is_about_ten_lines():
+    """Engine.step: schedule, launch, post-process; the bookkeeping is the scheduler's."""
+    tree = ast.parse((ROOT / "services" / "worker" / "engine" / "loop.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    step = next(n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "step")
+    assert step.end_lineno - step.lineno + 1 <= 12
 
 
 def test_the_cycle_finder_finds_one(tmp_path, monkeypatch):
@@ -100,12 +182,12 @@ def test_the_cycle_finder_finds_one(tmp_path, monkeypatch):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("def f():\n    from pkg.sub import b\n")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
     (pkg / "sub" / "b.py").write_text("from .. import c\n")
     (pkg / "c.py").write_text("import pkg.a\n")
-    (pkg / "d.py").write_text("from pkg import a, c\n")
+    (pkg / "d.py").write_text("from pkg import a, c\n\n\ndef f():\n    import pkg.d\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert _import_cycles("pkg") == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    assert import_cycles("pkg") == [["pkg.a", "pkg.c", "pkg.sub.b"]]
 
 
 def test_bench_has_no_module_at_its_top_but_its_init():

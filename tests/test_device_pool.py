@@ -303,8 +303,9 @@ def test_column_blocks_default_on_cuda_only():
 def test_split_attention_is_off_unless_asked_and_reaches_the_model(tmp_path):
     """LORAFLEET_SPLIT_ATTENTION: 0 by default, 1 turns it on, anything else is an error
     naming it; the engine's model takes the value its options carry."""
+    from services.worker.config import EngineOptions
     from services.worker.perf_config import PerfConfig
-    from services.worker.startup.factory import EngineOptions, build_engine
+    from services.worker.startup.factory import build_engine
     assert not PerfConfig.from_env({}).split_attention
     assert PerfConfig.from_env({"LORAFLEET_SPLIT_ATTENTION": "1"}).split_attention
     with pytest.raises(ValueError, match="LORAFLEET_SPLIT_ATTENTION"):

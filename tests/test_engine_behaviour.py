@@ -13,8 +13,9 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.worker.adapters.layout import staged_from_peft_dir
+from services.worker.config import EngineOptions
 from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.startup.factory import build_engine
 from tests.hf_fixtures import make_adapter, make_base
 from tests.test_engine_parity import hf_greedy
 

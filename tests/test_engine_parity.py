@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from services.worker.adapters.layout import staged_from_peft_dir
+from services.worker.config import EngineOptions
 from services.worker.engine.sequence import Sequence, Stopping
 from services.worker.perf_config import PerfConfig
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.startup.factory import build_engine
 from tests.hf_fixtures import ADAPTER_SPECS
 
 

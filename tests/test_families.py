@@ -17,7 +17,8 @@ from services.worker.engine.scheduler import Scheduled
 from services.worker.engine.sequence import Sequence, Stopping
 from services.worker.model.spec import load_spec
 from services.worker.perf_config import PerfConfig
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.config import EngineOptions
+from services.worker.startup.factory import build_engine
 from tests.family_fixtures import hf_greedy, make_family, reset_rope
 from tests.test_engine_parity import run_all
 

@@ -10,7 +10,8 @@ import torch
 
 from services.worker.adapters.layout import staged_from_peft_dir
 from services.worker.engine.sequence import Sequence, Stopping
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.config import EngineOptions
+from services.worker.startup.factory import build_engine
 from tests.family_fixtures import hf_greedy, make_family
 from tests.test_engine_parity import run_all
 

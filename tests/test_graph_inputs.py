@@ -9,8 +9,8 @@ import torch
 from services.worker.engine.scheduler import Scheduled
 from services.worker.engine.sequence import Sequence
 from services.worker.executor.graph_runner import GraphRunner
-from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
 from services.worker.executor.lora_choice import choose
+from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
 from tests.test_engine_parity import _engine
 
 

@@ -52,8 +52,8 @@ def test_a_router_with_tenants_runs_with_a_token_mtls_or_the_explicit_flag(tenan
     base = ["--tenants", tenants]
     assert router_args([*base, "--service-token-file", token]).tenants == tenants
     assert router_args([*base, "--tls-ca", "ca.pem", "--tls-cert", "c.pem", "--tls-key",
-                        "k.pem"]).tls_ca == "ca.pem"
-    assert router_args([*base, "--insecure-internal"]).insecure_internal
+                        "k.pem"]).common.tls_ca == "ca.pem"
+    assert router_args([*base, "--insecure-internal"]).common.insecure_internal
     assert router_args([]).tenants is None                   # dev mode: nothing needed
     with pytest.raises(ValueError, match="--tenants"):
         router_args([*base, "--tls-ca", "ca.pem"])           # verifies, but presents no cert
@@ -73,10 +73,10 @@ def test_a_store_or_worker_beyond_loopback_needs_auth_or_the_explicit_flag(build
     for listen in ("0.0.0.0:7003", "[::]:7003", ":7003"):
         with pytest.raises(ValueError, match=re.escape(f"--listen {listen} is reachable beyond")):
             build("--listen", listen)
-        assert build("--listen", listen, "--service-token-file", token).listen == listen
-        assert build("--listen", listen, "--insecure-internal").insecure_internal
+        assert build("--listen", listen, "--service-token-file", token).common.listen == listen
+        assert build("--listen", listen, "--insecure-internal").common.insecure_internal
     for listen in ("127.0.0.1:7003", "127.0.0.2:7003", "[::1]:7003", "localhost:7003"):
-        assert build("--listen", listen).listen == listen     # loopback: as before
+        assert build("--listen", listen).common.listen == listen     # loopback: as before
 
 
 def test_make_run_beyond_loopback_gives_its_services_one_token(tmp_path):
@@ -87,9 +87,9 @@ def test_make_run_beyond_loopback_gives_its_services_one_token(tmp_path):
     for name, cmd, _ in specs:
         assert cmd[cmd.index("--service-token-file") + 1] == token, name
     store_cmd, worker_cmd, router_cmd = (cmd[3:] for _, cmd, _ in specs)
-    assert from_args(store_parser().parse_args(store_cmd), {}).service_token_file == token
-    assert worker_args(worker_cmd).service_token_file == token
-    assert router_args(router_cmd).service_token_file == token
+    assert from_args(store_parser().parse_args(store_cmd), {}).common.service_token_file == token
+    assert worker_args(worker_cmd).common.service_token_file == token
+    assert router_args(router_cmd).common.service_token_file == token
     a.host = "127.0.0.1"
     assert all("--service-token-file" not in cmd
                for _, cmd, _ in devstack.service_specs(a, sys.executable, None, None))

@@ -37,11 +37,6 @@ def test_one_second_keepalives_through_an_idle_spell_drop_nothing(tmp_path):
 
 
 def test_keepalive_below_one_second_is_refused():
-    from services.common.runtime import check_common
-
-    class Cfg:
-        keepalive_s, grace, metrics_port, listen, log_level = 0.2, 1.0, 0, "h:1", "INFO"
-        tls_cert = tls_key = None
-        service_token_file = ""
+    from services.common.config import ServiceFlags
     with pytest.raises(ValueError, match="--keepalive-s"):
-        check_common(Cfg)
+        ServiceFlags(listen="h:1", metrics_port=0, keepalive_s=0.2, grace=1.0)

@@ -9,10 +9,11 @@ import pickle
 import pytest
 import torch
 
+from services.worker.config import EngineOptions
 from services.worker.engine.scheduler import Scheduled
 from services.worker.engine.sequence import Sequence, Stopping
 from services.worker.model.spec import UnsupportedModel, load_spec
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.startup.factory import build_engine
 from tests.hf_fixtures import make_family
 from tests.test_engine_parity import hf_greedy, run_all
 

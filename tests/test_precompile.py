@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 
+from services.worker.config import EngineOptions
 from services.worker.model.checkpoint import read_checkpoint
 from services.worker.startup import precompile
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.startup.factory import build_engine
 from services.worker.startup.precompile import WarmShape
 from services.worker.startup.warmup import Warmup
 from tests.support import MODEL_DIR

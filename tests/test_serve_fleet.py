@@ -28,7 +28,7 @@ def test_workers_on_one_device_share_the_memory_budgets_and_on_devices_each_thei
     from services.worker.config import WorkerConfig
     over, note = serve_fleet.layout(_args())
     assert over == [{"gpu_pool_bytes": "393216", "host_pool_bytes": "655360",
-                     "kv_cache_bytes": str(WorkerConfig().kv_cache_bytes // 2)}] * 2
+                     "kv_cache_bytes": str(WorkerConfig().engine.kv_cache_bytes // 2)}] * 2
     assert "1/2 of the memory budgets" in note
     over, note = serve_fleet.layout(_args(devices="cuda:0,cuda:1", device="cuda"))
     assert over == [{"device": "cuda:0"}, {"device": "cuda:1"}]

@@ -96,10 +96,9 @@ def test_the_worker_eviction_flag_reaches_its_config():
 
 
 def test_the_worker_mixed_graph_flag_reaches_its_engine_options():
-    from services.worker.app import engine_options
     from services.worker.config import parse_args
-    assert engine_options(parse_args([])).graph_mixed_tokens == 1024
-    assert engine_options(parse_args(["--graph-mixed-tokens", "0"])).graph_mixed_tokens == 0
+    assert parse_args([]).engine.graph_mixed_tokens == 1024
+    assert parse_args(["--graph-mixed-tokens", "0"]).engine.graph_mixed_tokens == 0
 
 
 def test_only_config_and_main_modules_read_the_environment():

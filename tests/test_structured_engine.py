@@ -21,7 +21,8 @@ from services.worker.config import GrammarOptions
 from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
 from services.worker.executor.graph_inputs import collect, start_sampling
 from services.worker.executor.sampling import apply_bitmask
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.config import EngineOptions
+from services.worker.startup.factory import build_engine
 from tests.support import MODEL_DIR
 
 SCHEMA = {"type": "object", "properties": {

@@ -7,7 +7,8 @@ from __future__ import annotations
 import types
 
 from services.worker import metrics
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.config import EngineOptions
+from services.worker.startup.factory import build_engine
 from services.worker.startup.warmup import Warmup, token_counts
 from tests.support import MODEL_DIR
 

@@ -5,7 +5,8 @@ rank-64 SGMV specializations while serving 140 mixed-rank adapters: the warm-up 
 adapters only at the rank-16 tile.)"""
 from __future__ import annotations
 
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.config import EngineOptions
+from services.worker.startup.factory import build_engine
 from services.worker.startup.warmup import Warmup, token_counts
 from tests.support import MODEL_DIR
 

@@ -51,22 +51,22 @@ def fleet_config(header: dict, **over) -> FleetConfig:
     from services.adapter_store.config import StoreConfig
     from services.common.runtime import parse_bytes
     from services.router.config import RouterConfig
-    from services.worker.config import WorkerConfig
+    from services.worker.config import flag_defaults
     cmd = header["services"]
     w, r, st = (_flags(cmd[k]) for k in ("worker", "router", "adapter_store"))
-    wd, rd, sd = WorkerConfig(), RouterConfig, StoreConfig
+    wd, rd, sd = flag_defaults(), RouterConfig, StoreConfig
 
     def get(flags: dict, name: str, default, kind=int):
         return kind(flags[name]) if name in flags else default
     values = {
-        "gpu_pool_bytes": get(w, "gpu-pool-bytes", wd.gpu_pool_bytes, parse_bytes),
-        "pool_slots": get(w, "pool-slots", wd.pool_slots),
-        "host_pool_bytes": get(w, "host-pool-bytes", wd.host_pool_bytes, parse_bytes),
-        "max_running": get(w, "max-running", wd.max_running),
-        "max_batch_tokens": get(w, "max-batch-tokens", wd.max_batch_tokens),
-        "tenant_share": get(w, "tenant-share", wd.tenant_share, float),
-        "eviction": get(w, "eviction", wd.eviction, str),
-        "loader_threads": get(w, "loader-threads", wd.loader_threads),
+        "gpu_pool_bytes": get(w, "gpu-pool-bytes", wd["gpu_pool_bytes"], parse_bytes),
+        "pool_slots": get(w, "pool-slots", wd["pool_slots"]),
+        "host_pool_bytes": get(w, "host-pool-bytes", wd["host_pool_bytes"], parse_bytes),
+        "max_running": get(w, "max-running", wd["max_running"]),
+        "max_batch_tokens": get(w, "max-batch-tokens", wd["max_batch_tokens"]),
+        "tenant_share": get(w, "tenant-share", wd["tenant_share"], float),
+        "eviction": get(w, "eviction", wd["eviction"], str),
+        "loader_threads": get(w, "loader-threads", wd["loader_threads"]),
         "store_host_bytes": get(st, "host-cache-bytes",
                                 sd.__dataclass_fields__["host_cache_bytes"].default, parse_bytes),
         "max_in_flight_per_worker": get(r, "max-in-flight-per-worker",

@@ -17,7 +17,8 @@ def build_engine(layers: int, distinct: int, cuda_graphs: bool,
     from bench.lib.synthetic import NullTokenizer, adapter_tensors, llama7b_spec, random_weights
     from services.worker.adapters.layout import staged_from_tensors
     from services.worker.perf_config import PerfConfig
-    from services.worker.startup.factory import EngineOptions, assemble
+    from services.worker.config import EngineOptions
+    from services.worker.startup.factory import assemble
     dev = torch.device(device)
     spec = llama7b_spec(layers)
     extra = {} if graph_max_rank is None else {"graph_max_rank": graph_max_rank}

@@ -35,7 +35,8 @@ from bench.lib.header import RESULTS, ROOT
 from bench.lib.synthetic import SHAPES, adapter_tensors
 from services.worker.adapters.layout import staged_from_tensors
 from services.worker.engine.sequence import Sequence, Stopping
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.config import EngineOptions
+from services.worker.startup.factory import build_engine
 
 SCENARIOS = {"base-only": 0, "1 adapter": 1, "8 adapters": 8, "32 adapters": 32}
 TINY = {k: v for k, v in SHAPES["tiny"].items() if k != "torch_dtype"}     # the demo model's

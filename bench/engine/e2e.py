@@ -30,7 +30,8 @@ from bench.lib.timing import copy_tbps
 from services.worker.adapters.layout import staged_from_tensors
 from services.worker.engine.sequence import Sampling, Sequence, Stopping
 from services.worker.perf_config import PerfConfig
-from services.worker.startup.factory import EngineOptions, assemble
+from services.worker.config import EngineOptions
+from services.worker.startup.factory import assemble
 
 
 def copy_bandwidth(device) -> float:

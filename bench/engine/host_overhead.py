@@ -72,7 +72,8 @@ from services.worker.engine.sequence import Sampling, Sequence, Stopping
 from services.worker.executor.graph_runner import GraphRunner
 from services.worker.executor.step_inputs import StepPlan
 from services.worker.perf_config import PerfConfig
-from services.worker.startup.factory import EngineOptions, build_engine
+from services.worker.config import EngineOptions
+from services.worker.startup.factory import build_engine
 
 ADAPTERS = ("acme-support", "pirate", "poet")
 PROMPTS = ("Tell me about the weather.", "Can you help me?", "Hello!", "How are you?",

@@ -45,7 +45,8 @@ from services.worker.api.grammar import GrammarCompiler
 from services.worker.config import GrammarOptions
 from services.worker.engine.sequence import Sampling, Sequence, Stopping
 from services.worker.model.spec import ModelSpec
-from services.worker.startup.factory import EngineOptions, assemble
+from services.worker.config import EngineOptions
+from services.worker.startup.factory import assemble
 
 # a row's schema: records with integers, enums and bounded strings, at least 64 of them, so a
 # sampled row never ends it within a run (the batch stays full)

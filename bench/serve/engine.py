@@ -52,8 +52,9 @@ def run(params: dict) -> dict:
     [{name, concurrency, warmup: [Request], requests: [Request]}]."""
     import torch
     from services.worker.adapters.layout import staged_from_peft_dir
+    from services.worker.config import EngineOptions
     from services.worker.perf_config import PerfConfig
-    from services.worker.startup.factory import EngineOptions, build_engine
+    from services.worker.startup.factory import build_engine
     # the worker's own performance choices (it reads LORAFLEET_* in its config)
     opts = EngineOptions(**params["options"], perf=PerfConfig.from_env(os.environ))
     threads = params.get("cpu_threads", 1)          # as the worker's --cpu-threads default

@@ -34,11 +34,11 @@ def layout(args) -> tuple[list[dict], str]:
         return ([{"device": f"cuda:{i}"} for i in range(w)],
                 "one device each: " + ",".join(f"cuda:{i}" for i in range(w)))
     from services.common.runtime import parse_bytes
-    from services.worker.config import WorkerConfig
-    d = WorkerConfig()
+    from services.worker.config import flag_defaults
+    d = flag_defaults()
     share = {}
     for key in BUDGETS:
-        total = parse_bytes(getattr(args, key) or getattr(d, key))
+        total = parse_bytes(getattr(args, key) or d[key])
         share[key] = str(total // w)
     note = (f"all {w} on {args.device}, each with 1/{w} of the memory budgets ("
             + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in share.items()) + ")")

@@ -17,14 +17,14 @@ def engine_options(args, manifest: dict, ids: list[str]) -> dict:
     """The worker's engine options from the convenience flags (the worker's defaults where
     unset), the pool made large enough to hold every adapter of the run at once."""
     from services.common.runtime import parse_bytes
-    from services.worker.config import WorkerConfig
-    d = WorkerConfig()
+    from services.worker.config import flag_defaults
+    d = flag_defaults()
     elem = 4 if args.device == "cpu" else 2                 # the pool's dtype: fp32 / bf16
     need = sum(elem * manifest["elements"][rank_of(a)] for a in ids)
 
     def get(key: str):
         value = getattr(args, key)
-        return getattr(d, key) if value is None else value
+        return d[key] if value is None else value
     return {"device": args.device, "dtype": "auto",
             "kv_cache_bytes": parse_bytes(get("kv_cache_bytes")),
             "max_batch_tokens": int(get("max_batch_tokens")),

@@ -170,14 +170,14 @@ class Suite:
         """The share of the workload's adapter bytes the GPU pool can hold (<= 0.25: issue
         42's 'a quarter at most')."""
         from services.common.runtime import parse_bytes
-        from services.worker.config import WorkerConfig
+        from services.worker.config import flag_defaults
         ids = self.bench.ids(w.scenario("x", concurrency=1))
         if not ids:
             return None
         from bench.serve.run import rank_of
         elem = 4 if self.args.device == "cpu" else 2
         total = sum(elem * self.bench.manifest["elements"][rank_of(a)] for a in ids)
-        pool = parse_bytes(self.args.gpu_pool_bytes or WorkerConfig().gpu_pool_bytes)
+        pool = parse_bytes(self.args.gpu_pool_bytes or flag_defaults()["gpu_pool_bytes"])
         return round(min(1.0, pool / total), 4)
 
     def closed_row(self, w, streams: int, state: str = "steady") -> float | None:

@@ -19,16 +19,17 @@ log = logging.getLogger("services.adapter_store")
 async def _run(config: store_config.StoreConfig) -> None:
     store, registry = build_store(config)
     server, port, health = create_server(config, store)
-    log.info("adapter store listening on %s (port %d)", config.listen, port)
-    if config.metrics_port:
-        log.info("metrics on %s:%d/metrics", metrics_host(config), config.metrics_port)
+    flags = config.common
+    log.info("adapter store listening on %s (port %d)", flags.listen, port)
+    if flags.metrics_port:
+        log.info("metrics on %s:%d/metrics", metrics_host(flags), flags.metrics_port)
     background = BackgroundValidator(store, registry, config.background_threads,
                                      config.background_bytes_per_s)
 
     async def started() -> None:        # just before SERVING; it begins a while after
         background.start()
 
-    await serve(server, health, config.grace, on_drain=background.stop, name="adapter-store",
+    await serve(server, health, flags.grace, on_drain=background.stop, name="adapter-store",
                 started=started)
     await background.stop()
     store.close()
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
         return 2
-    setup_tracing("adapter-store", config.otlp_endpoint, config.trace_file)
+    setup_tracing("adapter-store", config.common.otlp_endpoint, config.common.trace_file)
     return serve_ports("adapter-store", config, lambda: asyncio.run(_run(config)) or 0)
 
 

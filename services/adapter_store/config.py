@@ -8,7 +8,9 @@ import pathlib
 from dataclasses import dataclass
 from typing import Mapping
 
-from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
+from services.common.config import ServiceFlags, add_flags
+from services.common.internal_auth import check_internal_server
+from services.common.runtime import parse_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -21,7 +23,6 @@ class StoreConfig:
     """Everything the store needs; `base_config` is the served model's config.json."""
 
     base_config: pathlib.Path
-    listen: str = "127.0.0.1:7003"
     adapters_dir: pathlib.Path | None = None
     # more directories file:///ABS sources may be under (--allow-source-root, repeatable)
     allow_source_roots: tuple[pathlib.Path, ...] = ()
@@ -49,19 +50,8 @@ class StoreConfig:
     # Socket timeouts for S3 when the caller set no deadline (seconds).
     s3_connect_timeout: float = 5.0
     s3_read_timeout: float = 30.0
-    metrics_port: int = 9103
-    metrics_host: str = ""             # "" = the --listen host
-    keepalive_s: float = 20.0          # ping interval of channels to peers
-    service_token_file: str = ""       # the internal services' shared token
-    grace: float = 10.0
-    log_level: str = "INFO"
-    otlp_endpoint: str | None = None
-    trace_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    reflection: bool = False           # serve grpc.reflection (--reflection)
-    insecure_internal: bool = False    # allow open internal calls (services.common.internal_auth)
+    # the flags every service takes (services.common.config)
+    common: ServiceFlags = ServiceFlags(listen="127.0.0.1:7003", metrics_port=9103)
 
     def __post_init__(self) -> None:
         _require(self.base_config.is_file(), f"base model config {self.base_config} not found")
@@ -92,7 +82,7 @@ class StoreConfig:
                  f"--shm-dir {self.shm_dir} is not a directory")
         _require(self.s3_connect_timeout > 0 and self.s3_read_timeout > 0,
                  "S3 timeouts must be > 0")
-        check_common(self)
+        check_internal_server(self.common)
 
     def versions_path(self) -> pathlib.Path | None:
         """--version-dir, else DB.versions beside --db (None for ':memory:': a temporary
@@ -112,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.adapter_store",
                                 description="lorafleet adapter store: registry, validation, "
                                             "host-memory tier, Fetch streams")
-    add_common_flags(p, listen="127.0.0.1:7003", metrics_port=9103, grace=10.0)
+    add_flags(p, listen="127.0.0.1:7003", metrics_port=9103, grace=10.0)
     p.add_argument("--adapters-dir", default=None,
                    help="record every PEFT adapter DIR/NAME at start as NAME (shared; its "
                         "weights validated in the background after start, or on first use), "
@@ -165,7 +155,7 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
     base = (pathlib.Path(args.base_config) if args.base_config
             else pathlib.Path(args.model) / "config.json")
     return StoreConfig(
-        base_config=base, listen=args.listen,
+        base_config=base, common=ServiceFlags.from_args(args),
         adapters_dir=pathlib.Path(args.adapters_dir) if args.adapters_dir else None,
         allow_source_roots=tuple(pathlib.Path(d) for d in args.allow_source_root),
         version_dir=pathlib.Path(args.version_dir) if args.version_dir else None,
@@ -176,5 +166,4 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
         max_adapter_bytes=args.max_adapter_bytes, chunk_bytes=args.chunk_bytes,
         scan_threads=args.scan_threads, background_threads=args.background_validate_threads,
         background_bytes_per_s=args.background_validate_bytes_per_s,
-        shm_dir=pathlib.Path(args.shm_dir) if args.shm_dir else None,
-        **common_values(args))
+        shm_dir=pathlib.Path(args.shm_dir) if args.shm_dir else None)

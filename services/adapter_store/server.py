@@ -52,7 +52,7 @@ def build_store(config: StoreConfig) -> tuple[AdapterStore, Registry]:
 
 def create_server(config: StoreConfig, store: AdapterStore | None = None
                   ) -> tuple[grpc.aio.Server, int, object]:
-    """The gRPC server (not started) on config.listen: (server, port, health servicer)."""
+    """The gRPC server (not started) on --listen: (server, port, health servicer)."""
     store = store or build_store(config)[0]
     servicer = AdapterStoreServicer(store, config.chunk_bytes)
 
@@ -60,9 +60,9 @@ def create_server(config: StoreConfig, store: AdapterStore | None = None
         adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(servicer, server)
         return [SERVICE_NAME]
 
-    credentials = common_server.server_credentials(config.tls_cert, config.tls_key,
-                                                   config.tls_ca)
-    token = read_token(config.service_token_file)
-    describe("adapter store", token, config.tls_ca)
-    return common_server.create_server(config.listen, register, credentials,
-                                       reflection=config.reflection, service_token=token)
+    flags = config.common
+    credentials = common_server.server_credentials(flags.tls_cert, flags.tls_key, flags.tls_ca)
+    token = read_token(flags.service_token_file)
+    describe("adapter store", token, flags.tls_ca)
+    return common_server.create_server(flags.listen, register, credentials,
+                                       reflection=flags.reflection, service_token=token)

@@ -23,9 +23,10 @@ HOW = ("give every service the same --service-token-file FILE, or mTLS (--tls-ca
        "--tls-cert/--tls-key); --insecure-internal runs with them open")
 
 
-def authenticated(cfg) -> bool:
-    """Whether internal calls to or from this service are authenticated (token or mTLS)."""
-    return bool(cfg.service_token_file) or bool(cfg.tls_ca and cfg.tls_cert)
+def authenticated(flags) -> bool:
+    """Whether internal calls to or from this service (flags: its ServiceFlags) are
+    authenticated (token or mTLS)."""
+    return bool(flags.service_token_file) or bool(flags.tls_ca and flags.tls_cert)
 
 
 def loopback(host: str) -> bool:
@@ -46,18 +47,21 @@ def loopback(host: str) -> bool:
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
 
 
-def check_internal_server(cfg) -> None:
-    """A store or worker: refuse (ValueError) open internal calls beyond loopback."""
-    if cfg.insecure_internal or authenticated(cfg):
+def check_internal_server(flags) -> None:
+    """A store or worker (flags: its ServiceFlags): refuse (ValueError) open internal calls
+    beyond loopback."""
+    if flags.insecure_internal or authenticated(flags):
         return
-    host = cfg.listen if cfg.listen.startswith("unix:") else cfg.listen.rpartition(":")[0]
+    listen = flags.listen
+    host = listen if listen.startswith("unix:") else listen.rpartition(":")[0]
     if not loopback(host):
-        raise ValueError(f"--listen {cfg.listen} is reachable beyond this machine, and internal "
+        raise ValueError(f"--listen {listen} is reachable beyond this machine, and internal "
                          f"calls to it would not be authenticated: {HOW}")
 
 
-def check_router(cfg) -> None:
-    """The router: refuse (ValueError) --tenants with open internal calls."""
-    if cfg.tenants and not (cfg.insecure_internal or authenticated(cfg)):
+def check_router(flags, tenants: str | None) -> None:
+    """The router (flags: its ServiceFlags): refuse (ValueError) --tenants with open internal
+    calls."""
+    if tenants and not (flags.insecure_internal or authenticated(flags)):
         raise ValueError(f"--tenants (production mode) needs authenticated internal calls: "
                          f"{HOW}")

@@ -52,14 +52,15 @@ def check_free(flag: str, address: str) -> None:
 
 def service_ports(cfg) -> list[tuple[str, str]]:
     """(flag, HOST:PORT) of every port the service's config makes it listen on."""
-    ports = [("--listen", cfg.listen)]
+    common = cfg.common
+    ports = [("--listen", common.listen)]
     if getattr(cfg, "http_listen", ""):
         ports.append(("--http-listen", cfg.http_listen))
-    if cfg.metrics_port:
+    if common.metrics_port:
         from services.common.runtime import metrics_host
-        host = metrics_host(cfg)
-        ports.append(("--metrics-port", f"[{host}]:{cfg.metrics_port}" if ":" in host
-                      else f"{host}:{cfg.metrics_port}"))
+        host = metrics_host(common)
+        ports.append(("--metrics-port", f"[{host}]:{common.metrics_port}" if ":" in host
+                      else f"{host}:{common.metrics_port}"))
     return ports
 
 

@@ -35,14 +35,15 @@ async def main_async(cfg: RouterConfig) -> None:
     if tenants.dev_mode:
         log.warning("no --tenants file: DEV MODE — the bearer token is taken as the tenant "
                     "name (no token: tenant 'dev') and any tenant may register adapters")
-    tls = (cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
-    token = read_token(cfg.service_token_file)       # sent on calls to the store, workers
-    if cfg.tenants and cfg.insecure_internal and not (token or cfg.tls_ca):
+    common = cfg.common
+    tls = (common.tls_ca, common.tls_cert, common.tls_key)
+    token = read_token(common.service_token_file)       # sent on calls to the store, workers
+    if cfg.tenants and common.insecure_internal and not (token or common.tls_ca):
         log.warning("--insecure-internal: the store and workers are called without a service "
                     "token or mTLS; anyone who reaches their ports can call them as any tenant")
-    store_chan = channel(cfg.store, *tls, keepalive_s=cfg.keepalive_s, service_token=token)
+    store_chan = channel(cfg.store, *tls, keepalive_s=common.keepalive_s, service_token=token)
     ready = Readiness()
-    workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period, keepalive_s=cfg.keepalive_s,
+    workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period, keepalive_s=common.keepalive_s,
                         service_token=token, on_ready=ready.set)
     stats = RouterStats(tenants=TenantLabels(cfg.metrics_tenants))
     REGISTRY.register(FleetCollector(workers, stats))
@@ -58,9 +59,10 @@ async def main_async(cfg: RouterConfig) -> None:
         worker_wait=cfg.worker_wait)
     servicer = GenerationServicer(app)
     server, port, health = create_server(
-        cfg.listen, lambda s: (router_pb2_grpc.add_GenerationServiceServicer_to_server(
+        common.listen, lambda s: (router_pb2_grpc.add_GenerationServiceServicer_to_server(
             servicer, s), ["lorafleet.v1.GenerationService"])[1],
-        server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca), reflection=cfg.reflection,
+        server_credentials(common.tls_cert, common.tls_key, common.tls_ca),
+        reflection=common.reflection,
         max_receive_bytes=receive_limit(cfg.max_prompt_bytes))
     await ready.attach(health)
     await workers.start()
@@ -76,12 +78,12 @@ async def main_async(cfg: RouterConfig) -> None:
     poller = loop.create_task(poll_store_stats(app.store, stats))
     peers = None
     if cfg.peers:                       # the quotas shared among the live replicas
-        peers = Peers(list(cfg.peers), app.quotas, cfg.listen, cfg.peer_period, tls)
+        peers = Peers(list(cfg.peers), app.quotas, common.listen, cfg.peer_period, tls)
         peers.set_own_port(port)
         peers = loop.create_task(peers.run())
     freeze_startup_objects(log)
     try:
-        await serve(server, health, cfg.grace, name="router",
+        await serve(server, health, common.grace, name="router",
                     on_drain=gateway.stop if gateway else None)
     finally:
         poller.cancel()

@@ -5,8 +5,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from services.common.config import ServiceFlags, add_flags
 from services.common.internal_auth import check_router
-from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
+from services.common.runtime import parse_bytes
 from services.router.limits import DEFAULT_MAX_PROMPT_BYTES, RECEIVE_HEADROOM
 
 # a message's cap stays under gRPC's 64 MiB one (services.common.server.CHANNEL_OPTIONS)
@@ -15,7 +16,6 @@ MAX_PROMPT_CAP = (64 << 20) - RECEIVE_HEADROOM
 
 @dataclass(frozen=True)
 class RouterConfig:
-    listen: str = "127.0.0.1:7001"
     http_listen: str = ""               # OpenAI-compatible HTTP gateway; "" = off
     store: str = "127.0.0.1:7003"
     workers: tuple[str, ...] = ("127.0.0.1:7002",)
@@ -32,19 +32,8 @@ class RouterConfig:
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # text, messages or ids (limits.py)
     peers: tuple[str, ...] = ()         # the other router replicas sharing the quotas
     peer_period: float = 2.0            # seconds between checks of the peers
-    metrics_port: int = 9101
-    metrics_host: str = ""             # "" = the --listen host
-    keepalive_s: float = 20.0          # ping interval of channels to peers
-    service_token_file: str = ""       # the internal services' shared token
-    grace: float = 10.0
-    log_level: str = "INFO"
-    otlp_endpoint: str | None = None
-    trace_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    reflection: bool = False           # serve grpc.reflection (--reflection)
-    insecure_internal: bool = False    # allow open internal calls (services.common.internal_auth)
+    # the flags every service takes (services.common.config)
+    common: ServiceFlags = ServiceFlags(listen="127.0.0.1:7001", metrics_port=9101)
 
     def __post_init__(self) -> None:
         if self.metrics_tenants < 0:
@@ -64,20 +53,19 @@ class RouterConfig:
         if not 1 <= self.max_prompt_bytes <= MAX_PROMPT_CAP:
             raise ValueError(f"--max-prompt-bytes must be in 1..{MAX_PROMPT_CAP}, got "
                              f"{self.max_prompt_bytes}")
-        check_common(self, internal=False)
         if self.tenants:                 # read and checked now: a bad file exits 2, naming it
             from services.router.auth import Tenants
             try:
                 Tenants.load(self.tenants)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--tenants {self.tenants}: {exc}") from None
-        check_router(self)
+        check_router(self.common, self.tenants)
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p = argparse.ArgumentParser(prog="python -m services.router",
                                 description="lorafleet router: the public GenerationService")
-    add_common_flags(p, listen="127.0.0.1:7001", metrics_port=9101, grace=10.0)
+    add_flags(p, listen="127.0.0.1:7001", metrics_port=9101, grace=10.0)
     p.add_argument("--store", default=os.environ.get("LORAFLEET_STORE", "127.0.0.1:7003"),
                    help="adapter-store address (env LORAFLEET_STORE)")
     p.add_argument("--http-listen", default="",
@@ -118,11 +106,12 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                         "ids (4 bytes each) (1MiB)")
     a = p.parse_args(argv)
     return RouterConfig(
-        listen=a.listen, http_listen=a.http_listen, store=a.store, workers=tuple(a.worker or ["127.0.0.1:7002"]),
+        common=ServiceFlags.from_args(a), http_listen=a.http_listen, store=a.store,
+        workers=tuple(a.worker or ["127.0.0.1:7002"]),
         tenants=a.tenants, fair=a.fair_queue == "on",
         max_in_flight_per_worker=a.max_in_flight_per_worker, spill_rows=a.spill_rows,
         foothold_per_worker=a.foothold_per_worker,
         resolve_ttl=a.resolve_ttl,
-        dns_period=a.dns_period, worker_wait=a.worker_wait, max_prompt_bytes=a.max_prompt_bytes, **common_values(a),
+        dns_period=a.dns_period, worker_wait=a.worker_wait, max_prompt_bytes=a.max_prompt_bytes,
         peers=tuple(a.peer), peer_period=a.peer_period,
         metrics_tenants=a.metrics_tenants)

@@ -5,6 +5,7 @@ drain."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import pathlib
 import sys
@@ -17,6 +18,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from kernels import compile_watch, kernel_cache
+from services.common.config import ServiceFlags
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from services.common.runtime import freeze_startup_objects, run_service
 from services.common.server import create_server, serve, server_credentials, sync_channel
@@ -31,11 +33,11 @@ from services.worker.api.frontend_process import Front, FrontendFailed
 from services.worker.api.grammar import compiler_for
 from services.worker.api.residency_feed import ResidencyFeed
 from services.worker.api.servicer import WorkerServicer
-from services.worker.config import WorkerConfig, parse_args
+from services.worker.config import EngineOptions, WorkerConfig, parse_args
 from services.worker.engine.gauges import EngineGauges
 from services.worker.model.spec import load_spec
 from services.worker.startup import precompile
-from services.worker.startup.factory import Built, EngineOptions, build_engine
+from services.worker.startup.factory import Built, build_engine, resolve_device
 from services.worker.startup.precompile import WarmShape
 from services.worker.startup.warmup import Warmup
 
@@ -49,18 +51,9 @@ PRECOMPILE_TIMEOUT_S = 900.0        # precompile's children are stopped after th
 
 
 def engine_options(cfg: WorkerConfig) -> EngineOptions:
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return EngineOptions(device=device, dtype=cfg.dtype, kv_cache_bytes=cfg.kv_cache_bytes,
-                         block_size=cfg.block_size, max_batch_tokens=cfg.max_batch_tokens,
-                         max_prefill_with_decode=cfg.max_prefill_with_decode,
-                         graph_mixed_tokens=cfg.graph_mixed_tokens,
-                         max_running=cfg.max_running, pool_bytes=cfg.gpu_pool_bytes,
-                         pool_slots=cfg.pool_slots, max_model_len=cfg.max_model_len,
-                         share_prefixes=cfg.share_prefixes, fair=cfg.fair_queue,
-                         perf=cfg.perf, fault_inject_after_steps=cfg.fault_inject_after_steps,
-                         grammar_mask_threads=cfg.grammar.mask_threads)
+    """The config's engine options on this machine's device (--device auto resolved), as the
+    engine, the precompile children and their fingerprint get them."""
+    return dataclasses.replace(cfg.engine, device=resolve_device(cfg.engine.device))
 
 
 def load_fn(engine):
@@ -100,8 +93,8 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
     and wire the adapter manager, the residency feed and the servicer."""
     opts = engine_options(cfg)
     warm_up = cfg.warmup == "on" or (cfg.warmup == "auto" and opts.device.startswith("cuda"))
-    shape = WarmShape(cfg.max_batch_tokens, cfg.warmup_max_rank, cfg.max_running,
-                      cfg.max_prefill_with_decode)
+    shape = WarmShape(opts.max_batch_tokens, cfg.warmup_max_rank, opts.max_running,
+                      opts.max_prefill_with_decode)
     cuda = opts.device.startswith("cuda")
     digest = precompile.fingerprint(cfg.model, opts, shape) if warm_up and cuda else ""
     wait = None
@@ -115,9 +108,10 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
         asyncio.to_thread(build_engine, cfg.model, opts, None, wait),
         asyncio.to_thread(HostTier, cfg.host_pool_bytes, cfg.tenant_share or None,
                           opts.device.startswith("cuda"), load_spec(cfg.model)))
-    store = StoreClient(sync_channel(cfg.store, cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
-                                     keepalive_s=cfg.keepalive_s,
-                                     service_token=read_token(cfg.service_token_file)),
+    common = cfg.common
+    store = StoreClient(sync_channel(cfg.store, common.tls_ca, common.tls_cert, common.tls_key,
+                                     keepalive_s=common.keepalive_s,
+                                     service_token=read_token(common.service_token_file)),
                         shm_dir=cfg.store_shm_dir or None)
     await asyncio.to_thread(built.pool.warm_up)
     if warm_up:
@@ -134,7 +128,7 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
                              loader_threads=cfg.loader_threads, eviction=cfg.eviction,
                              host_placement=cfg.host_placement,
                              evictions=metrics.Evictions(TenantLabels(cfg.metrics_tenants)))
-    gauges = EngineGauges(built.spec.name, cfg.pool_slots)
+    gauges = EngineGauges(built.spec.name, cfg.engine.pool_slots)
     REGISTRY.register(gauges)
     built.engine.on_step = gauges.step
     base_load = load_fn(built.engine)
@@ -175,19 +169,12 @@ async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:
     built, servicer, feed = core.built, core.servicer, core.feed
     stop, stopped = threading.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    # a forward pass failed (engine.py): the requests have ended INTERNAL; drain and exit 1
+    # a forward pass failed (engine/loop.py): the requests have ended INTERNAL; drain and exit 1
     built.engine.on_fatal = lambda exc: loop.call_soon_threadsafe(stopped.set)
     thread = threading.Thread(target=built.engine.run, args=(stop,), name="engine", daemon=True)
     thread.start()
     front = Front(cfg, servicer, loop, ROOT, env) if cfg.frontend == "process" else None
-    server, port, health = create_server(
-        front.core_address if front else cfg.listen,
-        lambda s: (worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
-                   ["lorafleet.v1.Worker"])[1],
-        None if front else server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
-        reflection=cfg.reflection and front is None,
-        service_token="" if front else read_token(cfg.service_token_file))
-    describe("worker", read_token(cfg.service_token_file), cfg.tls_ca)
+    server, port, health = _server(cfg.common, servicer, front)
     ticker = loop.create_task(feed.tick())
 
     async def started():
@@ -205,8 +192,8 @@ async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:
         if front is not None:
             front.link.drain(fatal=bool(built.engine.failed))
     try:
-        await serve(server, health, cfg.grace, on_drain=drain, name="worker", started=started,
-                    stop=stopped)
+        await serve(server, health, cfg.common.grace, on_drain=drain, name="worker",
+                    started=started, stop=stopped)
     except FrontendFailed as exc:
         log.error("%s", exc)
         await server.stop(0)
@@ -214,7 +201,7 @@ async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:
     finally:
         ticker.cancel()
         if front is not None:
-            await front.close(cfg.grace + 5)
+            await front.close(cfg.common.grace + 5)
         core.manager.close()
         stop.set()
         built.engine.wake()
@@ -223,6 +210,21 @@ async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:
         log.error("worker stopped: its engine failed (%s)", built.engine.failed)
         return 1
     return 1 if front is not None and front.failed else 0
+
+
+def _server(common: ServiceFlags, servicer: WorkerServicer, front: Front | None):
+    """The core's gRPC server (not started): on --listen, or with a front end process on the
+    private socket it passes calls through (the front end then has the TLS, the token check
+    and reflection); (server, port, health)."""
+    server = create_server(
+        front.core_address if front else common.listen,
+        lambda s: (worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
+                   ["lorafleet.v1.Worker"])[1],
+        None if front else server_credentials(common.tls_cert, common.tls_key, common.tls_ca),
+        reflection=common.reflection and front is None,
+        service_token="" if front else read_token(common.service_token_file))
+    describe("worker", read_token(common.service_token_file), common.tls_ca)
+    return server
 
 
 def main(argv: list[str] | None, env: dict[str, str]) -> int:

@@ -1,11 +1,14 @@
-"""The worker's configuration: one frozen dataclass, built once in main() from flags + env."""
+"""The worker's configuration: one frozen dataclass (WorkerConfig, its engine's build options
+in it: EngineOptions), built once in main() from flags + env."""
 from __future__ import annotations
 
 import argparse
 import os
 from dataclasses import dataclass, field
 
-from services.common.runtime import add_common_flags, check_common, common_values, parse_bytes
+from services.common.config import ServiceFlags, add_flags
+from services.common.internal_auth import check_internal_server
+from services.common.runtime import parse_bytes
 from services.worker.perf_config import PerfConfig
 
 # --tool-call-format: auto (the chat template's), none, or one of the formats the chat template
@@ -32,60 +35,31 @@ class GrammarOptions:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    listen: str = "127.0.0.1:7002"
-    model: str = "models/tiny-llama"
-    store: str = "127.0.0.1:7003"
-    device: str = "auto"
-    dtype: str = "auto"
-    kv_cache_bytes: int = 256 << 20
-    gpu_pool_bytes: int = 256 << 20
-    pool_slots: int = 128
-    host_pool_bytes: int = 1 << 30
+class EngineOptions:
+    """How the engine is built (services.worker.startup.factory.build_engine): the worker's flags
+    give it as WorkerConfig.engine; tests and benchmarks make their own (these defaults are
+    small: the worker's are WORKER_ENGINE)."""
+    device: str = "cpu"                 # cpu, cuda, cuda:N, or auto (cuda when there is one)
+    dtype: str = "auto"                 # auto: bf16 on GPU, fp32 on CPU
+    kv_cache_bytes: int = 64 << 20
     block_size: int = 16
-    max_batch_tokens: int = 1024
-    max_prefill_with_decode: int = 0    # prompt tokens a step takes beside decode rows (0: no cap)
-    graph_mixed_tokens: int = 1024      # mixed steps up to this many tokens replay CUDA graphs
-    max_running: int = 128
-    max_model_len: int = 0
-    max_new_tokens: int = 64            # default when a request leaves it 0
-    max_new_tokens_limit: int = 4096
-    tenant_share: float = 0.5           # per-tenant cap of each adapter tier; 0 = caps off
-    eviction: str = "lru"               # the GPU pool's order: lru, or cost (GDSF)
-    metrics_tenants: int = 50           # tenants named on /metrics; the rest are "other"
-    metrics_port: int = 9102
-    metrics_host: str = ""             # "" = the --listen host
-    keepalive_s: float = 20.0          # ping interval of channels to peers
-    service_token_file: str = ""       # the internal services' shared token
-    grace: float = 10.0
-    log_level: str = "INFO"
-    otlp_endpoint: str | None = None
-    trace_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    reflection: bool = False           # serve grpc.reflection (--reflection)
-    insecure_internal: bool = False    # allow open internal calls (services.common.internal_auth)
-    worker_id: str = ""
-    cpu_threads: int = 1                # torch intra-op threads for a CPU engine (0 = torch's)
-    store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
-    loader_threads: int = 8             # cold loads that run at once
-    host_placement: str = "inline"      # where a load from the host tier is placed (or loader)
-    frontend: str = "process"           # process: the gRPC port in a process of its own
-    kernel_cache: str = ""              # compiled kernels kept here across restarts ("": Triton's)
-    warmup: str = "auto"                # run every eager step shape before SERVING (auto: GPU)
-    warmup_max_rank: int = 128          # the largest adapter rank the warm-up prepares for
-    precompile_procs: int = 0           # child processes compiling a cold kernel cache
-    share_prefixes: bool = True         # prompt blocks shared within a tenant and adapter
-    fair_queue: bool = True             # admit waiting sequences in the tenants' VTC order
+    max_batch_tokens: int = 512
+    max_prefill_with_decode: int = 0    # prompt tokens beside decode rows (scheduler.py; 0: no cap)
+    max_running: int = 64
+    pool_bytes: int = 64 << 20          # the adapter pool on the device (--gpu-pool-bytes)
+    pool_slots: int = 64
+    max_model_len: int = 0              # 0 = the model's max_position_embeddings
+    cuda_graphs: bool = True            # capture decode steps on CUDA
+    graph_max_rank: int = 64            # largest LoRA rank the graphs serve (tiles 16 .. this)
+    graph_mixed_tokens: int = 1024      # mixed steps up to this many tokens replay graphs (0: off)
+    overlap: bool = True                # launch decode step N+1 before post-processing N
+    share_prefixes: bool = True         # prompt blocks shared by sequences of one prefix
+    fair: bool = True                   # admission in the tenants' VTC order (--fair-queue)
+    perf: PerfConfig = field(default_factory=PerfConfig)   # forms of the same math (LORAFLEET_*)
     fault_inject_after_steps: int = 0   # TEST HOOK: forward passes after which one raises
-    perf: PerfConfig = field(default_factory=PerfConfig)   # LORAFLEET_* (perf_config.py)
-    grammar: GrammarOptions = field(default_factory=GrammarOptions)   # --grammar-*
-    tool_call_format: str = "auto"      # auto (the chat template's), none, or a format
+    grammar_mask_threads: int = 0       # a step's grammar mask threads (0: auto; --grammar-*)
 
     def __post_init__(self) -> None:
-        if self.metrics_tenants < 0:
-            raise ValueError("--metrics-tenants must be >= 0")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device: {self.device!r} is not auto, cpu or cuda[:N]")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -96,6 +70,44 @@ class WorkerConfig:
             raise ValueError("--max-prefill-with-decode must be >= 0 (0: no cap)")
         if self.graph_mixed_tokens < 0:
             raise ValueError("--graph-mixed-tokens must be >= 0 (0: mixed steps run eagerly)")
+        if self.fault_inject_after_steps < 0:
+            raise ValueError("--fault-inject-after-steps must be >= 0")
+
+
+# the worker's engine (its flags' defaults)
+WORKER_ENGINE = EngineOptions(device="auto", kv_cache_bytes=256 << 20, max_batch_tokens=1024,
+                              max_running=128, pool_bytes=256 << 20, pool_slots=128)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str = "models/tiny-llama"
+    store: str = "127.0.0.1:7003"
+    engine: EngineOptions = WORKER_ENGINE
+    host_pool_bytes: int = 1 << 30
+    max_new_tokens: int = 64            # default when a request leaves it 0
+    max_new_tokens_limit: int = 4096
+    tenant_share: float = 0.5           # per-tenant cap of each adapter tier; 0 = caps off
+    eviction: str = "lru"               # the GPU pool's order: lru, or cost (GDSF)
+    metrics_tenants: int = 50           # tenants named on /metrics; the rest are "other"
+    # the flags every service takes (services.common.config)
+    common: ServiceFlags = ServiceFlags(listen="127.0.0.1:7002", metrics_port=9102)
+    worker_id: str = ""
+    cpu_threads: int = 1                # torch intra-op threads for a CPU engine (0 = torch's)
+    store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
+    loader_threads: int = 8             # cold loads that run at once
+    host_placement: str = "inline"      # where a load from the host tier is placed (or loader)
+    frontend: str = "process"           # process: the gRPC port in a process of its own
+    grammar: GrammarOptions = field(default_factory=GrammarOptions)   # --grammar-*
+    tool_call_format: str = "auto"      # auto (the chat template's), none, or a format
+    kernel_cache: str = ""              # compiled kernels kept here across restarts ("": Triton's)
+    warmup: str = "auto"                # run every eager step shape before SERVING (auto: GPU)
+    warmup_max_rank: int = 128          # the largest adapter rank the warm-up prepares for
+    precompile_procs: int = 0           # child processes compiling a cold kernel cache
+
+    def __post_init__(self) -> None:
+        if self.metrics_tenants < 0:
+            raise ValueError("--metrics-tenants must be >= 0")
         if not 0.0 <= self.tenant_share <= 1.0:
             raise ValueError("--tenant-share must be within [0, 1]")
         if self.eviction not in ("lru", "cost"):
@@ -115,14 +127,12 @@ class WorkerConfig:
             raise ValueError("--loader-threads must be >= 1")
         if self.host_placement not in ("inline", "loader"):
             raise ValueError(f"--host-placement: {self.host_placement!r} is not inline or loader")
-        if self.fault_inject_after_steps < 0:
-            raise ValueError("--fault-inject-after-steps must be >= 0")
         if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
             raise ValueError(f"--store-shm-dir {self.store_shm_dir}: not a directory")
         if self.tool_call_format not in TOOL_CALL_FORMATS:
             raise ValueError(f"--tool-call-format: {self.tool_call_format!r} is not one of "
                              f"{', '.join(TOOL_CALL_FORMATS)}")
-        check_common(self)
+        check_internal_server(self.common)
         from services.worker.model.spec import load_spec   # torch-free; reads config.json
         try:
             load_spec(self.model)
@@ -131,29 +141,36 @@ class WorkerConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    """The worker's config from its flags (argv; None: sys.argv) and environment."""
+    a = parser().parse_args(argv)
+    return WorkerConfig(
+        common=ServiceFlags.from_args(a), model=a.model, store=a.store, engine=engine_options(a),
+        host_pool_bytes=a.host_pool_bytes, max_new_tokens=a.max_new_tokens,
+        tenant_share=a.tenant_share, eviction=a.eviction, worker_id=a.worker_id,
+        cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
+        loader_threads=a.loader_threads, host_placement=a.host_placement,
+        frontend=a.frontend, warmup=a.warmup, kernel_cache=a.kernel_cache,
+        warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants,
+        precompile_procs=a.precompile_procs, **_grammar_values(a))
+
+
+def flag_defaults() -> dict:
+    """Each flag's default, by its argparse name (gpu_pool_bytes, ...; sizes in bytes): what a
+    benchmark describes a run's unset flags by."""
+    return vars(parser().parse_args([]))
+
+
+def parser() -> argparse.ArgumentParser:
+    """The worker's flags."""
     p = argparse.ArgumentParser(prog="python -m services.worker",
                                 description="lorafleet worker: base model, engine, adapter pool")
-    add_common_flags(p, listen="127.0.0.1:7002", metrics_port=9102, grace=10.0)
+    add_flags(p, listen="127.0.0.1:7002", metrics_port=9102, grace=10.0)
     p.add_argument("--model", default="models/tiny-llama", help="HF checkpoint directory")
     p.add_argument("--store", default=os.environ.get("LORAFLEET_STORE", "127.0.0.1:7003"),
                    help="adapter-store address (127.0.0.1:7003)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (auto)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, "
-                                                    "bfloat16, float16")
-    p.add_argument("--kv-cache-bytes", type=parse_bytes, default="256MiB")
-    p.add_argument("--gpu-pool-bytes", type=parse_bytes, default="256MiB",
-                   help="adapter pool on the compute device")
-    p.add_argument("--pool-slots", type=int, default=128, help="most adapters in the pool")
+    _add_engine_flags(p)
     p.add_argument("--host-pool-bytes", type=parse_bytes, default="1GiB",
                    help="pinned host tier of staged adapters")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    p.add_argument("--max-batch-tokens", type=int, default=1024, help="token budget per step")
-    p.add_argument("--max-prefill-with-decode", type=int, default=0,
-                   help="most prompt tokens a step takes while sequences decode: a burst of "
-                        "long prompts stalls the streams in flight less, and waits longer for "
-                        "its first tokens (0: only --max-batch-tokens)")
-    p.add_argument("--max-running", type=int, default=128, help="most sequences per step")
-    p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's")
     p.add_argument("--max-new-tokens", type=int, default=64, help="default max_new_tokens")
     p.add_argument("--tenant-share", type=float, default=0.5,
                    help="per-tenant cap of each adapter tier (fraction; 0 = caps off)")
@@ -171,25 +188,21 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    help="cold loads (fetch + placement) that run at once (8)")
     _add_start_flags(p)
     _add_grammar_flags(p)
-    a = p.parse_args(argv)
-    perf = PerfConfig.from_env(os.environ)
-    return WorkerConfig(
-        perf=perf, listen=a.listen, model=a.model, store=a.store, device=a.device,
-        dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes, gpu_pool_bytes=a.gpu_pool_bytes,
-        pool_slots=a.pool_slots, host_pool_bytes=a.host_pool_bytes, block_size=a.block_size,
-        max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
-        max_prefill_with_decode=a.max_prefill_with_decode, graph_mixed_tokens=a.graph_mixed_tokens,
-        max_model_len=a.max_model_len, max_new_tokens=a.max_new_tokens,
-        tenant_share=a.tenant_share, eviction=a.eviction, worker_id=a.worker_id,
-        **common_values(a),
-        cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
-        loader_threads=a.loader_threads, host_placement=a.host_placement,
-        frontend=a.frontend, warmup=a.warmup,
-        share_prefixes=a.share_prefixes, kernel_cache=a.kernel_cache,
-        fair_queue=a.fair_queue == "on",
-        warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants,
-        precompile_procs=a.precompile_procs,
-        fault_inject_after_steps=a.fault_inject_after_steps, **_grammar_values(a))
+    return p
+
+
+def engine_options(a: argparse.Namespace) -> EngineOptions:
+    """The engine's options from its flags (_add_engine_flags) and the LORAFLEET_* variables
+    (PerfConfig.from_env)."""
+    return EngineOptions(
+        device=a.device, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+        block_size=a.block_size, max_batch_tokens=a.max_batch_tokens,
+        max_prefill_with_decode=a.max_prefill_with_decode, max_running=a.max_running,
+        pool_bytes=a.gpu_pool_bytes, pool_slots=a.pool_slots, max_model_len=a.max_model_len,
+        graph_mixed_tokens=a.graph_mixed_tokens, share_prefixes=a.share_prefixes,
+        fair=a.fair_queue == "on", perf=PerfConfig.from_env(os.environ),
+        fault_inject_after_steps=a.fault_inject_after_steps,
+        grammar_mask_threads=a.grammar_mask_threads)
 
 
 def _grammar_values(a: argparse.Namespace) -> dict:
@@ -217,13 +230,46 @@ def _add_grammar_flags(p: argparse.ArgumentParser) -> None:
                         "them in it); auto: read from the chat template (auto)")
 
 
-def _add_start_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of the worker's processes, kernels, warm-up and metrics."""
-    p.add_argument("--graph-mixed-tokens", type=int, default=1024,
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the engine's options (EngineOptions; defaults: WORKER_ENGINE)."""
+    d = WORKER_ENGINE
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N (auto)")
+    p.add_argument("--dtype", default=d.dtype, help="auto (bf16 on GPU, fp32 on CPU), float32, "
+                                                     "bfloat16, float16")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=d.kv_cache_bytes)
+    p.add_argument("--gpu-pool-bytes", type=parse_bytes, default=d.pool_bytes,
+                   help="adapter pool on the compute device")
+    p.add_argument("--pool-slots", type=int, default=d.pool_slots, help="most adapters in the pool")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help="token budget per step")
+    p.add_argument("--max-prefill-with-decode", type=int, default=d.max_prefill_with_decode,
+                   help="most prompt tokens a step takes while sequences decode: a burst of "
+                        "long prompts stalls the streams in flight less, and waits longer for "
+                        "its first tokens (0: only --max-batch-tokens)")
+    p.add_argument("--max-running", type=int, default=d.max_running,
+                   help="most sequences per step")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="0 = the model's")
+    p.add_argument("--graph-mixed-tokens", type=int, default=d.graph_mixed_tokens,
                    help="on CUDA, steps with prompt tokens (beside decode rows or not) of up to "
                         "this many tokens (at most 1024: above, a step's GPU time hides its "
                         "launches) replay CUDA graphs captured at start, padded to the next "
                         "captured size; larger ones run eagerly (0: all of them) (1024)")
+    p.add_argument("--fair-queue", default="on", choices=("on", "off"),
+                   help="admit waiting sequences in the tenants' virtual-token-counter order, "
+                        "as the router does (on); off: arrival order")
+    p.add_argument("--share-prefixes", action=argparse.BooleanOptionalAction,
+                   default=d.share_prefixes,
+                   help="a sequence takes the KV blocks of its prompt's start that a running "
+                        "one of the same tenant and adapter computed (on)")
+    p.add_argument("--fault-inject-after-steps", type=int, default=0, metavar="N",
+                   help="TEST HOOK, never in production: after N forward passes every further "
+                        "one raises, as a device error would (the worker fails its requests, "
+                        "drains and exits 1); 0: off (0)")
+
+
+def _add_start_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the worker's processes, kernels, warm-up and metrics."""
     p.add_argument("--frontend", default="process", choices=("process", "inline"),
                    help="process: the public gRPC port is served by a process of its own, "
                         "which streams tokens while this one runs the engine; inline: one "
@@ -237,12 +283,6 @@ def _add_start_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-cache", default="",
                    help="directory that keeps compiled GPU kernels across restarts (created if "
                         "missing; default: Triton's own cache, ~/.triton/cache)")
-    p.add_argument("--fair-queue", default="on", choices=("on", "off"),
-                   help="admit waiting sequences in the tenants' virtual-token-counter order, "
-                        "as the router does (on); off: arrival order")
-    p.add_argument("--share-prefixes", action=argparse.BooleanOptionalAction, default=True,
-                   help="a sequence takes the KV blocks of its prompt's start that a running "
-                        "one of the same tenant and adapter computed (on)")
     p.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
                    help="before SERVING, run each kind of eager step once (prompt lengths up "
                         "to --max-batch-tokens, beside decode rows, with adapters of each rank "
@@ -253,9 +293,5 @@ def _add_start_flags(p: argparse.ArgumentParser) -> None:
                         "each holds a one-layer model, 1/L of the KV cache; 0: none)")
     p.add_argument("--warmup-max-rank", type=int, default=128,
                    help="largest adapter rank the warm-up prepares for (the store's --max-rank)")
-    p.add_argument("--fault-inject-after-steps", type=int, default=0, metavar="N",
-                   help="TEST HOOK, never in production: after N forward passes every further "
-                        "one raises, as a device error would (the worker fails its requests, "
-                        "drains and exits 1); 0: off (0)")
     p.add_argument("--metrics-tenants", type=int, default=50, help="tenants named in /metrics' "
                    "tenant labels, most requests first; the rest are tenant=other (50)")

@@ -58,16 +58,16 @@ class Front:
         """Start the front end; returns the public port once it is bound. When it exits
         before the worker drains, `stopped` is set (the worker stops too, exit 1)."""
         ours, theirs = socket.socketpair()
-        cfg = self.cfg
-        argv = [sys.executable, "-m", "services.worker.api.frontend", "--listen", cfg.listen,
+        common = self.cfg.common
+        argv = [sys.executable, "-m", "services.worker.api.frontend", "--listen", common.listen,
                 "--core", self.core_address, "--link-fd", str(theirs.fileno()),
-                "--grace", str(cfg.grace), "--log-level", cfg.log_level]
-        for flag, value in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key),
-                            ("--tls-ca", cfg.tls_ca),
-                            ("--service-token-file", cfg.service_token_file)):
+                "--grace", str(common.grace), "--log-level", common.log_level]
+        for flag, value in (("--tls-cert", common.tls_cert), ("--tls-key", common.tls_key),
+                            ("--tls-ca", common.tls_ca),
+                            ("--service-token-file", common.service_token_file)):
             if value:
                 argv += [flag, value]
-        if cfg.reflection:
+        if common.reflection:
             argv.append("--reflection")
         env = dict(self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.root), env.get("PYTHONPATH"))
@@ -78,7 +78,7 @@ class Front:
         self.link.start()
         port = await self.link.front_port
         if port is None:
-            raise FrontendFailed(f"the front end could not serve {cfg.listen} (exit "
+            raise FrontendFailed(f"the front end could not serve {common.listen} (exit "
                                  f"{self.proc.wait()})")
 
         async def watch():

@@ -84,5 +84,5 @@ Norms = PlainNorms | FoldedNorms
 
 
 def norms_for(folded: bool, eps: float) -> Norms:
-    """The strategy for weights whose norms weight_transforms folded (or not)."""
+    """The strategy for weights whose norms transforms folded (or not)."""
     return FoldedNorms(eps) if folded else PlainNorms(eps)

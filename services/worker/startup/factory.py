@@ -6,12 +6,13 @@ import logging
 import pathlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer
 
 from services.worker.adapters.device_pool import DevicePool
+from services.worker.config import EngineOptions
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.loop import Engine
 from services.worker.engine.scheduler import Scheduler
@@ -23,32 +24,8 @@ from services.worker.model.llama import LlamaModel
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import norms_for
 from services.worker.model.spec import ModelSpec, load_spec
-from services.worker.perf_config import PerfConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    device: str = "cpu"
-    dtype: str = "auto"                 # auto: the checkpoint's on CPU (fp32 for half), bf16 on GPU
-    kv_cache_bytes: int = 64 << 20
-    block_size: int = 16
-    max_batch_tokens: int = 512
-    max_prefill_with_decode: int = 0    # prompt tokens beside decode rows (scheduler.py; 0: no cap)
-    max_running: int = 64
-    pool_bytes: int = 64 << 20
-    pool_slots: int = 64
-    max_model_len: int = 0              # 0 = the model's max_position_embeddings
-    cuda_graphs: bool = True            # capture decode steps on CUDA
-    graph_max_rank: int = 64            # largest LoRA rank the graphs serve (tiles 16 .. this)
-    graph_mixed_tokens: int = 1024      # mixed steps up to this many tokens replay graphs (0: off)
-    overlap: bool = True                # launch decode step N+1 before post-processing N
-    share_prefixes: bool = True         # prompt blocks shared by sequences of one prefix
-    fair: bool = True                   # admission in the tenants' VTC order (scheduler.py)
-    perf: PerfConfig = field(default_factory=PerfConfig)   # forms of the same math
-    fault_inject_after_steps: int = 0   # test hook: forward passes after which one raises
-    grammar_mask_threads: int = 0       # structured output's mask threads (0: auto; token_mask)
 
 
 @dataclass
@@ -60,6 +37,13 @@ class Built:
     device: torch.device
     dtype: torch.dtype
     masks: TokenMasks | None = None     # structured output's step side (the runners' TokenMasks)
+
+
+def resolve_device(opt: str) -> str:
+    """EngineOptions.device with "auto" made cuda when there is a GPU, else cpu."""
+    if opt == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return opt
 
 
 def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
@@ -79,7 +63,7 @@ def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions, layers: int
     spec = load_spec(model_dir)
     if layers is not None:
         spec = dataclasses.replace(spec, num_layers=layers)
-    device = torch.device(opts.device)
+    device = torch.device(resolve_device(opts.device))
     dtype = resolve_dtype(opts.dtype, spec, device)
     log.info("loading %s (%s, %d layers, hidden %d) as %s on %s", spec.name, spec.architecture,
              spec.num_layers, spec.hidden_size, str(dtype).replace("torch.", ""), device)
