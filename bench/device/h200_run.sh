@@ -10,6 +10,8 @@
 #   ab-kernels  GPU tests, decode kernel shapes with and without PDL
 #   ab-e2e      batch 64 end to end: PDL on/off, weight layouts (or the variants of $2)
 #   ab-build    OLD=tmp/ab-old: an older build against this one
+#   structured  issue 45: batch-64 decode steps with 0 / 50 / 100% of rows under a JSON schema
+#               (needs the wheels in .whl, llguidance's among them: README, the device notes)
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
 set -u
 MODE=${1:-quick}
@@ -67,6 +69,10 @@ elif [ "$MODE" = ab-build ]; then   # an older build (OLD: its tree, e.g. from `
   done
   step python3 -m bench.engine.e2e "${E2E[@]}" --variants ";logprobs=5" \
        --out "$OUT/ab-logprobs" 2>&1 | tail -8
+elif [ "$MODE" = structured ]; then       # llguidance is not in the device image: .whl's
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site
+  step python3 -m bench.engine.structured --out "$OUT" 2>&1 | tail -25
 elif [ "$MODE" = sweep ]; then
   step python3 -m bench.kernels.sgmv_sweep --out "$OUT" "${@:2}" 2>&1 | tail -60
 elif [ "$MODE" = quick ]; then
