@@ -39,9 +39,12 @@ RUN_ARGS = $(if $(HOST),--host $(HOST)) $(if $(PORT_BASE),--port-base $(PORT_BAS
 run: venv model
 	$(VPY) -m services.devstack $(RUN_ARGS)
 
+# the suite in TEST_PROCS processes, each taking a whole test file at a time (a module's stack
+# is started once); TEST_PROCS=0 runs it in this one
+TEST_PROCS ?= 2
 test: venv model
 	-@$(MAKE) -s browser
-	$(VPY) -m pytest -q -p no:cacheprovider tests
+	$(VPY) -m pytest -q -p no:cacheprovider $(if $(filter-out 0,$(TEST_PROCS)),-n $(TEST_PROCS) --dist loadfile) tests
 
 # headless Chromium for tests/test_status_page.py, from Debian's packages when it is missing and
 # apt-get can run (root); otherwise that one test is skipped and says why
