@@ -31,14 +31,13 @@ import dataclasses
 import json
 import pathlib
 import random
-import re
 import statistics
 import sys
 import time
 
 import torch
 
-from bench.lib.header import RESULTS, base_header
+from bench.lib.header import RESULTS, base_header, card_slug
 from bench.lib.synthetic import llama7b_spec, random_weights
 from services.common.gen.lorafleet.v1 import common_pb2
 from services.worker.api.grammar import GrammarCompiler
@@ -207,14 +206,10 @@ def header(args, vocab: int) -> dict:
                      "Llama-2-7B shape, random bf16, CUDA graphs, overlap on"}
 
 
-def card_slug(card: str) -> str:
-    m = re.search(r"(h100|h200|a100|b200|l40s|cpu)", card.lower())
-    return m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
-
-
 def write(out: pathlib.Path, head: dict, decode: list[dict], compiles: list[dict]) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"structured-{card_slug(head['card'])}"
+    device = "cpu" if head["card"] == "cpu" else "cuda"
+    stem = out / f"structured-{card_slug(head['card'], device)}"
     stem.with_suffix(".json").write_text(json.dumps(
         {"header": head, "decode": decode, "compile": compiles}, indent=1))
     base = decode[0]["decode_step_ms"] or float("nan")

@@ -33,6 +33,15 @@ def card(device: str) -> str:
     return platform.processor() or "unknown CPU"
 
 
+def card_slug(card: str, device: str) -> str:
+    """The short name of a card for result file names (saturation-h100.json): h200, h100, a100,
+    b200, l40s; else cpu or gpu by the device."""
+    for name in ("H200", "H100", "A100", "B200", "L40S"):
+        if name in card.upper():
+            return name.lower()
+    return "cpu" if device == "cpu" else "gpu"
+
+
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for name in PACKAGES:

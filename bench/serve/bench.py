@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from bench.lib.header import RESULTS, base_header
+from bench.lib.header import RESULTS, base_header, card_slug
 from bench.serve import model as serve_model, report as serve_report
 from bench.serve import saturation as sat, scenarios as ss
 from bench.serve.run import Bench
@@ -344,7 +344,7 @@ def run_saturation(args) -> int:
     h.update(suite.header(), disk=shrunk or None, scenarios=[
         {"workload": w.name, "kind": w.kind, "adapters": w.adapters, "ranks": list(w.ranks),
          "zipf": 0.0 if w.kind == "resident" else w.zipf} for w in workloads])
-    name = args.name or f"saturation-{saturation_report.card_slug(h['card'], args.device)}"
+    name = args.name or f"saturation-{card_slug(h['card'], args.device)}"
     for p in saturation_report.write(pathlib.Path(args.out), name, h, suite.rows):
         print(f"wrote {p}", flush=True)
     if tmp:

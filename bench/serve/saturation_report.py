@@ -26,13 +26,6 @@ class MixedRuns(ValueError):
     """Rows of several runs: no ratio between them."""
 
 
-def card_slug(card: str, device: str) -> str:
-    for name in ("H200", "H100", "A100", "L40S"):
-        if name in card:
-            return name.lower()
-    return "cpu" if device == "cpu" else "gpu"
-
-
 def runs_of(rows: list[dict]) -> list[str]:
     return sorted({r.get("run") or "?" for r in rows})
 
