@@ -7,7 +7,8 @@
 
 On a GPU a graph decode step is: schedule, order the rows, fill the graph's static input buffers
 (StaticInputs.fill: services.worker.executor.step_inputs.StepBuilder.fill), replay the graph, build
-the sampling parameters (step_inputs.sampling_batch), sample, copy the tokens back (tolist), then
+the sampling parameters (sampling_inputs.sampling_batch) and sample (sampling.sample), both from
+graph_inputs.start_sampling, copy the tokens back (graph_inputs.collect: tolist), then
 per row the stop checks, incremental detokenization and the sink callback (Engine._append).
 Everything but the replay is host work that the GPU waits for. This bench runs that very path on the CPU: a real engine is
 built from the tiny model (its byte-level BPE tokenizer, so detokenization is real work) with the
@@ -44,7 +45,8 @@ step, as bench/engine/e2e.py reports it (decode step ms vs graph replay ms).
 With --baseline, the host figures of an earlier run (its JSON) are shown beside the new ones.
 On a shared machine, alternate runs of the two versions and combine each side's JSONs (--merge
 for the new side, several --baseline files for the old): each case keeps its fastest run.
-Writes OUT/host-overhead-cpu.json and OUT/host-overhead-cpu.md (host-overhead-cuda.* on a GPU).
+The engine runs without overlap (each step waited for, GraphRunner.run: launch then collect), so
+that a step's phases are its own. Writes OUT/host-overhead-cpu.json and OUT/host-overhead-cpu.md (host-overhead-cuda.* on a GPU).
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ import time
 import numpy as np
 import torch
 
-import services.worker.executor.graph_runner as graph_runner_mod
+import services.worker.executor.graph_inputs as graph_inputs_mod
 from bench.lib.header import RESULTS, ROOT
 from services.worker.adapters.layout import staged_from_peft_dir
 from services.worker.engine.scheduler import Scheduled
@@ -163,7 +165,8 @@ def build(model_dir: pathlib.Path, batch: int, prompt_len: int, new: int, clock:
                          kv_cache_bytes=64 << 20, block_size=16,
                          max_batch_tokens=max(1024, batch * prompt_len), max_running=batch,
                          pool_bytes=64 << 20, pool_slots=8, max_model_len=prompt_len + new + 16,
-                         cuda_graphs=False, perf=PerfConfig.from_env(os.environ))
+                         cuda_graphs=False, perf=PerfConfig.from_env(os.environ),
+                         overlap=False)   # serial steps: each one waited for (GraphRunner.run)
     built = build_engine(model_dir, opts)
     adapters = model_dir.parent / "adapters"
     slots = [built.pool.place(n, staged_from_peft_dir(adapters / n, built.spec))
@@ -190,12 +193,14 @@ def instrument(built, gr: GraphRunner, clock: Clock):
     engine.scheduler.schedule = clock.timed("schedule", engine.scheduler.schedule)
     gr.inputs.fill = clock.timed("fill", gr.inputs.fill)
     gr.run = clock.timed("run", gr.run)
-    saved = graph_runner_mod.sampling_batch, graph_runner_mod.sample
-    graph_runner_mod.sampling_batch = clock.timed("sampling_batch", saved[0])
-    graph_runner_mod.sample = clock.timed("sample", saved[1])
+    # a graph step samples in graph_inputs (start_sampling / finish_sampling): the names as they
+    # look them up there
+    saved = graph_inputs_mod.sampling_batch, graph_inputs_mod.sample
+    graph_inputs_mod.sampling_batch = clock.timed("sampling_batch", saved[0])
+    graph_inputs_mod.sample = clock.timed("sample", saved[1])
 
     def undo():
-        graph_runner_mod.sampling_batch, graph_runner_mod.sample = saved
+        graph_inputs_mod.sampling_batch, graph_inputs_mod.sample = saved
     return undo
 
 
