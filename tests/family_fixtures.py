@@ -3,12 +3,11 @@ config classes, and three PEFT adapters each (different ranks and targets, one o
 the numerical reference for tests/test_families.py and the end-to-end family test."""
 from __future__ import annotations
 
-import copy
 import pathlib
 
 import torch
 
-from tests.hf_fixtures import randomize_norms, write_tokenizer
+from tests.hf_fixtures import adapter_from_spec, randomize_norms, write_tokenizer
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -73,28 +72,11 @@ def make_base(path: pathlib.Path, name: str, seed: int = 0, **more):
     return model
 
 
-def make_adapter(base, path: pathlib.Path, spec: tuple, seed: int):
-    """A PEFT LoRA adapter with random A and B (both non-zero), saved as safetensors."""
-    from peft import LoraConfig, get_peft_model
-    rank, alpha, targets, rslora, layers = spec
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                     layers_to_transform=layers, lora_dropout=0.0, bias="none",
-                     task_type="CAUSAL_LM")
-    model = get_peft_model(copy.deepcopy(base), cfg)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-    return model.eval()
-
-
 def make_family(root: pathlib.Path, name: str, seed: int = 0):
     """(root, base model, {adapter: peft model}) with root/base and root/adapters/<adapter>."""
     base = make_base(root / "base", name, seed)
     specs = adapter_specs(name)
-    peft = {a: make_adapter(base, root / "adapters" / a, s, seed + i + 1)
+    peft = {a: adapter_from_spec(base, root / "adapters" / a, s, seed + i + 1)
             for i, (a, s) in enumerate(specs.items())}
     return root, base, peft
 

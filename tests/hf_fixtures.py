@@ -53,20 +53,27 @@ def make_base(path: pathlib.Path, seed: int = 0, **overrides):
 
 
 def make_adapter(base, path: pathlib.Path, name: str, seed: int):
-    """A PEFT LoRA adapter with random (non-zero) A and B, saved as safetensors."""
+    """The ADAPTER_SPECS adapter `name`, saved under path / name (adapter_from_spec)."""
+    return adapter_from_spec(base, path / name, ADAPTER_SPECS[name], seed)
+
+
+def adapter_from_spec(base, path: pathlib.Path, spec: tuple, seed: int):
+    """A PEFT LoRA adapter of spec (rank, alpha, targets, rslora, layers) with random
+    (non-zero) A and B, saved as safetensors in path."""
+    import copy
+
     from peft import LoraConfig, get_peft_model
-    rank, alpha, targets, rslora, layers = ADAPTER_SPECS[name]
+    rank, alpha, targets, rslora, layers = spec
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
                      layers_to_transform=layers, lora_dropout=0.0, bias="none",
                      task_type="CAUSAL_LM")
-    import copy
     model = get_peft_model(copy.deepcopy(base), cfg)
     torch.manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_" in n:
                 p.copy_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path / name, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True)
     return model.eval()
 
 
