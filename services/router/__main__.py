@@ -22,6 +22,7 @@ from services.router.openai_gateway import OpenAIGateway
 from services.router.peers import Peers
 from services.router.quotas import Quotas
 from services.router.resolve import Resolver
+from services.router.hot_set import HotSet, Warmer
 from services.router.servicer import GenerationServicer, RouterApp
 from services.router.stats import FleetCollector, RouterStats
 from services.router.stats_view import poll_store_stats
@@ -43,8 +44,7 @@ async def main_async(cfg: RouterConfig) -> None:
                     "token or mTLS; anyone who reaches their ports can call them as any tenant")
     store_chan = channel(cfg.store, *tls, keepalive_s=common.keepalive_s, service_token=token)
     ready = Readiness()
-    workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period, keepalive_s=common.keepalive_s,
-                        service_token=token, on_ready=ready.set)
+    workers, hot, warmer = _fleet(cfg, tls, token, ready)
     stats = RouterStats(tenants=TenantLabels(cfg.metrics_tenants))
     REGISTRY.register(FleetCollector(workers, stats))
     app = RouterApp(
@@ -56,7 +56,7 @@ async def main_async(cfg: RouterConfig) -> None:
         store=adapter_store_pb2_grpc.AdapterStoreStub(store_chan), stats=stats,
         per_worker=cfg.max_in_flight_per_worker, spill_rows=cfg.spill_rows,
         foothold_per_worker=cfg.foothold_per_worker, max_prompt_bytes=cfg.max_prompt_bytes,
-        worker_wait=cfg.worker_wait)
+        worker_wait=cfg.worker_wait, hot=hot)
     servicer = GenerationServicer(app)
     server, port, health = create_server(
         common.listen, lambda s: (router_pb2_grpc.add_GenerationServiceServicer_to_server(
@@ -89,7 +89,21 @@ async def main_async(cfg: RouterConfig) -> None:
         poller.cancel()
         if peers is not None:
             peers.cancel()
+    warmer.close()
     await workers.close()
+
+
+def _fleet(cfg: RouterConfig, tls: tuple, token: str, ready: "Readiness"
+           ) -> tuple[WorkerSet, HotSet, Warmer]:
+    """The worker set, the fleet's hot set, and the warmer that sends a worker joining empty
+    its share of it (services/router/hot_set.py)."""
+    hot = HotSet(cfg.hot_half_life_s)
+    warmer = Warmer(hot, lambda: workers.views(), cfg.warm_adapters)
+    workers = WorkerSet(list(cfg.workers), tls, cfg.dns_period,
+                        keepalive_s=cfg.common.keepalive_s, service_token=token,
+                        on_ready=ready.set,
+                        on_join=lambda w: warmer.joined(w.addr, w.stub, empty=not w.adapters))
+    return workers, hot, warmer
 
 
 class Readiness:

@@ -23,6 +23,8 @@ class RouterConfig:
     fair: bool = True
     max_in_flight_per_worker: int = 64
     spill_rows: int = 32
+    warm_adapters: int = 64         # hot adapters a worker that joins empty is warmed with
+    hot_half_life_s: float = 300.0  # the hot set's request counts halve this often
     foothold_per_worker: int = 1
     resolve_ttl: float = 1.0
     retry_delay: float = 0.5
@@ -46,6 +48,10 @@ class RouterConfig:
             raise ValueError("--foothold-per-worker must be >= 0")
         if self.spill_rows < 1:
             raise ValueError("--spill-rows must be >= 1")
+        if not 0 <= self.warm_adapters <= 100_000:
+            raise ValueError("--warm-adapters must be within [0, 100000]")
+        if not (self.hot_half_life_s > 0 and self.hot_half_life_s < float("inf")):
+            raise ValueError("--hot-half-life-s must be > 0")
         if self.resolve_ttl < 0:
             raise ValueError("--resolve-ttl must be >= 0")
         if not 0 <= self.worker_wait <= 3600:
@@ -60,6 +66,21 @@ class RouterConfig:
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--tenants {self.tenants}: {exc}") from None
         check_router(self.common, self.tenants)
+
+
+def _add_placement_flags(p: argparse.ArgumentParser) -> None:
+    """Placement's flags, and the hot set that warms a worker joining empty."""
+    p.add_argument("--spill-rows", type=int, default=32,
+                   help="rows (running + waiting) of one adapter on its worker above which its "
+                        "requests may spill to a second worker (32)")
+    p.add_argument("--warm-adapters", type=int, default=64,
+                   help="a worker that connects holding no adapter (new, or restarted) is sent "
+                        "up to this many of the fleet's hottest adapters that placement would "
+                        "give it, hottest first, to stage in the background (its host tier, "
+                        "and its GPU pool within its --warm-gpu-share); 0: off (64)")
+    p.add_argument("--hot-half-life-s", type=float, default=300.0,
+                   help="the fleet's hot set counts each adapter's requests, halved every "
+                        "this many seconds (300)")
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -84,9 +105,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                    help="extra requests per live worker past that limit, only for tenants with "
                         "nothing in flight, so a light tenant need not wait for a heavy one's "
                         "request to end (1; fair queue only)")
-    p.add_argument("--spill-rows", type=int, default=32,
-                   help="rows (running + waiting) of one adapter on its worker above which its "
-                        "requests may spill to a second worker (32)")
+    _add_placement_flags(p)
     p.add_argument("--resolve-ttl", type=float, default=1.0, help="adapter name cache seconds")
     p.add_argument("--dns-period", type=float, default=10.0,
                    help="seconds between re-resolving DNS worker names")
@@ -110,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         workers=tuple(a.worker or ["127.0.0.1:7002"]),
         tenants=a.tenants, fair=a.fair_queue == "on",
         max_in_flight_per_worker=a.max_in_flight_per_worker, spill_rows=a.spill_rows,
+        warm_adapters=a.warm_adapters, hot_half_life_s=a.hot_half_life_s,
         foothold_per_worker=a.foothold_per_worker,
         resolve_ttl=a.resolve_ttl,
         dns_period=a.dns_period, worker_wait=a.worker_wait, max_prompt_bytes=a.max_prompt_bytes,

@@ -98,6 +98,10 @@ class RequestPath:
         if req.adapter_id:
             adapter = await app.resolver.resolve(req.adapter_id, caller.tenant, timeout)
             app.stats.saw_adapter(adapter.id)
+            if app.hot is not None:
+                app.hot.saw(wpb.AdapterRef(id=adapter.id, version=adapter.version,
+                                           tenant=caller.tenant, owner=adapter.owner,
+                                           pinned=adapter.pinned))
         chars = len(req.text) + sum(len(m.content) + 8 for m in req.messages)
         prompt = len(req.prompt_token_ids) or max(1, chars // 4)
         est = prompt + (req.stopping.max_new_tokens or DEFAULT_NEW_TOKENS)

@@ -20,6 +20,7 @@ from services.router.auth import Tenants, require_admin
 from services.router.fair_queue import FairGate
 from services.router.limits import DEFAULT_MAX_PROMPT_BYTES, check_prompt_size
 from services.router.generate import RequestPath
+from services.router.hot_set import HotSet
 from services.router.quotas import Quotas
 from services.router.resolve import Resolver
 from services.router.stats import QUEUED, RouterStats
@@ -46,6 +47,7 @@ class RouterApp:
     foothold_per_worker: int = 1   # gate slots past per_worker for tenants with none in flight
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # --max-prompt-bytes (limits.py)
     worker_wait: float = 30.0   # --worker-wait: how long a request waits for a live worker
+    hot: HotSet | None = None   # the fleet's hot adapters (hot_set.py; None: not kept)
 
 
 async def _store_call(coro):
@@ -258,6 +260,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServiceServicer):
         await _store_call(self.app.store.Delete(spb.DeleteRequest(id=request.id), timeout=10,
                                                 metadata=outgoing_metadata()))
         self.app.resolver.invalidate(request.id)     # the id and every alias resolving to it
+        if self.app.hot is not None:
+            self.app.hot.forget(request.id)
         return rpb.DeleteAdapterResponse()
 
     async def SetAlias(self, request, context):

@@ -94,13 +94,15 @@ class WorkerState:
 class WorkerSet:
     def __init__(self, targets: list[str], tls: tuple = (None, None, None),
                  resolve_period: float = 10.0, keepalive_s: float = KEEPALIVE_S,
-                 service_token: str = "", on_ready: Callable[[bool], None] | None = None):
+                 service_token: str = "", on_ready: Callable[[bool], None] | None = None,
+                 on_join: Callable[[WorkerState], None] | None = None):
         self.targets = targets
         self.tls, self.keepalive_s, self.service_token = tls, keepalive_s, service_token
         self.resolve_period = resolve_period
         self.workers: dict[str, WorkerState] = {}
         self._tasks: list[asyncio.Task] = []
         self._on_ready = on_ready
+        self._on_join = on_join             # a worker's stream brought its snapshot
         self._ready = asyncio.Event()       # set while some worker is live
 
     async def start(self) -> None:
@@ -173,6 +175,8 @@ class WorkerSet:
                         state.connected, backoff = True, 0.1
                         log.info("worker %s (%s) connected", state.addr, state.worker_id)
                         self._live_changed()
+                        if self._on_join is not None:
+                            self._on_join(state)
             except StopAsyncIteration:
                 pass
             except asyncio.TimeoutError:      # before a snapshot: still connecting

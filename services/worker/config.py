@@ -97,6 +97,7 @@ class WorkerConfig:
     store_shm_dir: str = ""             # the store's --shm-dir when on this host ("" = stream)
     loader_threads: int = 8             # cold loads that run at once
     host_placement: str = "inline"      # where a load from the host tier is placed (or loader)
+    warm_gpu_share: float = 0.5         # of the GPU pool a fleet warm-up may fill (Prefetch warm)
     frontend: str = "process"           # process: the gRPC port in a process of its own
     grammar: GrammarOptions = field(default_factory=GrammarOptions)   # --grammar-*
     tool_call_format: str = "auto"      # auto (the chat template's), none, or a format
@@ -125,6 +126,8 @@ class WorkerConfig:
             raise ValueError(f"--frontend: {self.frontend!r} is not process or inline")
         if self.loader_threads < 1:
             raise ValueError("--loader-threads must be >= 1")
+        if not 0.0 <= self.warm_gpu_share <= 1.0:
+            raise ValueError("--warm-gpu-share must be within [0, 1]")
         if self.host_placement not in ("inline", "loader"):
             raise ValueError(f"--host-placement: {self.host_placement!r} is not inline or loader")
         if self.store_shm_dir and not os.path.isdir(self.store_shm_dir):
@@ -149,6 +152,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         tenant_share=a.tenant_share, eviction=a.eviction, worker_id=a.worker_id,
         cpu_threads=a.cpu_threads, store_shm_dir=a.store_shm_dir,
         loader_threads=a.loader_threads, host_placement=a.host_placement,
+        warm_gpu_share=a.warm_gpu_share,
         frontend=a.frontend, warmup=a.warmup, kernel_cache=a.kernel_cache,
         warmup_max_rank=a.warmup_max_rank, metrics_tenants=a.metrics_tenants,
         precompile_procs=a.precompile_procs, **_grammar_values(a))
@@ -280,6 +284,12 @@ def _add_start_flags(p: argparse.ArgumentParser) -> None:
                         "one a loop iteration; loader on a loader thread as the loads that "
                         "fetch (a hop there and back, each waiting for the GIL under decode "
                         "load) (inline)")
+    p.add_argument("--warm-gpu-share", type=float, default=0.5,
+                   help="a worker that joins empty is warmed by the router with the fleet's "
+                        "hot adapters (Prefetch warm): each is staged into the host tier, one "
+                        "at a time behind the requests' own loads, and onto the GPU while the "
+                        "pool has free room within this share of it (never evicting); 0: the "
+                        "host tier only (0.5)")
     p.add_argument("--kernel-cache", default="",
                    help="directory that keeps compiled GPU kernels across restarts (created if "
                         "missing; default: Triton's own cache, ~/.triton/cache)")

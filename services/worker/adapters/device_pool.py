@@ -92,6 +92,9 @@ class DevicePool:
     def free_bytes(self) -> int:
         return self.alloc.free * self.elem
 
+    def has_free_slot(self) -> bool:
+        return bool(self._free_slots)
+
     def slot_of(self, key: str) -> int | None:
         placed = self._placed.get(key)
         return None if placed is None else placed[0]

@@ -20,6 +20,7 @@ from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, work
 from services.common.telemetry import incoming_context, traced, tracer
 from services.worker import metrics
 from services.worker.adapters.manager import Acquired, AdapterManager
+from services.worker.adapters.warm import WarmQueue
 from services.worker.api import responses, structured
 from services.worker.api.chat_template import (ChatTemplate, check_messages, check_tools,
                                                fallback as chat_fallback)
@@ -129,6 +130,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.cfg, self.built, self.engine = cfg, built, built.engine
         self.chat_template, self.grammars = chat_template, grammars
         self.manager, self.feed, self.worker_id = manager, feed, worker_id
+        self.warm = WarmQueue(manager, cfg.warm_gpu_share)     # Prefetch(warm): the fleet's
         self.metrics = metrics.RequestMetrics(manager.evictions.tenants, built.spec.name)
         self.draining = False
         self._background: set[asyncio.Task] = set()   # prefetch tasks, referenced until done
@@ -305,6 +307,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         parent = incoming_context(context.invocation_metadata())
         for i, a in enumerate(request.adapters):
             _check_ref(a, f"adapters[{i}]")
+        if request.warm:
+            return wpb.PrefetchResponse(queued=self.warm.submit(request.adapters))
         for a in request.adapters:                 # the staging joins the caller's trace
             with _tracer.start_as_current_span("worker.prefetch", context=parent) as span:
                 span.set_attribute("lora.adapter_id", a.id)
