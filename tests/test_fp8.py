@@ -195,3 +195,18 @@ def test_fp8_families_at_load(tmp_path, arch):
     ref = _at_load_reference(base)
     got, expected = _mixed_batch(built, slots, ref, fx.peft_on(ref, dirs), seed=len(arch), new=6)
     assert got == expected
+
+
+def test_the_warm_up_runs_the_fp8_model(llama):
+    """The warm-up (every eager step kind through the first layer) runs over FP8 weights and
+    leaves the pool and the KV cache as they were."""
+    from services.worker.startup.warmup import Warmup
+    built = build_engine(llama[0], EngineOptions(device="cpu", dtype="float32",
+                                                 quantization="fp8", max_batch_tokens=16,
+                                                 max_running=4, pool_slots=6, block_size=4))
+    assert isinstance(built.engine.runner.model.w["layers"][0]["down"], Fp8Weight)
+    report = Warmup(built.engine, built.pool, built.spec, 16, max_rank=16, max_running=4).run()
+    assert report.steps > 0
+    assert built.pool.free_bytes == built.pool.capacity_bytes
+    sched = built.engine.scheduler
+    assert not sched.running and not sched.waiting and sched.blocks.used_fraction == 0.0
