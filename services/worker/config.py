@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from services.common.config import ServiceFlags, add_flags
 from services.common.internal_auth import check_internal_server
 from services.common.runtime import parse_bytes
+from services.worker.model.quant_scheme import QUANTIZATION_MODES
 from services.worker.perf_config import PerfConfig
 
 # --tool-call-format: auto (the chat template's), none, or one of the formats the chat template
@@ -41,6 +42,7 @@ class EngineOptions:
     small: the worker's are WORKER_ENGINE)."""
     device: str = "cpu"                 # cpu, cuda, cuda:N, or auto (cuda when there is one)
     dtype: str = "auto"                 # auto: bf16 on GPU, fp32 on CPU
+    quantization: str = "auto"          # auto: as the checkpoint is stored; fp8 (--quantization)
     kv_cache_bytes: int = 64 << 20
     block_size: int = 16
     max_batch_tokens: int = 512
@@ -64,6 +66,9 @@ class EngineOptions:
             raise ValueError(f"--device: {self.device!r} is not auto, cpu or cuda[:N]")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype: {self.dtype!r} is not auto, float32, bfloat16, float16")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"--quantization: {self.quantization!r} is not one of "
+                             f"{', '.join(QUANTIZATION_MODES)}")
         if self.block_size < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
         if self.max_prefill_with_decode < 0:
@@ -199,7 +204,8 @@ def engine_options(a: argparse.Namespace) -> EngineOptions:
     """The engine's options from its flags (_add_engine_flags) and the LORAFLEET_* variables
     (PerfConfig.from_env)."""
     return EngineOptions(
-        device=a.device, dtype=a.dtype, kv_cache_bytes=a.kv_cache_bytes,
+        device=a.device, dtype=a.dtype, quantization=a.quantization,
+        kv_cache_bytes=a.kv_cache_bytes,
         block_size=a.block_size, max_batch_tokens=a.max_batch_tokens,
         max_prefill_with_decode=a.max_prefill_with_decode, max_running=a.max_running,
         pool_bytes=a.gpu_pool_bytes, pool_slots=a.pool_slots, max_model_len=a.max_model_len,
@@ -240,6 +246,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N (auto)")
     p.add_argument("--dtype", default=d.dtype, help="auto (bf16 on GPU, fp32 on CPU), float32, "
                                                      "bfloat16, float16")
+    p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_MODES,
+                   help="fp8: the decoder layers' linear weights quantized at load to FP8 "
+                        "(e4m3, a scale per output channel; activations and LoRA stay in "
+                        "--dtype); auto: as the checkpoint is stored (a published FP8 checkpoint "
+                        "is served FP8 either way: docs/models.md) (auto)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=d.kv_cache_bytes)
     p.add_argument("--gpu-pool-bytes", type=parse_bytes, default=d.pool_bytes,
                    help="adapter pool on the compute device")

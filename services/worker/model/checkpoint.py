@@ -1,4 +1,5 @@
-"""Load Hugging Face safetensors checkpoints (sharded or not) into the engine's fused layout."""
+"""Load Hugging Face safetensors checkpoints (sharded or not) into the engine's fused layout,
+FP8 ones too (services.worker.model.fp8: the decoder layers' linear weights as Fp8Weight)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from safetensors import safe_open
 
+from services.worker.model import fp8
+from services.worker.model.quant_scheme import Fp8Scheme
 from services.worker.model.spec import ModelSpec, UnsupportedModel
 
 log = logging.getLogger(__name__)
@@ -34,9 +37,11 @@ def _shard_files(path: pathlib.Path) -> list[pathlib.Path]:
 
 
 def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device,
-                    layers: int | None = None) -> dict:
+                    layers: int | None = None, quant: Fp8Scheme | None = None) -> dict:
     """Every tensor of the checkpoint (of its first `layers` decoder layers and the rest, when
-    given), cast to dtype on device, with progress in the log."""
+    given), cast to dtype on device, with progress in the log. With an FP8 scheme (quant) the
+    decoder layers' linear weights are Fp8Weight instead: quantized one at a time as they are
+    read (so a bf16 checkpoint never sits whole on the device), or as published."""
     files = _shard_files(path)
     start = time.monotonic()
 
@@ -47,7 +52,7 @@ def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device
                 if layers is not None and key.startswith("model.layers.") and \
                         int(key.split(".", 3)[2]) >= layers:
                     continue
-                out[key] = st.get_tensor(key).to(device=device, dtype=dtype)
+                out[key] = fp8.convert(key, st.get_tensor(key), quant, dtype, device)
         return out
     # shards in parallel: a copy out of a memory-mapped file is bound by its page faults, and
     # the copies give the GIL up
@@ -57,12 +62,15 @@ def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device
             tensors.update(part)
             log.info("loaded shard %d/%d (%s) %.1fs", i, len(files), f.name,
                      time.monotonic() - start)
+    if quant is not None:
+        fp8.pack(tensors, quant, dtype)
     return tensors
 
 
 def fuse_layers(raw: dict, spec: ModelSpec) -> dict:
     """Rename and fuse HF tensors: per layer one qkv [q+2kv, H] and one gate_up [2I, H] (a
-    Phi-3 checkpoint stores them fused already); Gemma's (1 + w) norm weights stored as 1 + w."""
+    Phi-3 checkpoint stores them fused already; FP8 ones stay FP8: fp8.cat_rows); Gemma's
+    (1 + w) norm weights stored as 1 + w."""
     def take(name: str) -> torch.Tensor:
         try:
             t = raw.pop(name)
@@ -91,9 +99,9 @@ def _fused(take, spec: ModelSpec, p: str) -> dict:
         return {"qkv": take(f"{p}self_attn.qkv_proj.weight"),
                 "gate_up": take(f"{p}mlp.gate_up_proj.weight")}
     attn = [take(f"{p}self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]
-    return {"qkv": torch.cat(attn, 0).contiguous(),
-            "gate_up": torch.cat([take(f"{p}mlp.gate_proj.weight"),
-                                  take(f"{p}mlp.up_proj.weight")], 0).contiguous()}
+    return {"qkv": fp8.cat_rows(attn),
+            "gate_up": fp8.cat_rows([take(f"{p}mlp.gate_proj.weight"),
+                                     take(f"{p}mlp.up_proj.weight")])}
 
 
 def _layer(take, spec: ModelSpec, p: str) -> dict:
@@ -126,7 +134,8 @@ def _layer(take, spec: ModelSpec, p: str) -> dict:
 def load_weights(path: str | pathlib.Path, spec: ModelSpec, dtype: torch.dtype,
                  device: torch.device, first_layers: bool = False) -> dict:
     """The fused weights of a checkpoint directory, ready for services.worker.model.llama
-    (first_layers: of the first spec.num_layers layers of a deeper checkpoint)."""
+    (first_layers: of the first spec.num_layers layers of a deeper checkpoint; FP8 as
+    spec.quant says)."""
     raw = read_checkpoint(pathlib.Path(path), dtype, device,
-                          spec.num_layers if first_layers else None)
+                          spec.num_layers if first_layers else None, spec.quant)
     return fuse_layers(raw, spec)

@@ -6,7 +6,8 @@ Layers never see a sequence: every per-step tensor comes in a StepContext
 LoRA part a LoraMeta that also carries the adapter pool's tables. LoRA and attention go through
 kernels/, so the Triton kernels replace the torch references on GPU without touching this file.
 Where the norms run (kernels, or folded into the GEMMs) is a strategy chosen at build time
-(services.worker.model.norms).
+(services.worker.model.norms). The decoder layers' GEMMs go through `qlinear`, so a weight may
+be FP8 (services.worker.model.fp8: W8A16, the activations and LoRA stay in the model dtype).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from kernels.attention import paged_attention
 from kernels.fused import gate_mul, rms_norm, rope_write_kv_
 from kernels.sgmv import lora, lora_expand_columns, lora_shrink_rows
+from services.worker.model.fp8 import qlinear
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import Norms, PlainNorms
 from services.worker.model.rope import dynamic_ropes, rope_tables
@@ -71,7 +73,7 @@ class LlamaModel:
         over the extended weight gives the base output and every resident adapter's x @ A.T;
         the expand reads v from those columns (the result: a view, rows strided)."""
         if not (meta.columns and self.columns is not None and meta.runs("qkv")):
-            qkv = F.linear(x, w["qkv"], w.get("qkv_bias"))
+            qkv = qlinear(x, w["qkv"], w.get("qkv_bias"))
             self._lora("qkv", i, qkv, x, meta)
             return qkv
         ext = F.linear(x, w["qkv_ext"], w.get("qkv_ext_bias"))
@@ -143,7 +145,7 @@ class LlamaModel:
         if "attn_out_norm" in w:
             y = rms_norm(y, w["attn_out_norm"], s.rms_norm_eps)
         x = norms.close(h, y, w["post_norm"])
-        gu = F.linear(x, w["gate_up"])                                 # [T, 2I]
+        gu = qlinear(x, w["gate_up"])                                  # [T, 2I]
         self._lora("gate_up", i, gu, x, meta)
         act = gate_mul(gu, s.act, rms=norms.rms(h))                    # [T, I]
         y = norms.project(h, act, w["down"], None)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fused import add_rms_norm, rms_norm
+from services.worker.model.fp8 import Weight, qlinear
 
 
 class PlainNorms:
@@ -36,9 +37,9 @@ class PlainNorms:
     def rms(self, h: torch.Tensor) -> None:
         return None
 
-    def project(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+    def project(self, h: torch.Tensor, x: torch.Tensor, weight: Weight,
                 bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+        return qlinear(x, weight, bias)
 
     def close(self, h: torch.Tensor, y: torch.Tensor, next_norm: torch.Tensor) -> torch.Tensor:
         """h += y, in place; returns the next block's input, norm(h)."""

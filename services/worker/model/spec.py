@@ -7,6 +7,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from services.common.families import FAMILIES, SPLIT_TARGETS, family_of, in_out
+from services.worker.model.quant_scheme import Fp8Scheme, QuantizationError, read_scheme
 
 SUPPORTED = tuple(sorted(FAMILIES))
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -58,6 +59,7 @@ class ModelSpec:
     final_softcap: float = 0.0           # logits -> cap * tanh(logits / cap); 0: none
     windows: tuple[int, ...] = ()        # each layer's sliding window (0: full); (): all full
     rope_local: tuple[float, dict | None] | None = None   # (theta, scaling) of sliding layers
+    quant: Fp8Scheme | None = None       # FP8 weights (services.worker.model.quant_scheme)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -206,6 +208,10 @@ def load_spec(model_dir: str | pathlib.Path) -> ModelSpec:
             f"not supported; lorafleet serves {', '.join(SUPPORTED)}")
     arch, fam = found
     act = _check_layers(cfg, path)
+    try:
+        quant = read_scheme(cfg)
+    except QuantizationError as e:
+        raise UnsupportedModel(f"{path}: {e}") from None
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     heads = int(cfg["num_attention_heads"])
@@ -226,5 +232,5 @@ def load_spec(model_dir: str | pathlib.Path) -> ModelSpec:
         rope_local=None if local is None else _rope(local, cfg, path),
         eos_token_ids=_eos_ids(cfg, gen), bos_token_id=cfg.get("bos_token_id"),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-        name=cfg.get("_name_or_path") or path.name, extra=cfg,
+        name=cfg.get("_name_or_path") or path.name, extra=cfg, quant=quant,
         **(_gemma_fields(cfg, hidden) if fam.gemma else {}))

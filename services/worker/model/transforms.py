@@ -8,11 +8,18 @@ PerfConfig chooses (bench/PERF_NOTES.md has why each default wins on the H200):
 
 `apply` runs them in that order and returns what the model and the adapter pool need to know
 (the folded norm weights).
+
+FP8 weights (services.worker.model.fp8, spec.quant set) keep the checkpoint's math exactly: no
+norm is folded into them (g * W would have to be quantized again), the [K, N] layout leaves
+them as they are (their GEMM dequantizes them), and the LoRA column and row blocks, which
+extend the q/k/v and o weights in place, are off (`lora_forms`): every adapter's q/k/v and o
+go through the split SGMV, as on a CPU.
 """
 from __future__ import annotations
 
 import torch
 
+from services.worker.model.fp8 import Fp8Weight
 from services.worker.model.spec import ModelSpec
 from services.worker.perf_config import BLAS_BACKENDS, PerfConfig
 
@@ -26,6 +33,20 @@ def apply(weights: dict, spec: ModelSpec, device: torch.device,
         to_kn_layout(weights)
     choose_blas(device, perf.blas)
     return folded
+
+
+def lora_forms(spec: ModelSpec, perf: PerfConfig, cuda: bool) -> tuple[int, int]:
+    """(LoRA column blocks, row LoRA's rank parts) for this model: PerfConfig's, or (0, 0) for
+    FP8 weights, where asking for them (LORAFLEET_LORA_COLUMNS or LORAFLEET_LORA_ROWS > 0) is
+    a ValueError naming the variable."""
+    if spec.quant is None:
+        return perf.columns_for(cuda), perf.rows_for(cuda)
+    for name, value in (("LORAFLEET_LORA_COLUMNS", perf.lora_columns),
+                        ("LORAFLEET_LORA_ROWS", perf.lora_rows)):
+        if value:
+            raise ValueError(f"{name}={value}: the LoRA column and row blocks extend bf16 "
+                             f"weights; with FP8 weights leave it unset or 0")
+    return 0, 0
 
 
 # Decode GEMMs whose weights a CUDA model keeps as [K, N] in memory (still [N, K]-shaped
@@ -60,8 +81,10 @@ def fold_norms(spec: ModelSpec, perf: PerfConfig) -> bool:
     them, so a decoder layer launches no norm kernel (the residual adds go into the o and down
     GEMMs' epilogues). Off for a model with a q/k/v bias, which the factor must not scale, with
     q/k norms (their eps would see the unscaled rows) and with Gemma's norms of the blocks'
-    outputs (which come between the GEMM and the residual add)."""
-    return perf.fold_norms and not (spec.qkv_bias or spec.qk_norm or spec.gemma_norms)
+    outputs (which come between the GEMM and the residual add), and with FP8 weights (the
+    norm weight would have to be quantized into them)."""
+    return perf.fold_norms and not (spec.qkv_bias or spec.qk_norm or spec.gemma_norms
+                                    or spec.quant)
 
 
 def fold_norm_weights(weights: dict) -> dict[str, torch.Tensor]:
@@ -78,9 +101,11 @@ def fold_norm_weights(weights: dict) -> dict[str, torch.Tensor]:
 def to_kn_layout(weights: dict) -> None:
     """In place: the KN_GEMMS of each layer (and an untied lm_head) stored column-major, one
     tensor at a time (the old storage is freed as each is replaced). F.linear then hands cuBLAS
-    a contiguous [K, N] operand."""
-    def kn(t: torch.Tensor) -> torch.Tensor:
-        return t if t.stride(0) == 1 else t.t().contiguous().t()
+    a contiguous [K, N] operand. FP8 weights are left as they are (their GEMM dequantizes)."""
+    def kn(t: torch.Tensor | Fp8Weight) -> torch.Tensor | Fp8Weight:
+        if isinstance(t, Fp8Weight) or t.stride(0) == 1:
+            return t
+        return t.t().contiguous().t()
     for layer in weights["layers"]:
         for name in KN_GEMMS:
             layer[name] = kn(layer[name])

@@ -23,6 +23,7 @@ from services.worker.model.checkpoint import DTYPES, load_weights
 from services.worker.model.llama import LlamaModel
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import norms_for
+from services.worker.model.quant_scheme import AT_LOAD
 from services.worker.model.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,15 @@ def resolve_device(opt: str) -> str:
     return opt
 
 
+def resolve_quantization(opt: str, spec: ModelSpec) -> ModelSpec:
+    """The spec with the weights' FP8 scheme (spec.quant): a published FP8 checkpoint's own in
+    any mode, quantized at load (one scale per output channel) for --quantization fp8 on a
+    plain checkpoint, none otherwise."""
+    if spec.quant is None and opt == "fp8":
+        return dataclasses.replace(spec, quant=AT_LOAD)
+    return spec
+
+
 def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
     if opt != "auto":
         return DTYPES[opt]
@@ -60,18 +70,30 @@ def build_engine(model_dir: str | pathlib.Path, opts: EngineOptions, layers: int
     only, for services.worker.startup.precompile; before_capture: called before the CUDA graphs are
     captured)."""
     start = time.monotonic()
-    spec = load_spec(model_dir)
+    spec = resolve_quantization(opts.quantization, load_spec(model_dir))
     if layers is not None:
         spec = dataclasses.replace(spec, num_layers=layers)
     device = torch.device(resolve_device(opts.device))
     dtype = resolve_dtype(opts.dtype, spec, device)
-    log.info("loading %s (%s, %d layers, hidden %d) as %s on %s", spec.name, spec.architecture,
-             spec.num_layers, spec.hidden_size, str(dtype).replace("torch.", ""), device)
+    transforms.lora_forms(spec, opts.perf, device.type == "cuda")   # a conflict: before loading
+    log.info("loading %s (%s, %d layers, hidden %d) as %s on %s%s", spec.name,
+             spec.architecture, spec.num_layers, spec.hidden_size,
+             str(dtype).replace("torch.", ""), device, _fp8_note(spec, device))
     weights = load_weights(model_dir, spec, dtype, device, first_layers=layers is not None)
     tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
     built = assemble(spec, weights, tok, opts, device, dtype, before_capture)
     log.info("engine ready in %.1fs", time.monotonic() - start)
     return built
+
+
+def _fp8_note(spec: ModelSpec, device: torch.device) -> str:
+    if spec.quant is None:
+        return ""
+    src = spec.quant.source
+    how = "quantized at load" if src == "load" else f"{src} as published"
+    slow = (" (dequantize-then-GEMM PLACEHOLDER: correct, slower than bf16 until the FP8 "
+            "kernel lands)" if device.type == "cuda" else "")
+    return f", linear weights FP8 ({how}; activations and LoRA in the model dtype){slow}"
 
 
 def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
@@ -86,8 +108,7 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     # hands to the model with each step; the column blocks (extra rows of the q/k/v weights)
     # given to the model (its GEMMs) and to the pool (which writes them)
     norm_fold = transforms.apply(weights, spec, device, opts.perf)
-    n_cols = opts.perf.columns_for(device.type == "cuda")
-    row_parts = opts.perf.rows_for(device.type == "cuda")
+    n_cols, row_parts = transforms.lora_forms(spec, opts.perf, device.type == "cuda")
     columns = LoraColumns(weights, len(spec.slice_starts("qkv")) - 1, n_cols, device,
                           rows=row_parts > 0) if n_cols else None
     model = LlamaModel(spec, weights, device, dtype,

@@ -1,0 +1,180 @@
+"""Which FP8 weights a checkpoint holds, read from its config.json (torch-free: the worker's
+config reads it at start; services.worker.model.fp8 does the tensors).
+
+lorafleet serves FP8 as weight-only W8A16: the linear weights of the decoder layers are
+float8_e4m3fn with float scales, the activations stay in the model dtype (bf16 on a GPU), and
+LoRA reads those bf16 activations. Three sources of such weights:
+
+- `--quantization fp8` on a bf16 (or fp32) checkpoint: each decoder-layer linear weight is
+  quantized at load with one scale per output channel (Fp8Scheme "load");
+- compressed-tensors `float-quantized` (what llm-compressor writes; its FP8, FP8-Dynamic and
+  FP8-Block schemes): `X.weight` e4m3 and `X.weight_scale` per tensor, per channel [N, 1], per
+  group [N, K / g] or per block [N / bn, K / bk]. The input activations' quantization (dynamic,
+  per token or per group) is accepted and not applied: activations are computed in bf16. Static
+  input scales (`input_scale` tensors) are refused;
+- transformers' `quant_method: fp8` (FineGrainedFP8Config, DeepSeek-style):
+  `X.weight` e4m3 and `X.weight_scale_inv` per block [ceil(N / bn), ceil(K / bk)] of
+  `weight_block_size`, or one per tensor without a block size; W = weight * weight_scale_inv.
+
+Any other scheme, and any field value that would change the maths, is refused naming the field
+(`quantization_config.FIELD`). Fields that only describe how the checkpoint was made
+(observers, compression ratios, versions) are not read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUANTIZATION_MODES = ("auto", "fp8")     # EngineOptions.quantization (--quantization)
+FP8_METHODS = ("compressed-tensors", "fp8")
+DEFAULT_BLOCK = (128, 128)               # transformers' FineGrainedFP8Config.weight_block_size
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a model's FP8 weights come: `source` is "load" (quantized here, one scale per output
+    channel), "compressed-tensors" or "fp8" (as published); `scale_name` the tensor beside each
+    `X.weight` with its scales ("" when quantized at load); `block` (rows, columns) one scale
+    covers in the block strategy, `group` the columns one covers in the group strategy (None:
+    per channel or per tensor, told apart by the scale's shape)."""
+    source: str
+    scale_name: str = ""
+    block: tuple[int, int] | None = None
+    group: int | None = None
+
+
+AT_LOAD = Fp8Scheme("load")
+
+
+class QuantizationError(ValueError):
+    """A quantization_config the worker does not serve (spec.load_spec makes it an
+    UnsupportedModel naming the checkpoint)."""
+
+
+def read_scheme(cfg: dict) -> Fp8Scheme | None:
+    """The FP8 scheme of a config.json's dict; None for an unquantized checkpoint."""
+    if cfg.get("compression_config"):
+        raise QuantizationError("compression_config (a sparseml checkpoint) is not supported; "
+                                "lorafleet serves FP8 quantization_config only")
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise QuantizationError("quantization_config must be an object")
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(q)
+    if method == "fp8":
+        return _transformers_fp8(q)
+    raise QuantizationError(
+        f"quantization_config.quant_method {method!r} is not supported; lorafleet serves FP8 "
+        f"weights: {' or '.join(repr(m) for m in FP8_METHODS)} (or a bf16 checkpoint with "
+        f"--quantization fp8)")
+
+
+def _refuse(field: str, value, why: str) -> QuantizationError:
+    return QuantizationError(f"quantization_config.{field} {value!r} is not supported: {why}")
+
+
+def _expect(d: dict, field: str, where: str, allowed: tuple, why: str, default=None):
+    value = d.get(field, default)
+    if value not in allowed:
+        raise _refuse(f"{where}{field}", value, why)
+    return value
+
+
+def _transformers_fp8(q: dict) -> Fp8Scheme:
+    """transformers' FineGrainedFP8Config: weight_scale_inv per block, or per tensor."""
+    _expect(q, "activation_scheme", "", ("dynamic",), "only dynamic activation scales (the "
+            "worker computes activations in bf16; static input scales are not loaded)",
+            default="dynamic")
+    _expect(q, "fmt", "", ("e4m3",), "only e4m3 weights", default="e4m3")
+    _expect(q, "scale_fmt", "", ("float",), "only float block scales", default="float")
+    _expect(q, "expert_dtype", "", ("fp8",), "only fp8 weights", default="fp8")
+    # absent: transformers' default, 128 x 128 blocks; null: one scale per tensor
+    block = q.get("weight_block_size", DEFAULT_BLOCK)
+    if block is not None:
+        block = _pair(block, "weight_block_size")
+    return Fp8Scheme("fp8", "weight_scale_inv", block=block)
+
+
+def _pair(value, field: str) -> tuple[int, int]:
+    """A block shape: [rows, columns] (or compressed-tensors' older "RxC" string)."""
+    if isinstance(value, str) and "x" in value:
+        value = value.split("x")
+    try:
+        rows, cols = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise _refuse(field, value, "a block is [rows, columns]") from None
+    if rows < 1 or cols < 1:
+        raise _refuse(field, value, "a block is [rows, columns] of positive sizes")
+    return rows, cols
+
+
+def _compressed_tensors(q: dict) -> Fp8Scheme:
+    """compressed-tensors float-quantized: weight_scale per tensor, channel, group or block."""
+    _expect(q, "format", "", ("float-quantized",), "only float-quantized (FP8) weights")
+    _expect(q, "quantization_status", "", (None, "compressed"), "the weights must be stored "
+            "compressed (float8)")
+    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if q.get(field):
+            raise _refuse(field, q[field], "lorafleet loads FP8 weights only")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _refuse("config_groups", groups, "a float-quantized checkpoint names its groups")
+    blocks, sizes = set(), set()
+    for name, group in groups.items():
+        where = f"config_groups.{name}."
+        if not isinstance(group, dict):
+            raise _refuse(where[:-1], group, "a group is an object")
+        _expect(group, "format", where, (None, "float-quantized"), "only float-quantized")
+        if group.get("output_activations"):
+            raise _refuse(f"{where}output_activations", group["output_activations"],
+                          "outputs are not quantized")
+        _inputs(group.get("input_activations"), f"{where}input_activations.")
+        block, size = _weights(group.get("weights"), f"{where}weights.")
+        blocks |= {block} - {None}
+        sizes |= {size} - {None}
+    if len(blocks) > 1 or len(sizes) > 1:
+        raise _refuse("config_groups", sorted(blocks or sizes), "one block_structure and one "
+                      "group_size per checkpoint")
+    return Fp8Scheme("compressed-tensors", "weight_scale", block=next(iter(blocks), None),
+                     group=next(iter(sizes), None))
+
+
+def _float8(args: dict, where: str) -> None:
+    _expect(args, "type", where, ("float",), "only float (FP8) quantization")
+    _expect(args, "num_bits", where, (8,), "only 8-bit floats (e4m3)")
+
+
+def _weights(w, where: str) -> tuple[tuple[int, int] | None, int | None]:
+    """A group's weight arguments; returns its (block, group size) when it has one."""
+    if not isinstance(w, dict):
+        raise _refuse(where[:-1], w, "a float-quantized group quantizes its weights")
+    _float8(w, where)
+    _expect(w, "symmetric", where, (True,), "only symmetric scales (no zero points)", True)
+    _expect(w, "dynamic", where, (False,), "weights carry their scales", False)
+    _expect(w, "actorder", where, (None, False), "no activation ordering (g_idx)")
+    strategy, size = w.get("strategy"), w.get("group_size")
+    if strategy is None:                      # as compressed-tensors infers it
+        strategy = "tensor" if size is None else "channel" if size == -1 else "group"
+    if strategy in ("tensor", "channel"):
+        return None, None
+    if strategy == "group":
+        if not isinstance(size, int) or size < 1:
+            raise _refuse(f"{where}group_size", size, "the group strategy needs a size >= 1")
+        return None, size
+    if strategy == "block":
+        return _pair(w.get("block_structure"), f"{where}block_structure"), None
+    raise _refuse(f"{where}strategy", strategy, "weights per tensor, channel, group or block")
+
+
+def _inputs(a, where: str) -> None:
+    """A group's input activations: none (weight-only), or dynamic FP8, accepted and not applied
+    (activations are computed in bf16)."""
+    if a is None:
+        return
+    if not isinstance(a, dict):
+        raise _refuse(where[:-1], a, "input activations are an object or null")
+    _float8(a, where)
+    _expect(a, "dynamic", where, (True,), "only dynamic activation scales (the worker computes "
+            "activations in bf16; static input_scale tensors are not loaded)", False)
