@@ -30,6 +30,7 @@ def test_family_on_gpu_matches_peft_and_compiles_nothing_after_the_warm_up(name,
                          block_size=16, max_batch_tokens=64, max_running=16, pool_slots=16,
                          graph_max_rank=32, graph_mixed_tokens=64)
     built = build_engine(root / "base", opts)
+    built.pool.warm_up()                 # as the worker's start does (services/worker/app.py)
     Warmup(built.engine, built.pool, built.spec, 64, max_rank=32, max_running=16).run()
     late: list[str] = []
     compile_watch.install(late.append)
