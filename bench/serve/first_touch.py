@@ -22,14 +22,16 @@ Results: OUT/first-touch-<card>.{json,md} ({"header", "rows", "cold_start_s", "w
 "first_run_tok_s", "second_run_tok_s"}; rows: bench/serve/first_touch_report.py), and each
 invocation's parts as OUT/first-touch-parts/PARTS-<card>.json, which --merge combines.
 
-Expected on an H100, 7B shape (from bench/device/h200_serve.sh's estimates: base ~65-75 req/s at
-128/128 tokens and 64 streams; start to SERVING 142-184 s on an empty kernel cache, 22 s warm):
+Expected on an H100, 7B shape (from bench/device/h200_serve.sh's estimates and issue 43's
+figures: 64 base streams ~6,800 tok/s, ~53 req/s at 128/128 tokens; start to SERVING 142-184 s
+on an empty kernel cache, ~22-40 s on a warm one):
   a fresh machine writes the checkpoint (13.5 GB) and 1,000 rank-8 + 48 rank-16 adapters
-    (18 GB)                                                                       60-120 s
-  burst, one, churn (one stack): start to SERVING on a warm kernel cache ~40 s, the background
-    alone ~20 s, burst ~16 s, one ~16 s, churn (1,280 requests) ~25 s           ~120 s
+    (18 GB), whichever parts run                                                  60-120 s
+  burst, one, churn (one stack): start to SERVING ~40 s (an empty kernel cache: 140-185 s),
+    the background's warm-up and alone ~22 s, burst ~20 s, one ~20 s, churn (1,280 requests,
+    first touches) ~30 s                                                  ~130 s (~280 s)
   start: two starts (empty kernel cache 140-185 s, warm ~25 s), the workload twice (640
-    requests each, ~10 s) and the store and router each time                   ~230-280 s
+    requests, ~12 s each) and the store and router each time                    ~230-280 s
 so one device call for burst,one,churn and one for start (bash bench/device/h200_serve.sh
 first-touch with PART=stack, then PART=start; PART=merge where both part files are).
 
@@ -146,6 +148,9 @@ def stack_rows(bench: Bench, sc: dict, parts: list[str], streams: int) -> list[d
             at_once = s.cold_n if s.cold_arrival == "burst" else 1
             rows.append(rep.first_use_row(label, at_once, recs, loads,
                                           bench.last_cold[s.rank], streams, serve_row(bench, s)))
+            if rows[-1]["requests"] < s.cold_n:
+                print(f"{label}: the background ended after {rows[-1]['requests']} of "
+                      f"{s.cold_n} first uses were sent (raise --base-requests)", flush=True)
     if "churn" in parts:
         recs, loads = measure(bench, sc["churn"])
         rows.append(rep.churn_row("churn", sc["churn"], recs, loads,
