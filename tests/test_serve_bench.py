@@ -48,6 +48,25 @@ def test_request_lists_are_reproducible_and_follow_the_scenario():
     assert all(r.adapter == "" and r.at is None for r in base)
 
 
+def test_a_cold_stream_arrives_by_poisson_at_once_or_one_at_a_time():
+    s = ss.parse_scenario("c:concurrency=4,cold_n=3,cold_arrival=burst,burst_at=1.5", DEFAULTS)
+    assert s.cold_requests == 3 and s.cold == 0
+    burst = ss.cold_stream(s, ["a", "b", "c"], 100, 2, 0, 10)
+    assert [r.index for r in burst] == [10, 11, 12] and {r.at for r in burst} == {1.5}
+    assert all(r.cold and r.extra == {"burst": True} for r in burst)
+    chain = ss.cold_stream(ss.parse_scenario("d:cold_n=2,cold_arrival=chain,burst_at=2",
+                                             DEFAULTS), ["a", "b"], 100, 2, 0, 0)
+    assert all(r.extra == {"chain": True} and r.at == 2.0 for r in chain)
+    poisson = ss.cold_stream(ss.parse_scenario("p:rate=5,cold=4,cold_n=3", DEFAULTS),
+                             ["a", "b", "c"], 100, 2, 0, 0)
+    times = [r.at for r in poisson]
+    assert times == sorted(times) and len(set(times)) == 3 and all(not r.extra for r in poisson)
+    assert ss.adapter_needs([s]) == {8: 3}
+    for bad in ("e:cold_n=2,cold_arrival=sometimes", "f:cold_arrival=burst"):
+        with pytest.raises(ValueError):
+            ss.parse_scenario(bad, DEFAULTS)
+
+
 def test_adapter_needs_count_a_fresh_adapter_per_cold_request():
     sc = ss.parse_scenarios("a:adapters=32,rank=16;b:adapters=32,rank=16,cold=2,cold_n=5;"
                             "c:adapters=100,rank=8;base:adapters=0", DEFAULTS)

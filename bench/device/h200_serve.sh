@@ -22,6 +22,17 @@
 #              bench/results/serve-2gpu-h200.{json,md}. PART=w1|w2|kill|merge runs one step (one
 #              device call each); QUICK=1: the same on the CPU, tiny model, both workers on the
 #              CPU; ONE_GPU=1: both workers on one GPU, halved budgets
+#   first-touch issue 43 (python -m bench.serve.first_touch): 32 never-used rank-16 adapters at
+#              once and 16 one at a time beside 64 decoding base streams (and those alone),
+#              source-tier loads under Zipf churn over 1,000 rank-8 adapters, a fresh worker's
+#              start and first run: bench/results/first-touch-<card>.{json,md}. PART=stack (burst,
+#              one, churn in one stack: ~2 min on an H100 with KCACHE=, ~5 min on an empty
+#              kernel cache; +1-2 min writing the checkpoint and adapters on a fresh machine) |
+#              start (bench.stack.startup, empty then warm kernel cache: ~4-5 min) | all (both in
+#              one call: only where the checkpoint is written and the empty-cache start is
+#              short) | merge (OUT/first-touch-parts/*.json: the part files of both calls
+#              gathered in one OUT, e.g. here after fetching them); QUICK=1: the CPU run, tiny
+#              model (~1 min); FT_EXTRA= more flags
 # PACK=1: everything in OUT as one results.tgz; SAVE_KCACHE=1: the kernel cache the run left, in
 # 15 MiB parts (carry them as tmp/kcache and pass KCACHE=tmp/kcache/triton-cache.tgz).
 # Needs the wheels the services import that the image lacks in .whl (README: the device tool's
@@ -125,6 +136,15 @@ elif [ "$MODE" = two-gpu ]; then       # issue 28: bench/results/serve-2gpu-h200
        )kill_at=$KAT,kill_worker=1" ;; esac
   case $PART in all|merge) python3 -m bench.serve.merge --out "$OUT" --name "$NAME" \
        "$TMPO"/2gpu-w1.json "$TMPO"/2gpu-w2.json "$TMPO"/2gpu-kill.json ;; esac
+elif [ "$MODE" = first-touch ]; then   # issue 43: bench/results/first-touch-<card>.*
+  PART=${PART:-stack}; TMPO=$OUT/first-touch-parts
+  if [ -n "${QUICK:-}" ]; then FT=(--quick --work "$WORK" --out "$OUT" ${COMMIT:+--commit "$COMMIT"})
+  else FT=("${GPU[@]}"); fi
+  case $PART in stack) P=burst,one,churn ;; start) P=start ;; all) P=burst,one,churn,start ;;
+       merge) P= ;; *) echo "PART=$PART: stack, start, all or merge"; exit 2 ;; esac
+  if [ -n "$P" ]; then step timeout "${BUDGET:-570}" python3 -m bench.serve.first_touch \
+       "${FT[@]}" --parts "$P" ${FT_EXTRA:-}
+  else python3 -m bench.serve.first_touch --merge "$TMPO"/*.json --out "$OUT"; fi
 elif [ "$MODE" = saturation ]; then    # issue 42: bench/results/saturation-<card>.*
   # One stack, one run, one device call (run's timeout_s 600): the suite stops starting parts
   # DEADLINE s after its own start and writes what it has, the header naming what it skipped.

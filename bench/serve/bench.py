@@ -227,7 +227,9 @@ def link_twins(rows: list[dict], scenarios: list[ss.Scenario]) -> None:
         if s.cold_requests:
             twin = next((t for t in scenarios if t.path == "grpc" and not t.cold_requests and
                          dataclasses.replace(t, name=s.name, cold=s.cold, cold_n=s.cold_n,
-                                             cold_adapters=s.cold_adapters) == s),
+                                             cold_adapters=s.cold_adapters,
+                                             cold_arrival=s.cold_arrival, burst_at=s.burst_at
+                                             if not t.burst else t.burst_at) == s),
                         None)
             if twin is not None:
                 r["nocold_twin"], r["itl_p99_nocold_ms"] = twin.name, first[twin.name][

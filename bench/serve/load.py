@@ -5,7 +5,9 @@ pre-built list to `GenerationService/GenerateStream`.
 Open loop: requests carry send offsets (`Request.at`, Poisson arrivals over the whole list), and
 every client keeps the global times from one common start. Closed loop: the concurrency is split
 over the clients, each keeping its share in flight. A cold stream (open-loop requests flagged
-`cold`) runs beside either and stops when the client's main requests are done.
+`cold`) runs beside either and stops when the client's main requests are done; a chained one
+(its requests flagged `chain` in `Request.extra`, all sent by the first client) sends each
+request once the one before it has its first token, from the first one's send offset.
 
 Per request the client records wall-clock times (`time.time()`, so processes and the worker's
 records line up): send, each streamed message's arrival (one token each), end; and the final
@@ -40,8 +42,9 @@ def to_proto(r) -> rpb.GenerateRequest:
     return req
 
 
-async def call(stub, r, proto, timeout: float) -> dict:
-    """One streamed request; the record of what the client saw."""
+async def call(stub, r, proto, timeout: float, first: asyncio.Event | None = None) -> dict:
+    """One streamed request; the record of what the client saw. `first` is set once its first
+    token has come (or it ended without one)."""
     metadata = (("authorization", f"Bearer {r.tenant}"),)
     times: list[float] = []
     last, status, error, streamed = None, "OK", "", 0
@@ -49,10 +52,15 @@ async def call(stub, r, proto, timeout: float) -> dict:
     try:
         async for resp in stub.GenerateStream(proto, timeout=timeout, metadata=metadata):
             times.append(time.time())
+            if first is not None:
+                first.set()
             streamed += len(resp.token_ids)
             last = resp
     except grpc.aio.AioRpcError as err:
         status, error = err.code().name, (err.details() or "")[:300]
+    finally:
+        if first is not None:
+            first.set()
     end = time.time()
     rec = {"index": r.index, "adapter": r.adapter, "tenant": r.tenant, "cold": r.cold,
            "burst": bool(r.extra.get("burst")),
@@ -87,6 +95,25 @@ async def paced(items, start: float, send, stop: asyncio.Event | None = None) ->
     await asyncio.gather(*tasks)
 
 
+async def chained(items, start: float, send, stop: asyncio.Event) -> None:
+    """One at a time from start + the first item's offset: each sent once the one before it
+    has its first token (send(r, proto, first) sets `first`); a stop set ends the chain."""
+    if not items:
+        return
+    try:
+        await asyncio.wait_for(stop.wait(), max(0.0, start + items[0][0].at - time.time()))
+    except asyncio.TimeoutError:
+        pass
+    tasks = []
+    for r, proto in items:
+        if stop.is_set():
+            break
+        first = asyncio.Event()
+        tasks.append(asyncio.create_task(send(r, proto, first)))
+        await first.wait()
+    await asyncio.gather(*tasks)
+
+
 async def closed(items, concurrency: int, send) -> None:
     """Closed loop: `concurrency` senders, each taking the next item when its last ends."""
     it = iter(items)
@@ -104,8 +131,8 @@ async def run_job(stub, job: dict, start: float, timeout: float) -> list[dict]:
     records: list[dict] = []
     main_done = asyncio.Event()
 
-    async def send(r, proto) -> None:
-        records.append(await call(stub, r, proto, timeout))
+    async def send(r, proto, first: asyncio.Event | None = None) -> None:
+        records.append(await call(stub, r, proto, timeout, first))
 
     async def main() -> None:
         opened = [p for p in pairs if not p[0].cold and p[0].at is not None]
@@ -114,7 +141,10 @@ async def run_job(stub, job: dict, start: float, timeout: float) -> list[dict]:
                              closed(rest, job["concurrency"] or 1, send))
         main_done.set()
 
-    await asyncio.gather(main(), paced([p for p in pairs if p[0].cold], start, send, main_done))
+    chain = [p for p in pairs if p[0].cold and p[0].extra.get("chain")]
+    cold = [p for p in pairs if p[0].cold and not p[0].extra.get("chain")]
+    await asyncio.gather(main(), paced(cold, start, send, main_done),
+                         chained(chain, start, send, main_done))
     return records
 
 
@@ -154,9 +184,12 @@ class ClientPool:
 
     def run(self, requests: list, concurrency: int | None) -> list[dict]:
         """Every request once, from a common start; records sorted by request index.
-        concurrency: the closed loop's rows in flight in all (split over the clients)."""
+        concurrency: the closed loop's rows in flight in all (split over the clients); a
+        chained cold stream goes to the first client whole, in order."""
         k = len(self.procs) if concurrency is None else min(len(self.procs), concurrency)
-        shares = [requests[i::k] for i in range(k)]
+        chain = [r for r in requests if r.extra.get("chain")]
+        rest = [r for r in requests if not r.extra.get("chain")]
+        shares = [rest[i::k] + (chain if i == 0 else []) for i in range(k)]
         conc = [0] * k if concurrency is None else [concurrency // k + (i < concurrency % k)
                                                      for i in range(k)]
         busy = {i for i in range(k) if shares[i]}

@@ -63,9 +63,10 @@ def cold_stream_figures(records: list[dict]) -> dict | None:
         return None
     ok = [r for r in cold if r["status"] == "OK" and r["times"]]
     loads = [r["timings"]["cold_load_s"] for r in ok if r["timings"]]
+    ttft = [r["times"][0] - r["send"] for r in ok]
     return {"requests": len(cold), "ok": len(ok),
-            "ttft_p50_ms": ms(pct([r["times"][0] - r["send"] for r in ok], 50)),
-            "cold_load_p50_ms": ms(pct(loads, 50))}
+            "ttft_p50_ms": ms(pct(ttft, 50)), "ttft_p99_ms": ms(pct(ttft, 99)),
+            "cold_load_p50_ms": ms(pct(loads, 50)), "cold_load_p99_ms": ms(pct(loads, 99))}
 
 
 # ------------------------------------------------------------------------ service counters
@@ -123,12 +124,14 @@ def cold_by_tier(records_pb, hist: dict[str, list[float]], requests: list[dict])
                  for r in reqs]
         out[tier] = {"n": len(xs) if xs else len(reqs), "from": source if xs else "requests",
                      "p50_ms": ms(pct(xs or loads, 50)), "p99_ms": ms(pct(xs or loads, 99)),
-                     "stages": _stages(by.get(tier, [])), "first_step_p50_ms": ms(pct(first, 50)),
+                     "stages": stage_figures(by.get(tier, [])),
+                     "first_step_p50_ms": ms(pct(first, 50)),
                      "req_cold_p50_ms": ms(pct(loads, 50)), "req_cold_p99_ms": ms(pct(loads, 99))}
     return out
 
 
-def _stages(recs) -> dict | None:
+def stage_figures(recs) -> dict | None:
+    """stage -> {p50_ms, p99_ms} over worker cold-load records (None for none)."""
     if not recs:
         return None
     return {st: {"p50_ms": ms(pct([getattr(r, st) for r in recs], 50)),
@@ -148,13 +151,18 @@ def cold_windows(records_pb, requests: list[dict]) -> tuple[list[tuple[float, fl
                  for r in requests if r["timings"] and r["timings"]["cold_load_s"] > 0
                  and r["timings"]["adapter_tier"] in COLD_TIERS]
         source = "request_timings"
+    return merge_spans(spans), source
+
+
+def merge_spans(spans) -> list[tuple[float, float]]:
+    """(start, end) intervals, sorted and merged where they overlap."""
     merged: list[list[float]] = []
     for a, b in sorted(spans):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    return [(a, b) for a, b in merged], source
+    return [(a, b) for a, b in merged]
 
 
 def burst_figures(requests: list[dict]) -> dict:

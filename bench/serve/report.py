@@ -19,7 +19,8 @@ def scenario_rows(s, figures: dict, hits: dict, tiers: dict, extra: dict) -> lis
             "rate": s.rate, "rate_frac": s.rate_frac, "concurrency": s.concurrency,
             "preload": s.preload,
             "cold_stream_rate": s.cold or None,
-            "cold_adapters": s.cold_adapters if s.cold else None,
+            "cold_arrival": s.cold_arrival if s.cold_requests else None,
+            "cold_adapters": s.cold_adapters if s.cold_requests else None,
             **{k: v for k, v in figures.items() if not k.startswith("_")}, **hits, **extra}
     if not tiers:
         return [{**base, "cold_tier": None, "cold_n": 0, "cold_p50_ms": None,
@@ -139,7 +140,10 @@ def _notes(header: dict, rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("cold_stream") and r["scenario"] not in seen:
             seen.add(r["scenario"])
-            lines.append(f"- {r['scenario']}: a cold stream at {r['cold_stream_rate']:g} req/s "
+            how = (f"at {r['cold_stream_rate']:g} req/s" if r.get("cold_arrival", "poisson")
+                   == "poisson" else {"burst": "arriving at once",
+                                      "chain": "one at a time"}[r["cold_arrival"]])
+            lines.append(f"- {r['scenario']}: a cold stream {how} "
                          f"({r['cold_stream']['requests']} requests on {r['cold_adapters']} adapters sent "
                          "before the main stream ended); ITL p99 "
                          f"of the other requests' gaps inside cold-load windows "

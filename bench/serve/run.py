@@ -223,9 +223,10 @@ class Bench:
               f"{rate:.2f} req/s", flush=True)
         return rate
 
-    def run_grpc(self, s: ss.Scenario) -> None:
+    def run_grpc(self, s: ss.Scenario) -> list[dict]:
         """Preload and warm up (unmeasured), then the measured requests (with the cold stream
-        on fresh adapters), the worker's and the store's counters read around them."""
+        on fresh adapters), the worker's and the store's counters read around them; returns
+        the measured requests' client records."""
         from bench.serve.stack import residency, store_stats, worker_info
         ids, start = self.ids(s), time.monotonic()
         if s.preload:
@@ -271,6 +272,7 @@ class Bench:
                 serve_fleet.delta(None, w1[kill.index]).get("gpu", (0, 0))))
         self.record(s, records, (w0, w1, lost), (st0, st1), more)
         self.traces[s.name] = trace_rows(warm) + trace_rows(records)
+        return records
 
     def rejoin_tail(self, s: ss.Scenario, kill, first_index: int) -> list:
         """A kill scenario's last requests, built once the restarted worker is live at the
@@ -316,7 +318,7 @@ class Bench:
             recs = list(w1.cold_load_records)
             tiers = sm.cold_by_tier(recs, serve_fleet.histogram_delta(*worker), records)
             more["worker_cold_records"] = len(recs)
-            if s.burst:
+            if s.burst or s.cold_arrival == "burst":
                 more.update(sm.burst_figures(records))
             if s.cold_requests:
                 windows, source = sm.cold_windows(recs, records)

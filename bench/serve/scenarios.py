@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 KEYS = ("adapters", "rank", "zipf", "rate", "concurrency", "requests", "warmup", "prompt",
         "output", "preload", "cold", "cold_n", "cold_adapters", "path", "twin", "burst",
-        "burst_prompt", "burst_at", "kill_at", "kill_worker", "restart_after", "after_rejoin")
+        "burst_prompt", "burst_at", "kill_at", "kill_worker", "restart_after", "after_rejoin",
+        "cold_arrival")
 COLD_ADAPTERS = ("fresh", "store", "host")
+COLD_ARRIVALS = ("poisson", "burst", "chain")
 
 
 def parse_range(text: str, what: str) -> tuple[int, int]:
@@ -49,6 +51,10 @@ class Scenario:
     # stream's of this rank, dropped from the worker (store: loads from the store's host
     # tier) or from its pool only (host: loads from the worker's host tier)
     cold_adapters: str = "fresh"
+    # how the cold stream arrives: poisson (at `cold` req/s), burst (all at burst_at s into the
+    # stream), chain (one at a time from burst_at s, each once the one before it has its first
+    # token); burst and chain need no rate, only cold_n
+    cold_arrival: str = "poisson"
     path: str = "grpc"                  # grpc: through the services; engine: in-process
     twin: str = ""                      # replay this scenario's requests (the engine's twin)
     # rate=sat*F: F times the saturation the probe measured (the base model's closed-loop
@@ -79,7 +85,10 @@ class Scenario:
             raise ValueError(f"scenario {self.name}: adapters, warmup, zipf >= 0; requests >= 1")
         if self.path not in ("grpc", "engine"):
             raise ValueError(f"scenario {self.name}: path is grpc or engine")
-        if self.cold > 0 and self.cold_n < 1:
+        if self.cold_arrival not in COLD_ARRIVALS:
+            raise ValueError(f"scenario {self.name}: cold_arrival is one of "
+                             f"{', '.join(COLD_ARRIVALS)}")
+        if (self.cold > 0 or self.cold_arrival != "poisson") and self.cold_n < 1:
             raise ValueError(f"scenario {self.name}: a cold stream needs cold_n >= 1")
         if self.rate_frac is not None and not 0 < self.rate_frac <= 2:
             raise ValueError(f"scenario {self.name}: rate=sat*F needs 0 < F <= 2")
@@ -93,7 +102,7 @@ class Scenario:
 
     @property
     def cold_requests(self) -> int:
-        return self.cold_n if self.cold > 0 else 0
+        return self.cold_n if self.cold > 0 or self.cold_arrival != "poisson" else 0
 
     @property
     def rejoin_requests(self) -> int:
@@ -134,7 +143,7 @@ def _value(key: str, value: str, name: str):
             return float(value)
         if key == "preload":
             return value not in ("0", "false", "no", "")
-        if key in ("path", "cold_adapters", "twin"):
+        if key in ("path", "cold_adapters", "twin", "cold_arrival"):
             return value
         return int(value)
     except ValueError as exc:
@@ -273,15 +282,21 @@ def build_requests(s: Scenario, adapter_ids: list[str], vocab: int, tenants: int
 
 def cold_stream(s: Scenario, cold_ids: list[str], vocab: int, tenants: int, seed: int,
                 first_index: int) -> list[Request]:
-    """Open-loop requests at s.cold req/s, each on its own adapter that is not on the GPU
-    (Scenario.cold_adapters says where it comes from)."""
+    """Requests each on its own adapter that is not on the GPU (Scenario.cold_adapters says
+    where it comes from), arriving as Scenario.cold_arrival says: open loop at s.cold req/s;
+    all at burst_time(s) (flagged burst); or from then one at a time (flagged chain: the client
+    sends each once the one before it has its first token)."""
     rng = random.Random(f"{seed}:{s.name}:cold")
-    times = poisson_times(rng, s.cold, len(cold_ids))
+    if s.cold_arrival == "poisson":
+        times, flag = poisson_times(rng, s.cold, len(cold_ids)), {}
+    else:
+        times, flag = [burst_time(s)] * len(cold_ids), {s.cold_arrival: True}
     out = []
     for k, (aid, at) in enumerate(zip(cold_ids, times)):
         plen, olen = rng.randint(*s.prompt), rng.randint(*s.output)
         out.append(Request(first_index + k, aid, f"t{k % tenants}",
-                           [rng.randrange(10, vocab) for _ in range(plen)], olen, at, cold=True))
+                           [rng.randrange(10, vocab) for _ in range(plen)], olen, at, cold=True,
+                           extra=dict(flag)))
     return out
 
 
