@@ -93,6 +93,7 @@ elif [ "$MODE" = latency ]; then        # issue 23: bench/results/latency-h200.*
        --requests "${REQUESTS:-400}" --warmup 64 --name latency-h200
 elif [ "$MODE" = resident ]; then       # the resident suite alone (closed loop, base and 32)
   step timeout "${BUDGET:-300}" python3 -m bench.serve.bench "${GPU[@]}" --suite resident \
+       --worker-flag=--warmup-max-rank=${WARMUP_MAX_RANK:-64} \
        --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-resident --scenarios \
        "prefill_burst:adapters=32,rank=16,zipf=1.0,rate=${BURST_RATE:-33},burst=64,burst_prompt=1024"
   [ -n "${THEN_TEST:-}" ] && step timeout "$THEN_TEST" python3 -m pytest -q -p no:cacheprovider \
