@@ -29,9 +29,10 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-    """h += delta (in place); return rms_norm(h)."""
-    h += delta
+                     eps: float, delta_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """h += delta (in place; with delta_norm: h += rms_norm(delta, delta_norm)); return
+    rms_norm(h)."""
+    h += delta if delta_norm is None else rms_norm_ref(delta, delta_norm, eps)
     return rms_norm_ref(h, w, eps)
 
 
@@ -100,17 +101,24 @@ def _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID: tl.constexpr):
 
 
 @triton.jit
-def _rms_kernel(h_ptr, d_ptr, w_ptr, out_ptr, H, stride_h, stride_d, stride_o, eps,
-                ADD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _rms_kernel(h_ptr, d_ptr, w_ptr, dw_ptr, out_ptr, H, stride_h, stride_d, stride_o, eps,
+                ADD: tl.constexpr, NORM_D: tl.constexpr, BLOCK: tl.constexpr,
+                USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)    # a weight: before the wait
+    if NORM_D:
+        dw = tl.load(dw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     wait_then_release(USE_PDL)
     x = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
     if ADD:
-        x = (x.to(tl.float32) + tl.load(d_ptr + row * stride_d + cols, mask=ok,
-                                         other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+        d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
+        df = d.to(tl.float32)
+        if NORM_D:      # the delta's own norm first (Gemma's output norms), rounded as apart
+            dn = (df * _inv_rms_of(df, H, eps)).to(h_ptr.dtype.element_ty).to(tl.float32)
+            df = (dn * dw).to(h_ptr.dtype.element_ty).to(tl.float32)
+        x = (x.to(tl.float32) + df).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * stride_h + cols, x, mask=ok)
     xf = x.to(tl.float32)
     inv = _inv_rms_of(xf, H, eps)
@@ -262,20 +270,26 @@ def rms_norm(x, w, eps: float, impl: str = "auto"):
         return rms_norm_ref(x, w, eps)
     out = torch.empty_like(x)
     t, h = x.shape
-    _rms_kernel[(t,)](x, x, w, out, h, x.stride(0), x.stride(0), out.stride(0), eps,
-                      ADD=False, BLOCK=triton.next_power_of_2(h), num_warps=8 if h >= 4096 else 4,
-                      **launch_args(x.device))
+    _rms_kernel[(t,)](x, x, w, w, out, h, x.stride(0), x.stride(0), out.stride(0), eps,
+                      ADD=False, NORM_D=False, BLOCK=triton.next_power_of_2(h),
+                      num_warps=8 if h >= 4096 else 4, **launch_args(x.device))
     return out
 
 
-def add_rms_norm(h, delta, w, eps: float, impl: str = "auto"):
+def add_rms_norm(h, delta, w, eps: float, impl: str = "auto",
+                 delta_norm: torch.Tensor | None = None):
+    """h += delta, in place, and rms_norm(h) out, in one launch; with delta_norm, the delta
+    normed first (h += rms_norm(delta, delta_norm)), as Gemma's output norms before their
+    residual adds, still one launch."""
     if not _triton(h, impl):
-        return add_rms_norm_ref(h, delta, w, eps)
+        return add_rms_norm_ref(h, delta, w, eps, delta_norm)
     out = torch.empty_like(h)
     t, hid = h.shape
-    _rms_kernel[(t,)](h, delta, w, out, hid, h.stride(0), delta.stride(0), out.stride(0), eps,
-                      ADD=True, BLOCK=triton.next_power_of_2(hid),
-                      num_warps=8 if hid >= 4096 else 4, **launch_args(h.device))
+    norm_d = delta_norm is not None
+    _rms_kernel[(t,)](h, delta, w, delta_norm if norm_d else w, out, hid, h.stride(0),
+                      delta.stride(0), out.stride(0), eps, ADD=True, NORM_D=norm_d,
+                      BLOCK=triton.next_power_of_2(hid), num_warps=8 if hid >= 4096 else 4,
+                      **launch_args(h.device))
     return out
 
 

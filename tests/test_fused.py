@@ -26,6 +26,14 @@ def check(device: str = "cpu") -> None:
         ref = fused.add_rms_norm_ref(h2, d, w, 1e-5)
         torch.testing.assert_close(h1, h2, atol=tol, rtol=tol)
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+        # with the delta's own norm (Gemma's output norms): as the two launches it replaces
+        dw = (1 + 0.1 * torch.randn(96, generator=g)).to(device, dtype)
+        h1, h2 = x.clone(), x.clone()
+        out = fused.add_rms_norm(h1, d, w, 1e-5, impl="triton", delta_norm=dw)
+        ref = fused.add_rms_norm_ref(h2, fused.rms_norm_ref(d, dw, 1e-5), w, 1e-5)
+        torch.testing.assert_close(h1, h2, atol=tol, rtol=tol)
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+        assert (h1 - (x + d)).abs().max() > 10 * tol        # the delta was normed, not added
         qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=g).to(device, dtype)
         pos = torch.tensor([0, 3, 9, 2, 30]).to(device)
         cos = torch.randn(64, 8, generator=g).to(device, dtype)

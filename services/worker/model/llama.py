@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import paged_attention
-from kernels.fused import gate_mul, rms_norm, rope_write_kv_
+from kernels.fused import gate_mul, rope_write_kv_
 from kernels.sgmv import lora, lora_expand_columns, lora_shrink_rows
 from services.worker.model.fp8 import qlinear
 from services.worker.model.lora_columns import LoraColumns
@@ -127,7 +127,8 @@ class LlamaModel:
                rope: tuple) -> torch.Tensor:
         """Decoder layer i on the residual h (updated in place) and its normed input x (the
         norm strategy's); returns the next layer's input. Gemma's norms of the attention's and
-        the MLP's outputs (attn_out_norm, mlp_out_norm) go before their residual adds."""
+        the MLP's outputs (attn_out_norm, mlp_out_norm) go before their residual adds, in the
+        add's own launch (norms.close)."""
         s, norms, meta = self.spec, self.norms, ctx.lora
         qkv = self._qkv(i, w, x, meta)
         t = qkv.shape[0]
@@ -142,17 +143,13 @@ class LlamaModel:
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
         y = self._attn_o(i, w, h, q, kv, ctx)
-        if "attn_out_norm" in w:
-            y = rms_norm(y, w["attn_out_norm"], s.rms_norm_eps)
-        x = norms.close(h, y, w["post_norm"])
+        x = norms.close(h, y, w["post_norm"], w.get("attn_out_norm"))
         gu = qlinear(x, w["gate_up"])                                  # [T, 2I]
         self._lora("gate_up", i, gu, x, meta)
         act = gate_mul(gu, s.act, rms=norms.rms(h))                    # [T, I]
         y = norms.project(h, act, w["down"], None)
         self._lora("down", i, y, act, meta)
-        if "mlp_out_norm" in w:
-            y = rms_norm(y, w["mlp_out_norm"], s.rms_norm_eps)
-        return norms.close(h, y, next_norm)
+        return norms.close(h, y, next_norm, w.get("mlp_out_norm"))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,

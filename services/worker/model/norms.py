@@ -41,9 +41,11 @@ class PlainNorms:
                 bias: torch.Tensor | None) -> torch.Tensor:
         return qlinear(x, weight, bias)
 
-    def close(self, h: torch.Tensor, y: torch.Tensor, next_norm: torch.Tensor) -> torch.Tensor:
-        """h += y, in place; returns the next block's input, norm(h)."""
-        return add_rms_norm(h, y, next_norm, self.eps)
+    def close(self, h: torch.Tensor, y: torch.Tensor, next_norm: torch.Tensor,
+              y_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """h += y, in place (y_norm: h += norm(y), Gemma's output norms); returns the next
+        block's input, norm(h). One launch on CUDA."""
+        return add_rms_norm(h, y, next_norm, self.eps, delta_norm=y_norm)
 
     def logits(self, h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
                norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,10 @@ class FoldedNorms:
             h.add_(bias)
         return h
 
-    def close(self, h: torch.Tensor, y: torch.Tensor, next_norm: torch.Tensor) -> torch.Tensor:
+    def close(self, h: torch.Tensor, y: torch.Tensor, next_norm: torch.Tensor,
+              y_norm: torch.Tensor | None = None) -> torch.Tensor:
+        if y_norm is not None:      # transforms.fold_norms never folds a model with them
+            raise ValueError("folded norms cannot norm a block's output before its residual add")
         return h
 
     def logits(self, h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
