@@ -184,10 +184,12 @@ def _scale_group(q: torch.Tensor, scale: torch.Tensor, group: int) -> int:
 
 def supported(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> bool:
     """Whether the kernel serves these operands (else fp8_linear takes the prefill path):
-    a float x, and groups that hold whole K tiles of at least 16 columns."""
+    a float x, groups that hold whole K tiles of at least 16 columns, and on CUDA a card with
+    e4m3 conversions (sm_89+)."""
     g = _scale_group(q, scale, group)
     return (x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and group_block_k(128, g) >= 16)
+            and group_block_k(128, g) >= 16
+            and (not x.is_cuda or _capability(x.device) >= (8, 9)))
 
 
 def _check(x, q, scale, group, bias, residual, out) -> None:

@@ -253,6 +253,19 @@ def test_gpu_the_warm_up_row_counts_leave_nothing_to_compile():
     assert not new, new
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp8_engine_matches_the_cpu_and_its_graphs_match_eager():
+    """The tiny model quantized to FP8 at load: on CUDA in fp32 (the kernel, its fp32 dot in
+    IEEE precision) the CPU's greedy tokens (dequantize-then-GEMM); in bf16 the decode graphs
+    give the eager steps' tokens (the kernel is deterministic, split-K included)."""
+    from tests.test_gpu import greedy_tokens
+    assert (greedy_tokens("cuda", "float32", quantization="fp8")
+            == greedy_tokens("cpu", "float32", quantization="fp8"))
+    assert (greedy_tokens("cuda", "bfloat16", graphs=False, quantization="fp8")
+            == greedy_tokens("cuda", "bfloat16", graphs=True, quantization="fp8"))
+
+
 if __name__ == "__main__":           # the child: TRITON_INTERPRET=1 set by the parent
     for case_name in sys.argv[1:]:
         try:
