@@ -16,6 +16,8 @@ tile (acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T, "swap-AB": M, 1 to 256 rows, ri
 narrow side), accumulating in fp32. A per-row scale is applied once, in the epilogue; per-group
 scales inside the K loop, each K tile lying in one group (kernels.fp8_gemm_config
 .group_block_k). The epilogue adds bias and residual in fp32 and rounds once to x's dtype.
+Under PDL (kernels.pdl) the row scales and the bias, weights, are read before the wait; x and
+the residual after it.
 
 Split-K (config.split_k > 1, at decode M, where N alone gives too few tiles for 132 SMs): each
 split writes its fp32 partial tile to a scratch [S, M, N]; the last split of an output tile to
@@ -53,14 +55,27 @@ _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 @triton.jit
-def _epilogue(acc, rn, rm, n_ok, m_ok, s_ptr, bias_ptr, res_ptr, out_ptr, stride_s, stride_r,
-              stride_o, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-    """out[rm, rn] = acc.T (* the row scale) + bias + residual, rounded once. acc: fp32
-    [BLOCK_N, BLOCK_M]."""
-    if not GROUPED:
-        acc = acc * tl.load(s_ptr + rn * stride_s, mask=n_ok, other=0.0)[:, None]
+def _row_terms(s_ptr, bias_ptr, rn, n_ok, stride_s, BLOCK_N: tl.constexpr,
+               GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The epilogue's per-column factors, fp32 [BLOCK_N]: the row scale (1 when GROUPED: the K
+    loop applied the scales) and the bias (0 without). Weights, so read before the PDL wait."""
+    if GROUPED:
+        s_row = tl.full((BLOCK_N,), 1.0, tl.float32)
+    else:
+        s_row = tl.load(s_ptr + rn * stride_s, mask=n_ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        b_row = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    else:
+        b_row = tl.zeros((BLOCK_N,), tl.float32)
+    return s_row, b_row
+
+
+@triton.jit
+def _epilogue(acc, s_row, b_row, rn, rm, n_ok, m_ok, res_ptr, out_ptr, stride_r, stride_o,
+              HAS_RES: tl.constexpr):
+    """out[rm, rn] = acc.T * s_row + b_row + residual, rounded once. acc: fp32
+    [BLOCK_N, BLOCK_M]."""
+    acc = acc * s_row[:, None] + b_row[:, None]
     io_ok = n_ok[:, None] & m_ok[None, :]
     if HAS_RES:
         acc += tl.load(res_ptr + rm[None, :] * stride_r + rn[:, None], mask=io_ok,
@@ -124,14 +139,15 @@ def _fp8_gemm_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cn
     m_ok = rm < M
     kt0 = pid_k * tiles_per_split
     kt1 = tl.minimum(kt0 + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    s_row, b_row = _row_terms(s_ptr, bias_ptr, rn, n_ok, stride_s, BLOCK_N, GROUPED, HAS_BIAS)
     wait_then_release(USE_PDL)           # x is the kernel before's output
     acc = _k_loop(x_ptr, q_ptr, s_ptr, (rn % N).to(tl.int64), (rm % M).to(tl.int64), K,
                   stride_x, stride_q, stride_s, group, kt0, kt1, BLOCK_M, BLOCK_N, BLOCK_K,
                   GROUPED, EVEN_K, UPCAST, DOT_PREC, STAGES)
     rm64 = rm.to(tl.int64)
     if SPLIT_K == 1:
-        _epilogue(acc, rn, rm64, n_ok, m_ok, s_ptr, bias_ptr, res_ptr, out_ptr, stride_s,
-                  stride_r, stride_o, GROUPED, HAS_BIAS, HAS_RES)
+        _epilogue(acc, s_row, b_row, rn, rm64, n_ok, m_ok, res_ptr, out_ptr, stride_r, stride_o,
+                  HAS_RES)
     else:
         io_ok = n_ok[:, None] & m_ok[None, :]
         tl.store(ws_ptr + (pid_k * M + rm64)[None, :] * N + rn[:, None], acc, mask=io_ok)
@@ -143,8 +159,8 @@ def _fp8_gemm_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cn
                 # .cg: at L2, where the other programs' partials are (never a stale L1 line)
                 total += tl.load(ws_ptr + (s * M + rm64)[None, :] * N + rn[:, None],
                                  mask=io_ok, other=0.0, cache_modifier=".cg")
-            _epilogue(total, rn, rm64, n_ok, m_ok, s_ptr, bias_ptr, res_ptr, out_ptr,
-                      stride_s, stride_r, stride_o, GROUPED, HAS_BIAS, HAS_RES)
+            _epilogue(total, s_row, b_row, rn, rm64, n_ok, m_ok, res_ptr, out_ptr, stride_r,
+                      stride_o, HAS_RES)
             tl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
