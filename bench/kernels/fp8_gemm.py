@@ -56,14 +56,17 @@ def gemms(model: str) -> dict[str, tuple[int, int]]:
             "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
-def fp8_weights(n: int, k: int, dev, bf16: bool):
-    """COPIES of (q, scale [N, 1], bf16 weight in the worker's layout or None)."""
+def fp8_weights(n: int, k: int, dev, bf16: str | None):
+    """COPIES of (q, scale [N, 1], the bf16 weight in the worker's layout for GEMM `bf16`: [K, N]
+    for those of KN, else [N, K]; None without)."""
     out = []
     for i in range(COPIES):
         g = torch.Generator(device=dev).manual_seed(i)
         w = torch.randn(n, k, generator=g, device=dev, dtype=torch.bfloat16).mul_(0.02)
         scale = w.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12).div_(448.0)
         q = (w.float() / scale).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        if bf16 in KN:
+            w = w.t().contiguous()
         out.append((q, scale, w if bf16 else None))
     return out
 
@@ -87,8 +90,7 @@ def variants(name: str, ws, xs, m: int) -> dict:
                           for i in range(COPIES)]
     if ws[0][2] is not None:
         if name in KN:
-            kn = [w[2].t().contiguous() for w in ws]
-            out["bf16"] = [lambda i=i: torch.mm(xs[i], kn[i]) for i in range(COPIES)]
+            out["bf16"] = [lambda i=i: torch.mm(xs[i], ws[i][2]) for i in range(COPIES)]
         else:
             out["bf16"] = [lambda i=i: F.linear(xs[i], ws[i][2]) for i in range(COPIES)]
     return out
@@ -100,7 +102,7 @@ def compare(a, dev, bw: float) -> list[dict]:
     rows = []
     for model in a.models:
         for name, (n, k) in gemms(model).items():
-            ws = fp8_weights(n, k, dev, bf16=True)
+            ws = fp8_weights(n, k, dev, bf16=name)
             nbytes = n * k + 4 * n
             for m in a.rows:
                 xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(COPIES)]
@@ -130,7 +132,7 @@ def sweep(a, dev, bw: float) -> list[dict]:
     rows, t0 = [], time.monotonic()
     for model in a.models:
         for name, (n, k) in gemms(model).items():
-            ws = fp8_weights(n, k, dev, bf16=False)
+            ws = fp8_weights(n, k, dev, bf16=None)
             for m in a.rows:
                 xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(COPIES)]
                 picked = pick_config(m, n, k, 0, _sms(dev))
