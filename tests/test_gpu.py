@@ -20,10 +20,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def greedy_tokens(device: str, dtype: str, graphs: bool = True,
-                  overlap: bool = True, perf: PerfConfig = PerfConfig()) -> dict[str, list[int]]:
+                  overlap: bool = True, perf: PerfConfig = PerfConfig(),
+                  quantization: str = "auto") -> dict[str, list[int]]:
     opts = EngineOptions(device=device, dtype=dtype, kv_cache_bytes=16 << 20, block_size=16,
                          max_batch_tokens=512, max_running=32, cuda_graphs=graphs,
-                         overlap=overlap, perf=perf)
+                         overlap=overlap, perf=perf, quantization=quantization)
     built = build_engine(MODEL_DIR, opts)
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
     slots = {n: built.pool.place(n, staged_from_peft_dir(DEMO_ADAPTERS / n, built.spec))

@@ -10,6 +10,9 @@
 #   ab-kernels  GPU tests, decode kernel shapes with and without PDL
 #   ab-e2e      batch 64 end to end: PDL on/off, weight layouts (or the variants of $2)
 #   ab-build    OLD=tmp/ab-old: an older build against this one
+#   fp8gemm     issue 46: the FP8 GEMM's GPU tests, then its microbenchmark (7B/8B/70B decode
+#               GEMMs against _scaled_mm and bf16; more args passed to it), ~3 min on an H100
+#   fp8sweep    the FP8 GEMM's config sweep (default --models 7b; more args passed to it)
 #   structured  issue 45: batch-64 decode steps with 0 / 50 / 100% of rows under a JSON schema
 #               (needs the wheels in .whl, llguidance's among them: README, the device notes)
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
@@ -73,6 +76,13 @@ elif [ "$MODE" = structured ]; then       # llguidance is not in the device imag
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site
   step python3 -m bench.engine.structured --out "$OUT" 2>&1 | tail -25
+elif [ "$MODE" = fp8gemm ]; then
+  step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_gemm.py \
+       2>&1 | tail -15
+  step python3 -m bench.kernels.fp8_gemm --out "$OUT" "${@:2}" 2>&1 | tail -70
+elif [ "$MODE" = fp8sweep ]; then
+  step python3 -m bench.kernels.fp8_gemm --sweep --models 7b --budget-s 480 --out "$OUT" \
+       "${@:2}" 2>&1 | tail -50
 elif [ "$MODE" = sweep ]; then
   step python3 -m bench.kernels.sgmv_sweep --out "$OUT" "${@:2}" 2>&1 | tail -60
 elif [ "$MODE" = quick ]; then

@@ -20,10 +20,11 @@ gate/up: `cat_rows`) stay FP8 whatever their parts' row counts, which block scal
 not (a k projection of 320 rows is not a whole number of 128-row blocks).
 
 The activations stay in the model dtype: `qlinear(x, w)` is F.linear for a plain weight and,
-for an Fp8Weight, `linear_by_dequant`, which dequantizes the weight to x's dtype and runs the
-ordinary GEMM. That is the reference (CPU) path, and on CUDA for now a placeholder, correct and
-not fast: it streams the FP8 bytes plus a full bf16 copy each call. The decode kernel that reads
-FP8 and applies the scale in its epilogue is a later step (issue 46).
+for an Fp8Weight, on CUDA `kernels.fp8_gemm.fp8_linear`: up to 256 rows the weight-only FP8
+kernel (W read once as FP8, turned to bf16 in registers, the scales applied in the kernel), above
+that the prefill path (torch._scaled_mm with per-row activation scales where it serves the
+weight, else dequantize-then-GEMM). Elsewhere `linear_by_dequant`, which dequantizes the weight
+to x's dtype and runs the ordinary GEMM: the reference (CPU) path.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ import re
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8_gemm import fp8_linear
+from kernels.fp8_gemm_ref import dequant
 from services.worker.model.quant_scheme import Fp8Scheme
 from services.worker.model.spec import UnsupportedModel
 
@@ -65,10 +68,7 @@ class Fp8Weight:
 
     def dequant(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] in dtype: q * scale in float32, rounded once to dtype."""
-        scale = self.scale
-        if scale.shape[1] > 1:
-            scale = scale.repeat_interleave(self.group, dim=1)[:, :self.q.shape[1]]
-        return self.q.to(torch.float32).mul_(scale).to(dtype)
+        return dequant(self.q, self.scale, self.group, dtype)
 
     def regroup(self, group: int) -> "Fp8Weight":
         """The same weight with scales over `group` columns (a divisor of this one's group,
@@ -89,18 +89,19 @@ Weight = torch.Tensor | Fp8Weight
 
 
 def qlinear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype, W plain or FP8 (the activations are
-    never quantized: W8A16)."""
+    """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype, W plain or FP8: W8A16 (on CUDA a
+    prefill of more than 256 rows may quantize x per row for the FP8 tensor cores:
+    kernels.fp8_gemm.fp8_prefill; the LoRA reads x as it is)."""
     if isinstance(w, Fp8Weight):
+        if x.is_cuda:
+            return fp8_linear(x, w.q, w.scale, w.group, bias)
         return linear_by_dequant(x, w, bias)
     return F.linear(x, w, bias)
 
 
 def linear_by_dequant(x: torch.Tensor, w: Fp8Weight,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The FP8 GEMM as dequantize-then-GEMM: the CPU reference, and the CUDA PLACEHOLDER until
-    the FP8 decode kernel exists (correct; slower than bf16, since it writes and reads a bf16
-    copy of the weight every call)."""
+    """The FP8 GEMM as dequantize-then-GEMM: the CPU reference (not on CUDA's hot path)."""
     return F.linear(x, w.dequant(x.dtype), bias)
 
 

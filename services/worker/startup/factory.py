@@ -91,9 +91,9 @@ def _fp8_note(spec: ModelSpec, device: torch.device) -> str:
         return ""
     src = spec.quant.source
     how = "quantized at load" if src == "load" else f"{src} as published"
-    slow = (" (dequantize-then-GEMM PLACEHOLDER: correct, slower than bf16 until the FP8 "
-            "kernel lands)" if device.type == "cuda" else "")
-    return f", linear weights FP8 ({how}; activations and LoRA in the model dtype){slow}"
+    gemm = ("; the FP8 GEMM kernel up to 256 rows, _scaled_mm or dequantize-then-GEMM above"
+            if device.type == "cuda" else "; dequantize-then-GEMM")
+    return f", linear weights FP8 ({how}; activations and LoRA in the model dtype{gemm})"
 
 
 def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,

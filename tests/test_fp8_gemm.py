@@ -1,0 +1,280 @@
+"""The weight-only FP8 GEMM (kernels/fp8_gemm.py) against its dequantize-then-matmul reference.
+
+The Triton cases run the kernel under TRITON_INTERPRET=1, which must be set before triton is
+imported, so they run in one child process (`python tests/test_fp8_gemm.py CASE...`) that prints
+one JSON line per case; the parent parametrises over the case names. Small tiles make the K
+loop, the splits and the row and column tiles run more than once. The `gpu` tests run the same
+at the 7B shapes on CUDA, inside a CUDA graph, and check that the warm-up's row counts leave
+nothing to compile.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels.fp8_gemm_config import (BUCKETS, DECODE_MAX_ROWS, Fp8GemmConfig,  # noqa: E402
+                                     bucket, neighbours, pick_config)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+C = Fp8GemmConfig
+# name: (M, N, K, group (0: one scale a row), config (None: picked), dtype, extras)
+# extras: "bias", "res" (residual, added in place: out is the residual)
+CASES = {
+    **{f"channel_m{m}_split{s}": (m, 100, 160, 0, C(16, 32, 32, s), "bf16", "")
+       for m in (1, 3, 16, 65) for s in (1, 3)},
+    "group32_m1_split2": (1, 48, 80, 32, C(16, 16, 32, 2), "bf16", ""),     # a partial group
+    "group32_m65_split2": (65, 48, 80, 32, C(16, 16, 32, 2), "bf16", ""),
+    "group64_tile32_m3": (3, 40, 192, 64, C(16, 16, 32, 3), "bf16", ""),    # groups of 2 tiles
+    "group32_picked_m16": (16, 64, 128, 32, None, "bf16", ""),
+    "residual_bias_m16_split3": (16, 100, 160, 0, C(16, 32, 32, 3), "bf16", "bias res"),
+    "residual_bias_m65": (65, 64, 96, 0, C(32, 64, 32, 1), "bf16", "bias res"),
+    "bias_group_m3": (3, 48, 96, 32, C(16, 16, 32, 2), "bf16", "bias"),
+    "fp32_m3_split2": (3, 64, 128, 0, C(16, 32, 32, 2), "fp32", "bias"),
+    "fp16_m16": (16, 64, 128, 0, C(16, 32, 64, 2), "fp16", ""),
+    **{f"picked_m{m}": (m, 96, 256, 0, None, "bf16", "") for m in (1, 16, 65)},
+}
+
+
+def make_weight(n: int, k: int, group: int, gen: torch.Generator, device="cpu"):
+    """(q, scale, group) with scales over `group` columns (0: one a row, group = K), values
+    spread over e4m3's range and scales over two decades."""
+    g = group or k
+    on = gen.device
+    q = (torch.randn(n, k, generator=gen, device=on) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, -(-k // g), generator=gen, device=on).mul(0.01).add(1e-4)
+    return q.to(device), scale.to(device), g
+
+
+def operands(case: tuple, device="cpu", seed: int = 0) -> dict:
+    m, n, k, group, cfg, dtype, extras = case
+    gen = torch.Generator().manual_seed(seed)
+    q, scale, g = make_weight(n, k, group, gen, device)
+    dt = DTYPES[dtype]
+    args = dict(x=torch.randn(m, k, generator=gen).to(device, dt), q=q, scale=scale, group=g)
+    if "bias" in extras:
+        args["bias"] = torch.randn(n, generator=gen).to(device, dt)
+    if "res" in extras:
+        args["residual"] = torch.randn(m, n, generator=gen).to(device, dt)
+    return args
+
+
+def assert_matches(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Within the output dtype's rounding (fp32: accumulation order) of the fp32 reference."""
+    eps = {torch.float32: 1e-5, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[ref.dtype]
+    scale = ref.float().abs().max().clamp(min=1.0)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=eps, atol=eps * scale, msg=what)
+
+
+def run_case(name: str, device: str = "cpu") -> None:
+    from kernels.fp8_gemm import arrival_counters, fp8_gemm
+    from kernels.fp8_gemm_ref import fp8_gemm_ref
+    case = CASES[name]
+    args = operands(case, device)
+    cfg = case[4]
+    ref = fp8_gemm_ref(**args)
+    if "residual" in args:                      # in place: out is the residual
+        res = args["residual"].clone()
+        got = fp8_gemm(**{**args, "residual": res}, config=cfg, out=res)
+        assert got.data_ptr() == res.data_ptr()
+    else:
+        got = fp8_gemm(**args, config=cfg)
+        again = fp8_gemm(**args, config=cfg)
+        assert torch.equal(got, again), "two calls differ (split-K must be deterministic)"
+    assert_matches(got, ref, name)
+    assert int(arrival_counters(torch.device(device)).abs().sum()) == 0, "counters left set"
+
+
+def _child_results() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__, *CASES], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            out[rec["case"]] = rec
+    assert out, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return _child_results()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_the_reference_under_the_interpreter(interpreted, name):
+    rec = interpreted.get(name)
+    assert rec is not None, f"{name}: no result from the child"
+    assert rec["ok"], rec["error"]
+
+
+# ---------------------------------------------------------------- configs (no kernel runs)
+SHAPES = {  # the decoder GEMMs (N, K): docs/sizing.md's 7B, Llama-3-8B and 70B
+    "7b": {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
+           "down": (4096, 11008)},
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+           "down": (4096, 14336)},
+    "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192),
+            "down": (8192, 28672)},
+}
+
+
+@pytest.mark.parametrize("group", [0, 128, 64])
+def test_every_shape_and_bucket_gets_a_config_that_fits(group):
+    for model in SHAPES.values():
+        for n, k in model.values():
+            for b in BUCKETS:
+                cfg = pick_config(b, n, k, group)
+                assert cfg.smem_bytes() <= 227 * 1024
+                assert not group or group % cfg.block_k == 0
+                k_tiles = -(-k // cfg.block_k)
+                assert cfg.split_k == 1 or k_tiles // cfg.split_k >= 8, (n, k, b, cfg)
+                # the split is the bucket's, whatever m of the bucket: one compile a bucket
+                assert all(pick_config(m, n, k, group) == cfg
+                           for m in range(b // 2 + 1 if b > 16 else 1, b + 1))
+
+
+def test_the_warm_up_meets_every_bucket_and_single_rows():
+    """Each bucket's kernel is compiled by the worker's warm-up (its eager prompt lengths),
+    never first while serving: some warm-up row count falls in every bucket."""
+    from services.worker.startup.warmup import token_counts
+    counts = token_counts(DECODE_MAX_ROWS)
+    assert {bucket(t) for t in counts if t <= DECODE_MAX_ROWS} == set(BUCKETS)
+    assert 1 in counts and DECODE_MAX_ROWS + 1 in token_counts(2 * DECODE_MAX_ROWS)
+
+
+def test_sweep_neighbours_are_distinct_and_valid():
+    for b in BUCKETS:
+        cfg = pick_config(b, 12288, 4096)
+        near = neighbours(cfg)
+        assert near[0] == cfg and len(set(near)) == len(near) >= 6
+        assert all(c.smem_bytes() <= 227 * 1024 for c in near)
+
+
+def test_the_prefill_path_off_a_gpu_is_dequantize_then_gemm():
+    from kernels.fp8_gemm import fp8_linear, prefill_path, quantize_rows
+    from kernels.fp8_gemm_ref import fp8_gemm_ref
+    args = operands((300, 64, 128, 32, None, "bf16", "bias"))
+    assert prefill_path(args["x"], args["q"], args["scale"]) == "dequant"
+    assert_matches(fp8_linear(**args), fp8_gemm_ref(**args), "prefill")
+    xq, s = quantize_rows(args["x"])
+    assert xq.dtype == torch.float8_e4m3fn and s.shape == (300, 1)
+    back = xq.float() * s
+    assert float((back - args["x"].float()).abs().max()) <= float(s.max()) * 16
+
+
+# ---------------------------------------------------------------- on CUDA
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_matches_the_reference_at_7b_shapes():
+    """Per channel at every bucket's edges, group-128 scales, split-K forced off and on, and the
+    residual + bias epilogue, on the 7B's four GEMMs."""
+    from kernels.fp8_gemm import fp8_gemm
+    from kernels.fp8_gemm_ref import fp8_gemm_ref
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in SHAPES["7b"].items():
+        for group in (0, 128):
+            q, scale, g = make_weight(n, k, group, gen, "cuda")        # made on the device
+            for m in (1, 16, 17, 64, 65, 128, 256):
+                x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+                args = dict(x=x, q=q, scale=scale, group=g)
+                ref = fp8_gemm_ref(**args)
+                assert_matches(fp8_gemm(**args), ref, f"{name} m{m} g{group}")
+                cfg = pick_config(m, n, k, group)
+                for split in {1, 4} - {cfg.split_k}:
+                    forced = Fp8GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split,
+                                           cfg.num_warps, cfg.num_stages)
+                    assert_matches(fp8_gemm(**args, config=forced), ref,
+                                   f"{name} m{m} g{group} split {split}")
+        args = operands((16, n, k, 0, None, "bf16", "bias res"), "cuda")
+        ref = fp8_gemm_ref(**args)
+        res = args.pop("residual")
+        assert_matches(fp8_gemm(**args, residual=res, out=res), ref, f"{name} residual")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_graph_replay_and_prefill():
+    """A split-K call captured in a CUDA graph replays the eager result bit for bit on new
+    inputs; above DECODE_MAX_ROWS fp8_linear takes the prefill path (activations quantized per
+    row where _scaled_mm serves: within a few percent)."""
+    from kernels.fp8_gemm import fp8_gemm, fp8_linear, prefill_path
+    from kernels.fp8_gemm_ref import fp8_gemm_ref
+    args = operands((16, 12288, 4096, 0, None, "bf16", ""), "cuda")
+    assert pick_config(16, 12288, 4096).split_k > 1
+    x = args.pop("x")
+    fp8_gemm(x, **args)                              # the counters, before the capture
+    torch.cuda.synchronize()
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = fp8_gemm(x, **args)
+    for seed in (1, 2):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        assert torch.equal(out, fp8_gemm(x, **args))
+    big = operands((300, 4096, 4096, 0, None, "bf16", "bias"), "cuda")
+    ref = fp8_gemm_ref(**big)
+    rel = (fp8_linear(**big).float() - ref.float()).norm() / ref.float().norm()
+    assert rel < (0.05 if prefill_path(big["x"], big["q"], big["scale"]) == "scaled_mm"
+                  else 0.01), rel
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_the_warm_up_row_counts_leave_nothing_to_compile():
+    """After the row counts the worker's warm-up runs, every M from 1 to DECODE_MAX_ROWS (and
+    the prefill side) reuses a compiled kernel."""
+    from triton import knobs
+    from kernels import compile_watch
+    from kernels.fp8_gemm import fp8_linear
+    from services.worker.startup.warmup import token_counts
+    args = operands((1, 4096, 4096, 0, None, "bf16", ""), "cuda")
+    x_all = torch.randn(DECODE_MAX_ROWS + 8, 4096, device="cuda", dtype=torch.bfloat16)
+    for t in token_counts(DECODE_MAX_ROWS + 8):
+        fp8_linear(x_all[:t], args["q"], args["scale"], args["group"])
+    new: list[str] = []
+    before = knobs.runtime.jit_cache_hook
+    try:
+        assert compile_watch.install(new.append)
+        for t in range(1, DECODE_MAX_ROWS + 8):
+            fp8_linear(x_all[:t], args["q"], args["scale"], args["group"])
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_cache_hook = before
+    assert not new, new
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp8_engine_matches_the_cpu_and_its_graphs_match_eager():
+    """The tiny model quantized to FP8 at load: on CUDA in fp32 (the kernel, its fp32 dot in
+    IEEE precision) the CPU's greedy tokens (dequantize-then-GEMM); in bf16 the decode graphs
+    give the eager steps' tokens (the kernel is deterministic, split-K included)."""
+    from tests.test_gpu import greedy_tokens
+    assert (greedy_tokens("cuda", "float32", quantization="fp8")
+            == greedy_tokens("cpu", "float32", quantization="fp8"))
+    assert (greedy_tokens("cuda", "bfloat16", graphs=False, quantization="fp8")
+            == greedy_tokens("cuda", "bfloat16", graphs=True, quantization="fp8"))
+
+
+if __name__ == "__main__":           # the child: TRITON_INTERPRET=1 set by the parent
+    for case_name in sys.argv[1:]:
+        try:
+            run_case(case_name)
+            print(json.dumps({"case": case_name, "ok": True, "error": ""}), flush=True)
+        except Exception as e:  # noqa: BLE001 - reported to the parent, case by case
+            print(json.dumps({"case": case_name, "ok": False, "error": repr(e)[:2000]}),
+                  flush=True)
