@@ -15,7 +15,8 @@ I32, BF16, I64, F32 = "i32", "*bf16", "*i64", "*fp32"
 
 # kernel -> (argument types, constexprs other than USE_PDL)
 KERNELS = {
-    "fused._rms_kernel": ([BF16] * 4 + [I32] * 4 + ["fp32"], dict(ADD=True, BLOCK=4096)),
+    "fused._rms_kernel": ([BF16] * 5 + [I32] * 4 + ["fp32"], dict(ADD=True, NORM_D=True,
+                                                                  BLOCK=4096)),
     "fused._rope_kernel": ([BF16] * 3 + [I64] + [I32] * 3, dict(HALF=64, BLOCK_H=64)),
     "fused._rope_kv_kernel": ([BF16] * 6 + [I64] * 2 + [BF16] * 3 + [I32] * 7 + ["fp32"] * 2,
                               dict(HALF=64, BLOCK_H=128, BLOCK_V=4096, RMS=True,
