@@ -125,22 +125,25 @@ def start_store(work: pathlib.Path, adapters: pathlib.Path, shm: pathlib.Path, t
         "--host-cache-bytes", "4GiB", "--trace-file", traces, *extra], work).wait()
 
 
-def first_use(addr: str, ids: list[str], shm_dir: str | None, at_once: bool) -> list[float]:
-    """Resolve then Fetch each id (the worker's StoreClient, bytes into a buffer of their
-    size), all at once on threads or one after another; seconds each."""
-    import torch
+def first_use(addr: str, ids: list[str], shm_dir: str | None, at_once: bool,
+              arena) -> list[float]:
+    """Resolve then Fetch each id (the worker's StoreClient, its bytes into the next slot of
+    `arena`, touched beforehand as the worker's host tier is), all at once on threads or one
+    after another; seconds each."""
+    import itertools
     from services.common.gen.lorafleet.v1 import adapter_store_pb2 as pb
     from services.common.gen.lorafleet.v1 import adapter_store_pb2_grpc
     from services.common.server import sync_channel
     from services.worker.adapters.store_client import StoreClient
     chan = sync_channel(addr)
     stub, client = adapter_store_pb2_grpc.AdapterStoreStub(chan), StoreClient(chan, shm_dir)
+    slots = itertools.count()
 
     def one(adapter_id: str) -> float:
         t = time.perf_counter()
         version = stub.Resolve(pb.ResolveRequest(name=adapter_id), timeout=300).adapter.version
         client.fetch(adapter_id, version, 300, lambda n: SimpleNamespace(
-            view=torch.empty(n, dtype=torch.uint8)))
+            view=arena[next(slots)][:n]))
         return time.perf_counter() - t
     try:
         if not at_once:
@@ -149,6 +152,12 @@ def first_use(addr: str, ids: list[str], shm_dir: str | None, at_once: bool) -> 
             return list(pool.map(one, ids))
     finally:
         chan.close()
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stages(traces: pathlib.Path) -> dict:
@@ -170,13 +179,17 @@ def scenario(name: str, work: pathlib.Path, adapters: pathlib.Path, n: int,
     ids = sorted(p.name for p in adapters.iterdir())[:n]
     shm = pathlib.Path(tempfile.mkdtemp(prefix="lorafleet-bench-", dir="/dev/shm"))
     traces = work / f"traces-{name}.jsonl"
-    import torch  # noqa: F401  (imported before the clock starts: the client's buffers)
+    import torch
+    size = max((adapters / i / "adapter_model.safetensors").stat().st_size for i in ids)
+    arena = torch.ones((n, size), dtype=torch.uint8)      # the worker's host tier, touched
     store = start_store(work, adapters, shm, str(traces), extra)
     try:
-        t = time.perf_counter()
+        t, cpu, mine = time.perf_counter(), cpu_s(store.proc.pid), os.times()
         xs = first_use(store.addr, ids, None if name == "burst_stream" else str(shm),
-                       name != "one_at_a_time")
+                       name != "one_at_a_time", arena)
         wall = time.perf_counter() - t
+        cpu, after = cpu_s(store.proc.pid) - cpu, os.times()
+        client = after.user + after.system - mine.user - mine.system
     finally:
         store.terminate()
         for f in shm.iterdir():
@@ -186,7 +199,8 @@ def scenario(name: str, work: pathlib.Path, adapters: pathlib.Path, n: int,
     row = {"scenario": name, "adapters": n, "wall_ms": round(1e3 * wall, 1),
            "p50_ms": round(1e3 * statistics.median(xs), 1),
            "p99_ms": round(1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))], 1),
-           "max_ms": round(1e3 * xs[-1], 1), "stages_ms": stages(traces)}
+           "max_ms": round(1e3 * xs[-1], 1), "store_cpu_ms": round(1e3 * cpu),
+           "client_cpu_ms": round(1e3 * client), "stages_ms": stages(traces)}
     print(json.dumps(row), flush=True)
     return row
 
@@ -198,7 +212,8 @@ def markdown(doc: dict) -> str:
              "adapters, Resolve + Fetch each (the worker's StoreClient). Latency per adapter; "
              "stages are the store's spans, mean ms per adapter.", "",
              "| label | commit | scenario | N | MB each | wall ms | p50 ms | p99 ms | floor ms "
-             "| stages (mean ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| store / client CPU ms | stages (mean ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in doc["runs"]:
         fl = run["floor"]
         for r in run["rows"]:
@@ -206,7 +221,8 @@ def markdown(doc: dict) -> str:
             parts = ", ".join(f"{k}: {v}" for k, v in r["stages_ms"].items())
             lines.append(f"| {run['label']} | {run['header']['commit']} | {r['scenario']} | "
                          f"{r['adapters']} | {fl['bytes'] / 1e6:.1f} | {r['wall_ms']} | "
-                         f"{r['p50_ms']} | {r['p99_ms']} | {limit:.0f} | {parts} |")
+                         f"{r['p50_ms']} | {r['p99_ms']} | {limit:.0f} | "
+                         f"{r['store_cpu_ms']} / {r['client_cpu_ms']} | {parts} |")
     fl = doc["runs"][-1]["floor"]
     lines += ["", f"Floor (last run, in process, per adapter): page-cache read "
               f"{fl['read_ms']:.1f} ms, SHA-256 {fl['sha256_ms']:.1f} ms, finite check "
@@ -225,12 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="run", help="this run's label in the results (run)")
     p.add_argument("--scenarios", default="burst_shm,burst_stream,one_at_a_time",
                    help="which scenarios, comma-separated")
+    p.add_argument("--commit", default=None,
+                   help="what the run's code is, when its checkout's git does not know (a "
+                        "copy of an older tree: the before run)")
     p.add_argument("--store-arg", action="append", default=[],
                    help="one more flag for the store (repeatable, e.g. --store-arg=--x=1)")
     a = p.parse_args(argv)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    header = base_header("cpu")
+    header = base_header("cpu", a.commit)
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
         adapters, _ = make_fleet(work, a.adapters, a.rank, a.layers)
