@@ -51,11 +51,14 @@ def mixed_blob(nan_at: int | None = None) -> bytes:
     return save({"a": np.ones(3, dtype=np.float16), "b": b})
 
 
+@pytest.mark.parametrize("helper", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3, 5, 7, 64, 1 << 20])
-def test_the_pass_finds_a_nan_and_digests_alike_whatever_the_chunks(chunk):
+def test_the_pass_finds_a_nan_and_digests_alike_whatever_the_chunks(chunk, helper):
+    """Pieces that split values, and the blob's SHA-256 hashed here or on a helper thread."""
+    beside = ThreadPoolExecutor(1) if helper else None
     for nan_at in (None, 0, 17, 39):
         blob = mixed_blob(nan_at)
-        check = BlobPass("{}", lambda tensors: None)
+        check = BlobPass("{}", lambda tensors: None, helper=beside)
         head = 8 + int.from_bytes(blob[:8], "little")
         check.header(blob[:head], len(blob))
         try:

@@ -13,7 +13,9 @@ the ones in use.
 Threads: first uses run on their own pool (work_pool.ValidationPool, sized to the machine,
 --first-use-threads), never on the event loop; the tenant whose call started one (Resolve's
 tenant; a Fetch's is the adapter's owner) holds at most --first-use-per-tenant of its threads
-and waits its turn past that, so one tenant's burst leaves the others threads. Concurrent first
+and waits its turn past that, so one tenant's burst leaves the others threads. Each first use
+hashes the blob's SHA-256 on a helper thread beside its version digest (`_digest_helper`, as
+many threads as the pool), so a lone first use takes two cores' time. Concurrent first
 uses of one adapter share one read (`_validating`), each caller within its own deadline.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace as dc_replace
 from typing import Callable
 
@@ -56,23 +58,23 @@ class Checked:
 
 def read_validated(reader: SourceReader, ref: SourceRef, base: BaseShapes, max_rank: int,
                    timeout: float | None, landing: Callable[[int], Destination] | None = None,
-                   keep_bytes: bool = False) -> Checked:
+                   keep_bytes: bool = False, helper: Executor | None = None) -> Checked:
     """Read and validate the adapter at ref in one pass (blocking: a thread). landing: where
-    a local blob's bytes go (None: into memory when keep_bytes, else nowhere). Missing files
-    are refusals."""
+    a local blob's bytes go (None: into memory when keep_bytes, else nowhere); helper: a
+    thread for one of the digests (BlobPass). Missing files are refusals."""
     try:
         if ref.kind != "file":
             raw = reader.read(ref, timeout, check_config=lambda config: check_config(
                 config, base.layers, max_rank))
-            check = AdapterCheck(raw.config, base, max_rank)
+            check = AdapterCheck(raw.config, base, max_rank, helper)
             feed_bytes(check.blob, raw.blob)
             summary = check.summary()
             _log_ignored(ref, summary)
             return Checked(summary, None, raw.blob, None, check.blob.times)
         deadline = None if timeout is None else time.monotonic() + timeout
         checks: list[AdapterCheck] = []
-        with reader.open_weights(ref, lambda c: checks.append(AdapterCheck(c, base, max_rank))
-                                 ) as (_, f, info):
+        with reader.open_weights(ref, lambda c: checks.append(
+                AdapterCheck(c, base, max_rank, helper))) as (_, f, info):
             dest = (landing or Destination)(info.st_size) if landing or keep_bytes else None
             try:
                 read_checked(f, info.st_size, checks[0].blob, dest, deadline)
@@ -106,8 +108,9 @@ def record_of(adapter_id: str, owner: str, ref: SourceRef, s: AdapterSummary,
 
 
 class FirstUseMixin:
-    """Needs AdapterStore's _registry, _reader, _cache, _base, _max_rank, _bucket, _first_use_pool,
-    _validating, _background_ids, _window, _trust, _drop_unkept, _publish_host_tier."""
+    """Needs AdapterStore's _registry, _reader, _cache, _base, _max_rank, _bucket,
+    _first_use_pool, _digest_helper, _validating, _background_ids, _window, _trust, _drop_unkept and
+    _publish_host_tier."""
 
     async def _validated(self, record: AdapterRecord, remaining: float | None,
                          background: ThreadPoolExecutor | None = None,
@@ -146,10 +149,10 @@ class FirstUseMixin:
             if background is not None:
                 context = contextvars.copy_context()        # the caller's trace context
                 checked = await asyncio.get_running_loop().run_in_executor(
-                    background, context.run, self._read_checked, ref, landing, start)
+                    background, context.run, self._read_checked, ref, landing, start, None)
             else:
                 checked = await self._first_use_pool.run(payer, self._read_checked, ref, landing,
-                                                    start, wait=True)
+                                                         start, self._digest_helper, wait=True)
         except (Refusal, OSError) as exc:
             reason = getattr(exc, "message", None) or f"cannot be read: {exc}"
             metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
@@ -195,13 +198,14 @@ class FirstUseMixin:
         metrics.CACHE_EVICTIONS.labels(metrics.TIER).inc(len(evicted))
         self._publish_host_tier()
 
-    def _read_checked(self, ref: SourceRef, landing, queued: float) -> Checked:
+    def _read_checked(self, ref: SourceRef, landing, queued: float,
+                      helper: Executor | None) -> Checked:
         """read_validated in a thread, traced with its stages (queued: when it was asked)."""
         with _tracer.start_as_current_span("store.validate") as span:
             span.set_attributes({"lora.source": ref.uri,
                                  "lora.wait_s": time.perf_counter() - queued})
             checked = read_validated(self._reader, ref, self._base, self._max_rank, None,
-                                     landing)
+                                     landing, helper=helper)
             t = checked.times
             span.set_attributes({"lora.bytes": checked.summary.total_bytes,
                                  "lora.read_s": t.read_s, "lora.digest_s": t.digest_s,

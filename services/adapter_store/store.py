@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -65,6 +66,8 @@ class AdapterStore(FirstUseMixin, StagingMixin):
         self._pool = pool or ValidationPool()
         self._first_use_pool = first_use or ValidationPool(
             default_threads(machine_cpus()), name="store-first-use")
+        self._digest_helper = ThreadPoolExecutor(self._first_use_pool.threads,     # one each
+                                                 thread_name_prefix="store-digest")
         self._validating: dict[str, asyncio.Task] = {}     # id -> its first-use validation
         self._background_ids: set[str] = set()      # of them, those background.py started
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
@@ -272,6 +275,7 @@ class AdapterStore(FirstUseMixin, StagingMixin):
         self._cache.close()
         self._pool.close()
         self._first_use_pool.close()
+        self._digest_helper.shutdown(wait=False, cancel_futures=True)
         if self._keep is not None:
             self._keep.close()
 

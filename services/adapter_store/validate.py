@@ -24,6 +24,7 @@ import hashlib
 import json
 import pathlib
 import re
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from services.common import safetensors_parse as st
@@ -119,11 +120,13 @@ class AdapterCheck:
     checked when this is made, the header's tensors (names, shapes, one A and one B per
     targeted module) before the body is read, then the finite check and the digests."""
 
-    def __init__(self, config_bytes: bytes, base: BaseShapes, max_rank: int):
+    def __init__(self, config_bytes: bytes, base: BaseShapes, max_rank: int,
+                 helper: Executor | None = None):
+        """helper: a thread for one of the two digests (first_pass.BlobPass)."""
         self.fields, self._expected = check_targets(config_bytes, base, max_rank)
         self._base = base
         self.config_json = canonical_json(json.loads(config_bytes))     # parsed fine above
-        self.blob = BlobPass(self.config_json, self._check_tensors)
+        self.blob = BlobPass(self.config_json, self._check_tensors, helper=helper)
 
     def _check_tensors(self, tensors: list[st.RawTensor]) -> None:
         _check_complete([_check_tensor(t, self.fields.r, self._base) for t in tensors],
