@@ -180,6 +180,7 @@ def scenario(name: str, work: pathlib.Path, adapters: pathlib.Path, n: int,
     shm = pathlib.Path(tempfile.mkdtemp(prefix="lorafleet-bench-", dir="/dev/shm"))
     traces = work / f"traces-{name}.jsonl"
     import torch
+    load = round(os.getloadavg()[0], 2)       # others' work on this machine, at the start
     size = max((adapters / i / "adapter_model.safetensors").stat().st_size for i in ids)
     arena = torch.ones((n, size), dtype=torch.uint8)      # the worker's host tier, touched
     store = start_store(work, adapters, shm, str(traces), extra)
@@ -196,7 +197,7 @@ def scenario(name: str, work: pathlib.Path, adapters: pathlib.Path, n: int,
             f.unlink()
         shm.rmdir()
     xs = sorted(xs)
-    row = {"scenario": name, "adapters": n, "wall_ms": round(1e3 * wall, 1),
+    row = {"scenario": name, "adapters": n, "loadavg_1m": load, "wall_ms": round(1e3 * wall, 1),
            "p50_ms": round(1e3 * statistics.median(xs), 1),
            "p99_ms": round(1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))], 1),
            "max_ms": round(1e3 * xs[-1], 1), "store_cpu_ms": round(1e3 * cpu),
@@ -210,17 +211,20 @@ def markdown(doc: dict) -> str:
     lines = [f"# First use of never-used adapters through the store, {doc['header']['card']}",
              "", "Each run: a fresh store process on loopback, N never-used 7B-shaped bf16 "
              "adapters, Resolve + Fetch each (the worker's StoreClient). Latency per adapter; "
-             "stages are the store's spans, mean ms per adapter.", "",
-             "| label | commit | scenario | N | MB each | wall ms | p50 ms | p99 ms | floor ms "
-             "| store / client CPU ms | stages (mean ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "stages are the store's spans, mean ms per adapter; load is the machine's 1-minute "
+             "load average as the scenario starts (others' work: compare runs of like load).",
+             "",
+             "| label | commit | scenario | N | MB each | load | wall ms | p50 ms | p99 ms | "
+             "floor ms | store / client CPU ms | stages (mean ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in doc["runs"]:
         fl = run["floor"]
         for r in run["rows"]:
             limit = fl["one_ms"] if r["scenario"] == "one_at_a_time" else fl["burst_ms"]
             parts = ", ".join(f"{k}: {v}" for k, v in r["stages_ms"].items())
             lines.append(f"| {run['label']} | {run['header']['commit']} | {r['scenario']} | "
-                         f"{r['adapters']} | {fl['bytes'] / 1e6:.1f} | {r['wall_ms']} | "
+                         f"{r['adapters']} | {fl['bytes'] / 1e6:.1f} | {r.get('loadavg_1m', '')} | "
+                         f"{r['wall_ms']} | "
                          f"{r['p50_ms']} | {r['p99_ms']} | {limit:.0f} | "
                          f"{r['store_cpu_ms']} / {r['client_cpu_ms']} | {parts} |")
     fl = doc["runs"][-1]["floor"]
