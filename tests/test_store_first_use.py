@@ -157,8 +157,10 @@ def test_a_burst_reads_each_adapter_once_and_its_fetches_serve_those_bytes(tmp_p
             version, sha = reference_digests(adapters / name)
             got = [a for n, a in answers if n == name]
             assert {a if isinstance(a, str) else a[0].adapter.version for a in got} == {version}
-            for header, digest in (a for a in got if not isinstance(a, str)):
-                assert header.tier in (common_pb2.SOURCE, common_pb2.STORE_HOST)
+            fetched = [a for a in got if not isinstance(a, str)]
+            tiers = sorted(header.tier for header, _ in fetched)    # the first one: SOURCE
+            assert tiers == [common_pb2.STORE_HOST] * (len(fetched) - 1) + [common_pb2.SOURCE]
+            for header, digest in fetched:
                 assert digest == sha
                 assert (shm / header.shm_file).read_bytes() == (adapters / name / WEIGHTS
                                                                 ).read_bytes()
@@ -172,6 +174,8 @@ def test_a_burst_reads_each_adapter_once_and_its_fetches_serve_those_bytes(tmp_p
         again = list(client.stub.Fetch(spb.FetchRequest(id="g0"), timeout=30))   # a stream
         assert b"".join(c.data for c in again[1:-1]) == (adapters / "g0" / WEIGHTS).read_bytes()
         assert again[0].header.tier == common_pb2.STORE_HOST
+        stats = client.stats()          # each adapter's first Fetch: a source load, a miss
+        assert (stats.host_misses, stats.source_loads.count) == (6, 6)
     finally:
         client.close()
         assert store.terminate() == 0

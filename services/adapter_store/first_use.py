@@ -109,7 +109,7 @@ def record_of(adapter_id: str, owner: str, ref: SourceRef, s: AdapterSummary,
 
 class FirstUseMixin:
     """Needs AdapterStore's _registry, _reader, _cache, _base, _max_rank, _bucket,
-    _first_use_pool, _digest_helper, _validating, _background_ids, _window, _trust, _drop_unkept and
+    _first_use_pool, _digest_helper, _fresh, _validating, _background_ids, _window, _trust, _drop_unkept and
     _publish_host_tier."""
 
     async def _validated(self, record: AdapterRecord, remaining: float | None,
@@ -160,17 +160,18 @@ class FirstUseMixin:
             settled = self._registry.settle(record, dc_replace(record, state=FAILED,
                                                                reason=reason))
         else:
-            settled = self._settle_checked(record, ref, checked, background is not None)
+            seconds = time.perf_counter() - start
+            settled = self._settle_checked(record, ref, checked, background is not None,
+                                           seconds)
             if background is None:
-                metrics.observe_source_load(self._window, ref.kind, "ok",
-                                            time.perf_counter() - start)
+                metrics.observe_source_load(self._window, ref.kind, "ok", seconds)
         metrics.set_adapter_counts(self._registry.counts())
         return settled
 
     def _settle_checked(self, record: AdapterRecord, ref: SourceRef, checked: Checked,
-                        quiet: bool) -> AdapterRecord | None:
+                        quiet: bool, seconds: float) -> AdapterRecord | None:
         """Record a validated read READY (unless the adapter changed meanwhile) and keep its
-        landed bytes in the host tier."""
+        landed bytes in the host tier (seconds: the read's, which its first Fetch reports)."""
         stored = record_of(record.id, record.owner, ref, checked.summary, record.aliases,
                            checked.identity)
         before = self._registry.versions_of(record.id)
@@ -179,15 +180,17 @@ class FirstUseMixin:
         taken = settled is not None and settled.version == stored.version
         if taken:
             self._trust(settled, checked.identity)
-        self._host_keep(settled if taken else None, checked.landed)
+        self._host_keep(settled if taken else None, checked.landed, seconds)
         log.log(logging.DEBUG if quiet else logging.INFO,
                 "adapter %r validated %s: version %s, %d bytes", record.id,
                 "in the background" if quiet else "on first use", stored.version, stored.bytes)
         return settled
 
-    def _host_keep(self, record: AdapterRecord | None, landed: Destination | None) -> None:
+    def _host_keep(self, record: AdapterRecord | None, landed: Destination | None,
+                   seconds: float) -> None:
         """Keep a first use's bytes (landed in the host tier) as record's version's blob; drop
-        them when there is no record or the version is there already."""
+        them when there is no record or the version is there already. Its first Fetch is a
+        SOURCE load of `seconds` (staging.py: _fresh)."""
         if landed is None:
             return
         if record is None or record.version in self._cache:
@@ -195,6 +198,8 @@ class FirstUseMixin:
             return
         _, evicted = self._cache.put(record.version, record.owner,
                                      self._cache.keep(landed, record.version))
+        if record.version in self._cache:
+            self._fresh[record.version] = seconds
         metrics.CACHE_EVICTIONS.labels(metrics.TIER).inc(len(evicted))
         self._publish_host_tier()
 

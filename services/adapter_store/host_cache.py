@@ -96,11 +96,13 @@ class HostCache:
         self._hits = self._misses = self._evictions = 0
         self._shm = ShmDir(shm_dir) if shm_dir is not None else None
 
-    def get(self, version: str) -> CachedBlob | None:
-        """The blob (a hit, now most recent) or None (a miss, counted)."""
+    def get(self, version: str, fresh: bool = False) -> CachedBlob | None:
+        """The blob (a hit, now most recent) or None (a miss, counted). fresh: the blob was
+        just read from the source for this very call (a first use): a miss if found too."""
         blob = self._blobs.get(version)
         if blob is not None and self._policy.touch(version):
-            self._hits += 1
+            self._hits += not fresh
+            self._misses += fresh
             return blob
         self._misses += 1
         return None

@@ -72,6 +72,7 @@ class AdapterStore(FirstUseMixin, StagingMixin):
         self._background_ids: set[str] = set()      # of them, those background.py started
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
         self._inflight: dict[str, asyncio.Task] = {}
+        self._fresh: dict[str, float] = {}      # version -> a first use's read, not yet fetched
         self._identities: dict[tuple[str, str], tuple] = {}   # (source, version) -> see _trust
         self._window = metrics.LatencyWindow()
         metrics.set_adapter_counts(registry.counts())
@@ -250,6 +251,7 @@ class AdapterStore(FirstUseMixin, StagingMixin):
     def _forget(self, version: str) -> None:
         if version and not self._registry.version_in_use(version):
             self._cache.remove(version)
+            self._fresh.pop(version, None)
             self._publish_host_tier()
 
     def busy(self) -> int:
