@@ -12,6 +12,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 from concurrent import futures
 
 import grpc
@@ -154,6 +155,18 @@ def test_a_shared_memory_file_that_is_gone_is_fetched_again_as_a_stream(lying_st
     assert bytes(res.view.numpy()) == BLOB
 
 
+def validated(api: StoreApi, name: str, timeout: float = 20.0) -> str:
+    """The adapter's version once the store's background validation made it READY (without a
+    first use, which would leave its bytes in the host tier)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = {a.id: a for a in api.list(all_tenants=True)}
+        if found[name].state == "READY":
+            return found[name].version
+        time.sleep(0.05)
+    raise AssertionError(f"{name} still {found[name].state} after {timeout} s")
+
+
 def test_the_store_keeps_its_host_tier_in_shared_memory(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -168,10 +181,10 @@ def test_the_store_keeps_its_host_tier_in_shared_memory(tmp_path):
     api = StoreApi(store.addr)
     try:
         assert not stale.exists()
-        version = api.resolve("pirate").version
         chunks = list(api.stub.Fetch(spb.FetchRequest(id="pirate", shm=True), timeout=10))
         header = chunks[0].header
         assert header.tier == common_pb2.SOURCE and header.shm_file
+        version = api.resolve("pirate").version
         assert [c.WhichOneof("part") for c in chunks[1:]] == ["sha256"]
         assert (shm / header.shm_file).read_bytes() == BLOB
         assert chunks[1].sha256 == hashlib.sha256(BLOB).hexdigest()
@@ -191,9 +204,10 @@ def test_the_store_keeps_its_host_tier_in_shared_memory(tmp_path):
 @pytest.mark.parametrize("shm", [True, False])
 def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
     """A local blob is hashed as it is read into its place in the host tier: bytes that no
-    longer match the registration (for an adapter of --adapters-dir, its validation at first
-    use) are refused DATA_LOSS and leave nothing behind (no file in the shared-memory
-    directory, not even the half-written one); put back, they serve."""
+    longer match the registration (for an adapter of --adapters-dir, its validation in the
+    background, which keeps nothing in the host tier) are refused DATA_LOSS and leave nothing
+    behind (no file in the shared-memory directory, not even the half-written one); put back,
+    they serve."""
     shm_dir = tmp_path / "shm"
     shm_dir.mkdir()
     adapters = tmp_path / "adapters"
@@ -205,8 +219,7 @@ def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
                     tmp_path).wait()
     api = StoreApi(store.addr)
     try:
-        resolved = api.stub.Resolve(spb.ResolveRequest(name="pirate"), timeout=30)   # first use
-        assert resolved.adapter.version
+        assert validated(api, "pirate")
         flipped = bytearray(BLOB)
         flipped[-1] ^= 1                                           # same size, one bit
         for changed in (bytes(flipped), BLOB[:-7]):               # ... and a shorter file
@@ -231,8 +244,8 @@ def test_a_local_source_changed_since_registration_is_data_loss(tmp_path, shm):
 
 
 def test_read_into_hashes_what_it_reads_chunk_by_chunk(tmp_path, monkeypatch):
-    from services.adapter_store import sources
-    monkeypatch.setattr(sources, "CHUNK", 4096)
+    from services.adapter_store import landing, sources
+    monkeypatch.setattr(landing, "CHUNK", 4096)
     data = os.urandom(4096 * 5 + 123)
     path = tmp_path / "blob"
     path.write_bytes(data)
@@ -292,7 +305,7 @@ def test_a_worker_loads_through_shared_memory_or_a_stream_and_records_every_stag
                                 "--device", "cpu", "--host-placement", placement] +
                      (["--store-shm-dir", str(shm_dir)] if shm else []), tmp_path).wait()
     try:
-        version = StoreApi(store.addr).resolve("pirate").version
+        version = validated(StoreApi(store.addr), "pirate")     # in the background
         with grpc.insecure_channel(worker.addr) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
             ref = wpb.AdapterRef(id="pirate", version=version, tenant="t")

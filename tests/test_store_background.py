@@ -248,12 +248,12 @@ def shared_read(tmp: str) -> dict:
     entered, release, reads = threading.Event(), threading.Event(), []
 
     class HeldReader(SourceReader):
-        def read(self, ref, *args, **kwargs):
+        def open_weights(self, ref, *args, **kwargs):     # what a validating read opens
             reads.append((ref.uri, threading.current_thread().name))
             if ref.uri == f"file://{adapter_id(0)}":
                 entered.set()
                 assert release.wait(10)
-            return super().read(ref, *args, **kwargs)
+            return super().open_weights(ref, *args, **kwargs)
 
     async def run():
         background.START_DELAY_S = 0.0

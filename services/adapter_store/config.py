@@ -11,6 +11,7 @@ from typing import Mapping
 from services.common.config import ServiceFlags, add_flags
 from services.common.internal_auth import check_internal_server
 from services.common.runtime import parse_bytes
+from services.adapter_store.work_pool import MAX_THREADS, default_threads, machine_cpus
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -37,8 +38,12 @@ class StoreConfig:
     host_cache_bytes: int = 2 * GiB
     max_adapter_bytes: int = 1 * GiB
     chunk_bytes: int = 4 * MiB
-    # threads of the --adapters-dir scan at start and of first-use validations
+    # threads of the --adapters-dir scan at start
     scan_threads: int = 4
+    # threads that read and validate adapters on first use (work_pool.default_threads of the
+    # machine's CPUs unless set), and of them one tenant's at most (half of them unless set)
+    first_use_threads: int = 8
+    first_use_per_tenant: int = 4
     # threads that validate REGISTERED adapters in the background after SERVING (0 = off),
     # and the bytes a second they may read (0 = no cap): background.py
     background_threads: int = 1
@@ -73,6 +78,11 @@ class StoreConfig:
                  "tenant_share must be in (0, 1] or None")
         _require(1 <= self.scan_threads <= 64,
                  f"--scan-threads must be in 1..64, got {self.scan_threads}")
+        _require(1 <= self.first_use_threads <= MAX_THREADS, "--first-use-threads must be in "
+                 f"1..{MAX_THREADS}, got {self.first_use_threads}")
+        _require(1 <= self.first_use_per_tenant <= self.first_use_threads,
+                 "--first-use-per-tenant must be in 1..--first-use-threads "
+                 f"({self.first_use_threads}), got {self.first_use_per_tenant}")
         _require(0 <= self.background_threads <= 16, "--background-validate-threads must be "
                  f"in 0..16, got {self.background_threads}")
         _require(self.background_bytes_per_s >= 0,
@@ -135,7 +145,14 @@ def parser() -> argparse.ArgumentParser:
                    help="Fetch data chunk size (4 MiB)")
     p.add_argument("--scan-threads", type=int, default=4,
                    help="threads that scan --adapters-dir at start (configs and file stats; "
-                        "weights are read on first use) and validate adapters on first use (4)")
+                        "weights are read in the background or on first use) (4)")
+    p.add_argument("--first-use-threads", type=int, default=0, metavar="N",
+                   help="threads that read, validate and hash adapters on first use, in one "
+                        "pass each, the bytes landing in the host tier (0 = two a CPU this "
+                        "process may use, 4 to 64)")
+    p.add_argument("--first-use-per-tenant", type=int, default=0, metavar="N",
+                   help="of those threads, the most one tenant's first uses hold at once; "
+                        "more wait their turn, other tenants' go ahead (0 = half of them)")
     p.add_argument("--background-validate-threads", type=int, default=1, metavar="N",
                    help="threads that read and validate REGISTERED adapters in the background "
                         "once the store is SERVING, at low priority, as their first use "
@@ -154,6 +171,7 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
     """Build the config from parsed flags; environment fills what flags leave unset."""
     base = (pathlib.Path(args.base_config) if args.base_config
             else pathlib.Path(args.model) / "config.json")
+    threads = args.first_use_threads or default_threads(machine_cpus())
     return StoreConfig(
         base_config=base, common=ServiceFlags.from_args(args),
         adapters_dir=pathlib.Path(args.adapters_dir) if args.adapters_dir else None,
@@ -164,6 +182,8 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
         s3_region=args.s3_region or env.get("AWS_REGION") or "us-east-1",
         db=args.db, max_rank=args.max_rank, host_cache_bytes=args.host_cache_bytes,
         max_adapter_bytes=args.max_adapter_bytes, chunk_bytes=args.chunk_bytes,
-        scan_threads=args.scan_threads, background_threads=args.background_validate_threads,
+        scan_threads=args.scan_threads, first_use_threads=threads,
+        first_use_per_tenant=args.first_use_per_tenant or max(1, threads // 2),
+        background_threads=args.background_validate_threads,
         background_bytes_per_s=args.background_validate_bytes_per_s,
         shm_dir=pathlib.Path(args.shm_dir) if args.shm_dir else None)

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from services.adapter_store.sources import Destination
+from services.adapter_store.landing import Destination, ShmLanding
 from services.common.cache_policy import CachePolicy, NoRoom
 from services.common.owned_dirs import alive as pid_alive
 
@@ -60,16 +60,21 @@ class ShmDir:
             if pid.isdigit() and not pid_alive(int(pid)):
                 f.unlink(missing_ok=True)
 
+    def name_of(self, version: str) -> str:
+        return self._tag + version
+
     def write(self, version: str, blob: bytes) -> CachedBlob:
-        name = self._tag + version
+        name = self.name_of(version)
         tmp = self.path / f".{name}.tmp"
         with open(tmp, "wb") as f:
             f.write(blob)
         os.replace(tmp, self.path / name)
         return CachedBlob(self.map(name, len(blob)), name)
 
-    def landing(self, version: str, size: int) -> "ShmLanding":
-        return ShmLanding(self, self._tag + version, size)
+    def landing(self, version: str, size: int) -> ShmLanding:
+        """A new file for `version` ("": not known yet, named when kept)."""
+        return ShmLanding(self.path, self.name_of(version or f"new-{uuid.uuid4().hex[:12]}"),
+                          size)
 
     def map(self, name: str, size: int) -> memoryview:
         with open(self.path / name, "rb") as f:
@@ -78,30 +83,6 @@ class ShmDir:
 
     def unlink(self, name: str) -> None:
         (self.path / name).unlink(missing_ok=True)
-
-
-class ShmLanding(Destination):
-    """A source read straight into a new file of the shared-memory directory (no copy from a
-    buffer): a hidden temporary name until keep() gives it its own."""
-
-    def __init__(self, shm: ShmDir, name: str, size: int):
-        self._shm, self.name = shm, name
-        self._tmp = shm.path / f".{name}.tmp"
-        fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            os.ftruncate(fd, size)
-            self.view = memoryview(mmap.mmap(fd, size)) if size else memoryview(bytearray())
-        finally:
-            os.close(fd)
-
-    def keep(self) -> tuple[memoryview, str]:
-        os.replace(self._tmp, self._shm.path / self.name)
-        return self.view.toreadonly(), self.name
-
-    def drop(self) -> None:
-        self._tmp.unlink(missing_ok=True)
-
-
 
 
 class HostCache:
@@ -115,11 +96,13 @@ class HostCache:
         self._hits = self._misses = self._evictions = 0
         self._shm = ShmDir(shm_dir) if shm_dir is not None else None
 
-    def get(self, version: str) -> CachedBlob | None:
-        """The blob (a hit, now most recent) or None (a miss, counted)."""
+    def get(self, version: str, fresh: bool = False) -> CachedBlob | None:
+        """The blob (a hit, now most recent) or None (a miss, counted). fresh: the blob was
+        just read from the source for this very call (a first use): a miss if found too."""
         blob = self._blobs.get(version)
         if blob is not None and self._policy.touch(version):
-            self._hits += 1
+            self._hits += not fresh
+            self._misses += fresh
             return blob
         self._misses += 1
         return None
@@ -129,16 +112,19 @@ class HostCache:
         there (blocking: call it off the event loop), else the bytes."""
         return self._shm.write(version, blob) if self._shm is not None else CachedBlob(blob)
 
-    def landing(self, version: str) -> Callable[[int], Destination]:
+    def landing(self, version: str = "") -> Callable[[int], Destination]:
         """Where a source read of `version` should land (SourceReader.read's landing): a file
-        of the shared-memory directory when there is one, else process memory."""
+        of the shared-memory directory when there is one, else process memory. "": a version
+        not known until the bytes are read (a first use); keep() names it."""
         if self._shm is None:
             return Destination
         return functools.partial(self._shm.landing, version)
 
-    @staticmethod
-    def keep(landed: Destination) -> CachedBlob:
-        """What `put` will keep for a verified blob read into `landed`."""
+    def keep(self, landed: Destination, version: str = "") -> CachedBlob:
+        """What `put` will keep for a verified blob read into `landed` (version: its name
+        when it landed without one)."""
+        if version and isinstance(landed, ShmLanding):
+            landed.name = self._shm.name_of(version)
         return CachedBlob(*landed.keep())
 
     def put(self, version: str, tenant: str, cached: CachedBlob

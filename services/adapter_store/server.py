@@ -16,6 +16,7 @@ from services.adapter_store.servicer import AdapterStoreServicer
 from services.adapter_store.sources import SourceReader
 from services.adapter_store.store import AdapterStore
 from services.adapter_store.validate import load_base_shapes
+from services.adapter_store.work_pool import ValidationPool
 from services.common import server as common_server
 from services.common.service_auth import describe, read_token
 from services.common.gen.lorafleet.v1 import adapter_store_pb2, adapter_store_pb2_grpc
@@ -36,8 +37,12 @@ def build_store(config: StoreConfig) -> tuple[AdapterStore, Registry]:
                           allowed=config.allow_source_roots)
     cache = HostCache(config.host_cache_bytes, config.tenant_share, config.shm_dir)
     keep = VersionKeep(config.versions_path(), config.max_adapter_bytes)
+    first_use = ValidationPool(config.first_use_threads, config.first_use_per_tenant,
+                               name="store-first-use")
+    log.info("first uses: %d threads, %d a tenant at most", first_use.threads,
+             first_use.per_owner)
     store = AdapterStore(base, registry, reader, cache, config.max_rank, config.bucket,
-                         first_use_threads=config.scan_threads, keep=keep)
+                         first_use=first_use, keep=keep)
     if config.adapters_dir is not None:
         scan_dir(registry, reader, base, config.max_rank, config.adapters_dir,
                  config.scan_threads)

@@ -10,7 +10,6 @@ thread (asyncio.to_thread) so the event loop never waits on a disk or a socket.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import pathlib
 import re
@@ -20,11 +19,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from services.adapter_store import s3
+from services.adapter_store.landing import CHUNK, Destination, in_time, read_into
 from services.adapter_store.s3 import MissingFile
 from services.adapter_store.peft_config import MAX_CONFIG_BYTES
-from services.common.errors import DeadlineExceeded, Refusal
+from services.common.errors import Refusal
 
 CONFIG, WEIGHTS, PICKLE = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
+__all__ = ["CHUNK", "Destination", "read_into", "SourceReader", "SourceRef", "RawAdapter",
+           "parse_source", "identity_of"]
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _SEGMENT = re.compile(r"[A-Za-z0-9._=+@-]{1,255}")
 
@@ -61,54 +63,6 @@ def identity_of(info: os.stat_result) -> tuple:
     """What changes whenever a file's bytes do (any write moves ctime, which no call sets),
     as long as the write lands in a later timestamp tick (SourceReader._identity)."""
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-
-
-class Destination:
-    """Where a source read lands: a writable buffer of the blob's size (see HostCache.landing).
-    The base keeps it in process memory."""
-
-    def __init__(self, size: int):
-        self.view = memoryview(bytearray(size))
-
-    def truncate(self, n: int) -> None:
-        self.view = self.view[:n]
-
-    def keep(self) -> tuple[memoryview, str]:
-        """The bytes are verified and kept: (read-only view, shared-memory file name or "")."""
-        return self.view.toreadonly(), ""
-
-    def drop(self) -> None:
-        """The bytes will not be kept (a failed read or a digest mismatch)."""
-
-
-CHUNK = 4 << 20
-
-
-def _in_time(deadline: float | None, name: str) -> None:
-    """DEADLINE_EXCEEDED once a read has run past its caller's deadline (checked between
-    chunks, so a slow disk holds a thread one chunk longer at most)."""
-    if deadline is not None and time.monotonic() > deadline:
-        raise DeadlineExceeded(f"{name}: reading it took longer than the call's deadline")
-
-
-def read_into(f, size: int, dest: Destination, hashed: bool = True,
-              deadline: float | None = None, name: str = WEIGHTS) -> str:
-    """Read up to size bytes of f into dest.view (truncated to what was read) in CHUNK pieces
-    (by `deadline`, a time.monotonic() value, if given); returns their SHA-256 (hashed as each
-    piece lands), or "" when not hashed."""
-    h = hashlib.sha256() if hashed else None
-    view, off = dest.view, 0
-    while off < size:
-        _in_time(deadline, name)
-        n = f.readinto(view[off:min(size, off + CHUNK)])
-        if not n:
-            break
-        if h is not None:
-            h.update(view[off:off + n])
-        off += n
-    if off < size:
-        dest.truncate(off)          # the file shrank since its stat: the digest will differ
-    return h.hexdigest() if h is not None else ""
 
 
 def parse_source(uri: str, default_bucket: str | None) -> SourceRef:
@@ -239,11 +193,27 @@ class SourceReader:
         what a start-up scan reads (blocking). check(config) runs first, as in read(); the
         weights file is then opened and checked as read() checks it (a regular file inside the
         root, under the size cap, never a pickle) but not read."""
+        with self._weights(ref, check) as (config, _, info):
+            return config, info
+
+    def open_weights(self, ref: SourceRef, check: Callable[[bytes], object]):
+        """A context of (config bytes, weights file, its stat) of a file:// adapter, checked
+        as read() checks them (check(config) before the weights are opened), for a caller
+        that reads the weights itself (first_pass.read_checked; blocking)."""
+        return self._weights(ref, check)
+
+    @contextlib.contextmanager
+    def _weights(self, ref: SourceRef, check: Callable[[bytes], object]):
         folder = self._folder(ref)
         config = self._file(folder / CONFIG, ref, MAX_CONFIG_BYTES)[0]
         check(config)
-        with self._open(folder / WEIGHTS, ref, self._max) as (_, info):
-            return config, info
+        with self._open(folder / WEIGHTS, ref, self._max) as (f, info):
+            yield config, f, info
+
+    def identity_after(self, f, info: os.stat_result) -> tuple | None:
+        """The identity of a file read whole through `f`, opened with stat `info`: None when
+        it changed meanwhile or is not settled (see _identity)."""
+        return self._identity(info, identity_of(os.fstat(f.fileno())) == identity_of(info))
 
     def _contained(self, path: pathlib.Path, ref: SourceRef) -> pathlib.Path:
         """path with symlinks resolved; refused, naming the directories sources may be under,
@@ -266,7 +236,7 @@ class SourceReader:
         with self._open(path, ref, cap) as (f, info):
             parts, size = [], 0
             while size <= cap:
-                _in_time(deadline, path.name)
+                in_time(deadline, path.name)
                 piece = f.read(min(CHUNK, cap + 1 - size))
                 if not piece:
                     break

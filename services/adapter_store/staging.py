@@ -1,6 +1,9 @@
 """Staging for Fetch (a mixin of store.AdapterStore): the host tier, else the source, else the
 store's kept copy of the version (keep.py); whatever is read is checked against the
-registration (config and SHA-256), DATA_LOSS and nothing cached when neither matches.
+registration (config and SHA-256), DATA_LOSS and nothing cached when neither matches. A first
+use (first_use.py) leaves the checked bytes in the host tier: the first Fetch after it is
+served from there with no second read, and counted as what it is, a SOURCE load (a host-tier
+miss, the first use's seconds), as when the Fetch itself waited for the first use.
 
 The kept copy is read only when the source no longer holds the version (overwritten in place,
 deleted, unreachable): a rolled-back or pinned version keeps serving, while the ordinary cold
@@ -63,7 +66,7 @@ class Staged:
 
 
 class StagingMixin:
-    """Needs AdapterStore's _registry, _reader, _keep, _cache, _bucket, _inflight,
+    """Needs AdapterStore's _registry, _reader, _keep, _cache, _bucket, _inflight, _fresh,
     _identities, _window, _validated and _publish_host_tier."""
 
     async def stage(self, adapter_id: str, version: str, remaining: float | None,
@@ -85,8 +88,11 @@ class StagingMixin:
         if version and version != record.version:
             raise FailedPrecondition(f"adapter {adapter_id!r} is at version {record.version}, "
                                      f"not {version[:64]!r}")
-        cached = self._cache.get(record.version)
-        metrics.count_lookup(cached is not None)
+        first_s = self._fresh.pop(record.version, None)     # its first use's source read
+        cached = self._cache.get(record.version, fresh=first_s is not None)
+        metrics.count_lookup(cached is not None and first_s is None)
+        if cached is not None and first_s is not None:
+            return Staged(record, cached.data, SOURCE, first_s, cached.shm_file)
         if cached is not None:
             return Staged(record, cached.data, STORE_HOST, 0.0, cached.shm_file)
         task = self._inflight.get(record.version)

@@ -10,12 +10,10 @@ source in place never takes a kept version away; a read that does not match the 
 """
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace as dc_replace
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
@@ -23,15 +21,14 @@ from services.adapter_store import metrics, paging
 from services.common.errors import Refusal
 from services.adapter_store.host_cache import HostCache, HostTierStats
 from services.adapter_store.keep import VersionKeep
-from services.adapter_store.peft_config import check_config
-from services.adapter_store.registry import FAILED, READY, REGISTERED, AdapterRecord, Registry
+from services.adapter_store.first_use import FirstUseMixin, read_validated, record_of
+from services.adapter_store.registry import FAILED, AdapterRecord, Registry
 from services.adapter_store.registry_versions import KeptVersion
-from services.adapter_store.s3 import MissingFile
 from services.adapter_store.sources import SourceReader, SourceRef, parse_source
 from services.adapter_store.staging import (SOURCE, STORE_HOST, Staged, StagingMixin,
                                             bounded as _bounded, check_name)
-from services.adapter_store.validate import AdapterSummary, BaseShapes, validate
-from services.adapter_store.work_pool import ValidationPool
+from services.adapter_store.validate import AdapterSummary, BaseShapes
+from services.adapter_store.work_pool import ValidationPool, default_threads, machine_cpus
 from services.common.errors import (AlreadyExists, FailedPrecondition, LorafleetError,
                                     unknown_adapter)
 from services.common.names import ref_error
@@ -53,25 +50,29 @@ class StoreStats:
     p99: float
 
 
-class AdapterStore(StagingMixin):
+class AdapterStore(FirstUseMixin, StagingMixin):
     """Registry + sources + validation + host tier + kept versions; called by the servicer on
     the event loop (staging for Fetch: staging.StagingMixin)."""
 
     def __init__(self, base: BaseShapes, registry: Registry, reader: SourceReader,
                  cache: HostCache, max_rank: int, default_bucket: str | None,
-                 pool: ValidationPool | None = None, first_use_threads: int = 4,
+                 pool: ValidationPool | None = None, first_use: ValidationPool | None = None,
                  keep: VersionKeep | None = None):
-        """pool: the threads Register validates on (work_pool.ValidationPool);
-        first_use_threads: those that validate REGISTERED adapters on first use; keep: where
-        the bytes of every kept version are kept (None: nowhere, the source is read again)."""
+        """pool: the threads Register validates on (work_pool.ValidationPool); first_use:
+        those that validate REGISTERED adapters on first use (first_use.py; None: sized to
+        the machine); keep: where the bytes of every kept version are kept (None: nowhere,
+        the source is read again)."""
         self._base, self._registry, self._reader, self._keep = base, registry, reader, keep
         self._pool = pool or ValidationPool()
-        self._first_use_threads = ThreadPoolExecutor(first_use_threads,
-                                                     thread_name_prefix="store-first-use")
+        self._first_use_pool = first_use or ValidationPool(
+            default_threads(machine_cpus()), name="store-first-use")
+        self._digest_helper = ThreadPoolExecutor(self._first_use_pool.threads,     # one each
+                                                 thread_name_prefix="store-digest")
         self._validating: dict[str, asyncio.Task] = {}     # id -> its first-use validation
         self._background_ids: set[str] = set()      # of them, those background.py started
         self._cache, self._max_rank, self._bucket = cache, max_rank, default_bucket
         self._inflight: dict[str, asyncio.Task] = {}
+        self._fresh: dict[str, float] = {}      # version -> a first use's read, not yet fetched
         self._identities: dict[tuple[str, str], tuple] = {}   # (source, version) -> see _trust
         self._window = metrics.LatencyWindow()
         metrics.set_adapter_counts(registry.counts())
@@ -110,7 +111,7 @@ class AdapterStore(StagingMixin):
                                                           remaining), remaining)
         before = self._registry.versions_of(adapter_id)
         try:
-            stored, old = self._registry.put(_record(adapter_id, owner, ref, summary,
+            stored, old = self._registry.put(record_of(adapter_id, owner, ref, summary,
                                                      tuple(aliases), identity), replace)
         finally:        # a refused put keeps nothing new; a replace may prune old versions
             self._drop_unkept(before | {summary.version})
@@ -154,29 +155,20 @@ class AdapterStore(StagingMixin):
         if identity is not None:
             self._identities[(record.source, record.version)] = identity
 
-    def _load_validated(self, ref: SourceRef, remaining: float | None, keep: bool = True
+    def _load_validated(self, ref: SourceRef, remaining: float | None
                         ) -> tuple[AdapterSummary, tuple | None]:
-        """Read and validate (blocking: runs in a thread); missing files become refusals.
-        Returns the summary and the blob file's identity (local sources). keep: the validated
-        bytes are kept (keep.py) before it returns: a registered version. Not for the first
-        use of an --adapters-dir adapter: that directory is the adapter (a changed one is
-        recorded anew at the next start), and a copy of every scanned adapter would double
-        the disk a large directory takes."""
+        """Read and validate a registration's adapter in one pass (blocking: runs in a
+        thread), its bytes kept (keep.py) before it returns. Returns the summary and the blob
+        file's identity (local sources); missing files are refusals."""
         with _tracer.start_as_current_span("store.validate") as span:
             span.set_attribute("lora.source", ref.uri)
-            try:
-                raw = self._reader.read(ref, remaining, check_config=lambda config: check_config(
-                    config, self._base.layers, self._max_rank))
-            except MissingFile as exc:
-                raise Refusal("missing_file", exc.message) from None
-            span.set_attribute("lora.bytes", len(raw.blob))
-            summary = validate(raw.config, raw.blob, self._base, self._max_rank)
-            if summary.ignored:
-                log.info("%s: adapter_config.json fields unknown to this store, left unset, "
-                         "ignored: %s", ref.uri, ", ".join(summary.ignored))
-            if self._keep is not None and keep:
-                self._keep_copy(summary.version, summary.config_json, raw.blob)
-            return summary, raw.identity
+            checked = read_validated(self._reader, ref, self._base, self._max_rank, remaining,
+                                     keep_bytes=self._keep is not None)
+            summary = checked.summary
+            span.set_attribute("lora.bytes", summary.total_bytes)
+            if self._keep is not None:
+                self._keep_copy(summary.version, summary.config_json, checked.blob)
+            return summary, checked.identity
 
     def _keep_copy(self, version: str, config_json: str, blob) -> None:
         """The store's own copy of a validated version: what later reads read."""
@@ -196,7 +188,7 @@ class AdapterStore(StagingMixin):
         record = self._registry.lookup(name, tenant)
         if record is None or not record.visible_to(tenant):
             raise unknown_adapter(name)
-        record = await self._validated(record, remaining)
+        record = await self._validated(record, remaining, tenant=tenant)
         if record.state == FAILED:
             raise FailedPrecondition(f"adapter {name!r} is FAILED: {record.reason}")
         return record
@@ -259,85 +251,14 @@ class AdapterStore(StagingMixin):
     def _forget(self, version: str) -> None:
         if version and not self._registry.version_in_use(version):
             self._cache.remove(version)
+            self._fresh.pop(version, None)
             self._publish_host_tier()
-
-    # ---- first use of a scanned adapter ----------------------------------------------------
-
-    async def _validated(self, record: AdapterRecord, remaining: float | None,
-                         background: ThreadPoolExecutor | None = None) -> AdapterRecord:
-        """record, or (REGISTERED: found by the start-up scan, its weights never read) the
-        adapter once read and validated whole, READY or FAILED. One validation per id however
-        many callers wait for it, each within its own deadline, whoever started it: a first
-        use, or the background validation (background.py) on its own threads."""
-        if record.state != REGISTERED:
-            return record
-        task = self._validating.get(record.id)
-        if task is None:
-            task = asyncio.ensure_future(self._first_use(record, background))
-            if background is not None:
-                self._background_ids.add(record.id)
-            self._validating[record.id] = task
-            task.add_done_callback(lambda t, i=record.id: self._first_use_done(i, t))
-        else:
-            log.debug("adapter %r: sharing the validation of it under way", record.id)
-        settled = await _bounded(asyncio.shield(task), remaining)
-        if settled is None:                     # deleted meanwhile
-            raise unknown_adapter(record.id)
-        return settled
-
-    async def _first_use(self, record: AdapterRecord,
-                         background: ThreadPoolExecutor | None = None) -> AdapterRecord | None:
-        """Validate a REGISTERED adapter as Register would and record the outcome (a refusal
-        makes it FAILED with the reason; an error of the source, e.g. S3 unreachable, leaves it
-        REGISTERED and reaches the caller). background: the background validation's threads
-        (then it runs there, and its success is logged at DEBUG)."""
-        ref = parse_source(record.source, self._bucket)
-        loop = asyncio.get_running_loop()
-        context = contextvars.copy_context()        # the caller's trace context
-        when = "in the background" if background is not None else "on first use"
-        try:
-            summary, identity = await loop.run_in_executor(
-                background or self._first_use_threads, context.run, self._load_validated, ref,
-                None, False)
-        except (Refusal, OSError) as exc:
-            reason = getattr(exc, "message", None) or f"cannot be read: {exc}"
-            metrics.REFUSALS.labels(getattr(exc, "reason", "source")).inc()
-            log.warning("adapter %r FAILED %s: %s", record.id, when, reason)
-            settled = self._registry.settle(record, dc_replace(record, state=FAILED,
-                                                               reason=reason))
-        else:
-            stored = _record(record.id, record.owner, ref, summary, record.aliases, identity)
-            before = self._registry.versions_of(record.id)
-            settled = self._registry.settle(record, stored)
-            self._drop_unkept(before | {stored.version})    # not taken, or one pruned
-            if settled is not None and settled.version == stored.version:
-                self._trust(settled, identity)
-            log.log(logging.DEBUG if background else logging.INFO,
-                    "adapter %r validated %s: version %s, %d bytes", record.id, when,
-                    stored.version, stored.bytes)
-        metrics.set_adapter_counts(self._registry.counts())
-        return settled
-
-    async def validate_in_background(self, adapter_id: str, threads: ThreadPoolExecutor
-                                     ) -> AdapterRecord | None:
-        """The adapter validated as its first use would be, on `threads` (or the validation
-        of it already under way); None when it is not REGISTERED (any more) or is gone."""
-        record = self._registry.get(adapter_id)     # no await before _validated looks
-        if record is None or record.state != REGISTERED:
-            return None
-        return await self._validated(record, None, threads)
 
     def busy(self) -> int:
         """The work the background validation yields to: first-use validations besides its
         own, Fetch source reads, registrations being validated."""
         return (len(self._validating) - len(self._background_ids) + len(self._inflight)
                 + self._pool.in_use())
-
-    def _first_use_done(self, adapter_id: str, task: asyncio.Task) -> None:
-        self._validating.pop(adapter_id, None)
-        self._background_ids.discard(adapter_id)
-        if not task.cancelled():
-            task.exception()        # retrieved: its waiters may all have left
 
     def _publish_host_tier(self) -> None:
         st = self._cache.stats()
@@ -355,7 +276,8 @@ class AdapterStore(StagingMixin):
         (shutdown)."""
         self._cache.close()
         self._pool.close()
-        self._first_use_threads.shutdown(wait=False, cancel_futures=True)
+        self._first_use_pool.close()
+        self._digest_helper.shutdown(wait=False, cancel_futures=True)
         if self._keep is not None:
             self._keep.close()
 
@@ -365,13 +287,3 @@ def _check_aliases(aliases: list[str]) -> None:
         raise Refusal("name", f"aliases: at most {MAX_ALIASES}, without repeats")
     for alias in aliases:
         check_name("aliases", alias)
-
-
-def _record(adapter_id: str, owner: str, ref: SourceRef, s: AdapterSummary,
-            aliases: tuple[str, ...], identity: tuple | None) -> AdapterRecord:
-    return AdapterRecord(
-        id=adapter_id, owner=owner, source=ref.uri, state=READY, version=s.version,
-        sha256=s.sha256, rank=s.rank, alpha=s.alpha, rslora=s.rslora, targets=s.targets,
-        layers=s.layers, bytes=s.total_bytes, config_json=s.config_json, tensors=s.tensors,
-        aliases=aliases, identity=tuple(identity or ()))
-

@@ -2,7 +2,9 @@
 
 `validate(config_bytes, blob, base, max_rank)` applies the field policy of peft_config.py to
 adapter_config.json, checks the safetensors container (safetensors_parse), maps every tensor to a
-(layer, module, A|B) of the base and checks its shape, and refuses NaN/Inf. Every refusal is a
+(layer, module, A|B) of the base and checks its shape, and refuses NaN/Inf. `AdapterCheck` is the
+same as a blob streams in (first_pass.py: header and shapes before the body, then digests and
+the finite check chunk by chunk, in one pass). Every refusal is a
 Refusal (INVALID_ARGUMENT) naming the field or tensor and the reason. The modules are the base
 family's (services.common.families: Phi-3's fused qkv_proj and gate_up_proj, q/k/v and gate/up
 apart for the others), so an adapter trained on another family is refused naming the module the
@@ -22,9 +24,11 @@ import hashlib
 import json
 import pathlib
 import re
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from services.common import safetensors_parse as st
+from services.adapter_store.first_pass import BlobPass, feed_bytes
 from services.adapter_store.peft_config import LoraFields, check_config
 from services.common.errors import Refusal
 from services.common.families import (PARENT as _PARENT, SPLIT_TARGETS, Family, family_of,
@@ -111,29 +115,40 @@ def content_version(config_json: str, blob: bytes) -> str:
     return h.hexdigest()[:16]
 
 
-def digests(config_bytes: bytes, blob: bytes) -> tuple[str, str, str]:
-    """(canonical config JSON, version, blob sha256) of raw source bytes, without validating."""
-    try:
-        config_json = canonical_json(json.loads(config_bytes))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        config_json = ""  # cannot match a registered version, whose config parsed
-    return config_json, content_version(config_json, blob), hashlib.sha256(blob).hexdigest()
+class AdapterCheck:
+    """An adapter's validation as its blob arrives (first_pass.BlobPass): the config is
+    checked when this is made, the header's tensors (names, shapes, one A and one B per
+    targeted module) before the body is read, then the finite check and the digests."""
+
+    def __init__(self, config_bytes: bytes, base: BaseShapes, max_rank: int,
+                 helper: Executor | None = None):
+        """helper: a thread for one of the two digests (first_pass.BlobPass)."""
+        self.fields, self._expected = check_targets(config_bytes, base, max_rank)
+        self._base = base
+        self.config_json = canonical_json(json.loads(config_bytes))     # parsed fine above
+        self.blob = BlobPass(self.config_json, self._check_tensors, helper=helper)
+
+    def _check_tensors(self, tensors: list[st.RawTensor]) -> None:
+        _check_complete([_check_tensor(t, self.fields.r, self._base) for t in tensors],
+                        self._expected)
+
+    def summary(self) -> AdapterSummary:
+        """The validated adapter, once the whole blob went through (Refusal if it did not)."""
+        version, sha = self.blob.finish()
+        targets, layers = targets_and_layers(self._expected)
+        f = self.fields
+        return AdapterSummary(
+            rank=f.r, alpha=f.alpha, rslora=f.rslora, targets=targets, layers=layers,
+            tensors=tuple(self.blob.tensors), total_bytes=self.blob.size,
+            config_json=self.config_json, version=version, sha256=sha, ignored=f.ignored)
 
 
 def validate(config_bytes: bytes, blob: bytes, base: BaseShapes, max_rank: int
              ) -> AdapterSummary:
-    """Check an adapter against the base; returns its summary or raises Refusal."""
-    fields, expected = check_targets(config_bytes, base, max_rank)
-    tensors = st.parse(blob)
-    _check_complete([_check_tensor(t, fields.r, base) for t in tensors], expected)
-    for t in tensors:
-        st.check_finite(blob, t)
-    config_json, version, sha = digests(config_bytes, blob)
-    targets, layers = targets_and_layers(expected)
-    return AdapterSummary(
-        rank=fields.r, alpha=fields.alpha, rslora=fields.rslora, targets=targets,
-        layers=layers, tensors=tuple(tensors), total_bytes=len(blob), config_json=config_json,
-        version=version, sha256=sha, ignored=fields.ignored)
+    """Check an adapter (its blob in memory) against the base; its summary, or Refusal."""
+    check = AdapterCheck(config_bytes, base, max_rank)
+    feed_bytes(check.blob, blob)
+    return check.summary()
 
 
 def check_targets(config_bytes: bytes, base: BaseShapes, max_rank: int
