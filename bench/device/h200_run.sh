@@ -13,6 +13,10 @@
 #   fp8gemm     issue 46: the FP8 GEMM's GPU tests, then its microbenchmark (7B/8B/70B decode
 #               GEMMs against _scaled_mm and bf16; more args passed to it), ~3 min on an H100
 #   fp8sweep    the FP8 GEMM's config sweep (default --models 7b; more args passed to it)
+#   fp8         issue 46: the 7B decode step, bf16 against FP8 weights, base and 32 adapters
+#               (python -m bench.engine.fp8), then the FP8 GEMM's microbenchmark, ~6 min
+#   families    issue 47: the families' GPU test, then Qwen3-8B and Gemma-3-12B at full size
+#               (python -m bench.engine.families, one process a model), ~5 min on an H100
 #   structured  issue 45: batch-64 decode steps with 0 / 50 / 100% of rows under a JSON schema
 #               (needs the wheels in .whl, llguidance's among them: README, the device notes)
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
@@ -80,6 +84,15 @@ elif [ "$MODE" = fp8gemm ]; then
   step timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_gemm.py \
        2>&1 | tail -15
   step python3 -m bench.kernels.fp8_gemm --out "$OUT" "${@:2}" 2>&1 | tail -70
+elif [ "$MODE" = fp8 ]; then
+  step timeout 300 python3 -m bench.engine.fp8 --out "$OUT" "${@:2}" 2>&1 | tail -12
+  step timeout 240 python3 -m bench.kernels.fp8_gemm --out "$OUT" 2>&1 | tail -40
+elif [ "$MODE" = families ]; then
+  step timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_families.py \
+       -o addopts="" 2>&1 | tail -12
+  for m in qwen3-8b gemma-3-12b; do
+    step timeout 200 python3 -m bench.engine.families --models "$m" --out "$OUT/$m" 2>&1 | tail -8
+  done
 elif [ "$MODE" = fp8sweep ]; then
   step python3 -m bench.kernels.fp8_gemm --sweep --models 7b --budget-s 480 --out "$OUT" \
        "${@:2}" 2>&1 | tail -50

@@ -28,6 +28,7 @@ import torch
 from bench.lib.header import base_header, card, card_slug
 from bench.lib.synthetic import TARGETS, NullTokenizer, adapter_tensors
 from bench.lib.timing import copy_tbps
+from services.worker.model.fp8 import Fp8Weight
 
 # the published config.json fields (the text model's, for Gemma 3) of each shape
 CONFIGS = {
@@ -51,7 +52,15 @@ CONFIGS = {
                     "final_logit_softcapping": None, "attn_logit_softcapping": None,
                     "tie_word_embeddings": True, "attention_bias": False,
                     "bos_token_id": 2, "eos_token_id": [1, 106], "torch_dtype": "bfloat16"},
+    # Llama-2-7B: the serving benchmarks' shape (bench.engine.fp8's FP8 and bf16 rows)
+    "llama-7b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                 "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+                 "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+                 "hidden_act": "silu", "tie_word_embeddings": False,
+                 "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"},
 }
+FAMILIES = ("qwen3-8b", "gemma-3-12b")       # this module's default models
 QUICK = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32768,
          "bos_token_id": 1, "eos_token_id": 2}
@@ -101,21 +110,35 @@ def kv_read_bytes(spec, batch: int, context: int, itemsize: int) -> int:
     return total
 
 
-def run_model(name: str, cfg: dict, args, device, bw: float) -> list[dict]:
+def weight_nbytes(weights: dict) -> int:
+    """Bytes of a checkpoint's tensors (an Fp8Weight: its values and scales)."""
+    return sum(t.nbytes if isinstance(t, Fp8Weight) else t.numel() * t.element_size()
+               for t in weights.values())
+
+
+def run_model(name: str, cfg: dict, args, device, bw: float,
+              quantization: str = "auto") -> list[dict]:
+    """The model's rows, base then args.distinct adapters; quantization "fp8": its decoder
+    linears quantized as the worker's loader does (--quantization fp8)."""
     from kernels import compile_watch
     from services.worker.adapters.layout import staged_from_tensors
     from services.worker.config import EngineOptions
     from services.worker.model.checkpoint import fuse_layers
     from services.worker.model.spec import load_spec
-    from services.worker.startup.factory import assemble
+    from services.worker.model.fp8 import convert
+    from services.worker.startup.factory import assemble, resolve_quantization
     from services.worker.startup.warmup import Warmup
     from bench.engine.e2e import run_engine
     with tempfile.TemporaryDirectory() as tmp:
         (pathlib.Path(tmp) / "config.json").write_text(json.dumps(cfg))
         spec = load_spec(tmp)
     dtype = torch.bfloat16
+    spec = resolve_quantization(quantization, spec)
     raw = hf_tensors(spec, device, dtype)
-    weight_bytes = sum(t.numel() * t.element_size() for t in raw.values())
+    if spec.quant is not None:
+        for key in list(raw):                      # one tensor at a time, as the loader
+            raw[key] = convert(key, raw[key], spec.quant, dtype, device)
+    weight_bytes = weight_nbytes(raw)
     weights = fuse_layers(raw, spec)
     del raw
     opts = EngineOptions(device=device.type, dtype="bfloat16", kv_cache_bytes=args.kv_gib << 30,
@@ -141,7 +164,8 @@ def run_model(name: str, cfg: dict, args, device, bw: float) -> list[dict]:
         floor_bytes = (weight_bytes + kv_read_bytes(spec, args.batch, context, 2)
                        + n * adapter_bytes)
         floor_ms = 1e3 * floor_bytes / bw
-        row = {"model": name, "batch": args.batch, "distinct": n,
+        row = {"model": name, "dtype": "fp8" if spec.quant is not None else "bf16",
+               "batch": args.batch, "distinct": n,
                "decode_step_ms": r["decode_step_ms"], "bytes_floor_ms": floor_ms,
                "ratio": r["decode_step_ms"] / floor_ms if r["decode_step_ms"] else None,
                "tokens_per_s": r["tokens_per_s"], "weight_gb": weight_bytes / 1e9,
@@ -176,15 +200,8 @@ def write(out: pathlib.Path, header: dict, rows: list[dict]) -> pathlib.Path:
     return stem
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--models", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
-    p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run, any device)")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--distinct", type=int, default=32)
-    p.add_argument("--commit", default=None)
-    a = p.parse_args(argv)
+def settings(a) -> tuple[torch.device, float]:
+    """The run's sizes on args a (--quick: tiny), its device and copy bandwidth (bytes/s)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     a.prompt, a.new = (16, 8) if a.quick else (128, 128)
     a.kv_gib, a.pool_gib = (1, 1) if a.quick else (16, 4)
@@ -192,15 +209,34 @@ def main(argv=None) -> int:
     if a.quick:
         a.batch, a.distinct = min(a.batch, 8), min(a.distinct, 4)
     bw = copy_tbps(device, 2.0, 25, 100) * 1e12 if device.type == "cuda" else 20e9
+    return device, bw
+
+
+def config(name: str, quick: bool) -> dict:
+    return {**CONFIGS[name], **(QUICK if quick else {})}
+
+
+def run_header(a, device: torch.device, bw: float) -> dict:
+    c = card(device.type)
+    return {**base_header(device.type, a.commit), "card": c,
+            "card_slug": card_slug(c, device.type), "prompt": a.prompt, "new": a.new,
+            "copy_tb_s": bw / 1e12, "quick": a.quick}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--models", default=",".join(FAMILIES), help="of " + ", ".join(CONFIGS))
+    p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run, any device)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--distinct", type=int, default=32)
+    p.add_argument("--commit", default=None)
+    a = p.parse_args(argv)
+    device, bw = settings(a)
     rows = []
     for name in a.models.split(","):
-        cfg = {**CONFIGS[name], **(QUICK if a.quick else {})}
-        rows += run_model(name, cfg, a, device, bw)
-    c = card(device.type)
-    header = {**base_header(device.type, a.commit), "card": c,
-              "card_slug": card_slug(c, device.type), "prompt": a.prompt, "new": a.new,
-              "copy_tb_s": bw / 1e12, "quick": a.quick}
-    stem = write(pathlib.Path(a.out), header, rows)
+        rows += run_model(name, config(name, a.quick), a, device, bw)
+    stem = write(pathlib.Path(a.out), run_header(a, device, bw), rows)
     print(stem.with_suffix(".md").read_text())
     return 0
 
