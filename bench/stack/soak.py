@@ -220,10 +220,12 @@ def http_call(http: str, hang_up: bool, rng) -> str:
 
 
 def faults(stack: dict, end: float, log: list, period: float) -> None:
-    """Every period: SIGKILL a worker and start it again; every other time, restart the store."""
-    i = 0
-    while time.monotonic() + period < end:
-        time.sleep(period)
+    """Every period (due at fixed times from the start, so a slow restart does not push the
+    later faults past the end): SIGKILL a worker and start it again; every other time,
+    restart the store."""
+    start, i = time.monotonic(), 0
+    while start + (i + 1) * period < end:
+        time.sleep(max(0.0, start + (i + 1) * period - time.monotonic()))
         i += 1
         w = stack["workers"][i % 2]
         w.stop(signal.SIGKILL)
