@@ -41,34 +41,27 @@ def _held(watch: ResidencyWatch) -> dict[str, int]:
         return {a.id: a.tier for a in watch.adapters.values() if not a.loading}
 
 
-@pytest.mark.parametrize("warm", [True, False])
-def test_a_restarted_worker_is_warmed_with_the_fleets_hot_set(lora_fleet, tmp_path, warm):
+def test_a_restarted_worker_is_warmed_with_the_fleets_hot_set(lora_fleet, tmp_path):
     base, adapters = lora_fleet
     (tmp_path / "restarted").mkdir()
     worker_args = ["--warm-gpu-share", "0.5"]
-    router_args = [] if warm else ["--warm-adapters", "0"]
-    stack = Stack(base, adapters, tmp_path, worker_args=worker_args, router_args=router_args)
+    stack = Stack(base, adapters, tmp_path, worker_args=worker_args)
     stack.model = base
     watch = None
     try:
         _serve_hot_set(stack)
         worker = _restart_worker(stack, tmp_path, worker_args)
         watch = ResidencyWatch(worker.addr)
-        if warm:
-            watch.wait(lambda w: set(_held(w)) == set(HOT), timeout=60)
-            held = _held(watch)
-            assert set(held) == set(HOT), held
-            assert held["a00"] == common_pb2.GPU            # the hottest placed, within the share
-            assert watch.load.running == 0 and watch.load.waiting == 0
-            log = worker.log()
-            assert "warm-up done" in log and "Traceback" not in log
-            with LorafleetClient(stack.router.addr, timeout=60) as c:
-                r = c.generate(adapter="a00", prompt_ids=[3, 4, 5], max_new_tokens=2,
-                               ignore_eos=True)
-            assert r.timings.adapter_tier == common_pb2.GPU and r.timings.cold_load_s == 0
-        else:
-            time.sleep(3)               # what a warm-up would have staged by now
-            assert _held(watch) == {}
+        watch.wait(lambda w: set(_held(w)) == set(HOT), timeout=60)
+        held = _held(watch)
+        assert held["a00"] == common_pb2.GPU            # the hottest placed, within the share
+        assert watch.load.running == 0 and watch.load.waiting == 0
+        log = worker.log()
+        assert "warm-up done" in log and "Traceback" not in log
+        with LorafleetClient(stack.router.addr, timeout=60) as c:
+            r = c.generate(adapter="a00", prompt_ids=[3, 4, 5], max_new_tokens=2,
+                           ignore_eos=True)
+        assert r.timings.adapter_tier == common_pb2.GPU and r.timings.cold_load_s == 0
     finally:
         if watch is not None:
             watch.close()

@@ -107,3 +107,41 @@ def test_no_warm_up_for_what_the_worker_holds_nor_for_a_draining_one():
     views = {"w0": WorkerView(draining=True)}
     assert warm_choice(hot, "w0", views, 10) == []
     assert warm_choice(hot, "gone", views, 10) == []
+
+
+class RecordingStub:
+    """Stands for a worker's stub: records the Prefetch requests the warmer sends (the real
+    RPC through real processes: tests/test_fleet_warm.py)."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def Prefetch(self, request, timeout=None, metadata=None):
+        self.requests.append(request)
+        return wpb.PrefetchResponse(queued=len(request.adapters))
+
+
+def _warm(adapters: int, empty: bool = True) -> list:
+    import asyncio
+    from services.router.hot_set import Warmer
+    hot = HotSet(clock=Clock())
+    for n in range(20):
+        for _ in range(20 - n):
+            hot.saw(ref(f"a{n:02d}"))
+    stub = RecordingStub()
+
+    async def run():
+        warmer = Warmer(hot, lambda: {"w0": WorkerView()}, adapters=adapters, batch=8)
+        warmer.joined("w0", stub, empty=empty)
+        await asyncio.gather(*warmer._tasks)
+    asyncio.run(run())
+    return stub.requests
+
+
+def test_the_warmer_sends_the_hottest_in_warm_batches_and_nothing_when_off():
+    requests = _warm(adapters=20)
+    assert [len(r.adapters) for r in requests] == [8, 8, 4] and all(r.warm for r in requests)
+    assert [a.id for r in requests for a in r.adapters] == [f"a{n:02d}" for n in range(20)]
+    assert [len(r.adapters) for r in _warm(adapters=5)] == [5]
+    assert _warm(adapters=0) == []                       # --warm-adapters 0
+    assert _warm(adapters=20, empty=False) == []         # a worker that holds adapters
