@@ -16,7 +16,8 @@
 #   fp8         issue 46: the 7B decode step, bf16 against FP8 weights, base and 32 adapters
 #               (python -m bench.engine.fp8), then the FP8 GEMM's microbenchmark, ~6 min
 #   families    issue 47: the families' GPU test, then Qwen3-8B and Gemma-3-12B at full size
-#               (python -m bench.engine.families, one process a model), ~5 min on an H100
+#               (python -m bench.engine.families, one process a model; Gemma's with --profile),
+#               ~6 min on an H100
 #   structured  issue 45: batch-64 decode steps with 0 / 50 / 100% of rows under a JSON schema
 #               (needs the wheels in .whl, llguidance's among them: README, the device notes)
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
@@ -90,8 +91,10 @@ elif [ "$MODE" = fp8 ]; then
 elif [ "$MODE" = families ]; then
   step timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_families.py \
        -o addopts="" 2>&1 | tail -12
-  for m in qwen3-8b gemma-3-12b; do
-    step timeout 200 python3 -m bench.engine.families --models "$m" --out "$OUT/$m" 2>&1 | tail -8
+  for m in qwen3-8b gemma-3-12b; do     # Gemma's kernels by GPU time: $OUT/gemma-3-12b/profile-*
+    PROF=(); [ "$m" = gemma-3-12b ] && PROF=(--profile)
+    step timeout 240 python3 -m bench.engine.families --models "$m" "${PROF[@]}" --out "$OUT/$m" \
+         2>&1 | tail -8
   done
 elif [ "$MODE" = fp8sweep ]; then
   step python3 -m bench.kernels.fp8_gemm --sweep --models 7b --budget-s 480 --out "$OUT" \

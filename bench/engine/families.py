@@ -173,11 +173,29 @@ def run_model(name: str, cfg: dict, args, device, bw: float,
                "late_compiles": late[:5]}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if getattr(args, "profile", False) and device.type == "cuda":
+        profile_steps(built, slots[:args.distinct], args, name)
     del built, weights, staged, slots
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_steps(built, slots: list[int], args, name: str) -> None:
+    """The GPU kernels of a short run's steps (graph replays included), by total time; the table
+    goes to stdout and to <out>/profile-<name>.txt."""
+    from bench.engine.e2e import run_engine
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        r = run_engine(built, slots, args.batch, args.prompt, 16, seed=7)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                      max_name_column_width=70)
+    text = f"{name}: {r['steps']} steps (a prefill and {r['steps'] - 1} decode)\n{table}"
+    print(text, flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile-{name}.txt").write_text(text)
 
 
 def write(out: pathlib.Path, header: dict, rows: list[dict]) -> pathlib.Path:
@@ -231,6 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--distinct", type=int, default=32)
     p.add_argument("--commit", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="then the kernels of a short run with the adapters, by GPU time")
     a = p.parse_args(argv)
     device, bw = settings(a)
     rows = []
