@@ -14,7 +14,8 @@
 #               GEMMs against _scaled_mm and bf16; more args passed to it), ~3 min on an H100
 #   fp8sweep    the FP8 GEMM's config sweep (default --models 7b; more args passed to it)
 #   fp8         issue 46: the 7B decode step, bf16 against FP8 weights, base and 32 adapters
-#               (python -m bench.engine.fp8), then the FP8 GEMM's microbenchmark, ~6 min
+#               (python -m bench.engine.fp8; more args passed to it, e.g. --models llama-70b on
+#               an H200 with FP8_S=420), then the FP8 GEMM's microbenchmark, ~6 min
 #   families    issue 47: the families' GPU test, then Qwen3-8B and Gemma-3-12B at full size
 #               (python -m bench.engine.families, one process a model; Gemma's with --profile),
 #               ~6 min on an H100
@@ -86,7 +87,7 @@ elif [ "$MODE" = fp8gemm ]; then
        2>&1 | tail -15
   step python3 -m bench.kernels.fp8_gemm --out "$OUT" "${@:2}" 2>&1 | tail -70
 elif [ "$MODE" = fp8 ]; then
-  step timeout 300 python3 -m bench.engine.fp8 --out "$OUT" "${@:2}" 2>&1 | tail -12
+  step timeout "${FP8_S:-300}" python3 -m bench.engine.fp8 --out "$OUT" "${@:2}" 2>&1 | tail -14
   step timeout 240 python3 -m bench.kernels.fp8_gemm --out "$OUT" 2>&1 | tail -40
 elif [ "$MODE" = families ]; then
   step timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_families.py \

@@ -59,6 +59,13 @@ CONFIGS = {
                  "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
                  "hidden_act": "silu", "tie_word_embeddings": False,
                  "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+    # Llama-3-70B: issue 46's FP8 base on one H200 (its bf16 weights, 141 GB, fit no one card)
+    "llama-70b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                  "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                  "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+                  "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                  "hidden_act": "silu", "tie_word_embeddings": False,
+                  "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"},
 }
 FAMILIES = ("qwen3-8b", "gemma-3-12b")       # this module's default models
 QUICK = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
@@ -66,19 +73,29 @@ QUICK = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
          "bos_token_id": 1, "eos_token_id": 2}
 
 
-def hf_tensors(spec, device, dtype) -> dict:
+def hf_tensors(spec, device, dtype, each=None) -> dict:
     """Random tensors under the checkpoint's Hugging Face names (std 0.02, norms near 1; Gemma's
-    stored (1 + w) norms near 0), made on `device`."""
+    stored (1 + w) norms near 0), made on `device`; each(name, tensor), when given, converts
+    every tensor as it is made (so a 70B FP8 build never holds its bf16 weights at once)."""
     g = torch.Generator(device=device).manual_seed(0)
 
+    class Made(dict):
+        def __setitem__(self, name, t):
+            super().__setitem__(name, t if each is None else each(name, t))
+
     def rnd(*shape, std=0.02, mean=0.0):
-        t = torch.randn(*shape, generator=g, device=device, dtype=torch.float32)
-        return (t * std + mean).to(dtype)
+        t = torch.empty(*shape, device=device, dtype=dtype)
+        rows = max(1, (1 << 26) // (t[0].numel() if t.dim() > 1 else t.numel()))
+        for part in t.split(rows):                 # 256 MiB of float32 at a time
+            part.copy_(torch.randn(part.shape, generator=g, device=device,
+                                   dtype=torch.float32) * std + mean)
+        return t
     h, i, q, kv, d = (spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size,
                       spec.head_dim)
     norm = 0.0 if spec.gemma_norms else 1.0
-    out = {"model.embed_tokens.weight": rnd(spec.vocab_size, h),
-           "model.norm.weight": rnd(h, mean=norm)}
+    out = Made()
+    out["model.embed_tokens.weight"] = rnd(spec.vocab_size, h)
+    out["model.norm.weight"] = rnd(h, mean=norm)
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = rnd(spec.vocab_size, h)
     norms = ["input_layernorm", "post_attention_layernorm"]
@@ -96,7 +113,7 @@ def hf_tensors(spec, device, dtype) -> dict:
         if spec.qk_norm:
             out[f"{p}self_attn.q_norm.weight"] = rnd(d, mean=norm)
             out[f"{p}self_attn.k_norm.weight"] = rnd(d, mean=norm)
-    return out
+    return dict(out)
 
 
 def kv_read_bytes(spec, batch: int, context: int, itemsize: int) -> int:
@@ -134,10 +151,11 @@ def run_model(name: str, cfg: dict, args, device, bw: float,
         spec = load_spec(tmp)
     dtype = torch.bfloat16
     spec = resolve_quantization(quantization, spec)
-    raw = hf_tensors(spec, device, dtype)
-    if spec.quant is not None:
-        for key in list(raw):                      # one tensor at a time, as the loader
-            raw[key] = convert(key, raw[key], spec.quant, dtype, device)
+    each = None
+    if spec.quant is not None:                     # one tensor at a time, as the loader
+        def each(key, t):
+            return convert(key, t, spec.quant, dtype, device)
+    raw = hf_tensors(spec, device, dtype, each)
     weight_bytes = weight_nbytes(raw)
     weights = fuse_layers(raw, spec)
     del raw

@@ -1,6 +1,6 @@
-"""FP8 weights against bf16 in the decode step (issue 46): one checkpoint shape (Llama-2-7B by
-default), random bf16 weights, built twice through the worker's own loader path (bench.engine
-.families.run_model: load_spec, the loader's per-tensor FP8 quantization for --quantization fp8,
+"""FP8 weights against bf16 in the decode step (issue 46): checkpoint shapes (Llama-2-7B by
+default; Llama-3-70B's FP8 rows alone where its bf16 weights do not fit), random weights,
+built through the worker's own loader path (bench.engine.families.run_model: load_spec, the loader's per-tensor FP8 quantization for --quantization fp8,
 fuse_layers, assemble, the warm-up), batch 64 with the base model and with 32 rank-16 q/k/v/o
 adapters. Each decode step is set against its bytes floor (the weights as stored: FP8 values and
 their scales, or bf16; the KV read; the adapters) over the card's copy bandwidth; the FP8 rows
@@ -9,8 +9,10 @@ also against the bf16 row of the same adapters (target: <= 0.75x, and <= 1.2x it
     python -m bench.engine.fp8 --out bench/results                 # H100 / H200, ~3 min
     python -m bench.engine.fp8 --quick --out /tmp/x                 # tiny shapes, any device
     python -m bench.engine.fp8 --served saturation-h100.json ...    # + a served run's rows
+    python -m bench.engine.fp8 --models llama-70b --out /tmp/70b     # on an H200
+    python -m bench.engine.fp8 --merge a/fp8-h200.json b/fp8-h200.json --out bench/results
 
-Writes fp8-<card>.{json,md}: {"header", "rows": [{"dtype", "batch", "distinct",
+Writes fp8-<card>.{json,md}: {"header", "rows": [{"model", "dtype", "batch", "distinct",
 "decode_step_ms", "bytes_floor_ms", ...}], "served": [the rows of --served files: the
 saturation benchmark's, e.g. its closed-loop runs of a bf16 and an FP8 stack]}.
 """
@@ -25,10 +27,11 @@ from bench.engine.families import CONFIGS, config, run_header, run_model, settin
 
 
 def compare(rows: list[dict]) -> None:
-    """Each FP8 row's step against the bf16 row of the same adapters (vs_bf16), in place."""
-    bf16 = {r["distinct"]: r["decode_step_ms"] for r in rows if r["dtype"] == "bf16"}
+    """Each FP8 row's step against the bf16 row of the same model and adapters (vs_bf16), in
+    place."""
+    bf16 = {(r["model"], r["distinct"]): r["decode_step_ms"] for r in rows if r["dtype"] == "bf16"}
     for r in rows:
-        ref = bf16.get(r["distinct"])
+        ref = bf16.get((r["model"], r["distinct"]))
         r["vs_bf16"] = (r["decode_step_ms"] / ref
                         if r["dtype"] == "fp8" and ref and r["decode_step_ms"] else None)
 
@@ -49,17 +52,21 @@ def write(out: pathlib.Path, doc: dict) -> pathlib.Path:
     stem = out / f"fp8-{h['card_slug']}"
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     lines = [f"# FP8 weights against bf16, {h['card']}, {h['date']}", "",
-             f"{h['model']}, random weights; batch {rows[0]['batch']}, prompts of "
+             f"{', '.join(h['models'])}, random weights; batch {rows[0]['batch']}, prompts of "
              f"{h['prompt']} tokens, {h['new']} new; rank-16 q/k/v/o adapters (bf16 in both); "
              f"the bytes floor: the weights as stored + the KV read + the adapters over "
              f"{h['copy_tb_s']:.2f} TB/s. Targets: FP8 <= 0.75x bf16 and <= 1.2x its floor.", "",
-             "| weights | adapters | weight GB | decode step ms | bytes floor ms | step / floor "
-             "| vs bf16 | compiles after warm-up |", "|---|---|---|---|---|---|---|---|"]
+             "| model | weights | adapters | weight GB | decode step ms | bytes floor ms "
+             "| step / floor | vs bf16 | compiles after warm-up |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         vs = f"{r['vs_bf16']:.3f}x" if r.get("vs_bf16") else "-"
-        lines.append(f"| {r['dtype']} | {r['distinct'] or 'base'} | {r['weight_gb']:.2f} | "
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['distinct'] or 'base'} | "
+                     f"{r['weight_gb']:.2f} | "
                      f"{r['decode_step_ms']:.2f} | {r['bytes_floor_ms']:.2f} | "
                      f"{r['ratio']:.2f} | {vs} | {r['compiles_after_warmup']} |")
+    for note in h.get("notes", []):
+        lines += ["", note]
     if doc["served"]:
         lines += ["", f"Served rows: {len(doc['served'])} from "
                   f"{', '.join(sorted({r['source'] for r in doc['served']}))} (in the JSON)."]
@@ -67,10 +74,43 @@ def write(out: pathlib.Path, doc: dict) -> pathlib.Path:
     return stem
 
 
+def bf16_fits(cfg: dict, device) -> bool:
+    """Whether the model's bf16 weights (2 bytes a parameter) leave a tenth of the card free."""
+    if device.type != "cuda":
+        return True
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim", h // heads)
+    per_layer = h * d * (2 * heads + 2 * kv) + 3 * h * i
+    params = layers * per_layer + cfg["vocab_size"] * h * (1 if cfg["tie_word_embeddings"] else 2)
+    return 2 * params < 0.9 * torch.cuda.get_device_properties(device).total_memory
+
+
+def merge(paths: list[str]) -> dict:
+    """One document from fp8 runs of one card (e.g. the 7B and the 70B, each its own device
+    call): their rows in order, the first one's header with every run's models and date."""
+    docs = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    cards = {d["header"]["card"] for d in docs}
+    if len(cards) != 1:
+        raise SystemExit(f"refusing to merge runs of different cards: {sorted(cards)}")
+    header = dict(docs[0]["header"])
+    header["models"] = [m for d in docs for m in d["header"]["models"]]
+    header["runs"] = [{"date": d["header"]["date"], "commit": d["header"].get("commit"),
+                       "models": d["header"]["models"]} for d in docs]
+    header["notes"] = [n for d in docs for n in d["header"].get("notes", [])]
+    rows = [r for d in docs for r in d["rows"]]
+    compare(rows)
+    return {"header": header, "rows": rows, "served": [r for d in docs for r in d["served"]]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--model", default="llama-7b", choices=sorted(CONFIGS))
+    p.add_argument("--models", default="llama-7b",
+                   help=f"of {', '.join(sorted(CONFIGS))}; a model whose bf16 weights do not "
+                        "fit the card gets FP8 rows only (llama-70b on an H200)")
+    p.add_argument("--merge", nargs="*", default=None,
+                   help="fp8-<card>.json files of one card written by separate runs: one file")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run, any device)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--distinct", type=int, default=32)
@@ -78,14 +118,22 @@ def main(argv=None) -> int:
                    help="saturation-benchmark JSON files whose rows go under 'served'")
     p.add_argument("--commit", default=None)
     a = p.parse_args(argv)
+    if a.merge:
+        print(write(pathlib.Path(a.out), merge(a.merge)).with_suffix(".md").read_text())
+        return 0
     device, bw = settings(a)
-    cfg = config(a.model, a.quick)
-    rows = []
-    for quantization in ("auto", "fp8"):
-        rows += run_model(a.model, cfg, a, device, bw, quantization)
+    rows, notes, models = [], [], a.models.split(",")
+    for model in models:
+        cfg = config(model, a.quick)
+        quants = ("auto", "fp8")
+        if not bf16_fits(cfg, device):
+            quants = ("fp8",)
+            notes.append(f"{model}: no bf16 rows (its bf16 weights do not fit this card)")
+        for quantization in quants:
+            rows += run_model(model, cfg, a, device, bw, quantization)
     compare(rows)
-    doc = {"header": {**run_header(a, device, bw), "model": a.model}, "rows": rows,
-           "served": served_rows(a.served)}
+    doc = {"header": {**run_header(a, device, bw), "models": models, "notes": notes},
+           "rows": rows, "served": served_rows(a.served)}
     print(write(pathlib.Path(a.out), doc).with_suffix(".md").read_text())
     return 0
 
