@@ -3,11 +3,12 @@ launch (BLOCK_N, warps, stages) timed on the same paged cache, after a check aga
 reference, by CUDA-graph replay (median of triton's do_bench over a graph of 10 calls).
 
     python -m bench.kernels.attn_launch_scan --out DIR [--groups 1,4] [--batches 8,16,32,64,128]
-        [--ctxs 192,1024] [--configs 16,1,2;32,4,2]
+        [--ctxs 192,1024] [--configs 16,1,2;32,4,2] [--q-heads 16 --head-dim 256]
 
 Writes DIR/attn-launch-scan-<card>.json (rows {"q_heads", "kv_heads", "batch", "ctx", "config",
 "us", "tb_s"}) and a markdown table (one row a case, one column a launch, the fastest in bold),
-with the card, versions and date. Heads are 32 query heads of 128 over 32 / group KV heads;
+with the card, versions and date. Heads are 32 query heads of 128 (--q-heads, --head-dim: e.g.
+Gemma-3-12B's 16 of 256) over q-heads / group KV heads;
 16-token blocks in a shuffled block table; contexts within 40 tokens below `ctx`.
 """
 from __future__ import annotations
@@ -25,10 +26,10 @@ from bench.lib.timing import timed  # (CUDA-graph replay of 10 calls, median)
 from kernels.attention_ref import paged_attention_ref
 from kernels.attention_triton import paged_attention_triton
 
-BS, HQ, D = 16, 32, 128
+BS = 16
 
 
-def case(batch: int, kv_heads: int, ctx: int, dev: str = "cuda"):
+def case(batch: int, kv_heads: int, ctx: int, HQ: int, D: int, dev: str = "cuda"):
     g = torch.Generator(device=dev).manual_seed(batch * 7 + ctx + kv_heads)
     per_seq = ctx // BS + 1
     blocks = batch * per_seq
@@ -51,16 +52,19 @@ def main() -> int:
     p.add_argument("--groups", default="1,4", help="query heads per KV head")
     p.add_argument("--batches", default="8,16,32,64,96,128")
     p.add_argument("--ctxs", default="192,1024")
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--configs", default="16,1,2;32,4,2;32,2,2;64,4,2",
                    help="';'-separated BLOCK_N,WARPS,STAGES[,SPLITS] (SPLITS: the context in "
                    "that many parts, flash-decoding)")
     a = p.parse_args()
     configs = [tuple(ints(c)) for c in a.configs.split(";") if c]
+    HQ, D = a.q_heads, a.head_dim
     rows = []
     for group in ints(a.groups):
         for ctx in ints(a.ctxs):
             for batch in ints(a.batches):
-                q, k, v, tables, seq, pos = case(batch, HQ // group, ctx)
+                q, k, v, tables, seq, pos = case(batch, HQ // group, ctx, HQ, D)
                 scale, cap = D ** -0.5, tables.shape[1] * BS
                 ref = paged_attention_ref(q.float(), k.float(), v.float(), tables, seq, pos,
                                           scale, cap)
@@ -90,7 +94,8 @@ def main() -> int:
     meta = dict(card=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    (out / f"attn-launch-scan-{card}.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    stem = f"attn-launch-scan-{card}" + ("" if (HQ, D) == (32, 128) else f"-q{HQ}-d{D}")
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
     names = [",".join(map(str, c)) for c in configs]
     lines = [f"# Decode attention launches, {meta['card']}, {meta['date']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}; {HQ} query heads of {D}, bf16, "
@@ -108,7 +113,7 @@ def main() -> int:
         cells = [(f"**{got[n]['us']:.1f}** ({got[n]['tb_s']:.2f})" if n == best else
                   f"{got[n]['us']:.1f} ({got[n]['tb_s']:.2f})") for n in names]
         lines.append(f"| {kvh} | {batch} | {ctx} | " + " | ".join(cells) + " |")
-    (out / f"attn-launch-scan-{card}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
