@@ -19,6 +19,7 @@
 #   families    issue 47: the families' GPU test, then Qwen3-8B and Gemma-3-12B at full size
 #               (python -m bench.engine.families, one process a model; Gemma's with --profile),
 #               then decode attention's launch scan at both models' heads, ~7 min on an H100
+#               (MODELS="gemma-3-12b" HEADS=16:2:256: Gemma's alone)
 #   structured  issue 45: batch-64 decode steps with 0 / 50 / 100% of rows under a JSON schema
 #               (needs the wheels in .whl, llguidance's among them: README, the device notes)
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
@@ -92,13 +93,13 @@ elif [ "$MODE" = fp8 ]; then
 elif [ "$MODE" = families ]; then
   step timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_families.py \
        -o addopts="" 2>&1 | tail -12
-  for m in qwen3-8b gemma-3-12b; do     # Gemma's kernels by GPU time: $OUT/gemma-3-12b/profile-*
+  for m in ${MODELS:-qwen3-8b gemma-3-12b}; do     # Gemma's kernels by GPU time: $OUT/gemma-3-12b/profile-*
     PROF=(); [ "$m" = gemma-3-12b ] && PROF=(--profile)
     step timeout 240 python3 -m bench.engine.families --models "$m" "${PROF[@]}" --out "$OUT/$m" \
          2>&1 | tail -8
   done                                 # decode attention's launches at Gemma's and Qwen3's heads
   SCAN="16,1,2;32,4,2;32,2,2;64,4,2;32,8,2;64,8,2;16,1,2,4;32,4,2,2;32,4,2,4;64,4,2,4"
-  for hd in 16:2:256 32:4:128; do IFS=: read -r hq g d <<< "$hd"
+  for hd in ${HEADS:-16:2:256 32:4:128}; do IFS=: read -r hq g d <<< "$hd"
     step timeout 150 python3 -m bench.kernels.attn_launch_scan --out "$OUT/scan" --q-heads "$hq" \
          --groups "$g" --head-dim "$d" --batches 64 --ctxs 192,1024 --configs "$SCAN" 2>&1 | tail -5
   done
