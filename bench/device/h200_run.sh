@@ -19,7 +19,8 @@
 #   families    issue 47: the families' GPU test, then Qwen3-8B and Gemma-3-12B at full size
 #               (python -m bench.engine.families, one process a model; Gemma's with --profile),
 #               then decode attention's launch scan at both models' heads, ~7 min on an H100
-#               (MODELS="gemma-3-12b" HEADS=16:2:256: Gemma's alone)
+#               (MODELS="gemma-3-12b" HEADS=16:2:256: Gemma's alone; TEST_LAST=S: the test last,
+#               S seconds at most)
 #   structured  issue 45: batch-64 decode steps with 0 / 50 / 100% of rows under a JSON schema
 #               (needs the wheels in .whl, llguidance's among them: README, the device notes)
 # Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
@@ -91,8 +92,8 @@ elif [ "$MODE" = fp8 ]; then
   step timeout "${FP8_S:-300}" python3 -m bench.engine.fp8 --out "$OUT" "${@:2}" 2>&1 | tail -14
   step timeout 240 python3 -m bench.kernels.fp8_gemm --out "$OUT" 2>&1 | tail -40
 elif [ "$MODE" = families ]; then
-  step timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_families.py \
-       -o addopts="" 2>&1 | tail -12
+  [ -z "${TEST_LAST:-}" ] && step timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+       tests/test_gpu_families.py -o addopts="" 2>&1 | tail -12
   for m in ${MODELS:-qwen3-8b gemma-3-12b}; do     # Gemma's kernels by GPU time: $OUT/gemma-3-12b/profile-*
     PROF=(); [ "$m" = gemma-3-12b ] && PROF=(--profile)
     step timeout 240 python3 -m bench.engine.families --models "$m" "${PROF[@]}" --out "$OUT/$m" \
@@ -103,6 +104,8 @@ elif [ "$MODE" = families ]; then
     step timeout 150 python3 -m bench.kernels.attn_launch_scan --out "$OUT/scan" --q-heads "$hq" \
          --groups "$g" --head-dim "$d" --batches 64 --ctxs 192,1024 --configs "$SCAN" 2>&1 | tail -5
   done
+  [ -n "${TEST_LAST:-}" ] && step timeout "$TEST_LAST" python3 -m pytest -q -p no:cacheprovider \
+       -m gpu tests/test_gpu_families.py -o addopts="" 2>&1 | tail -12
 elif [ "$MODE" = fp8sweep ]; then
   step python3 -m bench.kernels.fp8_gemm --sweep --models 7b --budget-s 480 --out "$OUT" \
        "${@:2}" 2>&1 | tail -50
