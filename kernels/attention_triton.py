@@ -286,12 +286,14 @@ SPLIT8_CONFIG = {**FEWEST_PROGRAMS_CONFIG, "splits": 8}
 DECODE_OVERRIDE: dict = {}
 
 
-def decode_config(t_rows: int, h_kv: int, group: int) -> dict:
-    """The launch of a decode step of t_rows rows (one a sequence) over h_kv KV heads with
-    `group` query heads each (see DECODE_CONFIG's notes)."""
+def decode_config(t_rows: int, h_kv: int, group: int, head_dim: int = 128) -> dict:
+    """The launch of a decode step of t_rows rows (one a sequence) over h_kv KV heads of
+    head_dim with `group` query heads each (see DECODE_CONFIG's notes). Programs are counted in
+    128-wide heads: a head of 256 (Gemma 3) keeps twice the bytes of a key tile in flight, so
+    half as many programs fill the card (bench/PERF_NOTES.md, Gemma 3's decode step)."""
     if DECODE_OVERRIDE:
         return DECODE_OVERRIDE
-    programs = t_rows * h_kv
+    programs = t_rows * h_kv * max(1, head_dim // 128)
     if programs >= MANY_PROGRAMS:
         return DECODE_CONFIG
     if programs >= MANY_PROGRAMS // 2:
@@ -333,8 +335,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     extra = {"window": int(window), "softcap": float(softcap)}
     if kinds:
         _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
-                decode_config(s_rows, h_kv, group), 1, kind=1, **extra)
-    cfg = (decode_config(t_rows, h_kv, group) if decode
+                decode_config(s_rows, h_kv, group, q.shape[2]), 1, kind=1, **extra)
+    cfg = (decode_config(t_rows, h_kv, group, q.shape[2]) if decode
            else {"block_n": 64, "num_warps": 4, "num_stages": 2})
     cfg = {"block_n": block_n or cfg["block_n"], "num_warps": num_warps or cfg["num_warps"],
            "num_stages": num_stages or cfg["num_stages"], "splits": splits or cfg.get("splits", 1)}

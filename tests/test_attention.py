@@ -298,18 +298,20 @@ def test_kernels_compile_for_hopper():
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("t_rows,h_kv", [(64, 32), (16, 32), (8, 32), (4, 32), (1, 32), (64, 8),
-                                         (128, 4)])
-def test_decode_configs_compile_for_hopper(t_rows, h_kv):
+@pytest.mark.parametrize("t_rows,h_kv,d", [(64, 32, 128), (16, 32, 128), (8, 32, 128),
+                                           (4, 32, 128), (1, 32, 128), (64, 8, 128),
+                                           (128, 4, 128), (64, 8, 256)])
+def test_decode_configs_compile_for_hopper(t_rows, h_kv, d):
     """Each decode launch that decode_config picks compiles for sm_90 with PDL, for MHA and
-    GQA heads, as the decode path launches it (16-token blocks: 16-key tiles are ALIGNED)."""
+    GQA heads of 128 and Gemma 3's 256, as the decode path launches it (16-token blocks:
+    16-key tiles are ALIGNED)."""
     from test_sgmv import compile_for_sm90
     from kernels.attention_triton import _paged_attn_kernel, decode_config
     import triton
-    group = 32 // h_kv
-    cfg = decode_config(t_rows, h_kv, group)
+    group = (32 if d == 128 else 16) // h_kv
+    cfg = decode_config(t_rows, h_kv, group, head_dim=d)
     types = ATTN_TYPES
-    consts = dict(GROUP=group, GROUP_PAD=group, ROWS=triton.cdiv(16, group), D=128, D_PAD=128,
+    consts = dict(GROUP=group, GROUP_PAD=group, ROWS=triton.cdiv(16, group), D=d, D_PAD=d,
                   BLOCK_N=cfg["block_n"], DOT_PREC="tf32", UPCAST=False,
                   ALIGNED=cfg["block_n"] == 16, SPLITS=cfg.get("splits", 1), USE_PDL=True,
                   ROW_KIND=0, SOFTCAP=0.0)
@@ -319,7 +321,7 @@ def test_decode_configs_compile_for_hopper(t_rows, h_kv):
 
 def test_decode_config_by_programs_and_group(monkeypatch):
     """The decode launch follows the H200 scans (bench/results/ab/attn-launch-scan*-h200.md), by
-    programs (rows x KV heads): one warp on one-block tiles from 1024, 32-key tiles on four
+    programs (rows x KV heads, in 128-wide heads: attn-launch-scan-h100-q16-d256.md): one warp on one-block tiles from 1024, 32-key tiles on four
     warps from 512 (64-key with 8+ query heads a KV head), then the context in parts: one-block
     tiles in 4 above 128, 64-key tiles in 4 above 64, in 8 below; an override wins."""
     from kernels import attention_triton as at
@@ -337,6 +339,12 @@ def test_decode_config_by_programs_and_group(monkeypatch):
     assert at.SPLIT_ONE_BLOCK_CONFIG["block_n"] == 16 and at.SPLIT_ONE_BLOCK_CONFIG["splits"] == 4
     assert at.SPLIT4_CONFIG["splits"] == 4 and at.SPLIT8_CONFIG["splits"] == 8
     assert "splits" not in one and "splits" not in few and "splits" not in fewest
+    # programs counted in 128-wide heads: Gemma-3-12B's 8 KV heads of 256 at batch 64 take the
+    # one-warp launch (the H100 scan: 39.9 us against 45.6 for 32-key tiles on four warps)
+    assert at.decode_config(64, 8, 2, head_dim=256) is one
+    assert at.decode_config(64, 8, 2, head_dim=128) is few
+    assert at.decode_config(32, 8, 2, head_dim=256) is few
+    assert at.decode_config(64, 8, 4, head_dim=64) is few
     monkeypatch.setattr(at, "DECODE_OVERRIDE", {"block_n": 32, "num_warps": 2, "num_stages": 3})
     assert at.decode_config(64, 32, 1) == {"block_n": 32, "num_warps": 2, "num_stages": 3}
 

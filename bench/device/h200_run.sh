@@ -5,7 +5,8 @@
 #   full        the benchmarks of bench/results/*-h200.* (the default for any other MODE)
 #   check       GPU tests, a decode profile, batch-64 end to end
 #   final       GPU tests, end to end with PEFT, kernels vs vLLM
-#   gemm        decode GEMM layouts, then batch-64 end to end
+#   gemm        decode GEMM layouts (more args passed to it: --model gemma-3-12b --name NAME),
+#               then batch-64 end to end
 #   sweep       SGMV tile sweep (python -m bench.kernels.sgmv_sweep; more args passed to it)
 #   ab-kernels  GPU tests, decode kernel shapes with and without PDL
 #   ab-e2e      batch 64 end to end: PDL on/off, weight layouts (or the variants of $2)
@@ -52,7 +53,7 @@ elif [ "$MODE" = check ]; then
   step python3 -m bench.engine.e2e --no-peft --batches 64 --distincts 1,32 --new 64 \
        --out "$OUT/e2e" 2>&1 | tail -12
 elif [ "$MODE" = gemm ]; then
-  step python3 -m bench.kernels.gemm_layouts --out "$OUT" 2>&1 | tail -70
+  step python3 -m bench.kernels.gemm_layouts --out "$OUT" "${@:2}" 2>&1 | tail -70
   step python3 -m bench.engine.e2e --no-peft --batches 64 --distincts 1,32 --new 64 \
        --out "$OUT/e2e" 2>&1 | tail -12
 elif [ "$MODE" = ab-kernels ]; then

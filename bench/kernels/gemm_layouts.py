@@ -1,4 +1,5 @@
-"""Which weight layout cuBLAS serves fastest for the decode GEMMs of a Llama-2-7B layer (bf16):
+"""Which weight layout cuBLAS serves fastest for the decode GEMMs of a Llama-2-7B layer (bf16; or
+of a bench.engine.families shape: --model gemma-3-12b):
 y = x @ W.T with W stored [N, K] (F.linear, as checkpoints store it) against W.T stored [K, N]
 (torch.mm), at decode batch sizes; and the [N, K] weight split in halves of N or of K as one
 batched GEMM (bmm_N2, bmm_K2: other cuBLAS tilings, e.g. more CTAs for down). Median of
@@ -7,6 +8,7 @@ copy.
 
     python -m bench.kernels.gemm_layouts --out DIR [--blas cublas,cublaslt] [--names qkv,o]
         [--extra-n 0,512] [--extra-k 0,512] [--pad-ld 256,512] [--name gemm-layouts-h200]
+        [--model gemma-3-12b]
 
 --blas runs the sweep once per torch BLAS backend (torch.backends.cuda.preferred_blas_library);
 rows carry the backend's name.
@@ -30,6 +32,19 @@ SHAPES = {"qkv": (3 * _H, _H), "o": (_H, _H), "gate_up": (2 * _I, _H), "down": (
           "lm_head": (_V, _H)}                     # the 7B's decode GEMMs, (N, K)
 
 
+def shapes_of(model: str) -> dict:
+    """The decode GEMMs (N, K) of "7b" or of a bench.engine.families config."""
+    if model == "7b":
+        return SHAPES
+    from bench.engine.families import CONFIGS
+    c = CONFIGS[model]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i),
+            "lm_head": (c["vocab_size"], h)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=pathlib.Path, required=True)
@@ -44,9 +59,11 @@ def main() -> int:
     ap.add_argument("--extra-k", default="0", help="rows added to each weight's K, e.g. 0,512 "
                     "(the o expand inside the o GEMM: 16 rows of B a rank-16 adapter)")
     ap.add_argument("--name", default="gemm-layouts-h200", help="result file stem")
+    ap.add_argument("--model", default="7b", help="7b, or a bench.engine.families config")
     a = ap.parse_args()
+    shapes_all = shapes_of(a.model)
     backends = a.blas.split(",") if a.blas else [None]
-    names = set(a.names.split(",")) if a.names else set(SHAPES)
+    names = set(a.names.split(",")) if a.names else set(shapes_all)
     only = set(a.variants.split(",")) if a.variants else None
     dev = torch.device("cuda")
     bw = copy_tbps(dev, 2.0, 25, 100)
@@ -54,7 +71,7 @@ def main() -> int:
     extras = [int(e) for e in a.extra_n.split(",")]
     kextras = [int(e) for e in a.extra_k.split(",")]
     shapes = [(name + (f"+{e}" if e else "") + (f"+k{ek}" if ek else ""), (n + e, k + ek))
-              for name, (n, k) in SHAPES.items() if name in names for e in extras
+              for name, (n, k) in shapes_all.items() if name in names for e in extras
               for ek in kextras]
     for blas, (name, (n, k)) in ((b, item) for b in backends for item in shapes):
         if blas:
@@ -111,6 +128,7 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"{a.name}.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tbps": bw,
+         "model": a.model,
          "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}, indent=1))
     print(f"copy {bw:.2f} TB/s")
     return 0
