@@ -24,7 +24,8 @@
 #               S seconds at most)
 #   structured  issue 45: batch-64 decode steps with 0 / 50 / 100% of rows under a JSON schema
 #               (needs the wheels in .whl, llguidance's among them: README, the device notes)
-# Needs models/ (make model) and, for the vLLM side of the kernel bench, .peers/vllm_lora_ops.
+# Needs models/ (make model), .whl (carried: llguidance's wheel) and, for the vLLM side of the
+# kernel bench, .peers/vllm_lora_ops.
 set -u
 MODE=${1:-quick}
 OUT=${OUT:-bench/results}
@@ -39,6 +40,12 @@ step() {   # the last line names the command: its first two words, three for pyt
   echo "=== $*"; local t=$SECONDS; "$@"; local rc=$? what="$1 $2"
   [ "$2" = -m ] && what="$what $3"
   echo "=== rc=$rc in $((SECONDS - t))s: $what"; }
+# the worker's factory imports llguidance (structured outputs), which the image lacks: its wheel
+# from .whl (carried) wherever the engine is built
+if ls .whl/llguidance*.whl >/dev/null 2>&1 && ! python3 -c "import llguidance" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-llg \
+    .whl/llguidance*.whl && export PYTHONPATH=/tmp/site-llg${PYTHONPATH:+:$PYTHONPATH}
+fi
 VLLM=()
 [ -d .peers/vllm_lora_ops ] && VLLM=(--vllm-src .peers/vllm_lora_ops)
 if [ "$MODE" = final ]; then
