@@ -5,10 +5,21 @@ torch-free tests (policies, scenarios, configs) run where torch is not installed
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import sys
 
 import pytest
 
+# One intra-op thread for torch (OpenMP, BLAS) in the test processes and in what they start:
+# `make test` runs two pytest processes on two cores, so torch's second thread (one per core
+# by default) has no core of its own, and OpenMP's waiting threads spin on the core the other
+# process needs (the engine tests took twice the CPU for the same work). The CPU workers run
+# one thread already (--cpu-threads 1). An OMP_NUM_THREADS set outside wins.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

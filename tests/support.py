@@ -23,10 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# a channel that tries again every 50-250 ms while nothing listens yet: with gRPC's default
+# backoff (1 s, growing 1.6x a try) a service that binds 6 s after its start was only seen
+# SERVING ~2 s after that
+WAIT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 250)]
+
+
 def wait_serving(addr: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     """Block until addr answers grpc.health.v1 SERVING (fail early if the process died)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(addr) as ch:
+    with grpc.insecure_channel(addr, options=WAIT_OPTIONS) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:

@@ -80,10 +80,12 @@ def _sane(r: dict) -> None:
 def test_the_quick_run_writes_its_schema_with_sane_figures(tmp_path):
     out = tmp_path / "out"
     # the stack's parts; the start part is bench.stack.startup's own run, which
-    # tests/test_serve_bench.py runs (its merge: the test above)
+    # tests/test_serve_bench.py runs (its merge: the test above); the churn over 64 adapters
+    # (still over twice what the 3 MiB pool holds), 96 requests
     proc = subprocess.run([sys.executable, "-m", "bench.serve.first_touch", "--quick", "--out",
                            str(out), "--work", str(tmp_path / "work"),
-                           "--parts", "burst,one,churn"],
+                           "--parts", "burst,one,churn", "--churn-adapters", "64",
+                           "--churn-requests", "96"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads((out / "first-touch-cpu.json").read_text())

@@ -66,82 +66,87 @@ def _stream(client, i, out, progress):
         out[i]["code"] = err.code()
 
 
-def test_worker_killed_under_load(lora_fleet, tmp_path):
+@pytest.fixture(scope="module")
+def pair(lora_fleet, tmp_path_factory):
+    """Two workers (two rows at a time each) behind the router: a silent worker stopped and
+    resumed leaves it whole for the worker killed under load, which starts its victim again
+    (one stack for both, the silent test first); router and store exit cleanly at the end."""
     base, adapters = lora_fleet
-    n = 24
-    # Two rows at a time per worker: most requests wait in a worker's queue (no token yet).
-    stack = Stack(base, adapters, tmp_path, workers=2, worker_args=["--max-running", "2"])
-    out = [{"tokens": [], "code": None, "stop": 0} for _ in range(n)]
-    progress = threading.Event()
-    victim = stack.workers[0]
-    try:
-        with LorafleetClient(stack.router.addr, timeout=120) as c, ThreadPoolExecutor(n) as pool:
-            futures = [pool.submit(_stream, c, i, out, progress) for i in range(n)]
-            end = time.monotonic() + 60
-            while sum(len(r["tokens"]) >= 2 for r in out) < 4:    # both workers streaming
-                assert time.monotonic() < end, out
-                progress.wait(0.05)
-            victim.kill()                                            # SIGKILL
-            started = [len(r["tokens"]) > 0 for r in out]
-            for f in futures:
-                f.result()
-            reference = [list(c.generate(adapter=f"a{i:02d}", prompt_ids=[2 + i, 9, 4, 17],
-                                         max_new_tokens=24, ignore_eos=True).token_ids)
-                         for i in range(n)]
-        cut = [i for i, r in enumerate(out) if r["code"] is not None]
-        for i, r in enumerate(out):
-            if r["code"] is None:
-                assert r["tokens"] == reference[i], i                # complete, not duplicated
-            else:
-                assert r["code"] == grpc.StatusCode.UNAVAILABLE, (i, r)
-                assert started[i] and r["tokens"], i                 # only mid-stream ones end
-                assert r["tokens"] == reference[i][:len(r["tokens"])], i
-        retried = stack.router.log().count("retrying elsewhere")
-        print(f"\nkilled a worker under load: {n} requests, {len(cut)} cut mid-stream "
-              f"(UNAVAILABLE), {retried} retried before their first token, "
-              f"{n - len(cut)} complete")
-        assert retried >= 1 and len(cut) >= 1
-        # The worker comes back on its address: the router reconnects (fresh snapshot).
-        stack.workers[0] = Service("worker", ["--model", str(base), "--store", stack.store.addr,
-                                              "--device", "cpu"], tmp_path,
-                                   port=victim.port).wait()
-        with LorafleetClient(stack.router.addr, timeout=30) as c:
-            end = time.monotonic() + 15
-            while c.model_info().num_workers < 2:
-                assert time.monotonic() < end, "the router did not reconnect"
-                time.sleep(0.2)
-    finally:
-        codes = stack.terminate()
-        assert codes[0] == 0 and codes[-1] == 0                      # router, store
+    stack = Stack(base, adapters, tmp_path_factory.mktemp("pair"), workers=2,
+                  worker_args=["--max-running", "2"])
+    yield stack
+    codes = stack.terminate()
+    assert codes[0] == 0 and codes[-1] == 0                          # router, store
 
 
-def test_a_silent_worker_is_taken_as_gone(lora_fleet, tmp_path):
+def test_a_silent_worker_is_taken_as_gone(pair):
     """A worker that stops answering without closing its connections (SIGSTOP: hung, or its
     host gone) is dropped once its residency stream is silent for STALL_S, and found again
     when it resumes."""
     import os
     import signal
     from services.router.workers import STALL_S
-    base, adapters = lora_fleet
-    stack = Stack(base, adapters, tmp_path, workers=2)
+    stack = pair
     hung = stack.workers[1]
-    try:
-        with LorafleetClient(stack.router.addr, timeout=30) as c:
-            assert c.model_info().num_workers == 2
-            os.kill(hung.proc.pid, signal.SIGSTOP)
-            try:
-                end = time.monotonic() + STALL_S + 10
-                while c.model_info().num_workers != 1:
-                    assert time.monotonic() < end, "the silent worker was not dropped"
-                    time.sleep(0.5)
-            finally:
-                os.kill(hung.proc.pid, signal.SIGCONT)
-            end = time.monotonic() + 15
-            while c.model_info().num_workers != 2:
-                assert time.monotonic() < end, "the resumed worker was not found again"
+    with LorafleetClient(stack.router.addr, timeout=30) as c:
+        assert c.model_info().num_workers == 2
+        os.kill(hung.proc.pid, signal.SIGSTOP)
+        try:
+            end = time.monotonic() + STALL_S + 10
+            while c.model_info().num_workers != 1:
+                assert time.monotonic() < end, "the silent worker was not dropped"
                 time.sleep(0.5)
-    finally:
-        stack.terminate()
+        finally:
+            os.kill(hung.proc.pid, signal.SIGCONT)
+        end = time.monotonic() + 15
+        while c.model_info().num_workers != 2:
+            assert time.monotonic() < end, "the resumed worker was not found again"
+            time.sleep(0.5)
+
+
+def test_worker_killed_under_load(pair, lora_fleet, tmp_path):
+    base, adapters = lora_fleet
+    n = 24
+    # Two rows at a time per worker: most requests wait in a worker's queue (no token yet).
+    stack = pair
+    out = [{"tokens": [], "code": None, "stop": 0} for _ in range(n)]
+    progress = threading.Event()
+    victim = stack.workers[0]
+    with LorafleetClient(stack.router.addr, timeout=120) as c, ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(_stream, c, i, out, progress) for i in range(n)]
+        end = time.monotonic() + 60
+        while sum(len(r["tokens"]) >= 2 for r in out) < 4:    # both workers streaming
+            assert time.monotonic() < end, out
+            progress.wait(0.05)
+        victim.kill()                                            # SIGKILL
+        started = [len(r["tokens"]) > 0 for r in out]
+        for f in futures:
+            f.result()
+        reference = [list(c.generate(adapter=f"a{i:02d}", prompt_ids=[2 + i, 9, 4, 17],
+                                     max_new_tokens=24, ignore_eos=True).token_ids)
+                     for i in range(n)]
+    cut = [i for i, r in enumerate(out) if r["code"] is not None]
+    for i, r in enumerate(out):
+        if r["code"] is None:
+            assert r["tokens"] == reference[i], i                # complete, not duplicated
+        else:
+            assert r["code"] == grpc.StatusCode.UNAVAILABLE, (i, r)
+            assert started[i] and r["tokens"], i                 # only mid-stream ones end
+            assert r["tokens"] == reference[i][:len(r["tokens"])], i
+    retried = stack.router.log().count("retrying elsewhere")
+    print(f"\nkilled a worker under load: {n} requests, {len(cut)} cut mid-stream "
+          f"(UNAVAILABLE), {retried} retried before their first token, "
+          f"{n - len(cut)} complete")
+    assert retried >= 1 and len(cut) >= 1
+    # The worker comes back on its address: the router reconnects (fresh snapshot).
+    stack.workers[0] = Service("worker", ["--model", str(base), "--store", stack.store.addr,
+                                          "--device", "cpu"], tmp_path,
+                               port=victim.port).wait()
+    with LorafleetClient(stack.router.addr, timeout=30) as c:
+        end = time.monotonic() + 15
+        while c.model_info().num_workers < 2:
+            assert time.monotonic() < end, "the router did not reconnect"
+            time.sleep(0.2)
 
 
 def test_unary_generate_is_retried_after_its_worker_dies_mid_generation(long_context, tmp_path):

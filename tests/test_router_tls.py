@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client.client import LorafleetClient
-from tests.support import Service
+from tests.support import WAIT_OPTIONS, Service
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def wait_tls(svc: Service, pki, timeout: float = 120.0) -> Service:
     creds = grpc.ssl_channel_credentials(pki["ca"].read_bytes(), pki["client_key"].read_bytes(),
                                          pki["client"].read_bytes())
     end = time.monotonic() + timeout
-    with grpc.secure_channel(svc.addr, creds) as ch:
+    with grpc.secure_channel(svc.addr, creds, options=WAIT_OPTIONS) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < end:
             assert svc.proc.poll() is None, svc.log()

@@ -1,5 +1,9 @@
 """Every service refuses a bad configuration the same way: it exits 2 at once and names the
-flag, before binding anything (the checks on the common flags are shared)."""
+flag, before binding anything (the checks on the common flags are shared).
+
+The refusals are `python -m services.NAME` runs, each a process of its own, forked from one
+child per service that imported the service's modules once (tests/service_main.py): the
+worker's import of torch is paid once, not once a run."""
 from __future__ import annotations
 
 import subprocess
@@ -7,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.service_main import run_mains
 from tests.support import MODEL_DIR, ROOT
 
 SERVICES = {"worker": [], "router": [], "adapter_store": ["--model", str(MODEL_DIR)]}
@@ -15,14 +20,35 @@ BAD = [(["--tls-cert", "server.pem"], "--tls-cert and --tls-key go together"),
        (["--listen", "7001"], "--listen"),
        (["--metrics-port", "70000"], "--metrics-port"),
        (["--log-level", "LOUD"], "--log-level")]
+MISSING = [("router", ["--tenants", "no-such-tenants.yaml"], "--tenants no-such-tenants.yaml"),
+           ("worker", ["--model", "no-such-model-dir"], "--model no-such-model-dir: ")]
+WORKER_BAD = [(["--kernel-cache", "README.md"], "--kernel-cache README.md: not a directory"),
+              (["--warmup", "sometimes"], "--warmup"),
+              (["--frontend", "remote"], "--frontend"),
+              (["--eviction", "lfu"], "--eviction"),
+              (["--graph-mixed-tokens", "-1"], "--graph-mixed-tokens must be >= 0")]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """{key: its run}: every refusal below, run once as `python -m services.NAME ARGS`."""
+    bad = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
+    bad.write_text("tenants:\n  alice: {role: emperor}\n")
+    runs = {("common", service, tuple(flags)): (service, [*SERVICES[service], "--metrics-port",
+                                                          "0", *flags])
+            for service in SERVICES for flags, _ in BAD}
+    runs.update({("missing", service, tuple(flags)): (service, ["--metrics-port", "0", *flags])
+                 for service, flags, _ in MISSING})
+    runs[("malformed",)] = ("router", ["--metrics-port", "0", "--tenants", str(bad)])
+    runs.update({("worker", tuple(flags)): ("worker", ["--metrics-port", "0", *flags])
+                 for flags, _ in WORKER_BAD})
+    return dict(zip(runs, run_mains(list(runs.values()), timeout=60)))
 
 
 @pytest.mark.parametrize("service", list(SERVICES))
 @pytest.mark.parametrize("flags,named", BAD)
-def test_bad_common_flag_exits_2_naming_it(service, flags, named):
-    proc = subprocess.run([sys.executable, "-m", f"services.{service}", *SERVICES[service],
-                           "--metrics-port", "0", *flags], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+def test_bad_common_flag_exits_2_naming_it(refusals, service, flags, named):
+    proc = refusals[("common", service, tuple(flags))]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert named in proc.stderr
 
@@ -40,25 +66,17 @@ def test_store_defaults_to_the_embedded_model_as_the_worker_does(monkeypatch):
         from_args(parser().parse_args(["--base-config", str(other / "nope.json")]), {})
 
 
-@pytest.mark.parametrize("service,flags,named", [
-    ("router", ["--tenants", "no-such-tenants.yaml"], "--tenants no-such-tenants.yaml"),
-    ("worker", ["--model", "no-such-model-dir"], "--model no-such-model-dir: "),
-])
-def test_a_missing_tenants_file_or_model_exits_2_naming_it(service, flags, named, tmp_path):
+@pytest.mark.parametrize("service,flags,named", MISSING)
+def test_a_missing_tenants_file_or_model_exits_2_naming_it(refusals, service, flags, named):
     """Files a service reads at start are checked with its flags: a one-line error and exit 2,
     not a traceback from inside the event loop."""
-    proc = subprocess.run([sys.executable, "-m", f"services.{service}", "--metrics-port", "0",
-                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = refusals[("missing", service, tuple(flags))]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
-def test_a_malformed_tenants_file_exits_2_with_the_reason(tmp_path):
-    bad = tmp_path / "tenants.yaml"
-    bad.write_text("tenants:\n  alice: {role: emperor}\n")
-    proc = subprocess.run([sys.executable, "-m", "services.router", "--metrics-port", "0",
-                           "--tenants", str(bad)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+def test_a_malformed_tenants_file_exits_2_with_the_reason(refusals):
+    proc = refusals[("malformed",)]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--tenants" in proc.stderr and "emperor" in proc.stderr, proc.stderr[-2000:]
 
@@ -75,16 +93,9 @@ def test_router_and_worker_take_the_store_address_from_the_environment(monkeypat
     assert router_args(["--store", "127.0.0.1:17003"]).store == "127.0.0.1:17003"
 
 
-@pytest.mark.parametrize("flags,named", [
-    (["--kernel-cache", "README.md"], "--kernel-cache README.md: not a directory"),
-    (["--warmup", "sometimes"], "--warmup"),
-    (["--frontend", "remote"], "--frontend"),
-    (["--eviction", "lfu"], "--eviction"),
-    (["--graph-mixed-tokens", "-1"], "--graph-mixed-tokens must be >= 0"),
-])
-def test_the_worker_refuses_a_bad_kernel_cache_warmup_or_frontend(flags, named):
-    proc = subprocess.run([sys.executable, "-m", "services.worker", "--metrics-port", "0",
-                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("flags,named", WORKER_BAD)
+def test_the_worker_refuses_a_bad_kernel_cache_warmup_or_frontend(refusals, flags, named):
+    proc = refusals[("worker", tuple(flags))]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
