@@ -368,33 +368,6 @@ class AdapterManager:
             if self.room.leave(key):        # the window it kept (if the head) is open again
                 asyncio.get_running_loop().create_task(self.room.notify())
 
-    # ---- the fleet warm-up's steps (services.worker.adapters.warm) ------------------------------
-
-    async def demand_settled(self) -> None:
-        """Until no load a request asked for is in flight (each one ends by itself: no
-        polling)."""
-        while self._loading:
-            await asyncio.wait(list(self._loading.values()))
-
-    async def stage_on_host(self, adapter_id: str, version: str, tenant: str, deadline: float,
-                            pinned: bool = False) -> int:
-        """The store -> the host tier only, on a loader thread (never the event loop); the
-        residency feed hears of it. Returns the adapter's bytes."""
-        key = self.key(adapter_id, version)
-        job = ColdJob(key, adapter_id, version, tenant, deadline,
-                      wpb.ColdLoadRecord(adapter_id=adapter_id, tier=common_pb2.WORKER_HOST))
-        info = self.info.setdefault(key, Residency(adapter_id, version, tenant, 0))
-
-        def run() -> None:
-            staged = cold_fetch.fetch(job, self.host, self.store, pinned)
-            job.nbytes = staged.nbytes
-            self.host.unpin(key)
-        ctx = contextvars.copy_context()
-        await asyncio.get_running_loop().run_in_executor(self._loader, ctx.run, run)
-        self._apply(job)
-        info.host = key in self.host
-        return job.nbytes
-
     def offload(self, adapter_id: str, to_host: bool) -> int:
         """Drop every unpinned version of an adapter from the device (and host) tier."""
         dropped = 0
