@@ -36,7 +36,7 @@ def shapes_of(model: str) -> dict:
     """The decode GEMMs (N, K) of "7b" or of a bench.engine.families config."""
     if model == "7b":
         return SHAPES
-    from bench.engine.families import CONFIGS
+    from bench.lib.model_configs import CONFIGS
     c = CONFIGS[model]
     h, i = c["hidden_size"], c["intermediate_size"]
     d = c.get("head_dim") or h // c["num_attention_heads"]
@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--extra-k", default="0", help="rows added to each weight's K, e.g. 0,512 "
                     "(the o expand inside the o GEMM: 16 rows of B a rank-16 adapter)")
     ap.add_argument("--name", default="gemm-layouts-h200", help="result file stem")
-    ap.add_argument("--model", default="7b", help="7b, or a bench.engine.families config")
+    ap.add_argument("--model", default="7b", help="7b, or a bench.lib.model_configs shape")
     a = ap.parse_args()
     shapes_all = shapes_of(a.model)
     backends = a.blas.split(",") if a.blas else [None]
