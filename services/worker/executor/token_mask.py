@@ -25,12 +25,14 @@ import time
 
 import llguidance
 import torch
-from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from services.worker.engine.scheduler import Scheduled
 
 log = logging.getLogger(__name__)
 PARALLEL_ROWS = 8          # a step's constrained rows from which the executor's threads help
+# (The matchers and the executor write into the host buffer through their own pointer calls:
+# llguidance.torch's helpers wrap the same calls but its import pulls in torch.compile's
+# machinery, ~5 s of every worker's start.)
 
 
 def mask_threads(threads: int, device: torch.device) -> int:
@@ -86,11 +88,12 @@ class TokenMasks:
         host = self._host[self._flip][:len(sampled)]
         self._flip ^= 1
         host.fill_(-1)
+        row_bytes = self.words * 4
         if self.executor is not None and len(rows) >= PARALLEL_ROWS:
-            fill_next_token_bitmask_par(self.executor, rows, host)
+            self.executor.unsafe_compute_mask_ptr(rows, host.data_ptr(), row_bytes, len(sampled))
         else:
             for m, i in rows:
-                fill_next_token_bitmask(m, host, i)
+                m.unsafe_compute_mask_ptr(host[i].data_ptr(), row_bytes)
         self.mask_seconds += time.perf_counter() - start
         self.masks += 1
         return host.to(self.device, non_blocking=True)
