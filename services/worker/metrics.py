@@ -146,3 +146,11 @@ class Evictions:
             if st.evictions > before:
                 self._seen[(tier, tenant)] = st.evictions
                 self.tenants.labels(EVICTIONS, tenant, tier).inc(st.evictions - before)
+
+
+def adapter_tiers(manager) -> None:
+    """An AdapterManager's adapter counts per tier and evictions per tenant, for /metrics."""
+    ADAPTERS.labels("gpu").set(sum(1 for i in manager.info.values() if i.gpu))
+    ADAPTERS.labels("worker_host").set(len(manager.host))
+    for tier, policy in (("gpu", manager.gpu), ("worker_host", manager.host.policy)):
+        manager.evictions.update(tier, policy.stats())

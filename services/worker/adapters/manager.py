@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 from services.common.cache_policy import CachePolicy, NoRoom
@@ -34,12 +33,12 @@ from services.common.errors import ResourceExhausted
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
 from services.common.telemetry import tracer
 from services.worker import metrics
-from services.worker.adapters import cold_fetch
-from services.worker.adapters import gil
+from services.worker.adapters import cold_fetch, gil
 from services.worker.adapters.device_pool import DevicePool, PoolFull
 from services.worker.adapters.host_tier import HostTier
 from services.worker.adapters.layout import StagedAdapter
 from services.worker.adapters.room_queue import RoomQueue, next_victim, window_busy
+from services.worker.adapters.state import Acquired, Residency
 from services.worker.model.spec import ModelSpec
 from services.worker.adapters.cold_records import (ColdJob, ColdLoadLog, LoopTurns, count_cold,
                                                    observe_stages, reload_cost)
@@ -47,27 +46,6 @@ from services.worker.adapters.store_client import StoreClient
 
 log = logging.getLogger(__name__)
 _tracer = tracer("lorafleet.worker")
-
-
-@dataclass
-class Acquired:
-    key: str
-    slot: int
-    tier: int                   # common_pb2.Tier it came from (GPU on a hit)
-    seconds: float              # cold-load time (0 on a hit)
-
-
-@dataclass
-class Residency:
-    id: str
-    version: str
-    tenant: str
-    nbytes: int
-    users: int = 0              # requests holding it (waiting or running)
-    loading: bool = False
-    host: bool = False
-    gpu: bool = False
-    waiters: int = 0
 
 
 class AdapterManager:
@@ -132,7 +110,7 @@ class AdapterManager:
             seconds = time.monotonic() - start
             span.set_attributes({"lora.tier": common_pb2.Tier.Name(tier),
                                  "lora.bytes": self.info[key].nbytes})
-        self._gauges()
+        metrics.adapter_tiers(self)
         count_cold(self.cold_loads, self.cold_load_count, tier, seconds)
         return Acquired(key, self.pool.slot_of(key), tier, seconds)
 
@@ -368,6 +346,33 @@ class AdapterManager:
             if self.room.leave(key):        # the window it kept (if the head) is open again
                 asyncio.get_running_loop().create_task(self.room.notify())
 
+    # ---- the fleet warm-up's steps (services.worker.adapters.warm) ------------------------------
+
+    async def demand_settled(self) -> None:
+        """Until no load a request asked for is in flight (each one ends by itself: no
+        polling)."""
+        while self._loading:
+            await asyncio.wait(list(self._loading.values()))
+
+    async def stage_on_host(self, adapter_id: str, version: str, tenant: str, deadline: float,
+                            pinned: bool = False) -> int:
+        """The store -> the host tier only, on a loader thread (never the event loop); the
+        residency feed hears of it. Returns the adapter's bytes."""
+        key = self.key(adapter_id, version)
+        job = ColdJob(key, adapter_id, version, tenant, deadline,
+                      wpb.ColdLoadRecord(adapter_id=adapter_id, tier=common_pb2.WORKER_HOST))
+        info = self.info.setdefault(key, Residency(adapter_id, version, tenant, 0))
+
+        def run() -> None:
+            staged = cold_fetch.fetch(job, self.host, self.store, pinned)
+            job.nbytes = staged.nbytes
+            self.host.unpin(key)
+        ctx = contextvars.copy_context()
+        await asyncio.get_running_loop().run_in_executor(self._loader, ctx.run, run)
+        self._apply(job)
+        info.host = key in self.host
+        return job.nbytes
+
     def offload(self, adapter_id: str, to_host: bool) -> int:
         """Drop every unpinned version of an adapter from the device (and host) tier."""
         dropped = 0
@@ -386,13 +391,6 @@ class AdapterManager:
             if not to_host and info.host and self.host.remove(key):
                 self._mark(key, host=False)
         return dropped
-
-    def _gauges(self) -> None:
-        """Adapter counts per tier and evictions per tenant, for /metrics."""
-        metrics.ADAPTERS.labels("gpu").set(sum(1 for i in self.info.values() if i.gpu))
-        metrics.ADAPTERS.labels("worker_host").set(len(self.host))
-        for tier, policy in (("gpu", self.gpu), ("worker_host", self.host.policy)):
-            self.evictions.update(tier, policy.stats())
 
     def close(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import logging
 import time
 
-from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb
-from services.worker.adapters import cold_fetch
-from services.worker.adapters.cold_records import ColdJob
-from services.worker.adapters.manager import Residency
+from services.common.gen.lorafleet.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 WARM_LOAD_S = 60.0          # a warm fetch's deadline
@@ -59,7 +55,7 @@ class WarmQueue:
         try:
             while self._queue:
                 ref = self._queue[0]
-                await self._behind_demand()
+                await self.manager.demand_settled()
                 try:
                     await self._warm(ref)
                 except asyncio.CancelledError:
@@ -74,11 +70,6 @@ class WarmQueue:
         finally:
             self.idle.set()
 
-    async def _behind_demand(self) -> None:
-        """Until no demand load is in flight (each one ends by itself: no polling)."""
-        while self.manager._loading:
-            await asyncio.wait(list(self.manager._loading.values()))
-
     async def _warm(self, ref: wpb.AdapterRef) -> None:
         m = self.manager
         key = m.key(ref.id, ref.version)
@@ -86,29 +77,14 @@ class WarmQueue:
             self.done["skipped"] += 1
             return
         if key not in m.host:
-            await self._fetch(ref, key)
+            await m.stage_on_host(ref.id, ref.version, ref.tenant,
+                                  time.monotonic() + WARM_LOAD_S, ref.pinned)
             self.done["host"] += 1
         if self._gpu_room(key):
             acq = await m.acquire(ref.id, ref.version, ref.tenant, time.monotonic() + WARM_LOAD_S,
                                   pinned=ref.pinned)
             m.release(acq.key)
             self.done["gpu"] += 1
-
-    async def _fetch(self, ref: wpb.AdapterRef, key: str) -> None:
-        """The store -> the host tier, on a loader thread; the residency feed hears of it."""
-        m = self.manager
-        job = ColdJob(key, ref.id, ref.version, ref.tenant, time.monotonic() + WARM_LOAD_S,
-                      wpb.ColdLoadRecord(adapter_id=ref.id, tier=common_pb2.WORKER_HOST))
-        info = m.info.setdefault(key, Residency(ref.id, ref.version, ref.tenant, 0))
-
-        def run() -> None:
-            staged = cold_fetch.fetch(job, m.host, m.store, ref.pinned)
-            job.nbytes = staged.nbytes
-            m.host.unpin(key)
-        ctx = contextvars.copy_context()
-        await asyncio.get_running_loop().run_in_executor(m._loader, ctx.run, run)
-        m._apply(job)
-        info.host = key in m.host
 
     def _gpu_room(self, key: str) -> bool:
         """A free slot, and the adapter's bytes fit the pool's free bytes without taking it

@@ -19,7 +19,8 @@ from services.common.names import name_error
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
 from services.common.telemetry import incoming_context, traced, tracer
 from services.worker import metrics
-from services.worker.adapters.manager import Acquired, AdapterManager
+from services.worker.adapters.manager import AdapterManager
+from services.worker.adapters.state import Acquired
 from services.worker.adapters.warm import WarmQueue
 from services.worker.api import responses, structured
 from services.worker.api.chat_template import (ChatTemplate, check_messages, check_tools,
