@@ -3,9 +3,9 @@ its forward from them, the store validates adapters against them (torch-free).
 
 Every family is a decoder of RMSNorm, rotary attention and a gated MLP; the differences are the
 checkpoint's projection names (which are also the PEFT target names), q/k norms, biases and, for
-Gemma 3, the norms around each block, GeGLU and the scaled embedding. A multimodal family is
-served as its text model: services.common.text_model reads its config and names its tensors.
-docs/models.md is the table for users.
+Gemma 3, the norms around each block, GeGLU and the scaled embedding. A multimodal architecture
+(Gemma 3 4B/12B/27B) is served as its text model: services.common.text_model reads its config
+and names its tensors. docs/models.md is the table for users.
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ FAMILIES = {
     "Qwen3ForCausalLM": Family(bias="attention_bias", qk_norm=True),
     "Phi3ForCausalLM": Family(targets=FUSED_TARGETS),
     "Gemma3ForCausalLM": Family(bias="attention_bias", qk_norm=True, gemma=True),
+    "Gemma3ForConditionalGeneration": Family(bias="attention_bias", qk_norm=True, gemma=True,
+                                             multimodal=True),
 }
 
 
