@@ -6,7 +6,13 @@ concurrently by the engine, gives every request the greedy tokens transformers +
 
 Prompts are longer than the sliding windows (Mistral, Phi-3, Gemma 3: windows of 16-24 tokens)
 and than the original RoPE length (yarn: 32, dynamic NTK: 32), and most take several prefill
-chunks (64-token steps), so chunked prefill meets the windows too."""
+chunks (64-token steps), so chunked prefill meets the windows too.
+
+gemma3-mm is Gemma 3 4B/12B/27B's form, Gemma3ForConditionalGeneration (the same text model
+as text_config, beside a SigLIP vision tower), served as its text model against transformers'
+multimodal model on text input_ids: its adapters, made by PEFT on the multimodal model, carry
+the vision tower's LoRA tensors too (short target names, all-linear), and one is saved under
+the older naming (tests/family_fixtures.py)."""
 from __future__ import annotations
 
 import pytest
@@ -30,6 +36,7 @@ CASES = {
     "mistral-window": ((10, 11), 10),
     "phi3-window": ((10, 11), 10),
     "gemma3": ((10, 11), 10),
+    "gemma3-mm": ((10, 11), 10),
     "qwen2-dynamic": ((10, 7), 10),
 }
 
@@ -40,9 +47,9 @@ def family(request, tmp_path_factory):
     return (name, *make_family(tmp_path_factory.mktemp(name), name, seed=len(name)))
 
 
-def _engine(root, perf: PerfConfig | None = None):
+def _engine(root, perf: PerfConfig | None = None, max_batch_tokens: int = 64):
     opts = EngineOptions(device="cpu", dtype="float32", kv_cache_bytes=4 << 20, block_size=4,
-                         max_batch_tokens=64, perf=perf or PerfConfig())
+                         max_batch_tokens=max_batch_tokens, perf=perf or PerfConfig())
     built = build_engine(root / "base", opts)
     slots = {p.name: built.pool.place(p.name, staged_from_peft_dir(p, built.spec))
              for p in sorted((root / "adapters").iterdir())}
@@ -69,7 +76,7 @@ def test_mixed_batch_matches_peft_greedy(family):
 def test_prefill_logits_match_peft(family):
     """The last position's logits of each adapter's prompt, all in one prefill step (fp32)."""
     name, root, base, peft = family
-    built, slots = _engine(root)
+    built, slots = _engine(root, max_batch_tokens=128)      # four adapters' prompts: 78 tokens
     runner = built.engine.runner
     prompts = {a: [(7 * i + 3 * j) % 250 + 2 for j in range(12 + 5 * i)]
                for i, a in enumerate(peft)}
@@ -145,11 +152,15 @@ def test_spec_reads_the_family(family):
             "mistral-window": ("MistralForCausalLM", False, (16, 16)),
             "phi3-window": ("Phi3ForCausalLM", False, (24, 24)),
             "gemma3": ("Gemma3ForCausalLM", True, (16, 0, 16, 0)),
+            "gemma3-mm": ("Gemma3ForConditionalGeneration", True, (16, 0, 16, 0)),
             "qwen2-dynamic": ("Qwen2ForCausalLM", False, ())}[name]
     assert (spec.architecture, spec.qk_norm, spec.windows) == want
     if name.startswith("phi3"):
         assert spec.lora_targets == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    if name == "gemma3":
-        assert spec.gemma_norms and spec.act == "gelu_pytorch_tanh" and spec.final_softcap == 3
+    if name.startswith("gemma3"):
+        assert spec.gemma_norms and spec.act == "gelu_pytorch_tanh"
         assert spec.rope_local == (10_000.0, None) and spec.rope_theta == 1_000_000.0
         assert spec.tie_word_embeddings and spec.scale == 24 ** -0.5
+        # transformers' multimodal head applies no final_logit_softcapping (text_config's 3.0)
+        assert spec.final_softcap == (0 if name == "gemma3-mm" else 3)
+        assert spec.multimodal == (name == "gemma3-mm")

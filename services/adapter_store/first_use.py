@@ -95,6 +95,10 @@ def _log_ignored(ref: SourceRef, summary: AdapterSummary) -> None:
     if summary.ignored:
         log.info("%s: adapter_config.json fields unknown to this store, left unset, ignored: "
                  "%s", ref.uri, ", ".join(summary.ignored))
+    if summary.ignored_tensors:
+        log.info("%s: %d LoRA tensors of the vision tower or projector ignored (the served "
+                 "base is a multimodal model served as its text model: they change image "
+                 "inputs only)", ref.uri, summary.ignored_tensors)
 
 
 def record_of(adapter_id: str, owner: str, ref: SourceRef, s: AdapterSummary,

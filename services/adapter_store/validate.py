@@ -8,7 +8,11 @@ the finite check chunk by chunk, in one pass). Every refusal is a
 Refusal (INVALID_ARGUMENT) naming the field or tensor and the reason. The modules are the base
 family's (services.common.families: Phi-3's fused qkv_proj and gate_up_proj, q/k/v and gate/up
 apart for the others), so an adapter trained on another family is refused naming the module the
-base lacks, and one of another size naming the shape and the base. Shapes, per projection:
+base lacks, and one of another size naming the shape and the base. A multimodal base (Gemma 3
+4B/12B/27B) is served as its text model (services.common.text_model): its adapters' language
+model tensors are checked as the text model's, and their vision tower's and projector's (PEFT
+wraps the vision tower's q/k/v too when target_modules names them short) are ignored and
+counted. Shapes, per projection:
 
     q: A [r, hidden]            B [n_heads * head_dim, r]
     k, v: A [r, hidden]         B [n_kv_heads * head_dim, r]
@@ -33,6 +37,8 @@ from services.adapter_store.peft_config import LoraFields, check_config
 from services.common.errors import Refusal
 from services.common.families import (PARENT as _PARENT, SPLIT_TARGETS, Family, family_of,
                                       in_out)
+from services.common.text_model import (HEADS, IMAGE, IMAGE_PREFIXES, LAYER_STEMS, OTHER,
+                                        PEFT_PREFIX, VISION_MODULES, split_name, text_config)
 
 MODULES = SPLIT_TARGETS
 # base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}[.{adapter name}].weight
@@ -53,6 +59,7 @@ class BaseShapes:
     head_dim: int
     architecture: str = "LlamaForCausalLM"
     targets: tuple[str, ...] = SPLIT_TARGETS      # the family's linear layers (PEFT targets)
+    multimodal: bool = False                      # served as its text model
 
     def in_out(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a projection."""
@@ -65,22 +72,28 @@ class BaseShapes:
 
 
 def load_base_shapes(path: pathlib.Path) -> BaseShapes:
-    """Read a Hugging Face config.json of a family the worker serves (services.common.families);
-    ValueError if it lacks a dimension or is of another architecture."""
+    """Read a Hugging Face config.json of a family the worker serves (services.common.families;
+    a multimodal one's text model, as the worker reads it); ValueError if it lacks a dimension
+    or is of another architecture."""
     cfg = json.loads(path.read_text())
     found = family_of(cfg) if cfg.get("architectures") else ("LlamaForCausalLM", Family())
     if found is None:
         raise ValueError(f"{path}: architecture {cfg.get('architectures')!r} is not served")
+    try:
+        cfg = text_config(cfg)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         shapes = BaseShapes(hidden=hidden, intermediate=int(cfg["intermediate_size"]),
                             layers=int(cfg["num_hidden_layers"]), heads=heads,
                             kv_heads=int(cfg.get("num_key_value_heads") or heads),
                             head_dim=int(cfg.get("head_dim") or hidden // heads),
-                            architecture=found[0], targets=found[1].targets)
+                            architecture=found[0], targets=found[1].targets,
+                            multimodal=found[1].multimodal)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: not a Llama-family config ({exc})") from None
-    if min(v for v in shapes.__dict__.values() if isinstance(v, int)) <= 0:
+    if min(v for v in shapes.__dict__.values() if type(v) is int) <= 0:
         raise ValueError(f"{path}: dimensions must be positive: {shapes}")
     return shapes
 
@@ -100,6 +113,7 @@ class AdapterSummary:
     version: str
     sha256: str
     ignored: tuple[str, ...] = ()     # config fields unknown to the store, left "off"
+    ignored_tensors: int = 0          # a multimodal base's vision-side LoRA tensors, not served
 
 
 def canonical_json(config: dict) -> str:
@@ -127,10 +141,12 @@ class AdapterCheck:
         self._base = base
         self.config_json = canonical_json(json.loads(config_bytes))     # parsed fine above
         self.blob = BlobPass(self.config_json, self._check_tensors, helper=helper)
+        self.ignored_tensors = 0
 
     def _check_tensors(self, tensors: list[st.RawTensor]) -> None:
-        _check_complete([_check_tensor(t, self.fields.r, self._base) for t in tensors],
-                        self._expected)
+        found = [_check_tensor(t, self.fields.r, self._base) for t in tensors]
+        self.ignored_tensors = found.count(None)
+        _check_complete([f for f in found if f is not None], self._expected)
 
     def summary(self) -> AdapterSummary:
         """The validated adapter, once the whole blob went through (Refusal if it did not)."""
@@ -140,7 +156,8 @@ class AdapterCheck:
         return AdapterSummary(
             rank=f.r, alpha=f.alpha, rslora=f.rslora, targets=targets, layers=layers,
             tensors=tuple(self.blob.tensors), total_bytes=self.blob.size,
-            config_json=self.config_json, version=version, sha256=sha, ignored=f.ignored)
+            config_json=self.config_json, version=version, sha256=sha, ignored=f.ignored,
+            ignored_tensors=self.ignored_tensors)
 
 
 def validate(config_bytes: bytes, blob: bytes, base: BaseShapes, max_rank: int
@@ -167,19 +184,29 @@ def targets_and_layers(pairs: set[tuple[int, str]]) -> tuple[tuple[str, ...], tu
             tuple(sorted({layer for layer, _ in pairs})))
 
 
-def base_module_names(base: BaseShapes) -> list[str]:
-    """The base's module names as PEFT matches target_modules against them (plus lm_head)."""
-    names = [f"model.layers.{i}.{_PARENT[m]}.{m}" for i in range(base.layers)
-             for m in base.targets]
-    return names + ["lm_head"]
+def base_module_names(base: BaseShapes) -> dict[str, tuple[int, str] | None]:
+    """The base's module paths as PEFT matches target_modules against them, each with its
+    (layer, module), and its output head (None). A multimodal base's language model under both
+    its namings (services.common.text_model), whichever the adapter's transformers had."""
+    stems, heads = (LAYER_STEMS, HEADS) if base.multimodal else (("model.",), ("lm_head",))
+    names: dict[str, tuple[int, str] | None] = {
+        f"{stem}layers.{i}.{_PARENT[m]}.{m}": (i, m)
+        for stem in stems for i in range(base.layers) for m in base.targets}
+    return {**names, **dict.fromkeys(heads)}
+
+
+def _vision_only(entry: str) -> bool:
+    """A target_modules entry that names a module of the vision tower or the projector alone."""
+    return entry.startswith(IMAGE_PREFIXES) or entry.rsplit(".", 1)[-1] in VISION_MODULES
 
 
 def expected_pairs(fields: LoraFields, base: BaseShapes) -> set[tuple[int, str]]:
-    """The (layer, module) pairs the config targets, resolved PEFT-style against the base."""
+    """The (layer, module) pairs the config targets, resolved PEFT-style against the base (a
+    multimodal base's language model; entries naming only its vision side are let be)."""
     names = base_module_names(base)
     spec = fields.target_modules
     if spec == "all-linear":  # every linear layer but the output head
-        matched = [n for n in names if n != "lm_head"]
+        matched = [n for n, pair in names.items() if pair is not None]
     elif isinstance(spec, str):
         matched = [n for n in names if fields.target_regex.fullmatch(n)]
         if not matched:
@@ -189,23 +216,30 @@ def expected_pairs(fields: LoraFields, base: BaseShapes) -> set[tuple[int, str]]
         matched = []
         for entry in spec:
             hits = [n for n in names if n == entry or n.endswith("." + entry)]
-            if not hits:
+            if not hits and not (base.multimodal and _vision_only(entry)):
                 raise Refusal("target_modules", f"target_modules: the base model has no "
                                                 f"module {entry!r} (LoRA targets of "
                                                 f"{base.described})")
             matched += hits
-    if "lm_head" in matched:
+    if any(names[n] is None for n in matched):
         raise Refusal("target_modules", "target_modules: lm_head is not supported (LoRA "
                                         f"targets of {base.described})")
-    pairs = {(int(n.split(".")[2]), n.rsplit(".", 1)[1]) for n in matched}
+    pairs = {names[n] for n in matched}
     if fields.layers is not None:
         pairs = {p for p in pairs if p[0] in fields.layers}
+    if not pairs:
+        raise Refusal("target_modules", "target_modules: no module of the served text model "
+                                        f"is targeted (LoRA targets of {base.described})")
     return pairs
 
 
-def _check_tensor(t: st.RawTensor, r: int, base: BaseShapes) -> tuple[int, str, str]:
-    """Map a tensor to (layer, module, A|B) and check its shape; raises Refusal."""
-    m = _KEY.fullmatch(t.name)
+def _check_tensor(t: st.RawTensor, r: int, base: BaseShapes) -> tuple[int, str, str] | None:
+    """Map a tensor to (layer, module, A|B) and check its shape; None for a multimodal base's
+    vision tower or projector tensor (ignored); raises Refusal."""
+    part, name = split_name(t.name, PEFT_PREFIX) if base.multimodal else ("", t.name)
+    if part == IMAGE:
+        return None
+    m = None if part == OTHER else _KEY.fullmatch(name)
     if m is None or _PARENT[m.group(3)] != m.group(2) or m.group(3) not in base.targets:
         raise Refusal("tensor_name", f"tensor {t.name!r}: not a LoRA A/B weight of a "
                                      f"{'/'.join(base.targets)} projection (the served base "

@@ -3,8 +3,9 @@ its forward from them, the store validates adapters against them (torch-free).
 
 Every family is a decoder of RMSNorm, rotary attention and a gated MLP; the differences are the
 checkpoint's projection names (which are also the PEFT target names), q/k norms, biases and, for
-Gemma 3, the norms around each block, GeGLU and the scaled embedding. docs/models.md is the table
-for users.
+Gemma 3, the norms around each block, GeGLU and the scaled embedding. A multimodal architecture
+(Gemma 3 4B/12B/27B) is served as its text model: services.common.text_model reads its config
+and names its tensors. docs/models.md is the table for users.
 """
 from __future__ import annotations
 
@@ -24,11 +25,15 @@ class Family:
     from ("attention_bias": that config field, on q/k/v and o; "qkv": always on q/k/v, never on
     o; "none"); qk_norm: an RMSNorm over each q and k head before the rotation; gemma: Gemma's
     (1 + w) norms, norms after the attention and MLP blocks too, GeGLU, the embedding times
-    sqrt(hidden), query_pre_attn_scalar, logit softcapping and a RoPE base per layer type."""
+    sqrt(hidden), query_pre_attn_scalar, logit softcapping and a RoPE base per layer type;
+    multimodal: the checkpoint is a vision-language model whose language model is served (its
+    config nested as text_config, its tensors and its adapters' under language_model, the
+    vision tower's never read)."""
     targets: tuple[str, ...] = SPLIT_TARGETS
     bias: str = "none"
     qk_norm: bool = False
     gemma: bool = False
+    multimodal: bool = False
 
 
 FAMILIES = {
@@ -38,6 +43,8 @@ FAMILIES = {
     "Qwen3ForCausalLM": Family(bias="attention_bias", qk_norm=True),
     "Phi3ForCausalLM": Family(targets=FUSED_TARGETS),
     "Gemma3ForCausalLM": Family(bias="attention_bias", qk_norm=True, gemma=True),
+    "Gemma3ForConditionalGeneration": Family(bias="attention_bias", qk_norm=True, gemma=True,
+                                             multimodal=True),
 }
 
 

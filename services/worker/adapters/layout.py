@@ -29,6 +29,7 @@ import torch
 from kernels import adapter_scatter as sc
 from services.common import safetensors_parse as st
 from services.common.errors import InvalidArgument
+from services.common.text_model import IMAGE, PEFT_PREFIX, split_name
 from services.worker.model.spec import FUSED, GROUPS, MODULE_GROUP, ModelSpec
 
 OFFSET_ALIGN = 8     # elements: 16 bytes in bf16 / fp16
@@ -117,8 +118,12 @@ class PlanCache:
 def plan_layout(head: bytes, size: int, r: int, scale: float, spec: ModelSpec) -> LayoutPlan:
     """The plan for a safetensors file of `size` bytes whose first 8 + N bytes are `head`:
     every tensor a LoRA A/B of a supported projection, pairs complete, shapes matching the
-    model (INVALID_ARGUMENT naming the tensor otherwise)."""
+    model (INVALID_ARGUMENT naming the tensor otherwise). On a multimodal model the vision
+    tower's and the projector's LoRA tensors are left where they are, unplaced: they change
+    image inputs only, which the worker does not take."""
     tensors = st.parse_header(head, size)
+    if spec.multimodal:
+        tensors = [t for t in tensors if split_name(t.name, PEFT_PREFIX)[0] != IMAGE]
     pairs = _pairs(tensors, spec)
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:

@@ -1,5 +1,7 @@
 """Load Hugging Face safetensors checkpoints (sharded or not) into the engine's fused layout,
-FP8 ones too (services.worker.model.fp8: the decoder layers' linear weights as Fp8Weight)."""
+FP8 ones too (services.worker.model.fp8: the decoder layers' linear weights as Fp8Weight), and
+a multimodal checkpoint's language model (services.common.text_model: its tensors read under
+the text model's names, the vision tower's and the projector's never read)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from safetensors import safe_open
 
+from services.common.text_model import IMAGE, split_name
 from services.worker.model import fp8
 from services.worker.model.quant_scheme import Fp8Scheme
 from services.worker.model.spec import ModelSpec, UnsupportedModel
@@ -36,12 +39,28 @@ def _shard_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
+def _wanted(key: str, layers: int | None, multimodal: bool) -> str | None:
+    """The name a checkpoint tensor is kept under, None when it is not read: a layer past
+    `layers`, or the vision side of a multimodal checkpoint (its language model's tensors are
+    named as the text model's)."""
+    if multimodal:
+        part, key = split_name(key)
+        if part == IMAGE:
+            return None
+    if layers is not None and key.startswith("model.layers.") and \
+            int(key.split(".", 3)[2]) >= layers:
+        return None
+    return key
+
+
 def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device,
-                    layers: int | None = None, quant: Fp8Scheme | None = None) -> dict:
+                    layers: int | None = None, quant: Fp8Scheme | None = None,
+                    multimodal: bool = False) -> dict:
     """Every tensor of the checkpoint (of its first `layers` decoder layers and the rest, when
     given), cast to dtype on device, with progress in the log. With an FP8 scheme (quant) the
     decoder layers' linear weights are Fp8Weight instead: quantized one at a time as they are
-    read (so a bf16 checkpoint never sits whole on the device), or as published."""
+    read (so a bf16 checkpoint never sits whole on the device), or as published. multimodal:
+    the language model's tensors only, under the text model's names."""
     files = _shard_files(path)
     start = time.monotonic()
 
@@ -49,16 +68,20 @@ def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device
         out = {}
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for key in st.keys():
-                if layers is not None and key.startswith("model.layers.") and \
-                        int(key.split(".", 3)[2]) >= layers:
-                    continue
-                out[key] = fp8.convert(key, st.get_tensor(key), quant, dtype, device)
+                name = _wanted(key, layers, multimodal)
+                if name in out:         # a multimodal checkpoint in both namings
+                    raise UnsupportedModel(f"{f.name}: tensor {name} is stored twice")
+                if name is not None:
+                    out[name] = fp8.convert(name, st.get_tensor(key), quant, dtype, device)
         return out
     # shards in parallel: a copy out of a memory-mapped file is bound by its page faults, and
     # the copies give the GIL up
     tensors: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(min(LOAD_THREADS, len(files))) as pool:
         for i, (f, part) in enumerate(zip(files, pool.map(shard, files)), 1):
+            twice = sorted(tensors.keys() & part.keys())
+            if twice:
+                raise UnsupportedModel(f"{path}: tensor {twice[0]} is stored twice")
             tensors.update(part)
             log.info("loaded shard %d/%d (%s) %.1fs", i, len(files), f.name,
                      time.monotonic() - start)
@@ -137,5 +160,5 @@ def load_weights(path: str | pathlib.Path, spec: ModelSpec, dtype: torch.dtype,
     (first_layers: of the first spec.num_layers layers of a deeper checkpoint; FP8 as
     spec.quant says)."""
     raw = read_checkpoint(pathlib.Path(path), dtype, device,
-                          spec.num_layers if first_layers else None, spec.quant)
+                          spec.num_layers if first_layers else None, spec.quant, spec.multimodal)
     return fuse_layers(raw, spec)

@@ -1,5 +1,6 @@
 """What the engine needs to know about a Hugging Face checkpoint of a family it serves
-(services.common.families: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), torch-free."""
+(services.common.families: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, and Gemma 3's
+multimodal checkpoints as their text model), torch-free."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from services.common.families import FAMILIES, SPLIT_TARGETS, family_of, in_out
+from services.common.text_model import text_config
 from services.worker.model.quant_scheme import Fp8Scheme, QuantizationError, read_scheme
 
 SUPPORTED = tuple(sorted(FAMILIES))
@@ -60,6 +62,8 @@ class ModelSpec:
     windows: tuple[int, ...] = ()        # each layer's sliding window (0: full); (): all full
     rope_local: tuple[float, dict | None] | None = None   # (theta, scaling) of sliding layers
     quant: Fp8Scheme | None = None       # FP8 weights (services.worker.model.quant_scheme)
+    multimodal: bool = False             # a vision-language checkpoint served as its text
+                                         # model (tensor names: services.common.text_model)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -195,7 +199,8 @@ def _gemma_fields(cfg: dict, hidden: int) -> dict:
 
 
 def load_spec(model_dir: str | pathlib.Path) -> ModelSpec:
-    """Read config.json (and generation_config.json) of a checkpoint directory."""
+    """Read config.json (and generation_config.json) of a checkpoint directory; a multimodal
+    one's text model (services.common.text_model.text_config)."""
     path = pathlib.Path(model_dir)
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -207,6 +212,10 @@ def load_spec(model_dir: str | pathlib.Path) -> ModelSpec:
             f"{path}: architecture {cfg.get('architectures') or cfg.get('model_type')!r} is "
             f"not supported; lorafleet serves {', '.join(SUPPORTED)}")
     arch, fam = found
+    try:
+        cfg = text_config(cfg)
+    except ValueError as e:
+        raise UnsupportedModel(f"{path}: {e}") from None
     act = _check_layers(cfg, path)
     try:
         quant = read_scheme(cfg)
@@ -233,4 +242,5 @@ def load_spec(model_dir: str | pathlib.Path) -> ModelSpec:
         eos_token_ids=_eos_ids(cfg, gen), bos_token_id=cfg.get("bos_token_id"),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         name=cfg.get("_name_or_path") or path.name, extra=cfg, quant=quant,
+        multimodal=fam.multimodal,
         **(_gemma_fields(cfg, hidden) if fam.gemma else {}))
