@@ -10,22 +10,22 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import logging
 import pathlib
 import shutil
+import time
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from services.adapter_store.first_use import read_validated
-from services.adapter_store.sources import SourceReader, parse_source
 from services.adapter_store.validate import load_base_shapes, validate
 from services.common.errors import Refusal
 from services.worker.model.checkpoint import load_weights
 from services.worker.model.spec import UnsupportedModel, load_spec
 from tests.family_fixtures import OLD_NAMING, make_base, make_family
+from tests.support import Service
+from tests.test_store_support import StoreClient
 
 # google/gemma-3-4b-it's config.json as published: text_config gives only what differs from
 # Gemma3TextConfig's defaults (the vision_config is left out here: lorafleet never reads it)
@@ -158,26 +158,37 @@ def test_peft_reads_the_older_adapter_naming_as_the_same_adapter(family):
             torch.testing.assert_close(loaded.eval()(ids).logits, peft[name](ids).logits)
 
 
-def test_the_store_takes_peft_adapters_of_the_multimodal_model(family, caplog):
-    """Each adapter, read and validated as a registration does: its language model's tensors
-    checked, the vision tower's ignored and their count logged."""
+def test_the_store_takes_peft_adapters_of_the_multimodal_model(family):
+    """Each adapter validated against the multimodal base (its language model's tensors checked,
+    the vision tower's ignored and counted), and a store process over the adapters' folder makes
+    every one READY and logs each ignored count. (The store's first-use path runs in its own
+    process: its metrics share names with the worker's, which other tests import here.)"""
     root, _, _ = family
     base = load_base_shapes(root / "base" / "config.json")
-    reader = SourceReader(root / "adapters", None, 1 << 30)
     ignored = {}
     for folder in sorted((root / "adapters").iterdir()):
         vision = sum("vision_tower" in n for n in _names(folder / "adapter_model.safetensors"))
-        with caplog.at_level(logging.INFO, logger="services.adapter_store.first_use"):
-            checked = read_validated(reader, parse_source(f"file://{folder.name}", None), base,
-                                     64, None)
-        ignored[folder.name] = checked.summary.ignored_tensors
+        config, tensors = _adapter(root, folder.name)
+        ignored[folder.name] = validate(config, _save(tensors), base, 64).ignored_tensors
         assert ignored[folder.name] == vision
-        if vision:
-            assert f"file://{folder.name}: {vision} LoRA tensors of the vision tower" in \
-                caplog.text
     assert ignored == {"r12-linear": 30, "r16-mlp": 0, "r4-qv": 8, "r8-all": 6}
     config = json.loads((root / "adapters" / "r12-linear" / "adapter_config.json").read_text())
     assert {"fc1", "fc2", "out_proj"} <= set(config["target_modules"])   # vision-only names
+
+    store = Service("adapter_store", ["--model", str(root / "base"), "--adapters-dir",
+                                      str(root / "adapters"), "--db", ":memory:"],
+                    root).wait(timeout=30)
+    try:
+        client, end = StoreClient(store.addr), time.monotonic() + 30
+        while {a.state for a in client.list(all_tenants=True)} != {"READY"}:
+            assert time.monotonic() < end, (client.list(all_tenants=True), store.log()[-2000:])
+            time.sleep(0.1)
+        log = store.log()
+        for name, count in ignored.items():
+            line = f"{name}: {count} LoRA tensors of the vision tower or projector ignored"
+            assert (line in log) == (count > 0), log[-3000:]
+    finally:
+        store.kill()
 
 
 def _adapter(root: pathlib.Path, name: str) -> tuple[bytes, dict]:
