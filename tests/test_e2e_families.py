@@ -1,8 +1,10 @@
-"""A new family through the running services (issue 47): a tiny Gemma 3 (interleaved sliding and
-global layers, window 16, q/k norms, GeGLU, final logit softcap) and three PEFT adapters in the
-store's --adapters-dir; a concurrent mixed load of every adapter and the base, with prompts
-longer than the window, gets through the router exactly the tokens transformers + PEFT greedy
-generate gives each request alone. The same for Gemma 3's multimodal form
+"""The new families through the running services (issue 47): a tiny checkpoint of each and three
+PEFT adapters in the store's --adapters-dir; a concurrent mixed load of every adapter and the
+base gets through the router exactly the tokens transformers + PEFT greedy generate gives each
+request alone. Prompts of 9 to 86 tokens: longer than Gemma 3's window (16; interleaved sliding
+and global layers, q/k norms, GeGLU, final logit softcap), Mistral's (16) and Phi-3's (24; its
+fused qkv_proj and gate_up_proj adapters sliced at placement), and than Qwen3's yarn RoPE's
+original length (32). The same for Gemma 3's multimodal form
 (Gemma3ForConditionalGeneration, served as its text model), whose adapters carry the vision
 tower's LoRA tensors too: the store accepts them, the worker leaves those tensors unplaced."""
 from __future__ import annotations
@@ -19,8 +21,9 @@ from tests.family_fixtures import hf_greedy, make_family
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma3-mm"])
-def test_gemma3_mixed_adapters_through_the_stack_match_peft(tmp_path, family):
+@pytest.mark.parametrize("family", ["gemma3", "gemma3-mm", "qwen3-yarn", "phi3-window",
+                                    "mistral-window"])
+def test_mixed_adapters_through_the_stack_match_peft(tmp_path, family):
     root, base, peft = make_family(tmp_path / family, family, seed=3)
     g = torch.Generator().manual_seed(5)
     jobs = []
