@@ -19,6 +19,13 @@ scales inside the K loop, each K tile lying in one group (kernels.fp8_gemm_confi
 Under PDL (kernels.pdl) the row scales and the bias, weights, are read before the wait; x and
 the residual after it.
 
+W8A8 (config.act_fp8; off in every picked config until measured): the same kernel with each x
+tile quantized to e4m3 in registers, one scale per row of the tile (max|x| / 448 over its K), and
+the MMA run on e4m3 operands, so W's tile reaches the tensor cores as it was loaded (no bf16
+conversion); each tile's product is scaled by its x scales. Semantics: kernels.fp8_gemm_ref
+.fp8_gemm_ref with that config (x as quantize_x_tiles makes it). The LoRA beside it reads the
+bf16 x.
+
 Split-K (config.split_k > 1, at decode M, where N alone gives too few tiles for 132 SMs): each
 split writes its fp32 partial tile to a scratch [S, M, N]; the last split of an output tile to
 arrive (a per-device arrival counter that it resets, so no memset between calls) sums the
@@ -85,13 +92,42 @@ def _epilogue(acc, s_row, b_row, rn, rm, n_ok, m_ok, res_ptr, out_ptr, stride_r,
 
 
 @triton.jit
+def _e4m3_rne(v):
+    """fp32 v (|v| <= 448) rounded to its nearest e4m3 value, ties to even, in fp32 arithmetic:
+    adding and taking away 1.5 * 2^23 quanta rounds to a whole number of quanta, the quantum
+    being 2^(exponent - 3) (2^-9 below e4m3's normal range). The interpreter's path: its own
+    fp8 conversion does not carry a rounding up into the exponent (31.9 -> 16)."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    quantum = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    big = quantum * 12582912.0
+    r = (tl.abs(v) + big) - big
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _x_fp8(xt, UPCAST: tl.constexpr):
+    """An x tile [BLOCK_K, BLOCK_M] quantized to e4m3 per row of x (a column here) with its
+    own scale, max|x| / 448 over the tile's K: (the e4m3 tile, fp32 [BLOCK_M] scales). Under
+    the interpreter the tile comes back as fp32 holding the e4m3 values."""
+    xf = xt.to(tl.float32)
+    sx = tl.maximum(tl.max(tl.abs(xf), axis=0) / 448.0, 1e-12)
+    if UPCAST:
+        xq = _e4m3_rne(xf / sx[None, :])
+    else:
+        xq = (xf / sx[None, :]).to(tl.float8e4nv)
+    return xq, sx
+
+
+@triton.jit
 def _k_loop(x_ptr, q_ptr, s_ptr, rn_w, rm_x, K, stride_x, stride_q, stride_s, group, kt0, kt1,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             GROUPED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-            DOT_PREC: tl.constexpr, STAGES: tl.constexpr):
+            DOT_PREC: tl.constexpr, STAGES: tl.constexpr, A8: tl.constexpr):
     """sum over K tiles kt0..kt1 of W[rn_w, Kt] @ x[rm_x, Kt].T (times each tile's group scale
     when GROUPED): fp32 [BLOCK_N, BLOCK_M]. rn_w, rm_x are in bounds (wrapped), so only K needs a
-    mask, and only when K is not a whole number of tiles."""
+    mask, and only when K is not a whole number of tiles. A8: each x tile quantized to e4m3 in
+    registers (_x_fp8) and the MMA run on e4m3 operands, W's tile as it was loaded; the tile's
+    x scales applied to its product."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = q_ptr + rn_w[:, None] * stride_q + rk[None, :]           # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + rm_x[None, :] * stride_x + rk[:, None]           # [BLOCK_K, BLOCK_M]
@@ -105,16 +141,24 @@ def _k_loop(x_ptr, q_ptr, s_ptr, rn_w, rm_x, K, stride_x, stride_q, stride_s, gr
             k_ok = (k0 + rk) < K
             w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs + k0, mask=k_ok[:, None], other=0.0)
-        if UPCAST:                       # the interpreter: numpy has no bf16 matmul
-            wd = w.to(tl.float32)
-            xt = xt.to(tl.float32)
-        else:                            # e4m3 is exact in bf16, fp16 and fp32
-            wd = w.to(x_ptr.dtype.element_ty)
-        if GROUPED:
-            s = tl.load(s_ptr + rn_w * stride_s + k0 // group)
-            acc += tl.dot(wd, xt, input_precision=DOT_PREC) * s[:, None]
+        if A8:
+            xq, sx = _x_fp8(xt, UPCAST)
+            wq = w.to(tl.float32) if UPCAST else w
+            part = tl.dot(wq, xq, out_dtype=tl.float32) * sx[None, :]
+            if GROUPED:
+                part *= tl.load(s_ptr + rn_w * stride_s + k0 // group)[:, None]
+            acc += part
         else:
-            acc = tl.dot(wd, xt, acc, input_precision=DOT_PREC)
+            if UPCAST:                   # the interpreter: numpy has no bf16 matmul
+                wd = w.to(tl.float32)
+                xt = xt.to(tl.float32)
+            else:                        # e4m3 is exact in bf16, fp16 and fp32
+                wd = w.to(x_ptr.dtype.element_ty)
+            if GROUPED:
+                s = tl.load(s_ptr + rn_w * stride_s + k0 // group)
+                acc += tl.dot(wd, xt, input_precision=DOT_PREC) * s[:, None]
+            else:
+                acc = tl.dot(wd, xt, acc, input_precision=DOT_PREC)
     return acc
 
 
@@ -125,7 +169,7 @@ def _fp8_gemm_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cn
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUPED: tl.constexpr,
                      EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     A8: tl.constexpr, USE_PDL: tl.constexpr):
     """One program an (N tile, K split, M tile), M tiles fastest: the row tiles of one N tile
     run side by side, so W's tile comes from HBM once and from L2 for the others."""
     pid = tl.program_id(0)
@@ -143,7 +187,7 @@ def _fp8_gemm_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cn
     wait_then_release(USE_PDL)           # x is the kernel before's output
     acc = _k_loop(x_ptr, q_ptr, s_ptr, (rn % N).to(tl.int64), (rm % M).to(tl.int64), K,
                   stride_x, stride_q, stride_s, group, kt0, kt1, BLOCK_M, BLOCK_N, BLOCK_K,
-                  GROUPED, EVEN_K, UPCAST, DOT_PREC, STAGES)
+                  GROUPED, EVEN_K, UPCAST, DOT_PREC, STAGES, A8)
     rm64 = rm.to(tl.int64)
     if SPLIT_K == 1:
         _epilogue(acc, s_row, b_row, rn, rm64, n_ok, m_ok, res_ptr, out_ptr, stride_r, stride_o,
@@ -257,7 +301,7 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
         SPLIT_K=split, GROUPED=g > 0, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, UPCAST=not x.is_cuda,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=1, **launch_args(x.device))
+        A8=cfg.act_fp8, num_warps=cfg.num_warps, num_stages=1, **launch_args(x.device))
     return out
 
 

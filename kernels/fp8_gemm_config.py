@@ -1,9 +1,12 @@
 """Launch configurations of the weight-only FP8 GEMM (kernels.fp8_gemm): a tile per M bucket, a
 split-K count per (bucket, N, K) from one rule, and the sweep's neighbours of a configuration.
 
-Nothing here was measured: no card was at hand when it was written. The choices follow from
-first principles, and `python -m bench.kernels.fp8_gemm --sweep` times each picked config beside
-its neighbours in one device call, so the lead can replace them (OVERRIDES, or the TILES rows).
+The TILES rows follow from first principles, not yet from a sweep (what the card measured of
+them: bench/PERF_NOTES.md); `python -m bench.kernels.fp8_gemm --sweep` times each picked config
+beside its neighbours in one device call, so the lead can replace them (OVERRIDES, or the TILES
+rows). A config's `act_fp8` (off in every row) runs the W8A8 form of the kernel: each x tile
+quantized to e4m3 in registers, the MMA on e4m3 operands, so W's tile goes from shared memory to
+the tensor cores as it was loaded instead of being converted to bf16 first.
 
 At decode M the GEMM is bound by W's bytes (M x N x K MACs are nothing beside N x K bytes), so the
 kernel's time is W's bytes over the bandwidth it reaches. Three things set that bandwidth:
@@ -70,6 +73,7 @@ class Fp8GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    act_fp8: bool = False       # x quantized to e4m3 per K tile in the kernel: e4m3 MMAs
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -85,7 +89,7 @@ class Fp8GemmConfig:
 
     def label(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}st{self.num_stages}")
+                f"w{self.num_warps}st{self.num_stages}" + ("a8" if self.act_fp8 else ""))
 
 
 BUCKETS = (16, 32, 64, 128, 256)
@@ -154,7 +158,8 @@ def neighbours(cfg: Fp8GemmConfig) -> list[Fp8GemmConfig]:
         v = getattr(cfg, name)
         steps += [{name: v // 2}, {name: v * 2}]
     steps += [dict(num_warps=8 if cfg.num_warps == 4 else 4),
-              dict(num_stages=cfg.num_stages - 1), dict(num_stages=cfg.num_stages + 1)]
+              dict(num_stages=cfg.num_stages - 1), dict(num_stages=cfg.num_stages + 1),
+              dict(act_fp8=not cfg.act_fp8)]
     for change in steps:
         try:
             c = replace(cfg, **change)

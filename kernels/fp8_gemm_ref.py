@@ -13,13 +13,28 @@ def dequant(q: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype
     return q.to(torch.float32).mul_(scale).to(dtype)
 
 
+def quantize_x_tiles(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x [M, K] as the kernel's act_fp8 form sees it, float32: each row's K tiles of block_k
+    columns quantized to e4m3 with their own scale, max|x| / 448 over the tile, and scaled
+    back."""
+    m, k = x.shape
+    pad = -k % block_k
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, block_k)
+    s = xf.abs().amax(dim=2, keepdim=True).div(448.0).clamp(min=1e-12)
+    xq = (xf / s).to(torch.float8_e4m3fn).float() * s
+    return xq.view(m, -1)[:, :k]
+
+
 def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
                  bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  config=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """(x @ dequant(q, scale, group).T + bias + residual) in float32, rounded once to x's dtype:
     x [M, K], q [N, K], bias [N], residual [M, N] -> [M, N] (into `out` when given, which may be
-    residual itself). config: unused (the kernel's)."""
-    y = x.float() @ dequant(q, scale, group, torch.float32).t()
+    residual itself). config: the kernel's; with act_fp8, x as quantize_x_tiles makes it."""
+    xf = x.float()
+    if config is not None and config.act_fp8:
+        xf = quantize_x_tiles(x, config.block_k)
+    y = xf @ dequant(q, scale, group, torch.float32).t()
     if bias is not None:
         y += bias.float()
     if residual is not None:

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,13 @@ CASES = {
     "fp32_m3_split2": (3, 64, 128, 0, C(16, 32, 32, 2), "fp32", "bias"),
     "fp16_m16": (16, 64, 128, 0, C(16, 32, 64, 2), "fp16", ""),
     **{f"picked_m{m}": (m, 96, 256, 0, None, "bf16", "") for m in (1, 16, 65)},
+    # act_fp8: x quantized per K tile in the kernel, e4m3 MMAs (the reference quantizes alike)
+    **{f"a8_channel_m{m}_split{s}": (m, 100, 160, 0, C(16, 32, 32, s, act_fp8=True), "bf16", "")
+       for m in (1, 3, 16, 65) for s in (1, 3)},
+    "a8_group32_m65_split2": (65, 48, 80, 32, C(16, 16, 32, 2, act_fp8=True), "bf16", ""),
+    "a8_residual_bias_m16": (16, 100, 160, 0, C(16, 32, 64, 1, act_fp8=True), "bf16",
+                             "bias res"),
+    "a8_fp16_m16_split2": (16, 64, 128, 0, C(16, 32, 64, 2, act_fp8=True), "fp16", ""),
 }
 
 
@@ -80,7 +88,7 @@ def run_case(name: str, device: str = "cpu") -> None:
     case = CASES[name]
     args = operands(case, device)
     cfg = case[4]
-    ref = fp8_gemm_ref(**args)
+    ref = fp8_gemm_ref(**args, config=cfg)
     if "residual" in args:                      # in place: out is the residual
         res = args["residual"].clone()
         got = fp8_gemm(**{**args, "residual": res}, config=cfg, out=res)
@@ -116,6 +124,26 @@ def test_kernel_matches_the_reference_under_the_interpreter(interpreted, name):
     rec = interpreted.get(name)
     assert rec is not None, f"{name}: no result from the child"
     assert rec["ok"], rec["error"]
+
+
+def test_act_fp8_quantizes_each_k_tile_of_a_row_with_its_own_scale():
+    """The act_fp8 reference: each row's K tiles on e4m3's grid times their own scale (a tile
+    of large values does not coarsen a tile of small ones), zeros kept, and the GEMM over it
+    within e4m3's rounding (3 mantissa bits: a few percent) of the exact one."""
+    from kernels.fp8_gemm_ref import fp8_gemm_ref, quantize_x_tiles
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 96, generator=gen)
+    x[:, 32:64] *= 1e-3                       # the middle tile of every row is small
+    x[2] = 0.0
+    xq = quantize_x_tiles(x.bfloat16(), 32)
+    assert torch.equal(xq[2], torch.zeros(96))
+    rel = ((xq - x.bfloat16().float()).abs() / x.bfloat16().float().abs().clamp(min=1e-30))
+    assert rel[[0, 1, 3, 4]].max() <= 2 ** -4 + 1e-6          # half an e4m3 step at most
+    q, scale, g = make_weight(40, 96, 0, gen)
+    cfg = Fp8GemmConfig(16, 16, 32, act_fp8=True)
+    got = fp8_gemm_ref(x.bfloat16(), q, scale, g, config=cfg).float()
+    exact = fp8_gemm_ref(x.bfloat16(), q, scale, g).float()
+    assert 1e-3 < float((got - exact).norm() / exact.norm()) < 0.04
 
 
 # ---------------------------------------------------------------- configs (no kernel runs)
@@ -194,6 +222,9 @@ def test_gpu_matches_the_reference_at_7b_shapes():
                 ref = fp8_gemm_ref(**args)
                 assert_matches(fp8_gemm(**args), ref, f"{name} m{m} g{group}")
                 cfg = pick_config(m, n, k, group)
+                a8 = replace(cfg, act_fp8=True)
+                assert_matches(fp8_gemm(**args, config=a8), fp8_gemm_ref(**args, config=a8),
+                               f"{name} m{m} g{group} act_fp8")
                 for split in {1, 4} - {cfg.split_k}:
                     forced = Fp8GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split,
                                            cfg.num_warps, cfg.num_stages)
