@@ -53,7 +53,7 @@ import triton.language as tl
 
 from kernels.fp8_gemm_config import (DECODE_MAX_ROWS, N_COUNTERS, SMS_DEFAULT, Fp8GemmConfig,
                                      group_block_k, pick_config)
-from kernels.fp8_gemm_ref import dequant
+from kernels.fp8_gemm_ref import dequant, quantize_rows_ref
 from kernels.pdl import launch_args, wait_then_release
 
 FP8 = torch.float8_e4m3fn
@@ -336,12 +336,49 @@ def _capability(device: torch.device) -> tuple[int, int]:
                               else torch.cuda.current_device())
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
+                          UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program a row: max|x| over the row (first pass), then x / scale rounded to e4m3
+    (second pass, the row again from L2), scale = max|x| / 448."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    wait_then_release(USE_PDL)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX_C
+    for k0 in range(0, K, BLOCK):
+        ok = k0 + cols < K
+        v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        v = tl.minimum(tl.maximum(v / scale, -FP8_MAX_C), FP8_MAX_C)
+        if UPCAST:                       # exact in e4m3 already: its conversion rounds nothing
+            v = _e4m3_rne(v)
+        tl.store(q_ptr + row * stride_q + k0 + cols, v.to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row, scale)
+
+
+FP8_MAX_C = tl.constexpr(FP8_MAX)
+QUANT_BLOCK = 4096                       # a row's columns a pass step
+
+
+def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with one scale a row: max|x[m]| / 448
-    (a zero row: tiny, so it quantizes to zeros). Device ops only, no sync."""
-    xf = x.float()
-    s = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(FP8_MAX)
-    return xf.div_(s).clamp_(-FP8_MAX, FP8_MAX).to(FP8), s
+    (a zero row: tiny, so it quantizes to zeros). The kernel, one launch (x read twice, the
+    second time from L2), on a GPU or with impl="triton" (the interpreter); else
+    kernels.fp8_gemm_ref.quantize_rows_ref."""
+    if not (x.is_cuda or impl == "triton"):
+        return quantize_rows_ref(x)
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, xq, s, k, x.stride(0), xq.stride(0),
+                                    BLOCK=min(QUANT_BLOCK, triton.next_power_of_2(k)),
+                                    UPCAST=not x.is_cuda, num_warps=8 if k >= 4096 else 4,
+                                    **launch_args(x.device))
+    return xq, s
 
 
 def fp8_prefill(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,

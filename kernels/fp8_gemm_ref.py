@@ -42,3 +42,11 @@ def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: i
     if out is None:
         return y.to(x.dtype)
     return out.copy_(y)
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]), one scale a row: max|x[m]| / 448 (a
+    zero row: tiny, so it quantizes to zeros), in torch ops."""
+    xf = x.float()
+    s = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(448.0)
+    return xf.div_(s).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn), s

@@ -1,4 +1,5 @@
-"""The weight-only FP8 GEMM (kernels/fp8_gemm.py) against its dequantize-then-matmul reference.
+"""The FP8 GEMM (kernels/fp8_gemm.py; its W8A16 and W8A8 forms) and its row quantizer against
+their torch references.
 
 The Triton cases run the kernel under TRITON_INTERPRET=1, which must be set before triton is
 imported, so they run in one child process (`python tests/test_fp8_gemm.py CASE...`) that prints
@@ -82,9 +83,33 @@ def assert_matches(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got.float(), ref.float(), rtol=eps, atol=eps * scale, msg=what)
 
 
+# the row quantizer (x -> e4m3 and a scale a row, fp8_prefill's): name -> (M, K)
+QUANT_CASES = {"quant_rows_m3_k5000": (3, 5000), "quant_rows_m17_k96": (17, 96)}
+
+
+def run_quant_case(name: str, device: str = "cpu") -> None:
+    """The kernel's e4m3 bytes and scales equal the torch reference's: rows of every scale, a
+    zero row, and values that round up into the next binade (31.9 -> 32 at scale 1)."""
+    from kernels.fp8_gemm import quantize_rows
+    from kernels.fp8_gemm_ref import quantize_rows_ref
+    m, k = QUANT_CASES[name]
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]
+    x[m // 2] = 0.0
+    x[0, :4] = torch.tensor([448.0, 31.95, -127.9, 0.0137])    # row 0's scale is 1
+    x = x.to(device, torch.bfloat16)
+    got, s = quantize_rows(x, impl="triton")
+    want, s_ref = quantize_rows_ref(x)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert not got[m // 2].float().any()
+
+
 def run_case(name: str, device: str = "cpu") -> None:
     from kernels.fp8_gemm import arrival_counters, fp8_gemm
     from kernels.fp8_gemm_ref import fp8_gemm_ref
+    if name in QUANT_CASES:
+        return run_quant_case(name, device)
     case = CASES[name]
     args = operands(case, device)
     cfg = case[4]
@@ -103,7 +128,7 @@ def run_case(name: str, device: str = "cpu") -> None:
 
 def _child_results() -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__, *CASES], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, __file__, *CASES, *QUANT_CASES], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     out = {}
     for line in proc.stdout.splitlines():
@@ -119,7 +144,7 @@ def interpreted():
     return _child_results()
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *QUANT_CASES])
 def test_kernel_matches_the_reference_under_the_interpreter(interpreted, name):
     rec = interpreted.get(name)
     assert rec is not None, f"{name}: no result from the child"
@@ -234,6 +259,13 @@ def test_gpu_matches_the_reference_at_7b_shapes():
         ref = fp8_gemm_ref(**args)
         res = args.pop("residual")
         assert_matches(fp8_gemm(**args, residual=res, out=res), ref, f"{name} residual")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_row_quantizer_equals_the_torch_reference():
+    for name in QUANT_CASES:
+        run_quant_case(name, "cuda")
 
 
 @pytest.mark.gpu

@@ -8,7 +8,8 @@ count M, µs a call and the weight-streaming rate of:
              (its error against the exact GEMM beside the fp8 one's);
   scaled_mm  torch._scaled_mm, rowwise scales, bf16 out, x already quantized (the GEMM alone);
   prefill    kernels.fp8_gemm.fp8_prefill: what a step above 256 rows runs (x quantized per row
-             by torch ops, then _scaled_mm), timed here to place the threshold;
+             in one launch, then _scaled_mm), timed here to place the threshold (and as a
+             decode path: W8A8 through cuBLAS);
   bf16       the bf16 weight through cuBLASLt in the worker's layout ([K, N] for q/k/v, o and
              gate/up, [N, K] for down: services.worker.model.transforms);
   floor      the FP8 weight's bytes (values + scales) over the measured copy bandwidth.
