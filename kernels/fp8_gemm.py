@@ -110,11 +110,11 @@ def _x_fp8(xt, UPCAST: tl.constexpr):
     own scale, max|x| / 448 over the tile's K: (the e4m3 tile, fp32 [BLOCK_M] scales). Under
     the interpreter the tile comes back as fp32 holding the e4m3 values."""
     xf = xt.to(tl.float32)
-    sx = tl.maximum(tl.max(tl.abs(xf), axis=0) / 448.0, 1e-12)
+    sx = tl.maximum(tl.div_rn(tl.max(tl.abs(xf), axis=0), 448.0), 1e-12)
     if UPCAST:
-        xq = _e4m3_rne(xf / sx[None, :])
+        xq = _e4m3_rne(tl.div_rn(xf, sx[None, :]))
     else:
-        xq = (xf / sx[None, :]).to(tl.float8e4nv)
+        xq = tl.div_rn(xf, sx[None, :]).to(tl.float8e4nv)
     return xq, sx
 
 
@@ -340,7 +340,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
                           UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     """One program a row: max|x| over the row (first pass), then x / scale rounded to e4m3
-    (second pass, the row again from L2), scale = max|x| / 448."""
+    (second pass, the row again from L2), scale = max|x| / 448. The divisions round to nearest
+    (div_rn, not Triton's approximate `/`), so the bytes equal torch's quantize_rows_ref."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     wait_then_release(USE_PDL)
@@ -348,11 +349,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
     for k0 in range(0, K, BLOCK):
         v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX_C
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX_C)
     for k0 in range(0, K, BLOCK):
         ok = k0 + cols < K
         v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(v / scale, -FP8_MAX_C), FP8_MAX_C)
+        v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
         if UPCAST:                       # exact in e4m3 already: its conversion rounds nothing
             v = _e4m3_rne(v)
         tl.store(q_ptr + row * stride_q + k0 + cols, v.to(tl.float8e4nv), mask=ok)
@@ -370,6 +371,7 @@ def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, to
     kernels.fp8_gemm_ref.quantize_rows_ref."""
     if not (x.is_cuda or impl == "triton"):
         return quantize_rows_ref(x)
+    x = x if x.stride(1) == 1 else x.contiguous()
     m, k = x.shape
     xq = torch.empty((m, k), dtype=FP8, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
