@@ -10,8 +10,10 @@ x [M, K] bf16 (fp16, fp32), rows strided; q [N, K] float8_e4m3fn, contiguous; sc
 residual [M, N] optional, in x's dtype; out [M, N], a new tensor or `out` (residual itself for
 an in-place add).
 
-The kernel reads each weight byte once: FP8 tiles of W are loaded (software-pipelined), turned
-into x's dtype in registers and multiplied on the tensor cores as the MMA's A operand against x's
+The kernel reads each weight byte once: FP8 tiles of W are loaded (software-pipelined), made
+into x's dtype in registers (config.w_bits: by moving the e4m3 bits into place with integer
+operations, the exponent's bias folded into the epilogue's scale: kernels.fp8_tiles; else
+Triton's conversion) and multiplied on the tensor cores as the MMA's A operand against x's
 tile (acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T, "swap-AB": M, 1 to 256 rows, rides the MMA's
 narrow side), accumulating in fp32. A per-row scale is applied once, in the epilogue; per-group
 scales inside the K loop, each K tile lying in one group (kernels.fp8_gemm_config
@@ -54,6 +56,7 @@ import triton.language as tl
 from kernels.fp8_gemm_config import (DECODE_MAX_ROWS, N_COUNTERS, SMS_DEFAULT, Fp8GemmConfig,
                                      group_block_k, pick_config)
 from kernels.fp8_gemm_ref import dequant, quantize_rows_ref
+from kernels.fp8_tiles import FOLD, e4m3_rne, w_mode, w_operand, x_fp8
 from kernels.pdl import launch_args, wait_then_release
 
 FP8 = torch.float8_e4m3fn
@@ -63,13 +66,14 @@ _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 @triton.jit
 def _row_terms(s_ptr, bias_ptr, rn, n_ok, stride_s, BLOCK_N: tl.constexpr,
-               GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr):
+               GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD: tl.constexpr):
     """The epilogue's per-column factors, fp32 [BLOCK_N]: the row scale (1 when GROUPED: the K
-    loop applied the scales) and the bias (0 without). Weights, so read before the PDL wait."""
+    loop applied the scales) times FOLD (kernels.fp8_tiles: the power of two W's operand left
+    out) and the bias (0 without). Weights, so read before the PDL wait."""
     if GROUPED:
-        s_row = tl.full((BLOCK_N,), 1.0, tl.float32)
+        s_row = tl.full((BLOCK_N,), FOLD, tl.float32)
     else:
-        s_row = tl.load(s_ptr + rn * stride_s, mask=n_ok, other=0.0)
+        s_row = tl.load(s_ptr + rn * stride_s, mask=n_ok, other=0.0) * FOLD
     if HAS_BIAS:
         b_row = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     else:
@@ -92,42 +96,17 @@ def _epilogue(acc, s_row, b_row, rn, rm, n_ok, m_ok, res_ptr, out_ptr, stride_r,
 
 
 @triton.jit
-def _e4m3_rne(v):
-    """fp32 v (|v| <= 448) rounded to its nearest e4m3 value, ties to even, in fp32 arithmetic:
-    adding and taking away 1.5 * 2^23 quanta rounds to a whole number of quanta, the quantum
-    being 2^(exponent - 3) (2^-9 below e4m3's normal range). The interpreter's path: its own
-    fp8 conversion does not carry a rounding up into the exponent (31.9 -> 16)."""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    quantum = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    big = quantum * 12582912.0
-    r = (tl.abs(v) + big) - big
-    return tl.where(v < 0, -r, r)
-
-
-@triton.jit
-def _x_fp8(xt, UPCAST: tl.constexpr):
-    """An x tile [BLOCK_K, BLOCK_M] quantized to e4m3 per row of x (a column here) with its
-    own scale, max|x| / 448 over the tile's K: (the e4m3 tile, fp32 [BLOCK_M] scales). Under
-    the interpreter the tile comes back as fp32 holding the e4m3 values."""
-    xf = xt.to(tl.float32)
-    sx = tl.maximum(tl.div_rn(tl.max(tl.abs(xf), axis=0), 448.0), 1e-12)
-    if UPCAST:
-        xq = _e4m3_rne(tl.div_rn(xf, sx[None, :]))
-    else:
-        xq = tl.div_rn(xf, sx[None, :]).to(tl.float8e4nv)
-    return xq, sx
-
-
-@triton.jit
 def _k_loop(x_ptr, q_ptr, s_ptr, rn_w, rm_x, K, stride_x, stride_q, stride_s, group, kt0, kt1,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             GROUPED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-            DOT_PREC: tl.constexpr, STAGES: tl.constexpr, A8: tl.constexpr):
+            DOT_PREC: tl.constexpr, STAGES: tl.constexpr, A8: tl.constexpr,
+            W_BITS: tl.constexpr):
     """sum over K tiles kt0..kt1 of W[rn_w, Kt] @ x[rm_x, Kt].T (times each tile's group scale
     when GROUPED): fp32 [BLOCK_N, BLOCK_M]. rn_w, rm_x are in bounds (wrapped), so only K needs a
     mask, and only when K is not a whole number of tiles. A8: each x tile quantized to e4m3 in
-    registers (_x_fp8) and the MMA run on e4m3 operands, W's tile as it was loaded; the tile's
-    x scales applied to its product."""
+    registers (x_fp8) and the MMA run on e4m3 operands, W's tile as it was loaded; the tile's
+    x scales applied to its product. Else W's tile becomes the operand as W_BITS says
+    (kernels.fp8_tiles.w_operand: the result is then 1 / FOLD of the sum)."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = q_ptr + rn_w[:, None] * stride_q + rk[None, :]           # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + rm_x[None, :] * stride_x + rk[:, None]           # [BLOCK_K, BLOCK_M]
@@ -142,7 +121,7 @@ def _k_loop(x_ptr, q_ptr, s_ptr, rn_w, rm_x, K, stride_x, stride_q, stride_s, gr
             w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs + k0, mask=k_ok[:, None], other=0.0)
         if A8:
-            xq, sx = _x_fp8(xt, UPCAST)
+            xq, sx = x_fp8(xt, UPCAST)
             wq = w.to(tl.float32) if UPCAST else w
             part = tl.dot(wq, xq, out_dtype=tl.float32) * sx[None, :]
             if GROUPED:
@@ -150,10 +129,10 @@ def _k_loop(x_ptr, q_ptr, s_ptr, rn_w, rm_x, K, stride_x, stride_q, stride_s, gr
             acc += part
         else:
             if UPCAST:                   # the interpreter: numpy has no bf16 matmul
-                wd = w.to(tl.float32)
+                wd = w_operand(w, tl.float32, W_BITS)
                 xt = xt.to(tl.float32)
-            else:                        # e4m3 is exact in bf16, fp16 and fp32
-                wd = w.to(x_ptr.dtype.element_ty)
+            else:
+                wd = w_operand(w, x_ptr.dtype.element_ty, W_BITS)
             if GROUPED:
                 s = tl.load(s_ptr + rn_w * stride_s + k0 // group)
                 acc += tl.dot(wd, xt, input_precision=DOT_PREC) * s[:, None]
@@ -169,7 +148,8 @@ def _fp8_gemm_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cn
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUPED: tl.constexpr,
                      EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
-                     A8: tl.constexpr, USE_PDL: tl.constexpr):
+                     A8: tl.constexpr, W_BITS: tl.constexpr, FOLD: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """One program an (N tile, K split, M tile), M tiles fastest: the row tiles of one N tile
     run side by side, so W's tile comes from HBM once and from L2 for the others."""
     pid = tl.program_id(0)
@@ -183,11 +163,12 @@ def _fp8_gemm_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cn
     m_ok = rm < M
     kt0 = pid_k * tiles_per_split
     kt1 = tl.minimum(kt0 + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    s_row, b_row = _row_terms(s_ptr, bias_ptr, rn, n_ok, stride_s, BLOCK_N, GROUPED, HAS_BIAS)
+    s_row, b_row = _row_terms(s_ptr, bias_ptr, rn, n_ok, stride_s, BLOCK_N, GROUPED, HAS_BIAS,
+                               FOLD)
     wait_then_release(USE_PDL)           # x is the kernel before's output
     acc = _k_loop(x_ptr, q_ptr, s_ptr, (rn % N).to(tl.int64), (rm % M).to(tl.int64), K,
                   stride_x, stride_q, stride_s, group, kt0, kt1, BLOCK_M, BLOCK_N, BLOCK_K,
-                  GROUPED, EVEN_K, UPCAST, DOT_PREC, STAGES, A8)
+                  GROUPED, EVEN_K, UPCAST, DOT_PREC, STAGES, A8, W_BITS)
     rm64 = rm.to(tl.int64)
     if SPLIT_K == 1:
         _epilogue(acc, s_row, b_row, rn, rm64, n_ok, m_ok, res_ptr, out_ptr, stride_r, stride_o,
@@ -293,6 +274,7 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
         raise ValueError(f"fp8_gemm: {m_tiles * n_tiles} output tiles is more than the "
                          f"{N_COUNTERS} split-K counters")
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    wb = w_mode(x.dtype, x.is_cuda, cfg.w_bits and not cfg.act_fp8)   # A8: W as loaded
     _fp8_gemm_kernel[(n_tiles * split * m_tiles,)](
         x, q, scale, bias if bias is not None else out, residual if residual is not None
         else out, out, ws, arrival_counters(x.device), m, n, k, x.stride(0), q.stride(0),
@@ -301,7 +283,7 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
         SPLIT_K=split, GROUPED=g > 0, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, UPCAST=not x.is_cuda,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", STAGES=cfg.num_stages,
-        A8=cfg.act_fp8, num_warps=cfg.num_warps, num_stages=1, **launch_args(x.device))
+        A8=cfg.act_fp8, W_BITS=wb, FOLD=FOLD[wb], num_warps=cfg.num_warps, num_stages=1, **launch_args(x.device))
     return out
 
 
@@ -355,7 +337,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
         v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
         v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
         if UPCAST:                       # exact in e4m3 already: its conversion rounds nothing
-            v = _e4m3_rne(v)
+            v = e4m3_rne(v)
         tl.store(q_ptr + row * stride_q + k0 + cols, v.to(tl.float8e4nv), mask=ok)
     tl.store(s_ptr + row, scale)
 

@@ -74,6 +74,7 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     act_fp8: bool = False       # x quantized to e4m3 per K tile in the kernel: e4m3 MMAs
+    w_bits: bool = True         # W's e4m3 bits moved into place by integer ops (fp8_tiles)
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -89,7 +90,8 @@ class Fp8GemmConfig:
 
     def label(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}st{self.num_stages}" + ("a8" if self.act_fp8 else ""))
+                f"w{self.num_warps}st{self.num_stages}" + ("a8" if self.act_fp8 else "")
+                + ("" if self.w_bits else "cv"))
 
 
 BUCKETS = (16, 32, 64, 128, 256)
@@ -159,7 +161,7 @@ def neighbours(cfg: Fp8GemmConfig) -> list[Fp8GemmConfig]:
         steps += [{name: v // 2}, {name: v * 2}]
     steps += [dict(num_warps=8 if cfg.num_warps == 4 else 4),
               dict(num_stages=cfg.num_stages - 1), dict(num_stages=cfg.num_stages + 1),
-              dict(act_fp8=not cfg.act_fp8)]
+              dict(act_fp8=not cfg.act_fp8), dict(w_bits=not cfg.w_bits)]
     for change in steps:
         try:
             c = replace(cfg, **change)

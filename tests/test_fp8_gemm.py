@@ -50,7 +50,21 @@ CASES = {
     "a8_residual_bias_m16": (16, 100, 160, 0, C(16, 32, 64, 1, act_fp8=True), "bf16",
                              "bias res"),
     "a8_fp16_m16_split2": (16, 64, 128, 0, C(16, 32, 64, 2, act_fp8=True), "fp16", ""),
+    # W's tile through Triton's conversion instead of the bit moves (kernels.fp8_tiles)
+    "cvt_channel_m16_split3": (16, 100, 160, 0, C(16, 32, 32, 3, w_bits=False), "bf16", ""),
+    "cvt_group32_m3": (3, 48, 96, 32, C(16, 16, 32, 2, w_bits=False), "bf16", "bias"),
+    # every finite e4m3 byte in W (subnormals, both zeros, +-448), through both forms
+    "allbytes_m3": (3, 64, 256, 0, C(16, 32, 64, 2), "bf16", "allbytes"),
+    "allbytes_group64_m16": (16, 64, 256, 64, C(16, 32, 64, 1), "bf16", "allbytes"),
+    "allbytes_cvt_m3": (3, 64, 256, 0, C(16, 32, 64, 2, w_bits=False), "bf16", "allbytes"),
 }
+
+
+def all_bytes(n: int, k: int) -> torch.Tensor:
+    """[n, k] e4m3 holding every finite byte pattern (0x7F and 0xFF are NaN), rows shifted."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    idx = (torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :]) % len(finite)
+    return finite[idx].view(torch.float8_e4m3fn)
 
 
 def make_weight(n: int, k: int, group: int, gen: torch.Generator, device="cpu"):
@@ -68,6 +82,8 @@ def operands(case: tuple, device="cpu", seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     q, scale, g = make_weight(n, k, group, gen, device)
     dt = DTYPES[dtype]
+    if "allbytes" in extras:
+        q = all_bytes(n, k).to(device)
     args = dict(x=torch.randn(m, k, generator=gen).to(device, dt), q=q, scale=scale, group=g)
     if "bias" in extras:
         args["bias"] = torch.randn(n, generator=gen).to(device, dt)
@@ -149,6 +165,22 @@ def test_kernel_matches_the_reference_under_the_interpreter(interpreted, name):
     rec = interpreted.get(name)
     assert rec is not None, f"{name}: no result from the child"
     assert rec["ok"], rec["error"]
+
+
+@pytest.mark.parametrize("dtype,shift,fold", [(torch.bfloat16, 4, 2.0 ** 120),
+                                              (torch.float16, 7, 2.0 ** 8)])
+def test_w_bit_moves_give_every_e4m3_value_times_a_power_of_two(dtype, shift, fold):
+    """The bit moves kernels.fp8_tiles' PTX makes (sign to bit 15, exponent and mantissa up
+    by 4 for bf16, 7 for fp16), done here with torch's integer ops on every finite byte: the
+    16-bit float read from them times FOLD is the e4m3 value exactly, subnormals included."""
+    from kernels.fp8_tiles import FOLD, W_BF16, W_F16
+    assert FOLD[W_BF16 if dtype == torch.bfloat16 else W_F16] == fold
+    q = all_bytes(1, 254)[0]
+    b = q.view(torch.uint8).to(torch.int32)
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << shift)
+    got = bits.to(torch.int16).view(dtype).double() * fold
+    assert torch.equal(got, q.double())
+    assert (q.double().abs() < 2.0 ** -6).sum() == 16    # 14 subnormals and the two zeros
 
 
 def test_act_fp8_quantizes_each_k_tile_of_a_row_with_its_own_scale():
@@ -250,11 +282,19 @@ def test_gpu_matches_the_reference_at_7b_shapes():
                 a8 = replace(cfg, act_fp8=True)
                 assert_matches(fp8_gemm(**args, config=a8), fp8_gemm_ref(**args, config=a8),
                                f"{name} m{m} g{group} act_fp8")
+                cvt = replace(cfg, w_bits=False)         # Triton's e4m3 conversion
+                assert_matches(fp8_gemm(**args, config=cvt), ref, f"{name} m{m} g{group} cvt")
                 for split in {1, 4} - {cfg.split_k}:
                     forced = Fp8GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split,
                                            cfg.num_warps, cfg.num_stages)
                     assert_matches(fp8_gemm(**args, config=forced), ref,
                                    f"{name} m{m} g{group} split {split}")
+        for dtype in ("fp16", "bf16"):                          # every byte, both forms
+            args = operands((64, n, k, 0, None, dtype, "allbytes"), "cuda")
+            ref = fp8_gemm_ref(**args)
+            cfg = pick_config(64, n, k)
+            for c in (cfg, replace(cfg, w_bits=False)):
+                assert_matches(fp8_gemm(**args, config=c), ref, f"{name} all bytes {dtype} {c}")
         args = operands((16, n, k, 0, None, "bf16", "bias res"), "cuda")
         ref = fp8_gemm_ref(**args)
         res = args.pop("residual")

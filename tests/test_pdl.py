@@ -53,7 +53,8 @@ KERNELS = {
     **{f"fp8_gemm._fp8_gemm_kernel{'_a8' if a8 else ''}": (
         [BF16, "*fp8e4nv", F32, BF16, BF16, BF16, F32, "*i32"] + [I32] * 10,
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=2, GROUPED=False, EVEN_K=True,
-             HAS_BIAS=True, HAS_RES=True, UPCAST=False, DOT_PREC="tf32", STAGES=4, A8=a8))
+             HAS_BIAS=True, HAS_RES=True, UPCAST=False, DOT_PREC="tf32", STAGES=4, A8=a8,
+             W_BITS=1, FOLD=2.0 ** 120))
        for a8 in (False, True)},
     "fp8_gemm._quantize_rows_kernel": ([BF16, "*fp8e4nv", F32] + [I32] * 3,
                                        dict(BLOCK=4096, UPCAST=False)),

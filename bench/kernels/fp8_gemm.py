@@ -4,6 +4,9 @@ Per decoder GEMM of the 7B (Llama-2), Llama-3-8B and 70B shapes (docs/sizing.md)
 count M, µs a call and the weight-streaming rate of:
 
   fp8        our kernel, the configuration kernels.fp8_gemm_config picks (its label beside it);
+  fp8_cvt    the same config with W's tile through Triton's e4m3 -> bf16 conversion (the
+             conversion unit: F2FP + F2F an element) instead of the bit moves
+             (kernels.fp8_tiles);
   fp8_a8     the same config with act_fp8: x quantized per K tile in the kernel, e4m3 MMAs
              (its error against the exact GEMM beside the fp8 one's);
   scaled_mm  torch._scaled_mm, rowwise scales, bf16 out, x already quantized (the GEMM alone);
@@ -85,8 +88,11 @@ def variants(name: str, ws, xs, m: int) -> dict:
     """name -> the COPIES calls of each variant at m rows (None where unavailable)."""
     from kernels.fp8_gemm import fp8_gemm, fp8_prefill, prefill_path, quantize_rows
     k = xs[0].shape[1]
-    a8 = replace(pick_config(m, ws[0][0].shape[0], k, 0, _sms(xs[0].device)), act_fp8=True)
+    picked = pick_config(m, ws[0][0].shape[0], k, 0, _sms(xs[0].device))
+    a8, cvt = replace(picked, act_fp8=True), replace(picked, w_bits=False)
     out = {"fp8": [lambda i=i: fp8_gemm(xs[i], ws[i][0], ws[i][1], k) for i in range(COPIES)],
+           "fp8_cvt": [lambda i=i: fp8_gemm(xs[i], ws[i][0], ws[i][1], k, config=cvt)
+                       for i in range(COPIES)],
            "fp8_a8": [lambda i=i: fp8_gemm(xs[i], ws[i][0], ws[i][1], k, config=a8)
                       for i in range(COPIES)]}
     if prefill_path(xs[0], ws[0][0], ws[0][1]) == "scaled_mm":
@@ -120,7 +126,7 @@ def compare(a, dev, bw: float) -> list[dict]:
                            floor_us=round(nbytes / bw / 1e6, 2),
                            fp8_rel_err=rel_err(calls["fp8"][0](), ws[0][0], ws[0][1], xs[0]),
                            a8_rel_err=rel_err(calls["fp8_a8"][0](), ws[0][0], ws[0][1], xs[0]))
-                for v in ("fp8", "fp8_a8", "scaled_mm", "prefill", "bf16"):
+                for v in ("fp8", "fp8_cvt", "fp8_a8", "scaled_mm", "prefill", "bf16"):
                     row[f"{v}_us"] = (round(time_us(calls[v], dev, a.warmup_ms, a.rep_ms), 2)
                                       if v in calls else None)
                 row["fp8_tbps"] = round(nbytes / row["fp8_us"] / 1e6, 2)
@@ -174,15 +180,17 @@ def compare_md(head: dict, rows: list[dict]) -> list[str]:
              f"{head['versions'].get('triton')}; copy {head['copy_tbps']:.2f} TB/s. µs a call "
              "(CUDA graph of 4 calls on cold weights); floor = FP8 bytes / copy rate; "
              "bf16: cuBLASLt, the worker's layout; prefill: x quantized + _scaled_mm.", "",
-             "| model | gemm | M | fp8 | fp8 / floor | TB/s | fp8_a8 | a8 / floor | scaled_mm | "
-             "prefill | bf16 | bf16 / fp8 | config | rel err | a8 rel err |", "|" + "---|" * 15]
+             "| model | gemm | M | fp8 | fp8 / floor | TB/s | fp8_cvt | fp8_a8 | a8 / floor | "
+             "scaled_mm | prefill | bf16 | bf16 / fp8 | config | rel err | a8 rel err |",
+             "|" + "---|" * 16]
     for r in rows:
         def f(v):
             return "-" if r[v] is None else f"{r[v]:.1f}"
         ratio = f"{r['bf16_us'] / r['fp8_us']:.2f}x" if r["bf16_us"] else "-"
         lines.append(f"| {r['model']} | {r['gemm']} | {r['M']} | {r['fp8_us']:.1f} | "
                      f"{r['fp8_us'] / r['floor_us']:.2f} | {r['fp8_tbps']:.2f} | "
-                     f"{r['fp8_a8_us']:.1f} | {r['fp8_a8_us'] / r['floor_us']:.2f} | "
+                     f"{f('fp8_cvt_us')} | {r['fp8_a8_us']:.1f} | "
+                     f"{r['fp8_a8_us'] / r['floor_us']:.2f} | "
                      f"{f('scaled_mm_us')} | {f('prefill_us')} | {f('bf16_us')} | {ratio} | "
                      f"{r['config']} | {r['fp8_rel_err']:.1e} | {r['a8_rel_err']:.1e} |")
     return lines

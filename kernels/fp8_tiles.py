@@ -1,0 +1,108 @@
+"""Tile conversions of the FP8 GEMM (kernels.fp8_gemm): a W tile of e4m3 bytes made into the
+MMA's operand type, and an x tile quantized to e4m3.
+
+W's tile without the conversion unit (`w_operand`, W_BITS 1-3). e4m3 and bf16 share fp32's
+layout idea (sign, exponent, mantissa) with biases 7 and 127, so moving an e4m3 byte's sign to
+bit 15 and its exponent and mantissa bits up by 4 gives the bf16 whose value is exactly the
+e4m3 value times 2^-120, subnormals included (an e4m3 subnormal lands on a bf16 subnormal of
+the same scaled value). The GEMM multiplies its fp32 result by 2^120 in the epilogue (FOLD), an
+exact power of two. fp16 (bias 15): bits up by 7, factor 2^-8. fp32 (the interpreter's path and
+an fp32 x): bits up by 20, factor 2^-120. Done with integer operations on the ALU pipe (two
+bytes in one register: one PRMT, two LOP3-class operations) instead of the conversion unit's
+F2FP + F2F pair per element, the pair that Triton's own e4m3 -> bf16 conversion compiles to on
+sm_90 (no direct instruction there). e4m3fn's NaN (0x7F / 0xFF, never in a quantized weight)
+would read as +-480.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+W_CVT, W_BF16, W_F16, W_F32 = 0, 1, 2, 3    # how W's tile becomes the MMA operand
+FOLD = {W_CVT: 1.0, W_BF16: 2.0 ** 120, W_F16: 2.0 ** 8, W_F32: 2.0 ** 120}
+
+
+def w_mode(x_dtype: torch.dtype, on_cuda: bool, bits: bool) -> int:
+    """The W_* mode for an x of this dtype: W_CVT when bits is off; the interpreter (numpy, no
+    bf16 matmul) and an fp32 x take the fp32 bit form."""
+    if not bits:
+        return W_CVT
+    if not on_cuda or x_dtype == torch.float32:
+        return W_F32
+    return W_F16 if x_dtype == torch.float16 else W_BF16
+
+
+@triton.jit
+def _bf16_bits(w):
+    """Two e4m3 bytes -> two bf16 in one register: each byte at the top of its half (PRMT),
+    the sign kept, exponent and mantissa shifted down by 4 into place."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 r, m;
+        cvt.u32.u16 r, $1;
+        prmt.b32 r, r, 0, 0x1404;
+        and.b32 m, r, 0x7F007F00;
+        shr.b32 m, m, 4;
+        and.b32 r, r, 0x80008000;
+        or.b32 $0, r, m;
+        }""", constraints="=r,h", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+        is_pure=True, pack=2)
+
+
+@triton.jit
+def _f16_bits(w):
+    """_bf16_bits for fp16: exponent and mantissa shifted down by 1."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 r, m;
+        cvt.u32.u16 r, $1;
+        prmt.b32 r, r, 0, 0x1404;
+        and.b32 m, r, 0x7F007F00;
+        shr.b32 m, m, 1;
+        and.b32 r, r, 0x80008000;
+        or.b32 $0, r, m;
+        }""", constraints="=r,h", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+        is_pure=True, pack=2)
+
+
+@triton.jit
+def w_operand(w, X_DTYPE: tl.constexpr, W_BITS: tl.constexpr):
+    """An e4m3 W tile as the MMA's operand, its values times 1 / FOLD[W_BITS] (module
+    docstring). W_CVT: Triton's conversion to X_DTYPE (exact: e4m3 fits bf16, fp16, fp32)."""
+    if W_BITS == 1:
+        return _bf16_bits(w)
+    elif W_BITS == 2:
+        return _f16_bits(w)
+    elif W_BITS == 3:
+        b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
+        return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+    else:
+        return w.to(X_DTYPE)
+
+
+@triton.jit
+def e4m3_rne(v):
+    """fp32 v (|v| <= 448) rounded to its nearest e4m3 value, ties to even, in fp32 arithmetic:
+    adding and taking away 1.5 * 2^23 quanta rounds to a whole number of quanta, the quantum
+    being 2^(exponent - 3) (2^-9 below e4m3's normal range). The interpreter's path: its own
+    fp8 conversion does not carry a rounding up into the exponent (31.9 -> 16)."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    quantum = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    big = quantum * 12582912.0
+    r = (tl.abs(v) + big) - big
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def x_fp8(xt, UPCAST: tl.constexpr):
+    """An x tile [BLOCK_K, BLOCK_M] quantized to e4m3 per row of x (a column here) with its
+    own scale, max|x| / 448 over the tile's K: (the e4m3 tile, fp32 [BLOCK_M] scales). Under
+    the interpreter the tile comes back as fp32 holding the e4m3 values."""
+    xf = xt.to(tl.float32)
+    sx = tl.maximum(tl.div_rn(tl.max(tl.abs(xf), axis=0), 448.0), 1e-12)
+    if UPCAST:
+        xq = e4m3_rne(tl.div_rn(xf, sx[None, :]))
+    else:
+        xq = tl.div_rn(xf, sx[None, :]).to(tl.float8e4nv)
+    return xq, sx
