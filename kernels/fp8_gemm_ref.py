@@ -46,7 +46,10 @@ def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: i
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]), one scale a row: max|x[m]| / 448 (a
-    zero row: tiny, so it quantizes to zeros), in torch ops."""
+    zero row: tiny, so it quantizes to zeros), in torch ops. Divided by a tensor of 448s, not
+    the number: CUDA torch turns division by a Python number into multiplication by its
+    reciprocal, which 1 / 448 is not exactly (one ulp off in about half of the rows)."""
     xf = x.float()
-    s = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(448.0)
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+    s = amax.div_(torch.full_like(amax, 448.0))
     return xf.div_(s).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn), s
