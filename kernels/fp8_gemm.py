@@ -56,7 +56,7 @@ import triton.language as tl
 from kernels.fp8_gemm_config import (DECODE_MAX_ROWS, N_COUNTERS, SMS_DEFAULT, Fp8GemmConfig,
                                      group_block_k, pick_config)
 from kernels.fp8_gemm_ref import dequant, quantize_rows_ref
-from kernels.fp8_tiles import FOLD, e4m3_rne, w_mode, w_operand, x_fp8
+from kernels.fp8_tiles import FOLD, quantize_rows, w_mode, w_operand, x_fp8
 from kernels.pdl import launch_args, wait_then_release
 
 FP8 = torch.float8_e4m3fn
@@ -100,7 +100,7 @@ def _k_loop(x_ptr, q_ptr, s_ptr, rn_w, rm_x, K, stride_x, stride_q, stride_s, gr
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             GROUPED: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
             DOT_PREC: tl.constexpr, STAGES: tl.constexpr, A8: tl.constexpr,
-            W_BITS: tl.constexpr):
+            W_BITS: tl.constexpr, XQ: tl.constexpr):
     """sum over K tiles kt0..kt1 of W[rn_w, Kt] @ x[rm_x, Kt].T (times each tile's group scale
     when GROUPED): fp32 [BLOCK_N, BLOCK_M]. rn_w, rm_x are in bounds (wrapped), so only K needs a
     mask, and only when K is not a whole number of tiles. A8: each x tile quantized to e4m3 in
@@ -110,6 +110,8 @@ def _k_loop(x_ptr, q_ptr, s_ptr, rn_w, rm_x, K, stride_x, stride_q, stride_s, gr
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = q_ptr + rn_w[:, None] * stride_q + rk[None, :]           # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + rm_x[None, :] * stride_x + rk[:, None]           # [BLOCK_K, BLOCK_M]
+    # XQ: x already e4m3 (its row scales applied by the caller): e4m3 x e4m3 MMAs, both
+    # operands from shared memory as loaded
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in tl.range(kt0, kt1, num_stages=STAGES):
         k0 = kt * BLOCK_K
@@ -120,7 +122,15 @@ def _k_loop(x_ptr, q_ptr, s_ptr, rn_w, rm_x, K, stride_x, stride_q, stride_s, gr
             k_ok = (k0 + rk) < K
             w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs + k0, mask=k_ok[:, None], other=0.0)
-        if A8:
+        if XQ:
+            wq = w.to(tl.float32) if UPCAST else w
+            xq = xt.to(tl.float32) if UPCAST else xt
+            if GROUPED:
+                s = tl.load(s_ptr + rn_w * stride_s + k0 // group)
+                acc += tl.dot(wq, xq, out_dtype=tl.float32) * s[:, None]
+            else:
+                acc = tl.dot(wq, xq, acc, out_dtype=tl.float32)
+        elif A8:
             xq, sx = x_fp8(xt, UPCAST)
             wq = w.to(tl.float32) if UPCAST else w
             part = tl.dot(wq, xq, out_dtype=tl.float32) * sx[None, :]
@@ -142,14 +152,14 @@ def _k_loop(x_ptr, q_ptr, s_ptr, rn_w, rm_x, K, stride_x, stride_q, stride_s, gr
 
 
 @triton.jit(do_not_specialize=("M",))
-def _fp8_gemm_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr,
+def _fp8_gemm_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr, xs_ptr,
                      M, N, K, stride_x, stride_q, stride_s, stride_r, stride_o, group,
                      tiles_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUPED: tl.constexpr,
                      EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
                      A8: tl.constexpr, W_BITS: tl.constexpr, FOLD: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     XQ: tl.constexpr, USE_PDL: tl.constexpr):
     """One program an (N tile, K split, M tile), M tiles fastest: the row tiles of one N tile
     run side by side, so W's tile comes from HBM once and from L2 for the others."""
     pid = tl.program_id(0)
@@ -168,7 +178,9 @@ def _fp8_gemm_kernel(x_ptr, q_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cn
     wait_then_release(USE_PDL)           # x is the kernel before's output
     acc = _k_loop(x_ptr, q_ptr, s_ptr, (rn % N).to(tl.int64), (rm % M).to(tl.int64), K,
                   stride_x, stride_q, stride_s, group, kt0, kt1, BLOCK_M, BLOCK_N, BLOCK_K,
-                  GROUPED, EVEN_K, UPCAST, DOT_PREC, STAGES, A8, W_BITS)
+                  GROUPED, EVEN_K, UPCAST, DOT_PREC, STAGES, A8, W_BITS, XQ)
+    if XQ:                               # x's row scales (the quantizer's output: after the wait)
+        acc *= tl.load(xs_ptr + rm % M)[None, :]
     rm64 = rm.to(tl.int64)
     if SPLIT_K == 1:
         _epilogue(acc, s_row, b_row, rn, rm64, n_ok, m_ok, res_ptr, out_ptr, stride_r, stride_o,
@@ -233,7 +245,7 @@ def supported(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int)
             and (not x.is_cuda or _capability(x.device) >= (8, 9)))
 
 
-def _check(x, q, scale, group, bias, residual, out) -> None:
+def _check(x, q, scale, group, bias, residual, out, x_scale, dt) -> None:
     m, k = x.shape
     n = q.shape[0]
     if q.dtype != FP8 or q.shape[1] != k or q.stride(1) != 1 or x.stride(1) != 1:
@@ -242,28 +254,47 @@ def _check(x, q, scale, group, bias, residual, out) -> None:
     if scale.dtype != torch.float32 or scale.shape[0] != n or scale.shape[1] != -(-k // group):
         raise ValueError(f"fp8_gemm: scale must be float32 [{n}, ceil({k} / {group})], got "
                          f"{scale.dtype} {tuple(scale.shape)}")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1):
-        raise ValueError(f"fp8_gemm: bias must be [{n}] {x.dtype}, got {tuple(bias.shape)}")
+    if (x.dtype == FP8) != (x_scale is not None) or (x_scale is not None and (
+            x_scale.dtype != torch.float32 or x_scale.shape != (m, 1)
+            or not x_scale.is_contiguous())):
+        raise ValueError(f"fp8_gemm: an {FP8} x needs x_scale, float32 [{m}, 1] contiguous "
+                         f"(quantize_rows' scales), and only it; got x {x.dtype}, x_scale "
+                         f"{None if x_scale is None else (x_scale.dtype, tuple(x_scale.shape))}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != dt or bias.stride(0) != 1):
+        raise ValueError(f"fp8_gemm: bias must be [{n}] {dt}, got {tuple(bias.shape)}")
     for name, t in (("residual", residual), ("out", out)):
-        if t is not None and (t.shape != (m, n) or t.dtype != x.dtype or t.stride(1) != 1):
-            raise ValueError(f"fp8_gemm: {name} must be [{m}, {n}] {x.dtype} with unit column "
+        if t is not None and (t.shape != (m, n) or t.dtype != dt or t.stride(1) != 1):
+            raise ValueError(f"fp8_gemm: {name} must be [{m}, {n}] {dt} with unit column "
                              f"stride, got {tuple(t.shape)} {t.dtype}")
+
+
+def _forms(x: torch.Tensor, cfg: Fp8GemmConfig, dt: torch.dtype) -> dict:
+    """The kernel's constexprs that follow from x and the config: the MMA's form (XQ: x given
+    as e4m3; A8: quantized in the kernel; else W's tile made into x's dtype as W_BITS says)."""
+    xq = x.dtype == FP8
+    wb = w_mode(dt, x.is_cuda, cfg.w_bits and not cfg.act_fp8 and not xq)
+    return dict(UPCAST=not x.is_cuda, DOT_PREC="ieee" if dt == torch.float32 else "tf32",
+                A8=cfg.act_fp8 and not xq, W_BITS=wb, FOLD=FOLD[wb], XQ=xq)
 
 
 def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
              bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-             config: Fp8GemmConfig | None = None, out: torch.Tensor | None = None
+             config: Fp8GemmConfig | None = None, out: torch.Tensor | None = None,
+             x_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
              ) -> torch.Tensor:
     """The kernel (module docstring for the semantics): [M, N] in x's dtype. config: the
-    launch (default: kernels.fp8_gemm_config.pick_config by M's bucket). No device reads."""
-    _check(x, q, scale, group, bias, residual, out)
+    launch (default: kernels.fp8_gemm_config.pick_config by M's bucket). x may come quantized
+    (e4m3, with quantize_rows' x_scale [M, 1]): the W8A8 form, out_dtype out (and bias and
+    residual in it); config.act_fp8 is then moot. No device reads."""
+    dt = x.dtype if x_scale is None else out_dtype
+    _check(x, q, scale, group, bias, residual, out, x_scale, dt)
     m, k = x.shape
     n = q.shape[0]
     g = _scale_group(q, scale, group)
     cfg = config or pick_config(m, n, k, g, device_sms(x.device))
     if g and g % cfg.block_k:
         raise ValueError(f"fp8_gemm: block_k {cfg.block_k} must divide the scale group {g}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    out = torch.empty((m, n), dtype=dt, device=x.device) if out is None else out
     if m == 0:
         return out
     k_tiles = triton.cdiv(k, cfg.block_k)
@@ -274,16 +305,15 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
         raise ValueError(f"fp8_gemm: {m_tiles * n_tiles} output tiles is more than the "
                          f"{N_COUNTERS} split-K counters")
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    wb = w_mode(x.dtype, x.is_cuda, cfg.w_bits and not cfg.act_fp8)   # A8: W as loaded
     _fp8_gemm_kernel[(n_tiles * split * m_tiles,)](
         x, q, scale, bias if bias is not None else out, residual if residual is not None
-        else out, out, ws, arrival_counters(x.device), m, n, k, x.stride(0), q.stride(0),
-        scale.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        max(g, 1), per, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split, GROUPED=g > 0, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, UPCAST=not x.is_cuda,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", STAGES=cfg.num_stages,
-        A8=cfg.act_fp8, W_BITS=wb, FOLD=FOLD[wb], num_warps=cfg.num_warps, num_stages=1, **launch_args(x.device))
+        else out, out, ws, arrival_counters(x.device), x_scale if x_scale is not None else
+        scale, m, n, k, x.stride(0), q.stride(0), scale.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), max(g, 1), per,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+        GROUPED=g > 0, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, STAGES=cfg.num_stages, **_forms(x, cfg, dt),
+        num_warps=cfg.num_warps, num_stages=1, **launch_args(x.device))
     return out
 
 
@@ -316,53 +346,6 @@ def _device_capability(index: int) -> tuple[int, int]:
 def _capability(device: torch.device) -> tuple[int, int]:
     return _device_capability(device.index if device.index is not None
                               else torch.cuda.current_device())
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
-                          UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
-    """One program a row: max|x| over the row (first pass), then x / scale rounded to e4m3
-    (second pass, the row again from L2), scale = max|x| / 448. The divisions round to nearest
-    (div_rn, not Triton's approximate `/`), so the bytes equal torch's quantize_rows_ref."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    wait_then_release(USE_PDL)
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for k0 in range(0, K, BLOCK):
-        v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX_C)
-    for k0 in range(0, K, BLOCK):
-        ok = k0 + cols < K
-        v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
-        if UPCAST:                       # exact in e4m3 already: its conversion rounds nothing
-            v = e4m3_rne(v)
-        tl.store(q_ptr + row * stride_q + k0 + cols, v.to(tl.float8e4nv), mask=ok)
-    tl.store(s_ptr + row, scale)
-
-
-FP8_MAX_C = tl.constexpr(FP8_MAX)
-QUANT_BLOCK = 4096                       # a row's columns a pass step
-
-
-def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with one scale a row: max|x[m]| / 448
-    (a zero row: tiny, so it quantizes to zeros). The kernel, one launch (x read twice, the
-    second time from L2), on a GPU or with impl="triton" (the interpreter); else
-    kernels.fp8_gemm_ref.quantize_rows_ref."""
-    if not (x.is_cuda or impl == "triton"):
-        return quantize_rows_ref(x)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    m, k = x.shape
-    xq = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        _quantize_rows_kernel[(m,)](x, xq, s, k, x.stride(0), xq.stride(0),
-                                    BLOCK=min(QUANT_BLOCK, triton.next_power_of_2(k)),
-                                    UPCAST=not x.is_cuda, num_warps=8 if k >= 4096 else 4,
-                                    **launch_args(x.device))
-    return xq, s
 
 
 def fp8_prefill(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,

@@ -27,12 +27,17 @@ def quantize_x_tiles(x: torch.Tensor, block_k: int) -> torch.Tensor:
 
 def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
                  bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                 config=None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 config=None, out: torch.Tensor | None = None,
+                 x_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(x @ dequant(q, scale, group).T + bias + residual) in float32, rounded once to x's dtype:
     x [M, K], q [N, K], bias [N], residual [M, N] -> [M, N] (into `out` when given, which may be
-    residual itself). config: the kernel's; with act_fp8, x as quantize_x_tiles makes it."""
+    residual itself). config: the kernel's; with act_fp8, x as quantize_x_tiles makes it. An
+    e4m3 x with its row scales x_scale [M, 1]: x times them, out_dtype out."""
     xf = x.float()
-    if config is not None and config.act_fp8:
+    if x_scale is not None:
+        xf = xf * x_scale
+    elif config is not None and config.act_fp8:
         xf = quantize_x_tiles(x, config.block_k)
     y = xf @ dequant(q, scale, group, torch.float32).t()
     if bias is not None:
@@ -40,7 +45,7 @@ def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: i
     if residual is not None:
         y += residual.float()
     if out is None:
-        return y.to(x.dtype)
+        return y.to(x.dtype if x_scale is None else out_dtype)
     return out.copy_(y)
 
 

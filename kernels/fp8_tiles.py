@@ -1,5 +1,5 @@
-"""Tile conversions of the FP8 GEMM (kernels.fp8_gemm): a W tile of e4m3 bytes made into the
-MMA's operand type, and an x tile quantized to e4m3.
+"""Conversions of the FP8 GEMM (kernels.fp8_gemm): a W tile of e4m3 bytes made into the MMA's
+operand type, an x tile quantized to e4m3, and x's rows quantized in one launch (quantize_rows).
 
 W's tile without the conversion unit (`w_operand`, W_BITS 1-3). e4m3 and bf16 share fp32's
 layout idea (sign, exponent, mantissa) with biases 7 and 127, so moving an e4m3 byte's sign to
@@ -18,6 +18,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8_gemm_ref import quantize_rows_ref
+from kernels.pdl import launch_args, wait_then_release
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 W_CVT, W_BF16, W_F16, W_F32 = 0, 1, 2, 3    # how W's tile becomes the MMA operand
 FOLD = {W_CVT: 1.0, W_BF16: 2.0 ** 120, W_F16: 2.0 ** 8, W_F32: 2.0 ** 120}
@@ -106,3 +112,50 @@ def x_fp8(xt, UPCAST: tl.constexpr):
     else:
         xq = tl.div_rn(xf, sx[None, :]).to(tl.float8e4nv)
     return xq, sx
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
+                          UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program a row: max|x| over the row (first pass), then x / scale rounded to e4m3
+    (second pass, the row again from L2), scale = max|x| / 448. The divisions round to nearest
+    (div_rn, not Triton's approximate `/`), so the bytes equal torch's quantize_rows_ref."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    wait_then_release(USE_PDL)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX_C)
+    for k0 in range(0, K, BLOCK):
+        ok = k0 + cols < K
+        v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+        v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
+        if UPCAST:                       # exact in e4m3 already: its conversion rounds nothing
+            v = e4m3_rne(v)
+        tl.store(q_ptr + row * stride_q + k0 + cols, v.to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row, scale)
+
+
+FP8_MAX_C = tl.constexpr(FP8_MAX)
+QUANT_BLOCK = 4096                       # a row's columns a pass step
+
+
+def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with one scale a row: max|x[m]| / 448
+    (a zero row: tiny, so it quantizes to zeros). The kernel, one launch (x read twice, the
+    second time from L2), on a GPU or with impl="triton" (the interpreter); else
+    kernels.fp8_gemm_ref.quantize_rows_ref."""
+    if not (x.is_cuda or impl == "triton"):
+        return quantize_rows_ref(x)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, xq, s, k, x.stride(0), xq.stride(0),
+                                    BLOCK=min(QUANT_BLOCK, triton.next_power_of_2(k)),
+                                    UPCAST=not x.is_cuda, num_warps=8 if k >= 4096 else 4,
+                                    **launch_args(x.device))
+    return xq, s

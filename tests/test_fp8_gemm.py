@@ -53,6 +53,11 @@ CASES = {
     # W's tile through Triton's conversion instead of the bit moves (kernels.fp8_tiles)
     "cvt_channel_m16_split3": (16, 100, 160, 0, C(16, 32, 32, 3, w_bits=False), "bf16", ""),
     "cvt_group32_m3": (3, 48, 96, 32, C(16, 16, 32, 2, w_bits=False), "bf16", "bias"),
+    # x given as e4m3 with its row scales (quantize_rows): e4m3 x e4m3 MMAs, bf16 out
+    **{f"xq_channel_m{m}_split{sp}": (m, 100, 160, 0, C(16, 32, 32, sp), "xq", "")
+       for m in (1, 16, 65) for sp in (1, 3)},
+    "xq_group32_m16_split2": (16, 48, 80, 32, C(16, 16, 32, 2), "xq", "bias"),
+    "xq_residual_bias_picked_m65": (65, 64, 96, 0, None, "xq", "bias res"),
     # every finite e4m3 byte in W (subnormals, both zeros, +-448), through both forms
     "allbytes_m3": (3, 64, 256, 0, C(16, 32, 64, 2), "bf16", "allbytes"),
     "allbytes_group64_m16": (16, 64, 256, 64, C(16, 32, 64, 1), "bf16", "allbytes"),
@@ -81,7 +86,7 @@ def operands(case: tuple, device="cpu", seed: int = 0) -> dict:
     m, n, k, group, cfg, dtype, extras = case
     gen = torch.Generator().manual_seed(seed)
     q, scale, g = make_weight(n, k, group, gen, device)
-    dt = DTYPES[dtype]
+    dt = DTYPES["bf16" if dtype == "xq" else dtype]
     if "allbytes" in extras:
         q = all_bytes(n, k).to(device)
     args = dict(x=torch.randn(m, k, generator=gen).to(device, dt), q=q, scale=scale, group=g)
@@ -89,6 +94,9 @@ def operands(case: tuple, device="cpu", seed: int = 0) -> dict:
         args["bias"] = torch.randn(n, generator=gen).to(device, dt)
     if "res" in extras:
         args["residual"] = torch.randn(m, n, generator=gen).to(device, dt)
+    if dtype == "xq":                           # x as the row quantizer gives it
+        from kernels.fp8_gemm_ref import quantize_rows_ref
+        args["x"], args["x_scale"] = quantize_rows_ref(args["x"])
     return args
 
 

@@ -49,21 +49,23 @@ KERNELS = {
         dict(N_SLICES=3, SEG_BLOCK=256, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, RANK_BLOCK=16,
              EVEN_K=True, ALIGN=8, DOT_PREC="tf32", UPCAST=False, STAGES=2, NARROW_N=32,
              NARROW_K=16)),
-    # the FP8 GEMM in both forms (W8A8: e4m3 x e4m3 wgmma) and its row quantizer
-    **{f"fp8_gemm._fp8_gemm_kernel{'_a8' if a8 else ''}": (
-        [BF16, "*fp8e4nv", F32, BF16, BF16, BF16, F32, "*i32"] + [I32] * 10,
+    # the FP8 GEMM in its three forms (W8A16 with W's bits moved into bf16; W8A8 with x
+    # quantized in the kernel, or given as e4m3: e4m3 x e4m3 wgmma) and its row quantizer
+    **{f"fp8_gemm._fp8_gemm_kernel{suffix}": (
+        ["*fp8e4nv" if xq else BF16, "*fp8e4nv", F32, BF16, BF16, BF16, F32, "*i32", F32]
+        + [I32] * 10,
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=2, GROUPED=False, EVEN_K=True,
              HAS_BIAS=True, HAS_RES=True, UPCAST=False, DOT_PREC="tf32", STAGES=4, A8=a8,
-             W_BITS=1, FOLD=2.0 ** 120))
-       for a8 in (False, True)},
-    "fp8_gemm._quantize_rows_kernel": ([BF16, "*fp8e4nv", F32] + [I32] * 3,
+             W_BITS=0 if a8 or xq else 1, FOLD=1.0 if a8 or xq else 2.0 ** 120, XQ=xq))
+       for suffix, a8, xq in (("", False, False), ("_a8", True, False), ("_xq", False, True))},
+    "fp8_tiles._quantize_rows_kernel": ([BF16, "*fp8e4nv", F32] + [I32] * 3,
                                        dict(BLOCK=4096, UPCAST=False)),
 }
 
 
 def _kernel(name: str):
     module, attr = name.split(".")
-    attr = attr.removesuffix("_a8")                 # a variant's name: the same kernel
+    attr = attr.removesuffix("_a8").removesuffix("_xq")     # a variant's name: the same kernel
     return getattr(__import__(f"kernels.{module}", fromlist=[attr]), attr)
 
 
@@ -75,7 +77,7 @@ EARLY_READS = {"sgmv_split._shrink_kernel", "sgmv_split._expand_kernel",
                "fused._rope_kv_kernel", "attention_triton._paged_attn_kernel",
                "attention_triton._split_combine_kernel", "fused._silu_mul_kernel",
                "sgmv_triton._sgmv_kernel", "fp8_gemm._fp8_gemm_kernel",
-               "fp8_gemm._fp8_gemm_kernel_a8"}
+               "fp8_gemm._fp8_gemm_kernel_a8", "fp8_gemm._fp8_gemm_kernel_xq"}
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")

@@ -7,6 +7,8 @@ count M, µs a call and the weight-streaming rate of:
   fp8_cvt    the same config with W's tile through Triton's e4m3 -> bf16 conversion (the
              conversion unit: F2FP + F2F an element) instead of the bit moves
              (kernels.fp8_tiles);
+  fp8_xq     W8A8 as a decode path: x quantized per row (quantize_rows, one launch), then
+             the kernel on e4m3 x e4m3 MMAs (x given quantized), both launches timed;
   fp8_a8     the same config with act_fp8: x quantized per K tile in the kernel, e4m3 MMAs
              (its error against the exact GEMM beside the fp8 one's);
   scaled_mm  torch._scaled_mm, rowwise scales, bf16 out, x already quantized (the GEMM alone);
@@ -84,6 +86,13 @@ def rel_err(got: torch.Tensor, q, scale, x) -> float:
     return float((got.float() - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
+def w8a8(x, q, scale, group, config=None):
+    """The W8A8 decode path: x quantized per row in one launch, then the kernel's XQ form."""
+    from kernels.fp8_gemm import fp8_gemm, quantize_rows
+    xq, sx = quantize_rows(x)
+    return fp8_gemm(xq, q, scale, group, x_scale=sx, config=config)
+
+
 def variants(name: str, ws, xs, m: int) -> dict:
     """name -> the COPIES calls of each variant at m rows (None where unavailable)."""
     from kernels.fp8_gemm import fp8_gemm, fp8_prefill, prefill_path, quantize_rows
@@ -94,7 +103,8 @@ def variants(name: str, ws, xs, m: int) -> dict:
            "fp8_cvt": [lambda i=i: fp8_gemm(xs[i], ws[i][0], ws[i][1], k, config=cvt)
                        for i in range(COPIES)],
            "fp8_a8": [lambda i=i: fp8_gemm(xs[i], ws[i][0], ws[i][1], k, config=a8)
-                      for i in range(COPIES)]}
+                      for i in range(COPIES)],
+           "fp8_xq": [lambda i=i: w8a8(xs[i], ws[i][0], ws[i][1], k) for i in range(COPIES)]}
     if prefill_path(xs[0], ws[0][0], ws[0][1]) == "scaled_mm":
         xq = [quantize_rows(x) for x in xs]
         out["scaled_mm"] = [lambda i=i: torch._scaled_mm(
@@ -125,8 +135,9 @@ def compare(a, dev, bw: float) -> list[dict]:
                            config=pick_config(m, n, k, 0, _sms(dev)).label(),
                            floor_us=round(nbytes / bw / 1e6, 2),
                            fp8_rel_err=rel_err(calls["fp8"][0](), ws[0][0], ws[0][1], xs[0]),
-                           a8_rel_err=rel_err(calls["fp8_a8"][0](), ws[0][0], ws[0][1], xs[0]))
-                for v in ("fp8", "fp8_cvt", "fp8_a8", "scaled_mm", "prefill", "bf16"):
+                           a8_rel_err=rel_err(calls["fp8_a8"][0](), ws[0][0], ws[0][1], xs[0]),
+                           xq_rel_err=rel_err(calls["fp8_xq"][0](), ws[0][0], ws[0][1], xs[0]))
+                for v in ("fp8", "fp8_cvt", "fp8_xq", "fp8_a8", "scaled_mm", "prefill", "bf16"):
                     row[f"{v}_us"] = (round(time_us(calls[v], dev, a.warmup_ms, a.rep_ms), 2)
                                       if v in calls else None)
                 row["fp8_tbps"] = round(nbytes / row["fp8_us"] / 1e6, 2)
@@ -151,17 +162,19 @@ def sweep(a, dev, bw: float) -> list[dict]:
             for m in a.rows:
                 xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(COPIES)]
                 picked = pick_config(m, n, k, 0, _sms(dev))
-                base = fp8_gemm(xs[0], ws[0][0], ws[0][1], k, config=picked)
+                call = w8a8 if a.xq else fp8_gemm        # --xq: the W8A8 decode path's configs
+                base = call(xs[0], ws[0][0], ws[0][1], k, config=picked)
                 for cfg in neighbours(picked):
+                    if a.xq and (cfg.act_fp8 or not cfg.w_bits):    # moot for an e4m3 x
+                        continue
                     if time.monotonic() - t0 > a.budget_s:
                         print(f"budget of {a.budget_s}s spent: stopping", flush=True)
                         return rows
-                    got = fp8_gemm(xs[0], ws[0][0], ws[0][1], k, config=cfg)
+                    got = call(xs[0], ws[0][0], ws[0][1], k, config=cfg)
                     ok = (rel_err(got, ws[0][0], ws[0][1], xs[0]) < A8_TOL if cfg.act_fp8
                           else bool(torch.allclose(got.float(), base.float(), rtol=2e-2,
                                                    atol=2e-2)))
-                    us = time_us([lambda i=i, c=cfg: fp8_gemm(xs[i], ws[i][0], ws[i][1], k,
-                                                              config=c)
+                    us = time_us([lambda i=i, c=cfg: call(xs[i], ws[i][0], ws[i][1], k, config=c)
                                   for i in range(COPIES)], dev, a.warmup_ms, a.rep_ms)
                     row = dict(model=model, gemm=name, M=m, N=n, K=k, config=cfg.label(),
                                picked=cfg == picked, us=round(us, 2), ok=ok,
@@ -180,19 +193,20 @@ def compare_md(head: dict, rows: list[dict]) -> list[str]:
              f"{head['versions'].get('triton')}; copy {head['copy_tbps']:.2f} TB/s. µs a call "
              "(CUDA graph of 4 calls on cold weights); floor = FP8 bytes / copy rate; "
              "bf16: cuBLASLt, the worker's layout; prefill: x quantized + _scaled_mm.", "",
-             "| model | gemm | M | fp8 | fp8 / floor | TB/s | fp8_cvt | fp8_a8 | a8 / floor | "
-             "scaled_mm | prefill | bf16 | bf16 / fp8 | config | rel err | a8 rel err |",
-             "|" + "---|" * 16]
+             "| model | gemm | M | fp8 | fp8 / floor | TB/s | fp8_cvt | fp8_xq | xq / floor | "
+             "fp8_a8 | scaled_mm | prefill | bf16 | bf16 / fp8 | config | rel err | xq rel err "
+             "| a8 rel err |", "|" + "---|" * 18]
     for r in rows:
         def f(v):
             return "-" if r[v] is None else f"{r[v]:.1f}"
         ratio = f"{r['bf16_us'] / r['fp8_us']:.2f}x" if r["bf16_us"] else "-"
         lines.append(f"| {r['model']} | {r['gemm']} | {r['M']} | {r['fp8_us']:.1f} | "
                      f"{r['fp8_us'] / r['floor_us']:.2f} | {r['fp8_tbps']:.2f} | "
-                     f"{f('fp8_cvt_us')} | {r['fp8_a8_us']:.1f} | "
-                     f"{r['fp8_a8_us'] / r['floor_us']:.2f} | "
+                     f"{f('fp8_cvt_us')} | {f('fp8_xq_us')} | "
+                     f"{r['fp8_xq_us'] / r['floor_us']:.2f} | {r['fp8_a8_us']:.1f} | "
                      f"{f('scaled_mm_us')} | {f('prefill_us')} | {f('bf16_us')} | {ratio} | "
-                     f"{r['config']} | {r['fp8_rel_err']:.1e} | {r['a8_rel_err']:.1e} |")
+                     f"{r['config']} | {r['fp8_rel_err']:.1e} | {r['xq_rel_err']:.1e} | "
+                     f"{r['a8_rel_err']:.1e} |")
     return lines
 
 
@@ -233,6 +247,8 @@ def main() -> int:
     ap.add_argument("--models", default="7b,8b,70b", help="of " + ",".join(MODELS))
     ap.add_argument("--rows", default="1,16,64,128,256", help="row counts M")
     ap.add_argument("--sweep", action="store_true", help="time each picked config's neighbours")
+    ap.add_argument("--xq", action="store_true", help="the sweep over the W8A8 decode path "
+                    "(x quantized per row, then the kernel on e4m3 x e4m3)")
     ap.add_argument("--table", action="store_true", help="print the picked configs and exit")
     ap.add_argument("--budget-s", type=float, default=480.0, help="the sweep's time budget")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, M 1 and 16: a smoke run")
@@ -250,7 +266,7 @@ def main() -> int:
     bw = copy_tbps(dev, 0.25 if a.quick else 2.0, 25, 100)
     rows = sweep(a, dev, bw) if a.sweep else compare(a, dev, bw)
     head = dict(base_header(a.device), copy_tbps=round(bw, 3))
-    stem = ("fp8-gemm-sweep-" if a.sweep else "fp8-gemm-") + card_slug(head["card"], a.device)
+    stem = (("fp8-gemm-sweep-xq-" if a.xq else "fp8-gemm-sweep-") if a.sweep else "fp8-gemm-") + card_slug(head["card"], a.device)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"{stem}.json").write_text(json.dumps(dict(header=head, rows=rows), indent=1))
     lines = (sweep_md if a.sweep else compare_md)(head, rows)
