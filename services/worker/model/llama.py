@@ -22,7 +22,7 @@ from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import Norms, PlainNorms
 from services.worker.model.rope import dynamic_ropes, rope_tables
 from services.worker.model.spec import ModelSpec
-from services.worker.model.step_context import StepContext
+from services.worker.model.step_context import LoraMeta, StepContext
 
 
 ROW_MAX_ROWS = 128
@@ -103,9 +103,15 @@ class LlamaModel:
             y = self.norms.project(h, attn, w["o"], w.get("o_bias"))
             self._lora("o", i, y, attn, meta)
             return y
-        lora_shrink_rows(buf[:, s.q_size:], attn, cols.col_slot, meta.row_args(i),
-                         self.row_parts, impl=self.row_impl)
+        self._row_shrink(i, buf, attn, meta)
         return self.norms.project(h, buf, w["o_ext"], w.get("o_bias"))
+
+    def _row_shrink(self, i: int, buf: torch.Tensor, attn: torch.Tensor,
+                    meta: LoraMeta) -> None:
+        """Row LoRA's shrink of layer i: each row's attn @ A_o.T into its adapter's block of
+        buf's columns past q_size (attn: the first q_size columns, attention's output)."""
+        lora_shrink_rows(buf[:, self.spec.q_size:], attn, self.columns.col_slot,
+                         meta.row_args(i), self.row_parts, impl=self.row_impl)
 
     def _angles(self, ctx: StepContext) -> list[tuple]:
         """Each layer's (cos, sin, index): its tables and the rows' positions, or, for dynamic
