@@ -16,8 +16,8 @@ that and one prompt of the whole budget, which the scheduler takes in chunks), f
 base model and for zero adapters of each rank tile (with and without LoRA columns, several in
 one step), with the sampling variants (greedy, temperature, top-k, top-p, repetition penalty).
 Then one LoRA call of each class a step can make (services.worker.startup.kernel_warmup): the
-LoRA kernels' specializations depend on a step's rows and segments together, which its engine
-steps reach only in part.
+LoRA kernels' specializations depend on a step's rows, segments and rank tile together, which
+its engine steps reach only in part (their many-adapter steps run at the smallest tile).
 
 It drives the real engine (scheduler, runner, graphs) on this thread before the engine thread
 starts, with the model cut to its first layer for eager steps (the other layers run the same
@@ -113,10 +113,11 @@ class Warmup:
     def adapter_sets(self) -> list[tuple[str, list[tuple[str, object, bool]]]]:
         """(label, [(key, staged, columns)]): the base model; each rank tile alone; a rank-16
         adapter kept out of the columns; attention-only and MLP-only adapters; several
-        adapters in one step."""
-        spec, tiles = self.spec, rank_tiles(self.max_rank)
+        adapters in one step (at the smallest rank tile: the LoRA calls of many adapters at
+        the other tiles are kernel witnesses, _witnesses)."""
+        spec = self.spec
         sets: list[tuple[str, list]] = [("base", [])]
-        for t in tiles:
+        for t in rank_tiles(self.max_rank):
             sets.append((f"rank {t}", [(f"warmup-r{t}", zero_adapter(spec, t), True)]))
         sets.append(("rank 16 without columns",
                      [("warmup-r16-split", zero_adapter(spec, 16), False)]))
@@ -130,13 +131,6 @@ class Warmup:
         # count, without (q/k/v through SGMV: a step with an adapter that got no blocks)
         sets.append(("many adapters", [(f"warmup-many-{i}", None, True)
                                         for i in range(self.max_distinct)]))
-        # a step's largest rank sets the kernels' RANK_BLOCK: the segment counts again with one
-        # adapter of each larger tile among them (first, so it is in every step)
-        for t in tiles[1:]:
-            sets.append((f"many adapters, rank {t} among them",
-                         [(f"warmup-many-r{t}-0", zero_adapter(spec, t), True)]
-                         + [(f"warmup-many-r{t}-{i}", None, True)
-                            for i in range(1, self.max_distinct)]))
         cols = getattr(self.pool, "columns", None)
         if cols is not None and cols.n_cols:
             few = min(self.max_distinct, cols.n_cols + 2)
