@@ -193,7 +193,8 @@ class Warmup:
         runner = self.engine.runner
         runner = getattr(runner, "runner", runner)           # the eager one under the graphs'
         space = kernel_warmup.space_of(runner.model, self.pool, self.tokens[-1],
-                                       self.max_running, self.max_rank)
+                                       min(self.max_running, runner.buffers.max_seqs),
+                                       self.max_rank)
         if space is None:
             return
         t0 = time.monotonic()
