@@ -2,7 +2,8 @@
 
 `choose_kernel` picks a call's kernel from its shape (kernels.sgmv's module docstring says how);
 `rank_tile` is the rank block the kernels tile an adapter's rank by, which a captured decode
-graph bakes in (the worker keys its graphs by it). Plain Python and numpy: no torch, no triton.
+graph bakes in (the worker keys its graphs by it); `seg_block` the block the kernels read the
+segment table in. Plain Python and numpy: no torch, no triton.
 """
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ def rank_tile(rank: int) -> int:
     """The rank tile (the kernels' RANK_BLOCK) that serves adapters up to this rank: the next
     power of two, at least 16. A captured decode graph bakes one in."""
     return max(16, 1 << max(0, int(rank) - 1).bit_length())
+
+
+def seg_block(n_segs: int) -> int:
+    """The block the kernels read a segment table of n_segs entries in (their SEG_BLOCK): the
+    next power of two, at least 16. Each is a specialization of its own."""
+    return max(16, 1 << max(0, int(n_segs) - 1).bit_length())
 
 
 def use_split(t_rows: int, n_segs: int, max_rank: int) -> bool:

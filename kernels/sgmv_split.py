@@ -41,9 +41,11 @@ import triton
 
 from kernels import pdl
 from kernels.pdl import launch_args
-from kernels.sgmv_choice import rank_tile
-from kernels.sgmv_split_config import (REDUCE_MAX_SEGS, SplitConfig, parse_overrides,  # noqa: F401
-                                       pick_split_config, set_overrides)
+from kernels.sgmv_choice import rank_tile, seg_block as _seg_block
+from kernels.sgmv_split_config import (N_COUNTERS, REDUCE_MAX_SEGS, SplitConfig,  # noqa: F401
+                                       parse_overrides, pick_split_config, reduces,
+                                       set_overrides)
+from kernels.sgmv_split_config import rank_split as _rank_split
 from kernels.sgmv_split_kernels import (PER_STEP, SPIN_LIMIT, _expand_kernel,  # noqa: F401
                                         _one_launch_kernel, _shrink_kernel)
 
@@ -55,7 +57,6 @@ def _sms(device_index: int) -> int:
 
 _BARRIERS: dict[tuple[str, int | None], torch.Tensor] = {}
 _PER_SM: dict[tuple, int] = {}     # (device, constexprs) -> one-launch programs resident per SM
-N_COUNTERS = 8192       # (tile, slice, rank part) arrival counters a device keeps for `reduce`
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
@@ -132,12 +133,6 @@ def _progs(device: torch.device, per_sm: int = 4) -> int:
                          torch.cuda.current_device())
 
 
-def _rank_split(cfg: SplitConfig, rank_block: int) -> int:
-    """How many items a shrink cuts the rank tile into (parts of at least 16 rows of A)."""
-    part = min(rank_block, max(16, cfg.shrink_rank or rank_block))
-    return rank_block // part
-
-
 def _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, vsum, tiles_bound, block_k,
                    cfg: SplitConfig, common) -> int:
     """The shrink phase alone: v[ks, slice, rows] partials (and, given vsum, their sum there).
@@ -179,14 +174,14 @@ def shrink(x, pool, a_off, ranks, seg_start, seg_slot, n_slices: int, max_rank: 
     rb = rank_tile(max_rank)
     n_ks = triton.cdiv(k, cfg.k_chunk)
     v = torch.empty((n_ks, n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
-    seg_block = max(16, triton.next_power_of_2(n_segs))
+    seg_block = _seg_block(n_segs)
     common = dict(N_SLICES=n_slices, SEG_BLOCK=seg_block, BLOCK_M=cfg.block_m, RANK_BLOCK=rb,
                   DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   UPCAST=x.dtype == torch.bfloat16 and not x.is_cuda, ALIGN=_align(cfg, align),
                   num_warps=cfg.num_warps, num_stages=1)
     tiles_bound = triton.cdiv(t_rows, cfg.block_m) + n_segs
     vsum = None
-    if cfg.reduce and tiles_bound * n_slices * _rank_split(cfg, rb) <= N_COUNTERS:
+    if reduces(cfg, t_rows, n_segs, n_slices, rb):
         vsum = torch.empty((n_slices, t_rows, rb), dtype=torch.float32, device=x.device)
     budget = _launch_shrink(x, pool, a_off, ranks, seg_start, seg_slot, v, vsum, tiles_bound,
                             _block_k(cfg, rb // _rank_split(cfg, rb)), cfg, common)
@@ -258,7 +253,7 @@ def expand_columns(y, v_cols, col_slot, pool, b_off, ranks, scales, slice_starts
     return _launch_expand(y, pool, b_off, ranks, scales, slice_starts, seg_start, seg_slot, cfg,
                           align, v=v_cols, vsum=v_cols, col_slot=col_slot,
                           stride_v=v_cols.stride(0), n_ks=1, budget=None,
-                          block_m=cfg.block_m, seg_block=max(16, triton.next_power_of_2(n_segs)),
+                          block_m=cfg.block_m, seg_block=_seg_block(n_segs),
                           rank_block=rank_tile(max_rank), reduce=False, cols=True)
 
 
@@ -301,7 +296,7 @@ def sgmv_split(y, x, pool, a_off, b_off, ranks, scales, slice_starts, seg_start,
     widths = [slice_starts[i + 1] - slice_starts[i] for i in range(n_slices)]
     max_col_blocks = triton.cdiv(max(widths), block_n)
     tiles_bound = triton.cdiv(t_rows, block_m) + n_segs
-    seg_block = max(16, triton.next_power_of_2(n_segs))
+    seg_block = _seg_block(n_segs)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     upcast = x.dtype == torch.bfloat16 and not on_gpu
     s = list(slice_starts) + [slice_starts[-1]] * (5 - len(slice_starts))

@@ -68,6 +68,20 @@ def parse_overrides(text: str) -> dict:
 
 
 REDUCE_MAX_SEGS = 16     # rank 64+ decode calls with at most this many segments: `reduce`
+N_COUNTERS = 8192       # (tile, slice, rank part) arrival counters a device keeps for `reduce`
+
+
+def rank_split(cfg: SplitConfig, rank_block: int) -> int:
+    """How many items a shrink cuts the rank tile into (parts of at least 16 rows of A)."""
+    part = min(rank_block, max(16, cfg.shrink_rank or rank_block))
+    return rank_block // part
+
+
+def reduces(cfg: SplitConfig, t_rows: int, n_segs: int, n_slices: int, rank_block: int) -> bool:
+    """Whether a two-launch shrink of this call sums its partials (cfg.reduce, when its
+    (tile, slice, rank part) items fit the device's N_COUNTERS arrival counters)."""
+    tiles_bound = -(-t_rows // cfg.block_m) + n_segs
+    return cfg.reduce and tiles_bound * n_slices * rank_split(cfg, rank_block) <= N_COUNTERS
 
 
 def pick_split_config(t_rows: int, max_rank: int, pdl_on: bool = True,

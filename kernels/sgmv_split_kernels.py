@@ -255,7 +255,9 @@ def _grid_sync(bar_ptr, nprog, SPIN_LIMIT: tl.constexpr):
 
 # Arguments that change from step to step (rows, segments, work items) are not specialized:
 # Triton would compile a variant for each combination of "is 1" / "divides by 16" among them,
-# mid-serving, whenever a step met a new one (20-60 such compiles in a served run).
+# mid-serving, whenever a step met a new one (20-60 such compiles in a served run). The
+# one-launch form (without PDL) too: it had them specialized, so without PDL a step's rows and
+# segments being 1 or multiples of 16 were compiles of their own (tests/test_warmup_kernels.py).
 PER_STEP = ("T", "n_segs", "n_ks", "budget")
 
 
@@ -288,7 +290,7 @@ def _expand_kernel(y_ptr, pool_ptr, b_off_ptr, ranks_ptr, scales_ptr, seg_start_
                   USE_PDL, REDUCE, ALIGN, COLS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=tuple(a for a in PER_STEP if a != "budget"))
 def _one_launch_kernel(y_ptr, x_ptr, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, scales_ptr,
                        seg_start_ptr, seg_slot_ptr, v_ptr, bar_ptr, K, T, n_slots, n_segs,
                        n_ks, max_col_blocks, stride_x, stride_y, s0, s1, s2, s3, s4,

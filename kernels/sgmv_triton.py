@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import launch_args, wait_then_release
-from kernels.sgmv_choice import rank_tile
+from kernels.sgmv_choice import rank_tile, seg_block
 
 MAX_SLICES = 4
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -276,7 +276,7 @@ def sgmv_triton(y: torch.Tensor, x: torch.Tensor, pool: torch.Tensor, a_off: tor
     _sgmv_kernel[grid](
         y, x, pool, a_off, b_off, ranks, scales, seg_start, seg_slot,
         k, ranks.shape[0], n_segs, max_col_blocks, x.stride(0), y.stride(0), *s,
-        N_SLICES=n_slices, SEG_BLOCK=max(16, triton.next_power_of_2(n_segs)),
+        N_SLICES=n_slices, SEG_BLOCK=seg_block(n_segs),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         RANK_BLOCK=rank_tile(max_rank), EVEN_K=(k % cfg.block_k == 0),
         ALIGN=16 // pool.element_size(),

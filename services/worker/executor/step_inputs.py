@@ -248,6 +248,14 @@ def _prompt_rows(plan: StepPlan, lens: np.ndarray, ends: np.ndarray | None):
     return per, np.concatenate(rows), np.concatenate([np.asarray(t, np.int64) for t in targets])
 
 
+def device_segments(buf: InputBuffers, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device segment tables an eager step of g segments hands the kernels: seg_start
+    [g + 1] and seg_slot [g], views of the rows of one [2, max_seqs + 1] buffer (the kernels'
+    specializations see seg_slot's alignment: the warm-up's witnesses use these views too)."""
+    segs = buf.segs[1]
+    return segs[0, :g + 1], segs[1, :g]
+
+
 def _to_device(buf: InputBuffers, plan: StepPlan, tables: LoraTables | None, t_rows: int,
                max_blocks: int, max_ctx: int, g: int, n_sample: int,
                sampled: list[Scheduled]) -> StepInputs:
@@ -258,13 +266,12 @@ def _to_device(buf: InputBuffers, plan: StepPlan, tables: LoraTables | None, t_r
     rows.copy_(buf.rows[0][:, :t_rows], non_blocking=nb)
     block_tables = buf.tables[1][:n_seq, :max_blocks]
     block_tables.copy_(buf.tables[0][:n_seq, :max_blocks], non_blocking=nb)
-    segs = buf.segs[1][:, :g + 1]
-    segs.copy_(buf.segs[0][:, :g + 1], non_blocking=nb)
+    buf.segs[1][:, :g + 1].copy_(buf.segs[0][:, :g + 1], non_blocking=nb)
     srows = buf.sample_rows[1][:n_sample]
     srows.copy_(buf.sample_rows[0][:n_sample], non_blocking=nb)
     v = buf.views
     single = only_live_segment(v.seg_start[:g + 1], v.seg_slot[:g]) if plan.mask else None
-    lora = LoraMeta(segs[0], segs[1][:g], plan.mask, plan.rank, plan.columns, tables, single)
+    lora = LoraMeta(*device_segments(buf, g), plan.mask, plan.rank, plan.columns, tables, single)
     ctx = StepContext(
         positions=rows[1], slot_mapping=rows[2], block_tables=block_tables,
         q_seq=rows[3].to(torch.int32), q_pos=rows[1].to(torch.int32), sample_rows=srows,

@@ -21,8 +21,8 @@ from services.worker.model.fp8 import qlinear
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import Norms, PlainNorms
 from services.worker.model.rope import dynamic_ropes, rope_tables
-from services.worker.model.spec import ModelSpec
-from services.worker.model.step_context import StepContext
+from services.worker.model.spec import GROUPS, ModelSpec
+from services.worker.model.step_context import LoraMeta, StepContext
 
 
 ROW_MAX_ROWS = 128
@@ -103,9 +103,32 @@ class LlamaModel:
             y = self.norms.project(h, attn, w["o"], w.get("o_bias"))
             self._lora("o", i, y, attn, meta)
             return y
-        lora_shrink_rows(buf[:, s.q_size:], attn, cols.col_slot, meta.row_args(i),
-                         self.row_parts, impl=self.row_impl)
+        self._row_shrink(i, buf, attn, meta)
         return self.norms.project(h, buf, w["o_ext"], w.get("o_bias"))
+
+    def _row_shrink(self, i: int, buf: torch.Tensor, attn: torch.Tensor,
+                    meta: LoraMeta) -> None:
+        """Row LoRA's shrink of layer i: each row's attn @ A_o.T into its adapter's block of
+        buf's columns past q_size (attn: the first q_size columns, attention's output)."""
+        lora_shrink_rows(buf[:, self.spec.q_size:], attn, self.columns.col_slot,
+                         meta.row_args(i), self.row_parts, impl=self.row_impl)
+
+    def lora_witness(self, path: str, group: str, meta: LoraMeta, rows: int) -> None:
+        """One LoRA call of layer 0 on `rows` rows of zeros, laid out as a step lays them out
+        (the warm-up's kernel witnesses: services.worker.startup.kernel_warmup): the group's
+        SGMV (path "sgmv"), q/k/v as column LoRA ("columns", with its GEMM over the extended
+        weight) or o's row LoRA shrink ("rows")."""
+        s, w = self.spec, self.w["layers"][0]
+        def zeros(n: int) -> torch.Tensor:
+            return torch.zeros(rows, n, dtype=self.dtype, device=self.device)
+        if path == "columns":
+            self._qkv(0, w, zeros(s.hidden_size), meta)
+        elif path == "rows":
+            buf = zeros(s.q_size + self.columns.row_width)
+            self._row_shrink(0, buf, buf[:, :s.q_size], meta)
+        else:
+            k = s.in_out(GROUPS[group][0])[0]
+            self._lora(group, 0, zeros(self.slices[group][-1]), zeros(k), meta)
 
     def _angles(self, ctx: StepContext) -> list[tuple]:
         """Each layer's (cos, sin, index): its tables and the rows' positions, or, for dynamic

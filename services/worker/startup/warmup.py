@@ -15,6 +15,9 @@ decode rows a step takes at most --max-prefill-with-decode prompt tokens, so the
 that and one prompt of the whole budget, which the scheduler takes in chunks), for the
 base model and for zero adapters of each rank tile (with and without LoRA columns, several in
 one step), with the sampling variants (greedy, temperature, top-k, top-p, repetition penalty).
+Then one LoRA call of each class a step can make (services.worker.startup.kernel_warmup): the
+LoRA kernels' specializations depend on a step's rows, segments and rank tile together, which
+its engine steps reach only in part (their many-adapter steps run at the smallest tile).
 
 It drives the real engine (scheduler, runner, graphs) on this thread before the engine thread
 starts, with the model cut to its first layer for eager steps (the other layers run the same
@@ -33,12 +36,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sgmv_choice import rank_tile
+from kernels.sgmv_space import rank_tiles, size_classes, witnesses
 from services.worker.adapters.device_pool import PoolFull
 from services.worker.adapters.layout import staged_from_tensors
 from services.worker.engine.loop import Engine
 from services.worker.engine.sequence import Sampling, Sequence, Status, Stopping
 from services.common.families import PARENT
 from services.worker.model.spec import ModelSpec
+from services.worker.startup import kernel_warmup
 
 log = logging.getLogger(__name__)
 SAMPLINGS = (Sampling(), Sampling(0.8, 0, 0.9, 7, 1.0), Sampling(1.0, 20, 1.0, 8, 1.1),
@@ -49,14 +54,8 @@ SAMPLINGS = (Sampling(), Sampling(0.8, 0, 0.9, 7, 1.0), Sampling(1.0, 20, 1.0, 8
 
 def token_counts(max_tokens: int) -> list[int]:
     """1, 2, 3, 7, 8, 15, 16, 17 and each power of two from 32 with its neighbours, up to
-    max_tokens (and max_tokens itself)."""
-    out = {1, 2, 3, 7, 8, 15, 16, 17}
-    p = 32
-    while p <= max_tokens:
-        out |= {p - 1, p, p + 1}
-        p *= 2
-    out.add(max_tokens)
-    return sorted(t for t in out if 1 <= t <= max_tokens)
+    max_tokens (and max_tokens itself): kernels.sgmv_space.size_classes."""
+    return size_classes(max_tokens)
 
 
 def zero_adapter(spec: ModelSpec, rank: int, modules=None, layers=(0,)):
@@ -82,6 +81,7 @@ class Report:
     steps: int = 0
     sequences: int = 0
     seconds: float = 0.0
+    witnesses: int = 0          # LoRA calls of the kernel witnesses (kernel_warmup)
 
 
 class Warmup:
@@ -113,14 +113,11 @@ class Warmup:
     def adapter_sets(self) -> list[tuple[str, list[tuple[str, object, bool]]]]:
         """(label, [(key, staged, columns)]): the base model; each rank tile alone; a rank-16
         adapter kept out of the columns; attention-only and MLP-only adapters; several
-        adapters in one step."""
-        spec, tiles = self.spec, []
-        t = 16
-        while t <= rank_tile(self.max_rank):
-            tiles.append(t)
-            t *= 2
+        adapters in one step (at the smallest rank tile: the LoRA calls of many adapters at
+        the other tiles are kernel witnesses, _witnesses)."""
+        spec = self.spec
         sets: list[tuple[str, list]] = [("base", [])]
-        for t in tiles:
+        for t in rank_tiles(self.max_rank):
             sets.append((f"rank {t}", [(f"warmup-r{t}", zero_adapter(spec, t), True)]))
         sets.append(("rank 16 without columns",
                      [("warmup-r16-split", zero_adapter(spec, 16), False)]))
@@ -134,13 +131,6 @@ class Warmup:
         # count, without (q/k/v through SGMV: a step with an adapter that got no blocks)
         sets.append(("many adapters", [(f"warmup-many-{i}", None, True)
                                         for i in range(self.max_distinct)]))
-        # a step's largest rank sets the kernels' RANK_BLOCK: the segment counts again with one
-        # adapter of each larger tile among them (first, so it is in every step)
-        for t in tiles[1:]:
-            sets.append((f"many adapters, rank {t} among them",
-                         [(f"warmup-many-r{t}-0", zero_adapter(spec, t), True)]
-                         + [(f"warmup-many-r{t}-{i}", None, True)
-                            for i in range(1, self.max_distinct)]))
         cols = getattr(self.pool, "columns", None)
         if cols is not None and cols.n_cols:
             few = min(self.max_distinct, cols.n_cols + 2)
@@ -194,8 +184,25 @@ class Warmup:
                     self.pool.remove(key)
             log.info("warm-up: %s: %d steps in %.1fs (%d of %d)", label,
                      self.report.steps - steps0, time.monotonic() - t0, i, len(sets))
+        self._witnesses()
         self.report.seconds = time.monotonic() - start
         return self.report
+
+    def _witnesses(self) -> None:
+        """One LoRA call of each class a step can make (its share of them: part, parts)."""
+        runner = self.engine.runner
+        runner = getattr(runner, "runner", runner)           # the eager one under the graphs'
+        space = kernel_warmup.space_of(runner.model, self.pool, self.tokens[-1],
+                                       min(self.max_running, runner.buffers.max_seqs),
+                                       self.max_rank)
+        if space is None:
+            return
+        t0 = time.monotonic()
+        found = witnesses(space)[self.part::self.parts]
+        kernel_warmup.launch(runner.model, self.pool.tables, runner.buffers, found)
+        self.report.witnesses = len(found)
+        log.info("warm-up: %d LoRA kernel witnesses in %.2fs", len(found),
+                 time.monotonic() - t0)
 
     def _shapes(self, slots: list[int]) -> None:
         """Each prompt length alone, then beside each count of decode rows."""
