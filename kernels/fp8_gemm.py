@@ -55,7 +55,7 @@ import triton.language as tl
 
 from kernels.fp8_gemm_config import (DECODE_MAX_ROWS, N_COUNTERS, SMS_DEFAULT, Fp8GemmConfig,
                                      group_block_k, pick_config)
-from kernels.fp8_gemm_ref import dequant, quantize_rows_ref
+from kernels.fp8_gemm_ref import dequant, qdq_rows
 from kernels.fp8_tiles import FOLD, quantize_rows, w_mode, w_operand, x_fp8
 from kernels.pdl import launch_args, wait_then_release
 
@@ -326,6 +326,22 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int
         x = x.contiguous()
     if x.shape[0] <= DECODE_MAX_ROWS and supported(x, q, scale, group):
         return fp8_gemm(x, q, scale, group, bias)
+    return fp8_prefill(x, q, scale, group, bias)
+
+
+def fp8_linear_dynamic(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear with x quantized per row on every path (W8A8, dynamic per-token scales):
+    up to DECODE_MAX_ROWS rows the row quantizer, then the kernel on e4m3 x e4m3; above, the
+    prefill path (_scaled_mm quantizes the same way; its dequantize fallback gets x quantized
+    and scaled back first, kernels.fp8_gemm_ref.qdq_rows)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if x.shape[0] <= DECODE_MAX_ROWS and supported(x, q, scale, group):
+        xq, sx = quantize_rows(x)
+        return fp8_gemm(xq, q, scale, group, bias, x_scale=sx, out_dtype=x.dtype)
+    if prefill_path(x, q, scale) != "scaled_mm":
+        x = qdq_rows(x)
     return fp8_prefill(x, q, scale, group, bias)
 
 

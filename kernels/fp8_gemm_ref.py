@@ -25,6 +25,13 @@ def quantize_x_tiles(x: torch.Tensor, block_k: int) -> torch.Tensor:
     return xq.view(m, -1)[:, :k]
 
 
+def qdq_rows(x: torch.Tensor) -> torch.Tensor:
+    """x quantized per row as quantize_rows_ref does and scaled back, in x's dtype: what a W8A8
+    GEMM multiplies (the reference and CPU path of per-token activation quantization)."""
+    xq, s = quantize_rows_ref(x)
+    return xq.float().mul_(s).to(x.dtype)
+
+
 def fp8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
                  bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  config=None, out: torch.Tensor | None = None,
@@ -54,7 +61,7 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     zero row: tiny, so it quantizes to zeros), in torch ops. Divided by a tensor of 448s, not
     the number: CUDA torch turns division by a Python number into multiplication by its
     reciprocal, which 1 / 448 is not exactly (one ulp off in about half of the rows)."""
-    xf = x.float()
+    xf = x.to(torch.float32, copy=True)         # never x itself (an fp32 x: divided in place)
     amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
     s = amax.div_(torch.full_like(amax, 448.0))
     return xf.div_(s).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn), s

@@ -96,6 +96,21 @@ def with_base_weights(model, weights: dict):
     return model.eval()
 
 
+def with_token_inputs(model):
+    """The model with each decoder linear's input quantized per token (a row of its last
+    dimension: quant_rows) and scaled back before the base weight multiplies it, W8A8 with
+    dynamic activation scales: a forward pre-hook on the linear itself, so the PEFT LoRA that
+    later wraps it (calling it as its base_layer) still reads the unquantized input."""
+    def hook(_module, args):
+        x = args[0]
+        flat = x.reshape(-1, x.shape[-1])
+        return (dequant(*quant_rows(flat)).to(x.dtype).reshape(x.shape), *args[1:])
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and LINEAR.fullmatch(name + ".weight"):
+            module.register_forward_pre_hook(hook)
+    return model
+
+
 def peft_on(base, adapter_dirs: dict) -> dict:
     """{name: PEFT model of the adapter in its directory over a copy of base}."""
     from peft import PeftModel

@@ -2,8 +2,9 @@
 
 W8A16: the decoder layers' linear weights are float8_e4m3fn with float32 scales, the
 activations stay in the model dtype, so the reference is the same HF model with its base linear
-weights replaced by dequant(quant(W)) and nothing else changed (no activation quantization to
-mirror). The quantizers and the published checkpoints' files are this suite's own
+weights replaced by dequant(quant(W)) and nothing else changed. W8A8 (--quantization
+fp8-dynamic): the reference's base linears also quantize their input per token
+(fp8_fixtures.with_token_inputs), the LoRA reading it unquantized. The quantizers and the published checkpoints' files are this suite's own
 (tests/fp8_fixtures.py), written from the formats' definitions.
 
 - `--quantization fp8` on a bf16 checkpoint: 5 adapters and base rows in one concurrent batch
@@ -151,17 +152,28 @@ def test_fp8_mixed_batch_of_five_adapters_matches_peft(llama):
     assert got == expected
 
 
-def test_fp8_logprob_error_against_bf16(llama, capsys):
-    """The FP8 engine's prefill logits match its reference to 1e-4 (fp32), and differ from the
-    unquantized model's (the bf16 checkpoint served as stored) by e4m3's rounding: the
-    log-probability error is reported and bounded."""
+def test_fp8_dynamic_mixed_batch_of_five_adapters_matches_peft(llama):
+    """Done-when 1 for W8A8 (--quantization fp8-dynamic): the reference's base weights are
+    dequant(quant(W)) and its linear inputs are quantized per token the same way (the LoRA
+    reading them unquantized); 5 adapters and base rows in one mixed batch give its greedy
+    tokens, which differ from the W8A16 reference's somewhere (the inputs' rounding is real)."""
     base_dir, base, dirs = llama
-    fp8, slots = _engine(base_dir, dirs, "fp8", tokens=256)
-    bf16, slots16 = _engine(base_dir, dirs, tokens=256)
-    prompts = {n: [(11 * i + 5 * j) % 250 + 2 for j in range(9 + 4 * i)]
-               for i, n in enumerate([*dirs, "base"])}
+    built, slots = _engine(base_dir, dirs, "fp8-dynamic")
+    layer = built.engine.runner.model.w["layers"][0]
+    assert all(layer[g].tokens for g in ("qkv", "o", "gate_up", "down"))
+    ref = fx.with_token_inputs(_at_load_reference(base))
+    got, expected = _mixed_batch(built, slots, ref, fx.peft_on(ref, dirs), seed=46, new=12)
+    assert got == expected
+    w8a16 = _at_load_reference(base)
+    _, weight_only = _mixed_batch(built, slots, w8a16, fx.peft_on(w8a16, dirs), seed=46, new=12)
+    assert weight_only != expected
+
+
+def _logprob_errors(fp8, slots, bf16, slots16, ref, dirs, prompts):
+    """Per prompt: |log p(fp8 engine) - log p(bf16 engine)| over the vocabulary at the last
+    prompt token, after checking the FP8 engine's logits against ref (+ PEFT) to 1e-4; and how
+    many prompts' top-1 tokens agree."""
     got, plain = _prefill_logits(fp8, slots, prompts), _prefill_logits(bf16, slots16, prompts)
-    ref = _at_load_reference(base)
     peft = fx.peft_on(ref, dirs)
     errs, agree = [], 0
     for name, ids in prompts.items():
@@ -171,12 +183,29 @@ def test_fp8_logprob_error_against_bf16(llama, capsys):
         lp, lp16 = got[name].log_softmax(-1), plain[name].log_softmax(-1)
         errs.append((lp - lp16).abs())
         agree += int(lp.argmax() == lp16.argmax())
-    err = torch.stack(errs)
+    return torch.stack(errs), agree
+
+
+@pytest.mark.parametrize("mode", ["fp8", "fp8-dynamic"])
+def test_fp8_logprob_error_against_bf16(llama, capsys, mode):
+    """The FP8 engine's prefill logits match its reference to 1e-4 (fp32), and differ from the
+    unquantized model's (the bf16 checkpoint served as stored) by e4m3's rounding: the
+    log-probability error is reported and bounded, W8A16 and W8A8 (whose inputs' rounding
+    adds to the weights')."""
+    base_dir, base, dirs = llama
+    fp8, slots = _engine(base_dir, dirs, mode, tokens=256)
+    bf16, slots16 = _engine(base_dir, dirs, tokens=256)
+    prompts = {n: [(11 * i + 5 * j) % 250 + 2 for j in range(9 + 4 * i)]
+               for i, n in enumerate([*dirs, "base"])}
+    ref = _at_load_reference(base)
+    if mode == "fp8-dynamic":
+        ref = fx.with_token_inputs(ref)
+    err, agree = _logprob_errors(fp8, slots, bf16, slots16, ref, dirs, prompts)
     with capsys.disabled():
-        print(f"\nfp8 vs bf16 logprobs over {len(prompts)} prompts x {err.shape[1]} tokens: "
+        print(f"\n{mode} vs bf16 logprobs over {len(prompts)} prompts x {err.shape[1]} tokens: "
               f"max |err| {err.max():.4f}, mean {err.mean():.5f}; "
               f"top-1 agrees {agree}/{len(prompts)}")
-    assert 1e-3 < err.max() < 0.1 and err.mean() < 0.01   # far above the 1e-4 parity
+    assert 1e-3 < err.max() < 0.2 and err.mean() < 0.02   # far above the 1e-4 parity
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "phi3"])
@@ -197,14 +226,16 @@ def test_fp8_families_at_load(tmp_path, arch):
     assert got == expected
 
 
-def test_the_warm_up_runs_the_fp8_model(llama):
-    """The warm-up (every eager step kind through the first layer) runs over FP8 weights and
-    leaves the pool and the KV cache as they were."""
+@pytest.mark.parametrize("mode", ["fp8", "fp8-dynamic"])
+def test_the_warm_up_runs_the_fp8_model(llama, mode):
+    """The warm-up (every eager step kind through the first layer) runs over FP8 weights (and
+    per-token FP8 inputs) and leaves the pool and the KV cache as they were."""
     from services.worker.startup.warmup import Warmup
     built = build_engine(llama[0], EngineOptions(device="cpu", dtype="float32",
-                                                 quantization="fp8", max_batch_tokens=16,
+                                                 quantization=mode, max_batch_tokens=16,
                                                  max_running=4, pool_slots=6, block_size=4))
-    assert isinstance(built.engine.runner.model.w["layers"][0]["down"], Fp8Weight)
+    down = built.engine.runner.model.w["layers"][0]["down"]
+    assert isinstance(down, Fp8Weight) and down.tokens == (mode == "fp8-dynamic")
     report = Warmup(built.engine, built.pool, built.spec, 16, max_rank=16, max_running=4).run()
     assert report.steps > 0
     assert built.pool.free_bytes == built.pool.capacity_bytes

@@ -211,6 +211,7 @@ def test_fp8_flags():
     which extend bf16 weights, are refused beside FP8 naming their variable."""
     assert parse_args(["--quantization", "fp8"]).engine.quantization == "fp8"
     assert parse_args([]).engine.quantization == "auto"
+    assert parse_args(["--quantization", "fp8-dynamic"]).engine.quantization == "fp8-dynamic"
     with pytest.raises(ValueError, match="--quantization: 'int4'"):
         EngineOptions(quantization="int4")
     for perf, var in ((PerfConfig(lora_columns=4), "LORAFLEET_LORA_COLUMNS=4"),

@@ -191,6 +191,17 @@ def test_w_bit_moves_give_every_e4m3_value_times_a_power_of_two(dtype, shift, fo
     assert (q.double().abs() < 2.0 ** -6).sum() == 16    # 14 subnormals and the two zeros
 
 
+def test_the_row_quantizers_reference_leaves_its_input_as_it_was():
+    """quantize_rows_ref on an fp32 x (x.float() is x itself) must not divide x in place: the
+    CPU path of W8A8 quantizes the input the LoRA then reads."""
+    from kernels.fp8_gemm_ref import qdq_rows, quantize_rows_ref
+    x = torch.randn(5, 40)
+    before = x.clone()
+    quantize_rows_ref(x)
+    qdq_rows(x)
+    assert torch.equal(x, before)
+
+
 def test_act_fp8_quantizes_each_k_tile_of_a_row_with_its_own_scale():
     """The act_fp8 reference: each row's K tiles on e4m3's grid times their own scale (a tile
     of large values does not coarsen a tile of small ones), zeros kept, and the GEMM over it
@@ -370,15 +381,17 @@ def test_gpu_the_warm_up_row_counts_leave_nothing_to_compile():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_fp8_engine_matches_the_cpu_and_its_graphs_match_eager():
-    """The tiny model quantized to FP8 at load: on CUDA in fp32 (the kernel, its fp32 dot in
-    IEEE precision) the CPU's greedy tokens (dequantize-then-GEMM); in bf16 the decode graphs
-    give the eager steps' tokens (the kernel is deterministic, split-K included)."""
+@pytest.mark.parametrize("mode", ["fp8", "fp8-dynamic"])
+def test_gpu_fp8_engine_matches_the_cpu_and_its_graphs_match_eager(mode):
+    """The tiny model quantized to FP8 at load (fp8-dynamic: its linear inputs per token too):
+    on CUDA in fp32 (the kernel, its fp32 dot in IEEE precision; W8A8 e4m3 x e4m3) the CPU's
+    greedy tokens (dequantize-then-GEMM); in bf16 the decode graphs give the eager steps'
+    tokens (the kernel is deterministic, split-K included)."""
     from tests.test_gpu import greedy_tokens
-    assert (greedy_tokens("cuda", "float32", quantization="fp8")
-            == greedy_tokens("cpu", "float32", quantization="fp8"))
-    assert (greedy_tokens("cuda", "bfloat16", graphs=False, quantization="fp8")
-            == greedy_tokens("cuda", "bfloat16", graphs=True, quantization="fp8"))
+    assert (greedy_tokens("cuda", "float32", quantization=mode)
+            == greedy_tokens("cpu", "float32", quantization=mode))
+    assert (greedy_tokens("cuda", "bfloat16", graphs=False, quantization=mode)
+            == greedy_tokens("cuda", "bfloat16", graphs=True, quantization=mode))
 
 
 if __name__ == "__main__":           # the child: TRITON_INTERPRET=1 set by the parent

@@ -19,7 +19,14 @@ published checkpoint computes what its own dequantization gives, and fused weigh
 gate/up: `cat_rows`) stay FP8 whatever their parts' row counts, which block scales alone could
 not (a k projection of 320 rows is not a whole number of 128-row blocks).
 
-The activations stay in the model dtype: `qlinear(x, w)` is F.linear for a plain weight and,
+With `tokens` set (--quantization fp8-dynamic: Fp8Scheme.activations "token") the weight's
+input is quantized to e4m3 per token (row) on every path, W8A8: on CUDA
+`kernels.fp8_gemm.fp8_linear_dynamic` (the row quantizer, then the kernel on e4m3 x e4m3 up to
+256 rows, _scaled_mm above), elsewhere the input quantized and dequantized per row by the same
+rule (`kernels.fp8_gemm_ref.qdq_rows`) before dequantize-then-GEMM. The LoRA beside it reads
+the unquantized input either way.
+
+Otherwise the activations stay in the model dtype: `qlinear(x, w)` is F.linear for a plain weight and,
 for an Fp8Weight, on CUDA `kernels.fp8_gemm.fp8_linear`: up to 256 rows the weight-only FP8
 kernel (W read once as FP8, turned to bf16 in registers, the scales applied in the kernel), above
 that the prefill path (torch._scaled_mm with per-row activation scales where it serves the
@@ -34,8 +41,8 @@ import re
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_gemm import fp8_linear
-from kernels.fp8_gemm_ref import dequant
+from kernels.fp8_gemm import fp8_linear, fp8_linear_dynamic
+from kernels.fp8_gemm_ref import dequant, qdq_rows
 from services.worker.model.quant_scheme import Fp8Scheme
 from services.worker.model.spec import UnsupportedModel
 
@@ -46,17 +53,18 @@ LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 
 
 class Fp8Weight:
-    """A linear weight [N, K] in FP8 with float32 scales over column groups (module doc)."""
-    __slots__ = ("q", "scale", "group")
+    """A linear weight [N, K] in FP8 with float32 scales over column groups (module doc);
+    tokens: its input is quantized per token too (W8A8)."""
+    __slots__ = ("q", "scale", "group", "tokens")
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, group: int):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, group: int, tokens: bool = False):
         if q.dtype != FP8 or q.dim() != 2:
             raise ValueError(f"Fp8Weight: q must be 2-D {FP8}, got {q.dtype} {tuple(q.shape)}")
         n, k = q.shape
         if scale.dtype != torch.float32 or tuple(scale.shape) != (n, math.ceil(k / group)):
             raise ValueError(f"Fp8Weight: scale must be float32 [{n}, ceil({k} / {group})], "
                              f"got {scale.dtype} {tuple(scale.shape)}")
-        self.q, self.scale, self.group = q, scale, group
+        self.q, self.scale, self.group, self.tokens = q, scale, group, tokens
 
     @property
     def shape(self) -> torch.Size:
@@ -82,17 +90,22 @@ class Fp8Weight:
             raise ValueError(f"Fp8Weight: groups of {self.group} columns cannot be split into "
                              f"groups of {group}")
         scale = self.scale.repeat_interleave(reps, dim=1)[:, :math.ceil(k / group)]
-        return Fp8Weight(self.q, scale.contiguous(), group)
+        return Fp8Weight(self.q, scale.contiguous(), group, self.tokens)
 
 
 Weight = torch.Tensor | Fp8Weight
 
 
 def qlinear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype, W plain or FP8: W8A16 (on CUDA a
-    prefill of more than 256 rows may quantize x per row for the FP8 tensor cores:
-    kernels.fp8_gemm.fp8_prefill; the LoRA reads x as it is)."""
+    """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype, W plain or FP8: W8A8 for a weight with
+    tokens (x quantized per row on every path), else W8A16 (on CUDA a prefill of more than
+    256 rows may quantize x per row for the FP8 tensor cores: kernels.fp8_gemm.fp8_prefill).
+    The LoRA reads x as it is."""
     if isinstance(w, Fp8Weight):
+        if w.tokens:
+            if x.is_cuda:
+                return fp8_linear_dynamic(x, w.q, w.scale, w.group, bias)
+            return F.linear(qdq_rows(x), w.dequant(x.dtype), bias)
         if x.is_cuda:
             return fp8_linear(x, w.q, w.scale, w.group, bias)
         return linear_by_dequant(x, w, bias)
@@ -105,7 +118,7 @@ def linear_by_dequant(x: torch.Tensor, w: Fp8Weight,
     return F.linear(x, w.dequant(x.dtype), bias)
 
 
-def quantize(w: torch.Tensor, name: str = "weight") -> Fp8Weight:
+def quantize(w: torch.Tensor, name: str = "weight", tokens: bool = False) -> Fp8Weight:
     """W [N, K] -> FP8 with one scale per output channel: scale = max|W[n]| / 448 (float32),
     q = W / scale rounded to e4m3 (to nearest). A zero row keeps scale 1. NaN or Inf weights
     are refused naming the tensor."""
@@ -114,7 +127,7 @@ def quantize(w: torch.Tensor, name: str = "weight") -> Fp8Weight:
         raise UnsupportedModel(f"{name}: NaN or Inf weights cannot be quantized")
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = w.to(torch.float32, copy=True).div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return Fp8Weight(q, scale, w.shape[1])
+    return Fp8Weight(q, scale, w.shape[1], tokens)
 
 
 def cat_rows(parts: list[Weight]) -> Weight:
@@ -131,8 +144,10 @@ def cat_rows(parts: list[Weight]) -> Weight:
     if grouped:
         group = math.gcd(*(p.group for p in grouped))
         parts = [p.regroup(group) for p in parts]
+    if len({p.tokens for p in parts}) > 1:
+        raise ValueError("cat_rows: parts with and without per-token activations")
     return Fp8Weight(torch.cat([p.q for p in parts], 0), torch.cat([p.scale for p in parts], 0),
-                     parts[0].group)
+                     parts[0].group, parts[0].tokens)
 
 
 # --- reading a checkpoint ---------------------------------------------------------------------
@@ -154,7 +169,7 @@ def convert(name: str, t: torch.Tensor, scheme: Fp8Scheme | None, dtype: torch.d
     if scheme.scale_name and name.endswith("." + scheme.scale_name):
         return t.to(device=device, dtype=torch.float32)
     if scheme.source == "load" and LINEAR.fullmatch(name):
-        return quantize(t.to(device), name)
+        return quantize(t.to(device), name, scheme.activations == "token")
     return t.to(device=device, dtype=dtype)
 
 
@@ -190,16 +205,17 @@ def from_checkpoint(q: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme,
         raise UnsupportedModel(f"tensor {name}: an FP8 weight is 2-D, got {tuple(q.shape)}")
     n, k = q.shape
     shape = tuple(scale.shape)
+    tokens = scheme.activations == "token"
     if scale.numel() == 1:
-        return Fp8Weight(q, scale.reshape(1, 1).expand(n, 1).contiguous(), k)
+        return Fp8Weight(q, scale.reshape(1, 1).expand(n, 1).contiguous(), k, tokens)
     if scheme.block:
         bn, bk = scheme.block
         if shape == (math.ceil(n / bn), math.ceil(k / bk)):
-            return Fp8Weight(q, scale.repeat_interleave(bn, dim=0)[:n].contiguous(), bk)
+            return Fp8Weight(q, scale.repeat_interleave(bn, dim=0)[:n].contiguous(), bk, tokens)
     if scheme.group and shape == (n, math.ceil(k / scheme.group)):
-        return Fp8Weight(q, scale.contiguous(), scheme.group)
+        return Fp8Weight(q, scale.contiguous(), scheme.group, tokens)
     if shape in ((n,), (n, 1)):
-        return Fp8Weight(q, scale.reshape(n, 1).contiguous(), k)
+        return Fp8Weight(q, scale.reshape(n, 1).contiguous(), k, tokens)
     raise UnsupportedModel(
         f"tensor {name}: scales of shape {list(shape)} do not fit weight [{n}, {k}] (one per "
         f"tensor, per row [{n}, 1]" + (f", per block {list(scheme.block)}" if scheme.block

@@ -16,6 +16,12 @@ LoRA reads those bf16 activations. Three sources of such weights:
   `X.weight` e4m3 and `X.weight_scale_inv` per block [ceil(N / bn), ceil(K / bk)] of
   `weight_block_size`, or one per tensor without a block size; W = weight * weight_scale_inv.
 
+`--quantization fp8-dynamic` computes W8A8 instead, as llm-compressor's FP8_DYNAMIC scheme and
+vLLM's `--quantization fp8` do: each decoder-layer linear's input quantized to e4m3 per token,
+dynamically (one scale a row, max|x| / 448), both operands FP8 on the tensor cores; the LoRA
+still reads the bf16 input. It applies to a checkpoint quantized at load and to a published
+one alike (Fp8Scheme.activations "token").
+
 Any other scheme, and any field value that would change the maths, is refused naming the field
 (`quantization_config.FIELD`). Fields that only describe how the checkpoint was made
 (observers, compression ratios, versions) are not read.
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZATION_MODES = ("auto", "fp8")     # EngineOptions.quantization (--quantization)
+QUANTIZATION_MODES = ("auto", "fp8", "fp8-dynamic")    # EngineOptions.quantization
 FP8_METHODS = ("compressed-tensors", "fp8")
 DEFAULT_BLOCK = (128, 128)               # transformers' FineGrainedFP8Config.weight_block_size
 
@@ -35,11 +41,13 @@ class Fp8Scheme:
     channel), "compressed-tensors" or "fp8" (as published); `scale_name` the tensor beside each
     `X.weight` with its scales ("" when quantized at load); `block` (rows, columns) one scale
     covers in the block strategy, `group` the columns one covers in the group strategy (None:
-    per channel or per tensor, told apart by the scale's shape)."""
+    per channel or per tensor, told apart by the scale's shape); `activations` "bf16" (W8A16)
+    or "token" (W8A8: the linear inputs quantized to e4m3 per token, dynamically)."""
     source: str
     scale_name: str = ""
     block: tuple[int, int] | None = None
     group: int | None = None
+    activations: str = "bf16"
 
 
 AT_LOAD = Fp8Scheme("load")

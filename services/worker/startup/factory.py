@@ -49,11 +49,15 @@ def resolve_device(opt: str) -> str:
 
 def resolve_quantization(opt: str, spec: ModelSpec) -> ModelSpec:
     """The spec with the weights' FP8 scheme (spec.quant): a published FP8 checkpoint's own in
-    any mode, quantized at load (one scale per output channel) for --quantization fp8 on a
-    plain checkpoint, none otherwise."""
-    if spec.quant is None and opt == "fp8":
-        return dataclasses.replace(spec, quant=AT_LOAD)
-    return spec
+    any mode, quantized at load (one scale per output channel) for --quantization fp8 or
+    fp8-dynamic on a plain checkpoint, none otherwise; fp8-dynamic quantizes the linear
+    inputs per token too (activations "token"), for either source."""
+    quant = spec.quant
+    if quant is None and opt in ("fp8", "fp8-dynamic"):
+        quant = AT_LOAD
+    if quant is not None and opt == "fp8-dynamic":
+        quant = dataclasses.replace(quant, activations="token")
+    return spec if quant is spec.quant else dataclasses.replace(spec, quant=quant)
 
 
 def resolve_dtype(opt: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
@@ -91,6 +95,9 @@ def _fp8_note(spec: ModelSpec, device: torch.device) -> str:
         return ""
     src = spec.quant.source
     how = "quantized at load" if src == "load" else f"{src} as published"
+    if spec.quant.activations == "token":
+        return (f", linear weights FP8 ({how}) and their inputs quantized to FP8 per token "
+                f"(W8A8; LoRA in the model dtype)")
     gemm = ("; the FP8 GEMM kernel up to 256 rows, _scaled_mm or dequantize-then-GEMM above"
             if device.type == "cuda" else "; dequantize-then-GEMM")
     return f", linear weights FP8 ({how}; activations and LoRA in the model dtype{gemm})"
