@@ -147,6 +147,7 @@ def run_model(name: str, cfg: dict, args, device, bw: float,
                        + n * adapter_bytes)
         floor_ms = 1e3 * floor_bytes / bw
         row = {"model": name, "dtype": "fp8" if spec.quant is not None else "bf16",
+               "activations": spec.quant.activations if spec.quant is not None else "bf16",
                "batch": args.batch, "distinct": n,
                "decode_step_ms": r["decode_step_ms"], "bytes_floor_ms": floor_ms,
                "ratio": r["decode_step_ms"] / floor_ms if r["decode_step_ms"] else None,

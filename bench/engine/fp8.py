@@ -12,6 +12,9 @@ also against the bf16 row of the same adapters (target: <= 0.75x, and <= 1.2x it
     python -m bench.engine.fp8 --models llama-70b --out /tmp/70b     # on an H200
     python -m bench.engine.fp8 --merge a/fp8-h200.json b/fp8-h200.json --out bench/results
 
+Rows: bf16, FP8 weight-only (W8A16, --quantization fp8) and FP8 W8A8 (--quantization
+fp8-dynamic: "activations": "token").
+
 Writes fp8-<card>.{json,md}: {"header", "rows": [{"model", "dtype", "batch", "distinct",
 "decode_step_ms", "bytes_floor_ms", ...}], "served": [the rows of --served files: the
 saturation benchmark's, e.g. its closed-loop runs of a bf16 and an FP8 stack]}.
@@ -61,7 +64,8 @@ def write(out: pathlib.Path, doc: dict) -> pathlib.Path:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         vs = f"{r['vs_bf16']:.3f}x" if r.get("vs_bf16") else "-"
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['distinct'] or 'base'} | "
+        weights = r["dtype"] + (" W8A8" if r.get("activations") == "token" else "")
+        lines.append(f"| {r['model']} | {weights} | {r['distinct'] or 'base'} | "
                      f"{r['weight_gb']:.2f} | "
                      f"{r['decode_step_ms']:.2f} | {r['bytes_floor_ms']:.2f} | "
                      f"{r['ratio']:.2f} | {vs} | {r['compiles_after_warmup']} |")
@@ -117,6 +121,9 @@ def main(argv=None) -> int:
     p.add_argument("--served", nargs="*", default=[],
                    help="saturation-benchmark JSON files whose rows go under 'served'")
     p.add_argument("--commit", default=None)
+    p.add_argument("--quantizations", default="auto,fp8,fp8-dynamic",
+                   help="the worker's --quantization values to run: auto (the bf16 rows), fp8 "
+                        "(W8A16), fp8-dynamic (W8A8, inputs per token)")
     a = p.parse_args(argv)
     if a.merge:
         print(write(pathlib.Path(a.out), merge(a.merge)).with_suffix(".md").read_text())
@@ -125,9 +132,9 @@ def main(argv=None) -> int:
     rows, notes, models = [], [], a.models.split(",")
     for model in models:
         cfg = config(model, a.quick)
-        quants = ("auto", "fp8")
+        quants = a.quantizations.split(",")
         if not bf16_fits(cfg, device):
-            quants = ("fp8",)
+            quants = [q for q in quants if q != "auto"]
             notes.append(f"{model}: no bf16 rows (its bf16 weights do not fit this card)")
         for quantization in quants:
             rows += run_model(model, cfg, a, device, bw, quantization)
