@@ -4,8 +4,9 @@ W8A16: the decoder layers' linear weights are float8_e4m3fn with float32 scales,
 activations stay in the model dtype, so the reference is the same HF model with its base linear
 weights replaced by dequant(quant(W)) and nothing else changed. W8A8 (--quantization
 fp8-dynamic): the reference's base linears also quantize their input per token
-(fp8_fixtures.with_token_inputs), the LoRA reading it unquantized. The quantizers and the published checkpoints' files are this suite's own
-(tests/fp8_fixtures.py), written from the formats' definitions.
+(fp8_fixtures.with_token_inputs), the LoRA reading it unquantized. The quantizers and the
+published checkpoints' files are this suite's own (tests/fp8_fixtures.py), written from the
+formats' definitions.
 
 - `--quantization fp8` on a bf16 checkpoint: 5 adapters and base rows in one concurrent batch
   give the reference's greedy tokens (Llama; Mistral, Qwen2 and Phi-3's fused checkpoint too);

@@ -284,10 +284,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_matches_the_reference_at_7b_shapes():
-    """Per channel at every bucket's edges, group-128 scales, split-K forced off and on, and the
+    """Per channel at every bucket's edges, group-128 scales, split-K forced off and on, W's
+    tile through Triton's conversion, x given quantized (W8A8), every e4m3 byte in W, and the
     residual + bias epilogue, on the 7B's four GEMMs."""
     from kernels.fp8_gemm import fp8_gemm
-    from kernels.fp8_gemm_ref import fp8_gemm_ref
+    from kernels.fp8_gemm_ref import fp8_gemm_ref, quantize_rows_ref
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in SHAPES["7b"].items():
         for group in (0, 128):
@@ -303,6 +304,10 @@ def test_gpu_matches_the_reference_at_7b_shapes():
                                f"{name} m{m} g{group} act_fp8")
                 cvt = replace(cfg, w_bits=False)         # Triton's e4m3 conversion
                 assert_matches(fp8_gemm(**args, config=cvt), ref, f"{name} m{m} g{group} cvt")
+                xq, sx = quantize_rows_ref(x)               # W8A8: x given as e4m3
+                assert_matches(fp8_gemm(xq, q, scale, g, x_scale=sx),
+                               fp8_gemm_ref(xq, q, scale, g, x_scale=sx),
+                               f"{name} m{m} g{group} xq")
                 for split in {1, 4} - {cfg.split_k}:
                     forced = Fp8GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split,
                                            cfg.num_warps, cfg.num_stages)

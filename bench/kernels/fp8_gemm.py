@@ -266,7 +266,8 @@ def main() -> int:
     bw = copy_tbps(dev, 0.25 if a.quick else 2.0, 25, 100)
     rows = sweep(a, dev, bw) if a.sweep else compare(a, dev, bw)
     head = dict(base_header(a.device), copy_tbps=round(bw, 3))
-    stem = (("fp8-gemm-sweep-xq-" if a.xq else "fp8-gemm-sweep-") if a.sweep else "fp8-gemm-") + card_slug(head["card"], a.device)
+    kind = ("fp8-gemm-sweep-xq-" if a.xq else "fp8-gemm-sweep-") if a.sweep else "fp8-gemm-"
+    stem = kind + card_slug(head["card"], a.device)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"{stem}.json").write_text(json.dumps(dict(header=head, rows=rows), indent=1))
     lines = (sweep_md if a.sweep else compare_md)(head, rows)

@@ -26,10 +26,10 @@ input is quantized to e4m3 per token (row) on every path, W8A8: on CUDA
 rule (`kernels.fp8_gemm_ref.qdq_rows`) before dequantize-then-GEMM. The LoRA beside it reads
 the unquantized input either way.
 
-Otherwise the activations stay in the model dtype: `qlinear(x, w)` is F.linear for a plain weight and,
-for an Fp8Weight, on CUDA `kernels.fp8_gemm.fp8_linear`: up to 256 rows the weight-only FP8
-kernel (W read once as FP8, turned to bf16 in registers, the scales applied in the kernel), above
-that the prefill path (torch._scaled_mm with per-row activation scales where it serves the
+Otherwise the activations stay in the model dtype: `qlinear(x, w)` is F.linear for a plain
+weight and, for an Fp8Weight, on CUDA `kernels.fp8_gemm.fp8_linear`: up to 256 rows the
+weight-only FP8 kernel (W read once as FP8, made bf16 in registers, the scales applied in the
+kernel), above that the prefill path (torch._scaled_mm with per-row activation scales where it serves the
 weight, else dequantize-then-GEMM). Elsewhere `linear_by_dequant`, which dequantizes the weight
 to x's dtype and runs the ordinary GEMM: the reference (CPU) path.
 """
