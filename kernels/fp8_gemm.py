@@ -1,4 +1,5 @@
-"""Weight-only FP8 GEMM (W8A16) for decode and small-prefill row counts, and the prefill path.
+"""The FP8 GEMM for decode and small-prefill row counts (W8A16, or W8A8 with x given quantized),
+and the prefill path.
 
 Semantics (kernels.fp8_gemm_ref.fp8_gemm_ref):
 
@@ -21,7 +22,12 @@ scales inside the K loop, each K tile lying in one group (kernels.fp8_gemm_confi
 Under PDL (kernels.pdl) the row scales and the bias, weights, are read before the wait; x and
 the residual after it.
 
-W8A8 (config.act_fp8; off in every picked config until measured): the same kernel with each x
+W8A8 with x given quantized (x e4m3 [M, K] and x_scale float32 [M, 1], kernels.fp8_tiles
+.quantize_rows' output; --quantization fp8-dynamic): out = ((x * x_scale) @ dequant(...).T + ...)
+in out_dtype; both tiles go from shared memory to e4m3 x e4m3 MMAs as loaded (no per-element
+work in the K loop), x's row scales applied once before the epilogue.
+
+W8A8 in the kernel (config.act_fp8; off in every picked config: slower than both): each x
 tile quantized to e4m3 in registers, one scale per row of the tile (max|x| / 448 over its K), and
 the MMA run on e4m3 operands, so W's tile reaches the tensor cores as it was loaded (no bf16
 conversion); each tile's product is scaled by its x scales. Semantics: kernels.fp8_gemm_ref
