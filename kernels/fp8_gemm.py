@@ -30,9 +30,9 @@ work in the K loop), x's row scales applied once before the epilogue.
 W8A8 in the kernel (config.act_fp8; off in every picked config: slower than W8A16 from 64 rows on
 the H100, bench/results/fp8-gemm-h100.md): each x tile quantized to e4m3 in registers, one
 scale per row of the tile (max|x| / 448 over its K), and the MMA run on e4m3 operands, so W's
-tile reaches the tensor cores as it was loaded (no bf16 conversion); each tile's product is scaled by its x scales. Semantics: kernels.fp8_gemm_ref
-.fp8_gemm_ref with that config (x as quantize_x_tiles makes it). The LoRA beside it reads the
-bf16 x.
+tile reaches the tensor cores as it was loaded (no bf16 conversion); each tile's product is
+scaled by its x scales. Semantics: kernels.fp8_gemm_ref.fp8_gemm_ref with that config (x as
+quantize_x_tiles makes it). The LoRA beside it reads the bf16 x.
 
 Split-K (config.split_k > 1, at decode M, where N alone gives too few tiles for 132 SMs): each
 split writes its fp32 partial tile to a scratch [S, M, N]; the last split of an output tile to
