@@ -1,14 +1,19 @@
 """The e4m3 rows the fused kernels write beside their output (kernels.fused_quant: `rows` on
-rms_norm, add_rms_norm and silu_mul / gate_mul) for a W8A8 GEMM after them.
+rms_norm, add_rms_norm and silu_mul / gate_mul) for a W8A8 GEMM after them, and the model's
+use of them (services.worker.model.fp8: input_rows, Quantized, qlinear).
 
 Under the Triton interpreter (a child process: TRITON_INTERPRET must be set before triton
 loads, as in tests/test_fused.py) each kernel with rows gives the same output as without, bit
 for bit, and rows whose bytes and scales are quantize_rows_ref's of that output: rows of every
 scale (1e-4 to 1e3), a zero row (whose outputs are -0.0 where a norm weight is negative: byte
 0x80), values that round up into the next binade, masked lanes (96 and 80 columns of 128), the
-SiLU and GELU-tanh gates, and the gate's two-launch form for rows too wide for a program. The
-`gpu` test checks the fused path against the unfused one (the row quantizer's own launch) bit
-for bit on CUDA: the kernels at Llama 8B / 70B widths, and inside a CUDA graph.
+SiLU and GELU-tanh gates, and the gate's two-launch form for rows too wide for a program. On
+CPU the fp8-dynamic model makes no rows (its path is as before); with rows forced on (the torch
+path of each producer) its logits are the same bit for bit, so the model hands the Quantized
+input to the GEMM and the plain one to the LoRA and lm_head. The `gpu` tests check the fused
+path against the unfused one (the row quantizer's own launch) bit for bit on CUDA: the kernels
+at Llama 8B / 70B widths, inside a CUDA graph, and the fp8-dynamic engine's logits and greedy
+tokens.
 """
 from __future__ import annotations
 
@@ -139,6 +144,47 @@ def test_the_gate_holds_a_row_up_to_32768_columns():
     assert silu_rows_launch(53248) == (None, 0)            # Llama 3.1 405B: two launches
 
 
+def test_a_quantized_input_computes_what_its_plain_rows_do_on_cpu():
+    """qlinear of a Quantized: the GEMM of its plain x on the CPU path (where no producer makes
+    rows: input_rows is None off CUDA, and for plain and W8A16 weights)."""
+    from services.worker.model.fp8 import Quantized, input_rows, qlinear, quantize
+    from kernels.fp8_gemm_ref import quantize_rows_ref
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 64, generator=g)
+    w = torch.randn(48, 64, generator=g) * 0.05
+    for tokens in (False, True):
+        fw = quantize(w, tokens=tokens)
+        assert input_rows(fw, x) is None and input_rows(w, x) is None
+        assert torch.equal(qlinear(Quantized(x, *quantize_rows_ref(x)), fw), qlinear(x, fw))
+
+
+def test_the_fp8_dynamic_model_with_rows_forced_gives_the_same_logits(monkeypatch):
+    """The tiny Llama with fp8-dynamic on CPU (float32): its producers make no rows (as
+    before); with rows forced on (e4m3_device true: each norm and gate fills them on its torch
+    path, qlinear gets a Quantized) its prefill logits for 3 prompts with and without adapters
+    are the same bit for bit: the LoRA, lm_head and the CPU GEMM read the plain input."""
+    from services.worker.model import fp8
+    from tests.test_fp8 import FIVE, _engine, _family, _prefill_logits
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = {k: FIVE[k] for k in ("r64-all", "r16-mlp")}
+        base_dir, _, dirs = _family(pathlib.Path(tmp), "llama", specs)
+        built, slots = _engine(base_dir, dirs, "fp8-dynamic")
+        g = torch.Generator().manual_seed(5)
+        prompts = {n: torch.randint(2, 256, (3 + 4 * i,), generator=g).tolist()
+                   for i, n in enumerate(["r64-all", "r16-mlp", "base"])}
+        made = []
+        plain = _prefill_logits(built, slots, prompts)
+        real = fp8.new_rows
+        monkeypatch.setattr(fp8, "e4m3_device", lambda device: True)
+        monkeypatch.setattr(fp8, "new_rows", lambda *a: made.append(a) or real(*a))
+        forced = _prefill_logits(built, slots, prompts)
+    layers = built.spec.num_layers
+    assert len(made) == 3 * layers              # every q/k/v, gate/up and down; not lm_head
+    for name in prompts:
+        assert torch.equal(plain[name], forced[name]), name
+
+
 # ---------------------------------------------------------------- on CUDA
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -206,6 +252,52 @@ def _graph_replay(dev, gen) -> None:
             assert_rows(out, rows, f"graph replay {seed}")
         eager = step()
         assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp8_dynamic_engine_fused_rows_match_the_row_quantizer(monkeypatch):
+    """The tiny model with fp8-dynamic on CUDA in bf16: the greedy tokens (decode graphs and
+    eager steps) and the eager prefill logits with the rows fused into the norms and the gate
+    equal those with every input quantized by its own launch (e4m3_device false for the
+    producers), bit for bit."""
+    from services.worker.model import fp8
+    from tests.test_gpu import greedy_tokens
+    fused_tokens = {g: greedy_tokens("cuda", "bfloat16", graphs=g, quantization="fp8-dynamic")
+                    for g in (False, True)}
+    with monkeypatch.context() as m:
+        m.setattr(fp8, "e4m3_device", lambda device: False)
+        apart = {g: greedy_tokens("cuda", "bfloat16", graphs=g, quantization="fp8-dynamic")
+                 for g in (False, True)}
+    assert fused_tokens == apart
+    logits = _gpu_prefill_logits(monkeypatch)
+    assert torch.equal(logits[True], logits[False])
+
+
+def _gpu_prefill_logits(monkeypatch) -> dict:
+    """{fused: last-position logits of 3 prompts in one eager step} of the tiny fp8-dynamic
+    model on CUDA, with the rows fused (True) and quantized apart (False)."""
+    from services.worker.config import EngineOptions
+    from services.worker.engine.scheduler import Scheduled
+    from services.worker.engine.sequence import Sequence
+    from services.worker.model import fp8
+    from services.worker.startup.factory import build_engine
+    from tests.test_gpu import MODEL_DIR
+    built = build_engine(MODEL_DIR, EngineOptions(device="cuda", dtype="bfloat16",
+                                                  quantization="fp8-dynamic", cuda_graphs=False,
+                                                  kv_cache_bytes=16 << 20, block_size=16))
+    runner = built.engine.runner
+    seqs = [Sequence(f"p{i}", list(range(3, 3 + n))) for i, n in enumerate((5, 17, 40))]
+    for s in seqs:
+        assert built.engine.scheduler.blocks.ensure(s, len(s.tokens))
+    inputs = runner.steps.eager([Scheduled(s, len(s.tokens)) for s in seqs], runner.buffers)
+    out = {}
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(fp8, "e4m3_device", lambda device: False)
+            out[fused] = runner.model.forward(inputs.input_ids, inputs.ctx, runner.kv_cache)
+    return out
 
 
 if __name__ == "__main__":
