@@ -336,19 +336,22 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int
 
 
 def fp8_linear_dynamic(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None,
+                       rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """fp8_linear with x quantized per row on every path (W8A8, dynamic per-token scales):
     up to DECODE_MAX_ROWS rows the row quantizer, then the kernel on e4m3 x e4m3; above, the
     prefill path (_scaled_mm quantizes the same way; its dequantize fallback gets x quantized
-    and scaled back first, kernels.fp8_gemm_ref.qdq_rows)."""
+    and scaled back first, kernels.fp8_gemm_ref.qdq_rows). rows: x's rows already quantized
+    (e4m3 [M, K], scales [M, 1]: what quantize_rows(x) gives, written by the kernel that made
+    x, kernels.fused_quant), so not quantized again."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if x.shape[0] <= DECODE_MAX_ROWS and supported(x, q, scale, group):
-        xq, sx = quantize_rows(x)
+        xq, sx = quantize_rows(x) if rows is None else rows
         return fp8_gemm(xq, q, scale, group, bias, x_scale=sx, out_dtype=x.dtype)
     if prefill_path(x, q, scale) != "scaled_mm":
-        x = qdq_rows(x)
-    return fp8_prefill(x, q, scale, group, bias)
+        return fp8_prefill(qdq_rows(x), q, scale, group, bias)
+    return fp8_prefill(x, q, scale, group, bias, rows)
 
 
 def prefill_path(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> str:
@@ -358,6 +361,12 @@ def prefill_path(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> str:
           and x.dtype in (torch.bfloat16, torch.float16)
           and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0)
     return "scaled_mm" if ok and _capability(x.device)[0] >= 9 else "dequant"
+
+
+def e4m3_device(device: torch.device) -> bool:
+    """A CUDA device whose kernels convert to e4m3 (sm_89+): where a W8A8 input's rows may be
+    written by the kernel that makes the input (kernels.fused_quant)."""
+    return device.type == "cuda" and _capability(device) >= (8, 9)
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,14 +380,15 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def fp8_prefill(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The prefill GEMM (more than DECODE_MAX_ROWS rows: compute, not W's bytes, bounds it).
     "scaled_mm" (prefill_path): x quantized per row to e4m3 (W8A8 for these rows only; the LoRA
     still reads the bf16 x) and torch._scaled_mm on the FP8 tensor cores, row and column scales
     in its epilogue. "dequant": W dequantized to x's dtype, then the ordinary GEMM (a bf16 copy
-    of W written and read each call)."""
+    of W written and read each call). rows: quantize_rows(x), made already (fp8_linear_dynamic)."""
     if prefill_path(x, q, scale) == "scaled_mm":
-        xq, xs = quantize_rows(x)
+        xq, xs = quantize_rows(x) if rows is None else rows
         y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.reshape(1, -1),
                              out_dtype=x.dtype)
         return y if bias is None else y.add_(bias)

@@ -24,6 +24,7 @@ from kernels.pdl import launch_args, wait_then_release
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+FP8_MAX_C = tl.constexpr(FP8_MAX)
 
 W_CVT, W_BF16, W_F16, W_F32 = 0, 1, 2, 3    # how W's tile becomes the MMA operand
 FOLD = {W_CVT: 1.0, W_BF16: 2.0 ** 120, W_F16: 2.0 ** 8, W_F32: 2.0 ** 120}
@@ -92,12 +93,15 @@ def e4m3_rne(v):
     """fp32 v (|v| <= 448) rounded to its nearest e4m3 value, ties to even, in fp32 arithmetic:
     adding and taking away 1.5 * 2^23 quanta rounds to a whole number of quanta, the quantum
     being 2^(exponent - 3) (2^-9 below e4m3's normal range). The interpreter's path: its own
-    fp8 conversion does not carry a rounding up into the exponent (31.9 -> 16)."""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    fp8 conversion does not carry a rounding up into the exponent (31.9 -> 16). The sign is
+    v's sign bit, so -0.0 stays -0.0 (a SiLU's output, or a zero row times a negative norm
+    weight), as torch's conversion keeps it."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
     quantum = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
     big = quantum * 12582912.0
     r = (tl.abs(v) + big) - big
-    return tl.where(v < 0, -r, r)
+    return tl.where(bits < 0, -r, r)
 
 
 @triton.jit
@@ -115,11 +119,41 @@ def x_fp8(xt, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def row_scale(amax):
+    """A row's e4m3 scale from its max |x| (fp32): max(amax, 1e-12) / 448, the division
+    rounded to nearest (div_rn, not Triton's approximate `/`), as quantize_rows_ref divides."""
+    return tl.div_rn(tl.maximum(amax, 1e-12), FP8_MAX_C)
+
+
+@triton.jit
+def e4m3_of(v, scale, UPCAST: tl.constexpr):
+    """fp32 v / scale (div_rn) clamped to +-448 and rounded to e4m3, to nearest: the bytes of
+    quantize_rows_ref. UPCAST (the interpreter): rounded in fp32 first (e4m3_rne), so the
+    conversion that follows is exact."""
+    v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
+    if UPCAST:
+        v = e4m3_rne(v)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def store_e4m3_row(y, ok, q_ptrs, s_ptr, UPCAST: tl.constexpr):
+    """A whole row y (one block; lanes outside `ok` ignored) quantized as quantize_rows does,
+    from registers: its e4m3 values stored at q_ptrs (masked by ok), its scale at s_ptr. For
+    the kernels that wrote y and hold the row (kernels.fused), so y is read in its dtype,
+    rounded, as quantize_rows would read it back."""
+    yf = y.to(tl.float32)
+    scale = row_scale(tl.max(tl.where(ok, tl.abs(yf), 0.0), axis=0))
+    tl.store(q_ptrs, e4m3_of(yf, scale, UPCAST), mask=ok)
+    tl.store(s_ptr, scale)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
                           UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     """One program a row: max|x| over the row (first pass), then x / scale rounded to e4m3
-    (second pass, the row again from L2), scale = max|x| / 448. The divisions round to nearest
-    (div_rn, not Triton's approximate `/`), so the bytes equal torch's quantize_rows_ref."""
+    (second pass, the row again from L2), scale = max|x| / 448 (row_scale, e4m3_of: the
+    divisions round to nearest, so the bytes equal torch's quantize_rows_ref)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     wait_then_release(USE_PDL)
@@ -127,32 +161,37 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
     for k0 in range(0, K, BLOCK):
         v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX_C)
+    scale = row_scale(tl.max(amax, axis=0))
     for k0 in range(0, K, BLOCK):
         ok = k0 + cols < K
         v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
-        if UPCAST:                       # exact in e4m3 already: its conversion rounds nothing
-            v = e4m3_rne(v)
-        tl.store(q_ptr + row * stride_q + k0 + cols, v.to(tl.float8e4nv), mask=ok)
+        tl.store(q_ptr + row * stride_q + k0 + cols, e4m3_of(v, scale, UPCAST), mask=ok)
     tl.store(s_ptr + row, scale)
 
 
-FP8_MAX_C = tl.constexpr(FP8_MAX)
 QUANT_BLOCK = 4096                       # a row's columns a pass step
 
 
-def quantize_rows(x: torch.Tensor, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, impl: str = "auto",
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with one scale a row: max|x[m]| / 448
     (a zero row: tiny, so it quantizes to zeros). The kernel, one launch (x read twice, the
     second time from L2), on a GPU or with impl="triton" (the interpreter); else
-    kernels.fp8_gemm_ref.quantize_rows_ref."""
+    kernels.fp8_gemm_ref.quantize_rows_ref. out: the two to write (e4m3 with unit column
+    stride, scales contiguous), else new ones."""
     if not (x.is_cuda or impl == "triton"):
-        return quantize_rows_ref(x)
+        xq, s = quantize_rows_ref(x)
+        if out is None:
+            return xq, s
+        out[0].copy_(xq)
+        out[1].copy_(s)
+        return out
     x = x if x.stride(1) == 1 else x.contiguous()
     m, k = x.shape
-    xq = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    xq, s = out if out is not None else (torch.empty((m, k), dtype=FP8, device=x.device),
+                                         torch.empty((m, 1), dtype=torch.float32,
+                                                     device=x.device))
     if m:
         _quantize_rows_kernel[(m,)](x, xq, s, k, x.stride(0), xq.stride(0),
                                     BLOCK=min(QUANT_BLOCK, triton.next_power_of_2(k)),

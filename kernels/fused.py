@@ -1,7 +1,8 @@
 """Fused elementwise kernels for the decoder layer: RMSNorm (with the residual add), rotary
 embedding of q and k in place (optionally after an RMSNorm over each head, and with the
 KV-cache write of k and v), and the MLP's gate (SiLU, or GELU-tanh for GeGLU). On CUDA each is
-one Triton launch; elsewhere the torch expressions below, which are also their semantics.
+one Triton launch; elsewhere the torch expressions of kernels.fused_ref, which are also their
+semantics.
 
 Folded norms (`rms=(h, eps)` on rope_write_kv_ and silu_mul): a model whose norm weights are folded
 into the next GEMM's weight (services.worker.model.norms) feeds that GEMM the residual h itself and
@@ -9,6 +10,10 @@ leaves the row factor 1 / sqrt(mean(h^2) + eps) to the consumer, since norm(h) @
 (g * W)) row by row. The consumer computes the factor from h's row and scales its input by it
 (rounded to the input's dtype, as a GEMM output would be) before its own work, so a decoder layer
 needs no norm launch.
+
+W8A8 inputs (`rows=(xq, xs)` on rms_norm, add_rms_norm, silu_mul and gate_mul): the launch also
+writes its output's rows in e4m3 with their scales, the bytes kernels.fp8_tiles.quantize_rows
+would make of the output, for an FP8 GEMM that quantizes its input per token (kernels.fused_quant).
 
 Why: inside a CUDA-graph decode step each tiny torch op is still a kernel of ~2-3 µs; unfused,
 a Llama layer has ~45 of them, which costs more than streaming its weights at batch 64.
@@ -19,69 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fused_ref import (ACTS, add_rms_norm_ref, inv_rms_ref,  # noqa: F401 (re-exported)
+                              qk_norm_ref, rms_norm_ref, rope_ref, scale_rows_ref,
+                              silu_mul_ref)
+from kernels.fp8_tiles import quantize_rows, store_e4m3_row
+from kernels.fused_quant import Rows, rows_args, rows_ref, silu_rows_launch
 from kernels.pdl import launch_args, wait_then_release
-
-
-# ---------------------------------------------------------------- torch semantics (references)
-def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """w * (x / sqrt(mean(x^2) + eps)) in fp32, cast back as Hugging Face does. x [T, H]."""
-    return w * (x.float() * inv_rms_ref(x, eps)).to(x.dtype)
-
-
-def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
-                     eps: float, delta_norm: torch.Tensor | None = None) -> torch.Tensor:
-    """h += delta (in place; with delta_norm: h += rms_norm(delta, delta_norm)); return
-    rms_norm(h)."""
-    h += delta if delta_norm is None else rms_norm_ref(delta, delta_norm, eps)
-    return rms_norm_ref(h, w, eps)
-
-
-def inv_rms_ref(h: torch.Tensor, eps: float) -> torch.Tensor:
-    """The RMSNorm's row factor of h [T, H]: 1 / sqrt(mean(h^2) + eps), fp32 [T, 1]."""
-    hf = h.float()
-    return torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def scale_rows_ref(x: torch.Tensor, rms: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """x [T, ...] times the row factor of rms = (h, eps), rounded to x's dtype (a new tensor)."""
-    f = inv_rms_ref(*rms).view(-1, *([1] * (x.dim() - 1)))
-    return (x.float() * f).to(x.dtype)
-
-
-def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             positions: torch.Tensor) -> None:
-    """In place, rotate-half convention: x = x * c + rotate_half(x) * s at each row's position.
-    q [T, Hq, D], k [T, Hk, D] (rows may be strided views); cos, sin [max_pos, D/2]."""
-    c = cos[positions].unsqueeze(1)
-    s = sin[positions].unsqueeze(1)
-    for x in (q, k):
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].clone(), x[..., half:].clone()
-        x[..., :half] = x1 * c - x2 * s
-        x[..., half:] = x2 * c + x1 * s
-
-
-def qk_norm_ref(q: torch.Tensor, k: torch.Tensor, qk_norm: tuple) -> None:
-    """In place, each head of q [T, Hq, D] and k [T, Hk, D] through an RMSNorm over D:
-    qk_norm = (q weight [D], k weight [D], eps) (Qwen3's and Gemma 3's q_norm and k_norm)."""
-    wq, wk, eps = qk_norm
-    q.copy_(rms_norm_ref(q, wq, eps))
-    k.copy_(rms_norm_ref(k, wk, eps))
-
-
-ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
-
-
-def silu_mul_ref(gu: torch.Tensor, rms: tuple[torch.Tensor, float] | None = None,
-                 act: str = "silu") -> torch.Tensor:
-    """gu [T, 2I] = [gate | up] -> act(gate) * up [T, I] (act: silu, or gelu_pytorch_tanh:
-    GeGLU); with rms = (h, eps) gu is first scaled by h's row factor (folded norms)."""
-    if rms is not None:
-        gu = scale_rows_ref(gu, rms)
-    gate, up = gu.chunk(2, dim=-1)
-    if act == "gelu_pytorch_tanh":
-        return torch.nn.functional.gelu(gate, approximate="tanh") * up
-    return torch.nn.functional.silu(gate) * up
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -102,8 +50,11 @@ def _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID: tl.constexpr):
 
 @triton.jit
 def _rms_kernel(h_ptr, d_ptr, w_ptr, dw_ptr, out_ptr, H, stride_h, stride_d, stride_o, eps,
-                ADD: tl.constexpr, NORM_D: tl.constexpr, BLOCK: tl.constexpr,
+                q_ptr, s_ptr, stride_q, ADD: tl.constexpr, NORM_D: tl.constexpr,
+                BLOCK: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr,
                 USE_PDL: tl.constexpr):
+    """One row: (h += delta;) out = norm(h); with QUANT also out's row in e4m3 and its scale
+    (the `rows` of rms_norm and add_rms_norm), from the registers that hold it."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -123,7 +74,10 @@ def _rms_kernel(h_ptr, d_ptr, w_ptr, dw_ptr, out_ptr, H, stride_h, stride_d, str
     xf = x.to(tl.float32)
     inv = _inv_rms_of(xf, H, eps)
     normed = (xf * inv).to(h_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+    y = (normed * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=ok)
+    if QUANT:
+        store_e4m3_row(y, ok, q_ptr + row * stride_q + cols, s_ptr + row, UPCAST)
 
 
 @triton.jit
@@ -225,12 +179,15 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, h_ptr, inter, stride_gu, stride_o, stride_h, H, eps,
-                     BLOCK: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr,
-                     ACT: tl.constexpr, USE_PDL: tl.constexpr):
+                     q_ptr, s_ptr, stride_q, BLOCK: tl.constexpr, RMS: tl.constexpr,
+                     BLOCK_HID: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
+                     UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     """act(gate) * up for one row's column block (ACT 0: SiLU, 1: GELU with the tanh
     approximation, tanh(y) = 1 - 2 / (1 + exp(2y))); with RMS gate and up are first scaled by
     h's row factor (folded norms: every block of the row computes it, before the PDL wait: h
-    was written two or more kernels back, the gate/up GEMM before this one reads it)."""
+    was written two or more kernels back, the gate/up GEMM before this one reads it). With
+    QUANT the block is the whole row (one program a row) and its e4m3 values and scale are
+    written too (silu_mul's `rows`)."""
     row = tl.program_id(0).to(tl.int64)
     if RMS:
         f = _inv_rms(h_ptr, row, stride_h, H, eps, BLOCK_HID)
@@ -250,7 +207,10 @@ def _silu_mul_kernel(gu_ptr, out_ptr, h_ptr, inter, stride_gu, stride_o, stride_
         y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         act = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
     act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
+    y = (act * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=ok)
+    if QUANT:
+        store_e4m3_row(y, ok, q_ptr + row * stride_q + cols, s_ptr + row, UPCAST)
 
 
 # ---------------------------------------------------------------- dispatch
@@ -259,37 +219,42 @@ def _silu_mul_kernel(gu_ptr, out_ptr, h_ptr, inter, stride_gu, stride_o, stride_
 ROPE_LAUNCH = {"parts": 1, "num_warps": 4}
 SILU_LAUNCH = {"block": 1024, "num_warps": 4}
 
+
 def _triton(x: torch.Tensor, impl: str) -> bool:
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
     return impl == "triton" or (impl == "auto" and x.is_cuda)
 
 
-def rms_norm(x, w, eps: float, impl: str = "auto"):
+def rms_norm(x, w, eps: float, impl: str = "auto", rows: Rows | None = None):
+    """rms_norm_ref(x, w, eps) in one launch; rows = (e4m3 [T, H], float32 [T, 1]): the
+    output's rows also quantized into them, as kernels.fp8_tiles.quantize_rows would quantize
+    the output (the next GEMM's W8A8 input), in the same launch."""
     if not _triton(x, impl):
-        return rms_norm_ref(x, w, eps)
+        return rows_ref(rms_norm_ref(x, w, eps), rows)
     out = torch.empty_like(x)
     t, h = x.shape
     _rms_kernel[(t,)](x, x, w, w, out, h, x.stride(0), x.stride(0), out.stride(0), eps,
-                      ADD=False, NORM_D=False, BLOCK=triton.next_power_of_2(h),
-                      num_warps=8 if h >= 4096 else 4, **launch_args(x.device))
+                      **rows_args(rows, out), ADD=False, NORM_D=False,
+                      BLOCK=triton.next_power_of_2(h), num_warps=8 if h >= 4096 else 4,
+                      **launch_args(x.device))
     return out
 
 
 def add_rms_norm(h, delta, w, eps: float, impl: str = "auto",
-                 delta_norm: torch.Tensor | None = None):
+                 delta_norm: torch.Tensor | None = None, rows: Rows | None = None):
     """h += delta, in place, and rms_norm(h) out, in one launch; with delta_norm, the delta
     normed first (h += rms_norm(delta, delta_norm)), as Gemma's output norms before their
-    residual adds, still one launch."""
+    residual adds, still one launch; rows: as rms_norm's."""
     if not _triton(h, impl):
-        return add_rms_norm_ref(h, delta, w, eps, delta_norm)
+        return rows_ref(add_rms_norm_ref(h, delta, w, eps, delta_norm), rows)
     out = torch.empty_like(h)
     t, hid = h.shape
     norm_d = delta_norm is not None
     _rms_kernel[(t,)](h, delta, w, delta_norm if norm_d else w, out, hid, h.stride(0),
-                      delta.stride(0), out.stride(0), eps, ADD=True, NORM_D=norm_d,
-                      BLOCK=triton.next_power_of_2(hid), num_warps=8 if hid >= 4096 else 4,
-                      **launch_args(h.device))
+                      delta.stride(0), out.stride(0), eps, **rows_args(rows, out), ADD=True,
+                      NORM_D=norm_d, BLOCK=triton.next_power_of_2(hid),
+                      num_warps=8 if hid >= 4096 else 4, **launch_args(h.device))
     return out
 
 
@@ -375,23 +340,31 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
 
 
 def silu_mul(gu, impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None,
-             act: str = "silu"):
+             act: str = "silu", rows: Rows | None = None):
     """act(gate) * up of gu [T, 2I] = [gate | up] (act: silu or gelu_pytorch_tanh); rms =
-    (h [T, H], eps): gu scaled by h's row factor first (folded norms)."""
+    (h [T, H], eps): gu scaled by h's row factor first (folded norms); rows: as rms_norm's,
+    the launch then a program a row (kernels.fused_quant.SILU_ROWS_LAUNCH)."""
     if not _triton(gu, impl):
-        return silu_mul_ref(gu, rms, act)
+        return rows_ref(silu_mul_ref(gu, rms, act), rows)
     t, two_i = gu.shape
     inter = two_i // 2
+    block, warps = SILU_LAUNCH["block"], SILU_LAUNCH["num_warps"]
+    if rows is not None:
+        block, warps = silu_rows_launch(inter)
+        if block is None:                    # too wide for a program: two launches
+            out = silu_mul(gu, impl, rms, act)
+            quantize_rows(out, impl="triton", out=rows)
+            return out
     out = torch.empty((t, inter), dtype=gu.dtype, device=gu.device)
-    block = SILU_LAUNCH["block"]
     h, stride_h, hid, eps, on, block_hid = _rms_args(rms, gu)
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](
-        gu, out, h, inter, gu.stride(0), out.stride(0), stride_h, hid, eps, BLOCK=block, RMS=on,
-        BLOCK_HID=block_hid, ACT=ACTS[act], num_warps=SILU_LAUNCH["num_warps"],
-        **launch_args(gu.device))
+        gu, out, h, inter, gu.stride(0), out.stride(0), stride_h, hid, eps,
+        **rows_args(rows, out), BLOCK=block, RMS=on, BLOCK_HID=block_hid, ACT=ACTS[act],
+        num_warps=warps, **launch_args(gu.device))
     return out
 
 
-def gate_mul(gu, act: str, impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None):
+def gate_mul(gu, act: str, impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None,
+             rows: Rows | None = None):
     """The MLP's act(gate) * up (silu_mul with the model's activation)."""
-    return silu_mul(gu, impl=impl, rms=rms, act=act)
+    return silu_mul(gu, impl=impl, rms=rms, act=act, rows=rows)

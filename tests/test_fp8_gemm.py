@@ -113,19 +113,21 @@ QUANT_CASES = {"quant_rows_m3_k5000": (3, 5000), "quant_rows_m17_k96": (17, 96)}
 
 def run_quant_case(name: str, device: str = "cpu") -> None:
     """The kernel's e4m3 bytes and scales equal the torch reference's: rows of every scale, a
-    zero row, and values that round up into the next binade (31.9 -> 32 at scale 1)."""
+    zero row, values that round up into the next binade (31.9 -> 32 at scale 1), and -0.0 and
+    a negative value that rounds to it (byte 0x80, not 0x00)."""
     from kernels.fp8_gemm import quantize_rows
     from kernels.fp8_gemm_ref import quantize_rows_ref
     m, k = QUANT_CASES[name]
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]
     x[m // 2] = 0.0
-    x[0, :4] = torch.tensor([448.0, 31.95, -127.9, 0.0137])    # row 0's scale is 1
+    x[0, :6] = torch.tensor([448.0, 31.95, -127.9, 0.0137, -0.0, -1e-4])  # row 0's scale is 1
     x = x.to(device, torch.bfloat16)
     got, s = quantize_rows(x, impl="triton")
     want, s_ref = quantize_rows_ref(x)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert got[0, 4:6].view(torch.uint8).tolist() == [0x80, 0x80]
     assert not got[m // 2].float().any()
 
 

@@ -11,18 +11,26 @@ import torch
 from kernels import pdl
 from test_sgmv import compile_for_sm90
 
-I32, BF16, I64, F32 = "i32", "*bf16", "*i64", "*fp32"
+I32, BF16, I64, F32, E4M3 = "i32", "*bf16", "*i64", "*fp32", "*fp8e4nv"
 
 # kernel -> (argument types, constexprs other than USE_PDL)
 KERNELS = {
-    "fused._rms_kernel": ([BF16] * 5 + [I32] * 4 + ["fp32"], dict(ADD=True, NORM_D=True,
-                                                                  BLOCK=4096)),
+    "fused._rms_kernel": ([BF16] * 5 + [I32] * 4 + ["fp32"] + [BF16, BF16, I32],
+                          dict(ADD=True, NORM_D=True, BLOCK=4096, QUANT=False, UPCAST=False)),
+    # with `rows`: the output's e4m3 rows and scales too (kernels.fused_quant)
+    "fused._rms_kernel_rows": ([BF16] * 5 + [I32] * 4 + ["fp32"] + [E4M3, F32, I32],
+                               dict(ADD=True, NORM_D=True, BLOCK=4096, QUANT=True,
+                                    UPCAST=False)),
     "fused._rope_kernel": ([BF16] * 3 + [I64] + [I32] * 3, dict(HALF=64, BLOCK_H=64)),
     "fused._rope_kv_kernel": ([BF16] * 6 + [I64] * 2 + [BF16] * 3 + [I32] * 7 + ["fp32"] * 2,
                               dict(HALF=64, BLOCK_H=128, BLOCK_V=4096, RMS=True,
                                    BLOCK_HID=4096, QK_NORM=True)),
-    "fused._silu_mul_kernel": ([BF16] * 3 + [I32] * 5 + ["fp32"],
-                               dict(BLOCK=1024, RMS=True, BLOCK_HID=4096, ACT=0)),
+    "fused._silu_mul_kernel": ([BF16] * 3 + [I32] * 5 + ["fp32"] + [BF16, BF16, I32],
+                               dict(BLOCK=1024, RMS=True, BLOCK_HID=4096, ACT=0, QUANT=False,
+                                    UPCAST=False)),
+    "fused._silu_mul_kernel_rows": ([BF16] * 3 + [I32] * 5 + ["fp32"] + [E4M3, F32, I32],
+                                    dict(BLOCK=16384, RMS=False, BLOCK_HID=1, ACT=1,
+                                         QUANT=True, UPCAST=False)),
     "attention_triton._paged_attn_kernel": (
         [BF16] * 4 + ["*i32"] * 3 + [F32] * 2 + [I32] * 4 + ["fp32"] + [I32] * 12,
         dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64, DOT_PREC="tf32",
@@ -65,7 +73,8 @@ KERNELS = {
 
 def _kernel(name: str):
     module, attr = name.split(".")
-    attr = attr.removesuffix("_a8").removesuffix("_xq")     # a variant's name: the same kernel
+    for variant in ("_a8", "_xq", "_rows"):                  # a variant's name: the same kernel
+        attr = attr.removesuffix(variant)
     return getattr(__import__(f"kernels.{module}", fromlist=[attr]), attr)
 
 
@@ -73,7 +82,8 @@ def _kernel(name: str):
 # the step), or the residual (the folded norms' factor: written two or more kernels back), never
 # what the kernel just before may write (kernels.pdl's contract).
 EARLY_READS = {"sgmv_split._shrink_kernel", "sgmv_split._expand_kernel",
-               "sgmv_split._one_launch_kernel", "fused._rms_kernel", "fused._rope_kernel",
+               "sgmv_split._one_launch_kernel", "fused._rms_kernel", "fused._rms_kernel_rows",
+               "fused._rope_kernel",
                "fused._rope_kv_kernel", "attention_triton._paged_attn_kernel",
                "attention_triton._split_combine_kernel", "fused._silu_mul_kernel",
                "sgmv_triton._sgmv_kernel", "fp8_gemm._fp8_gemm_kernel",

@@ -24,7 +24,11 @@ input is quantized to e4m3 per token (row) on every path, W8A8: on CUDA
 `kernels.fp8_gemm.fp8_linear_dynamic` (the row quantizer, then the kernel on e4m3 x e4m3 up to
 256 rows, _scaled_mm above), elsewhere the input quantized and dequantized per row by the same
 rule (`kernels.fp8_gemm_ref.qdq_rows`) before dequantize-then-GEMM. The LoRA beside it reads
-the unquantized input either way.
+the unquantized input either way. Where a kernel of ours makes the input on CUDA (the RMSNorms
+before q/k/v and gate/up, the MLP's gate before down) it writes the e4m3 rows itself, in the
+same launch (kernels.fused_quant; `input_rows` says where): the input then comes as a
+`Quantized`, x with those rows, and qlinear quantizes nothing (the o projection's input,
+attention's output, is still quantized by its own launch).
 
 Otherwise the activations stay in the model dtype: `qlinear(x, w)` is F.linear for a plain
 weight and, for an Fp8Weight, on CUDA `kernels.fp8_gemm.fp8_linear`: up to 256 rows the
@@ -37,12 +41,14 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_gemm import fp8_linear, fp8_linear_dynamic
+from kernels.fp8_gemm import e4m3_device, fp8_linear, fp8_linear_dynamic
 from kernels.fp8_gemm_ref import dequant, qdq_rows
+from kernels.fused_quant import Rows, new_rows
 from services.worker.model.quant_scheme import Fp8Scheme
 from services.worker.model.spec import UnsupportedModel
 
@@ -96,15 +102,49 @@ class Fp8Weight:
 Weight = torch.Tensor | Fp8Weight
 
 
-def qlinear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Quantized:
+    """A W8A8 linear's input x [T, K] (model dtype: what the LoRA reads) with its rows in
+    e4m3, xq [T, K], and their scales, xs float32 [T, 1]: quantize_rows(x)'s bytes, written by
+    the kernel that made x (input_rows)."""
+    x: torch.Tensor
+    xq: torch.Tensor
+    xs: torch.Tensor
+
+
+Activation = torch.Tensor | Quantized
+
+
+def input_rows(w: Weight | None, like: torch.Tensor) -> Rows | None:
+    """Buffers for the e4m3 rows (and scales) of w's input, [T, K] with T = like's rows, for
+    its producer's launch to fill: for a W8A8 weight (tokens) on a CUDA device with e4m3
+    conversions; else None (a plain or W8A16 weight, the CPU path: nothing changes)."""
+    if not (isinstance(w, Fp8Weight) and w.tokens and e4m3_device(like.device)):
+        return None
+    return new_rows(like.shape[0], w.shape[1], like.device)
+
+
+def with_rows(x: torch.Tensor, rows: Rows | None) -> Activation:
+    """x as the next linear takes it: with the rows its producer filled (input_rows), or x."""
+    return x if rows is None else Quantized(x, *rows)
+
+
+def plain(x: Activation) -> torch.Tensor:
+    """The model-dtype input (the LoRA's, a plain GEMM's)."""
+    return x.x if isinstance(x, Quantized) else x
+
+
+def qlinear(x: Activation, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype, W plain or FP8: W8A8 for a weight with
-    tokens (x quantized per row on every path), else W8A16 (on CUDA a prefill of more than
-    256 rows may quantize x per row for the FP8 tensor cores: kernels.fp8_gemm.fp8_prefill).
-    The LoRA reads x as it is."""
+    tokens (x quantized per row on every path; a Quantized x's rows are used as they are),
+    else W8A16 (on CUDA a prefill of more than 256 rows may quantize x per row for the FP8
+    tensor cores: kernels.fp8_gemm.fp8_prefill). The LoRA reads x as it is."""
+    rows = (x.xq, x.xs) if isinstance(x, Quantized) else None
+    x = plain(x)
     if isinstance(w, Fp8Weight):
         if w.tokens:
             if x.is_cuda:
-                return fp8_linear_dynamic(x, w.q, w.scale, w.group, bias)
+                return fp8_linear_dynamic(x, w.q, w.scale, w.group, bias, rows)
             return F.linear(qdq_rows(x), w.dequant(x.dtype), bias)
         if x.is_cuda:
             return fp8_linear(x, w.q, w.scale, w.group, bias)

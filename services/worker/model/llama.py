@@ -7,7 +7,9 @@ LoRA part a LoraMeta that also carries the adapter pool's tables. LoRA and atten
 kernels/, so the Triton kernels replace the torch references on GPU without touching this file.
 Where the norms run (kernels, or folded into the GEMMs) is a strategy chosen at build time
 (services.worker.model.norms). The decoder layers' GEMMs go through `qlinear`, so a weight may
-be FP8 (services.worker.model.fp8: W8A16, the activations and LoRA stay in the model dtype).
+be FP8 (services.worker.model.fp8: W8A16, the activations and LoRA stay in the model dtype; or
+W8A8, where the norms and the MLP's gate write their outputs' e4m3 rows too, `into` the weight
+that reads them, and the input travels as an fp8.Quantized; the LoRA reads its plain x).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from kernels.attention import paged_attention
 from kernels.fused import gate_mul, rope_write_kv_
 from kernels.sgmv import lora, lora_expand_columns, lora_shrink_rows
-from services.worker.model.fp8 import qlinear
+from services.worker.model.fp8 import Activation, Weight, input_rows, plain, qlinear, with_rows
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import Norms, PlainNorms
 from services.worker.model.rope import dynamic_ropes, rope_tables
@@ -61,14 +63,14 @@ class LlamaModel:
         self.row_parts = 4
         self.row_max_rows = ROW_MAX_ROWS
 
-    def _lora(self, group: str, layer: int, y: torch.Tensor, x: torch.Tensor,
+    def _lora(self, group: str, layer: int, y: torch.Tensor, x: Activation,
               meta: LoraMeta) -> None:
-        """y += the step's LoRA of this group and layer on x (nothing when no adapter in the
-        step targets the group)."""
+        """y += the step's LoRA of this group and layer on x (its plain rows; nothing when no
+        adapter in the step targets the group)."""
         if meta.runs(group):
-            lora(y, x, meta.args(group, layer, self.slices[group]))
+            lora(y, plain(x), meta.args(group, layer, self.slices[group]))
 
-    def _qkv(self, i: int, w: dict, x: torch.Tensor, meta: LoraMeta) -> torch.Tensor:
+    def _qkv(self, i: int, w: dict, x: Activation, meta: LoraMeta) -> torch.Tensor:
         """q/k/v of layer i with its LoRA: [T, q + 2kv]. As column LoRA (meta.columns) one GEMM
         over the extended weight gives the base output and every resident adapter's x @ A.T;
         the expand reads v from those columns (the result: a view, rows strided)."""
@@ -76,7 +78,7 @@ class LlamaModel:
             qkv = qlinear(x, w["qkv"], w.get("qkv_bias"))
             self._lora("qkv", i, qkv, x, meta)
             return qkv
-        ext = F.linear(x, w["qkv_ext"], w.get("qkv_ext_bias"))
+        ext = F.linear(plain(x), w["qkv_ext"], w.get("qkv_ext_bias"))
         out, v_cols = ext[:, :self.columns.n_base], ext[:, self.columns.n_base:]
         lora_expand_columns(out, v_cols, self.columns.col_slot,
                             meta.column_args(i, self.slices["qkv"]), impl=self.column_impl)
@@ -145,13 +147,14 @@ class LlamaModel:
             out.append(step[id(dyn)])
         return out
 
-    def _layer(self, i: int, w: dict, h: torch.Tensor, x: torch.Tensor, ctx: StepContext,
+    def _layer(self, i: int, w: dict, h: torch.Tensor, x: Activation, ctx: StepContext,
                kv: tuple[torch.Tensor, torch.Tensor], next_norm: torch.Tensor,
-               rope: tuple) -> torch.Tensor:
+               rope: tuple, into: Weight | None) -> Activation:
         """Decoder layer i on the residual h (updated in place) and its normed input x (the
-        norm strategy's); returns the next layer's input. Gemma's norms of the attention's and
-        the MLP's outputs (attn_out_norm, mlp_out_norm) go before their residual adds, in the
-        add's own launch (norms.close)."""
+        norm strategy's); returns the next layer's input, for the weight `into` (the next
+        layer's q/k/v; None: the final norm's output, for lm_head). Gemma's norms of the
+        attention's and the MLP's outputs (attn_out_norm, mlp_out_norm) go before their
+        residual adds, in the add's own launch (norms.close)."""
         s, norms, meta = self.spec, self.norms, ctx.lora
         qkv = self._qkv(i, w, x, meta)
         t = qkv.shape[0]
@@ -166,13 +169,14 @@ class LlamaModel:
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
         y = self._attn_o(i, w, h, q, kv, ctx)
-        x = norms.close(h, y, w["post_norm"], w.get("attn_out_norm"))
+        x = norms.close(h, y, w["post_norm"], w.get("attn_out_norm"), into=w["gate_up"])
         gu = qlinear(x, w["gate_up"])                                  # [T, 2I]
         self._lora("gate_up", i, gu, x, meta)
-        act = gate_mul(gu, s.act, rms=norms.rms(h))                    # [T, I]
+        rows = input_rows(w["down"], gu)             # W8A8: the gate's launch quantizes too
+        act = with_rows(gate_mul(gu, s.act, rms=norms.rms(h), rows=rows), rows)    # [T, I]
         y = norms.project(h, act, w["down"], None)
         self._lora("down", i, y, act, meta)
-        return norms.close(h, y, next_norm, w.get("mlp_out_norm"))
+        return norms.close(h, y, next_norm, w.get("mlp_out_norm"), into=into)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
@@ -187,11 +191,13 @@ class LlamaModel:
         h = self.w["embed"][input_ids]                                   # [T, H], a new tensor
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        x = self.norms.enter(h, layers[0]["in_norm"])
+        x = self.norms.enter(h, layers[0]["in_norm"], into=layers[0]["qkv"])
         angles = self._angles(ctx)
         for i, w in enumerate(layers):
-            after = layers[i + 1]["in_norm"] if i + 1 < len(layers) else self.w["norm"]
-            x = self._layer(i, w, h, x, ctx, kv_cache[i], after, angles[i])
+            last = i + 1 == len(layers)
+            after = self.w["norm"] if last else layers[i + 1]["in_norm"]
+            into = None if last else layers[i + 1]["qkv"]          # lm_head reads a plain x
+            x = self._layer(i, w, h, x, ctx, kv_cache[i], after, angles[i], into)
         logits = self.norms.logits(h, x, ctx.sample_rows, self.w["norm"], self.w["lm_head"])
         cap = self.spec.final_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap

@@ -12,8 +12,10 @@ A layer is norm -> q/k/v -> rope and KV write -> attention -> o (+ residual) -> 
   in the GEMM's epilogue (addmm, beta = 1). A layer launches no norm kernel.
 
 The model calls, per block: `rms(h)` for the consumer's argument, `project(h, x, w, bias)` for
-the output the block's LoRA adds into, then `close(h, y, next_norm)` for the next block's
-input; `enter` gives the first block's input and `logits` the final norm and lm_head.
+the output the block's LoRA adds into, then `close(h, y, next_norm, into=w)` for the next
+block's input; `enter` gives the first block's input and `logits` the final norm and lm_head.
+`into` is the weight the input feeds: a W8A8 one (services.worker.model.fp8.input_rows) gets
+the input as a Quantized, its e4m3 rows written by the norm's own launch.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fused import add_rms_norm, rms_norm
-from services.worker.model.fp8 import Weight, qlinear
+from services.worker.model.fp8 import Activation, Weight, input_rows, qlinear, with_rows
 
 
 class PlainNorms:
@@ -31,21 +33,25 @@ class PlainNorms:
     def __init__(self, eps: float):
         self.eps = eps
 
-    def enter(self, h: torch.Tensor, in_norm: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, in_norm, self.eps)
+    def enter(self, h: torch.Tensor, in_norm: torch.Tensor,
+              into: Weight | None = None) -> Activation:
+        rows = input_rows(into, h)
+        return with_rows(rms_norm(h, in_norm, self.eps, rows=rows), rows)
 
     def rms(self, h: torch.Tensor) -> None:
         return None
 
-    def project(self, h: torch.Tensor, x: torch.Tensor, weight: Weight,
+    def project(self, h: torch.Tensor, x: Activation, weight: Weight,
                 bias: torch.Tensor | None) -> torch.Tensor:
         return qlinear(x, weight, bias)
 
     def close(self, h: torch.Tensor, y: torch.Tensor, next_norm: torch.Tensor,
-              y_norm: torch.Tensor | None = None) -> torch.Tensor:
+              y_norm: torch.Tensor | None = None, into: Weight | None = None) -> Activation:
         """h += y, in place (y_norm: h += norm(y), Gemma's output norms); returns the next
-        block's input, norm(h). One launch on CUDA."""
-        return add_rms_norm(h, y, next_norm, self.eps, delta_norm=y_norm)
+        block's input, norm(h) (with its e4m3 rows for a W8A8 `into`). One launch on CUDA."""
+        rows = input_rows(into, h)
+        return with_rows(add_rms_norm(h, y, next_norm, self.eps, delta_norm=y_norm, rows=rows),
+                         rows)
 
     def logits(self, h: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None,
                norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
@@ -61,7 +67,9 @@ class FoldedNorms:
     def __init__(self, eps: float):
         self.eps = eps
 
-    def enter(self, h: torch.Tensor, in_norm: torch.Tensor) -> torch.Tensor:
+    def enter(self, h: torch.Tensor, in_norm: torch.Tensor,
+              into: Weight | None = None) -> torch.Tensor:
+        """h itself (`into` is never FP8 here: transforms fold no FP8 model's norms)."""
         return h
 
     def rms(self, h: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -76,7 +84,7 @@ class FoldedNorms:
         return h
 
     def close(self, h: torch.Tensor, y: torch.Tensor, next_norm: torch.Tensor,
-              y_norm: torch.Tensor | None = None) -> torch.Tensor:
+              y_norm: torch.Tensor | None = None, into: Weight | None = None) -> torch.Tensor:
         if y_norm is not None:      # transforms.fold_norms never folds a model with them
             raise ValueError("folded norms cannot norm a block's output before its residual add")
         return h
