@@ -245,3 +245,14 @@ def test_a_tokenizer_llguidance_cannot_read_turns_structured_output_off():
     sampling = common_pb2.SamplingParams(grammar=common_pb2.Grammar(regex="a"))
     with pytest.raises(InvalidArgument, match="sampling.grammar: structured output is off"):
         asyncio.run(request_matcher(None, sampling, common_pb2.StoppingCriteria()))
+
+
+def test_an_llguidance_older_than_the_floor_is_refused_naming_both_versions():
+    """llguidance 1.6 takes one EOS token where the worker passes its list: the worker refuses
+    it at start with both versions named, not with 1.6's TypeError."""
+    from services.worker.api.grammar import check_llguidance
+    with pytest.raises(RuntimeError, match=r"llguidance >= 1\.7; 1\.6\.1 is installed"):
+        check_llguidance("1.6.1")
+    check_llguidance("1.7.0")
+    check_llguidance("2.0.0.dev3")
+    check_llguidance()                           # the one installed meets the floor

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import concurrent.futures
 import hashlib
+import importlib.metadata
 import json
 import logging
 import threading
@@ -38,6 +39,23 @@ from services.common.errors import InvalidArgument
 from services.worker.config import GrammarOptions
 
 log = logging.getLogger(__name__)
+# LLTokenizer takes the list of EOS tokens (eos_token=[...]) from llguidance 1.7 (pyproject's
+# floor); 1.6 takes one int and fails with a TypeError that does not name the version
+MIN_LLGUIDANCE = (1, 7)
+
+
+def check_llguidance(version: str | None = None) -> None:
+    """Refuse an llguidance older than MIN_LLGUIDANCE, naming both versions (version: the
+    installed one's, read from its metadata when None)."""
+    version = version or importlib.metadata.version("llguidance")
+    try:
+        have = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return                                   # a development build: let it try
+    if have < MIN_LLGUIDANCE:
+        need = ".".join(map(str, MIN_LLGUIDANCE))
+        raise RuntimeError(f"structured output needs llguidance >= {need}; {version} is "
+                           f"installed (pip install 'llguidance>={need}')")
 KINDS = ("json_schema", "regex", "choice", "lark", "ebnf")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_TEXT = 256 << 10             # the largest grammar text (bytes)
@@ -97,6 +115,7 @@ class GrammarCompiler:
         width (tokens past the tokenizer's are never allowed); eos_ids: the end tokens a
         complete grammar allows."""
         self.opts = opts
+        check_llguidance()
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_ids) or None)
         self.tokenizer_digest = hashlib.blake2b(tokenizer_json.encode(),
