@@ -59,8 +59,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8_gemm_config import (DECODE_MAX_ROWS, N_COUNTERS, SMS_DEFAULT, Fp8GemmConfig,
-                                     group_block_k, pick_config)
+from kernels.fp8_gemm_config import (DECODE_MAX_ROWS, DYNAMIC_KERNEL_MAX_ROWS, N_COUNTERS,
+                                     SMS_DEFAULT, Fp8GemmConfig, group_block_k, pick_config)
 from kernels.fp8_gemm_ref import dequant, qdq_rows
 from kernels.fp8_tiles import FOLD, quantize_rows, w_mode, w_operand, x_fp8
 from kernels.pdl import launch_args, wait_then_release
@@ -339,17 +339,20 @@ def fp8_linear_dynamic(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, gr
                        bias: torch.Tensor | None = None,
                        rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """fp8_linear with x quantized per row on every path (W8A8, dynamic per-token scales):
-    up to DECODE_MAX_ROWS rows the row quantizer, then the kernel on e4m3 x e4m3; above, the
-    prefill path (_scaled_mm quantizes the same way; its dequantize fallback gets x quantized
-    and scaled back first, kernels.fp8_gemm_ref.qdq_rows). rows: x's rows already quantized
-    (e4m3 [M, K], scales [M, 1]: what quantize_rows(x) gives, written by the kernel that made
-    x, kernels.fused_quant), so not quantized again."""
+    the row quantizer, then the kernel on e4m3 x e4m3, up to DYNAMIC_KERNEL_MAX_ROWS rows where
+    _scaled_mm takes the weight (one scale a row, sm_90), else up to DECODE_MAX_ROWS; above,
+    the prefill path (_scaled_mm quantizes the same way; its dequantize fallback gets x
+    quantized and scaled back first, kernels.fp8_gemm_ref.qdq_rows). rows: x's rows already
+    quantized (e4m3 [M, K], scales [M, 1]: what quantize_rows(x) gives, written by the kernel
+    that made x, kernels.fused_quant), so not quantized again."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    if x.shape[0] <= DECODE_MAX_ROWS and supported(x, q, scale, group):
+    path = prefill_path(x, q, scale)
+    most = DYNAMIC_KERNEL_MAX_ROWS if path == "scaled_mm" else DECODE_MAX_ROWS
+    if x.shape[0] <= most and supported(x, q, scale, group):
         xq, sx = quantize_rows(x) if rows is None else rows
         return fp8_gemm(xq, q, scale, group, bias, x_scale=sx, out_dtype=x.dtype)
-    if prefill_path(x, q, scale) != "scaled_mm":
+    if path != "scaled_mm":
         return fp8_prefill(qdq_rows(x), q, scale, group, bias)
     return fp8_prefill(x, q, scale, group, bias, rows)
 

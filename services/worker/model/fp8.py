@@ -22,7 +22,7 @@ not (a k projection of 320 rows is not a whole number of 128-row blocks).
 With `tokens` set (--quantization fp8-dynamic: Fp8Scheme.activations "token") the weight's
 input is quantized to e4m3 per token (row) on every path, W8A8: on CUDA
 `kernels.fp8_gemm.fp8_linear_dynamic` (the row quantizer, then the kernel on e4m3 x e4m3 up to
-256 rows, _scaled_mm above), elsewhere the input quantized and dequantized per row by the same
+32 rows, _scaled_mm above, on the same e4m3 rows), elsewhere the input quantized and dequantized per row by the same
 rule (`kernels.fp8_gemm_ref.qdq_rows`) before dequantize-then-GEMM. The LoRA beside it reads
 the unquantized input either way. Where a kernel of ours makes the input on CUDA (the RMSNorms
 before q/k/v and gate/up, the MLP's gate before down) it writes the e4m3 rows itself, in the
