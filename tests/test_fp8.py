@@ -1,9 +1,9 @@
 """FP8 base weights with bf16 LoRA (issue 46, its CPU side) against transformers + PEFT.
 
-W8A16: the decoder layers' linear weights are float8_e4m3fn with float32 scales, the
-activations stay in the model dtype, so the reference is the same HF model with its base linear
-weights replaced by dequant(quant(W)) and nothing else changed. W8A8 (--quantization
-fp8-dynamic): the reference's base linears also quantize their input per token
+W8A16 (--quantization fp8-weight-only): the decoder layers' linear weights are float8_e4m3fn
+with float32 scales, the activations stay in the model dtype, so the reference is the same HF
+model with its base linear weights replaced by dequant(quant(W)) and nothing else changed. W8A8
+(--quantization fp8, alias fp8-dynamic): the reference's base linears also quantize their input per token
 (fp8_fixtures.with_token_inputs), the LoRA reading it unquantized. The quantizers and the
 published checkpoints' files are this suite's own (tests/fp8_fixtures.py), written from the
 formats' definitions.
@@ -137,12 +137,12 @@ def test_fused_weights_stay_fp8_exactly():
 
 
 def test_fp8_mixed_batch_of_five_adapters_matches_peft(llama):
-    """Done-when 1: the tiny Llama quantized at load, 5 adapters (ranks 1-64, attention, MLP,
+    """Done-when 1 for W8A16 (--quantization fp8-weight-only): the tiny Llama quantized at load, 5 adapters (ranks 1-64, attention, MLP,
     rsLoRA, one layer only) and base rows in one mixed batch: the reference's greedy tokens.
     The weights are FP8 (fused q/k/v and gate/up included), the norms not folded into them and
     no LoRA column blocks beside them."""
     base_dir, base, dirs = llama
-    built, slots = _engine(base_dir, dirs, "fp8")
+    built, slots = _engine(base_dir, dirs, "fp8-weight-only")
     model = built.engine.runner.model
     layer = model.w["layers"][0]
     assert all(isinstance(layer[g], Fp8Weight) for g in ("qkv", "o", "gate_up", "down"))
@@ -154,12 +154,12 @@ def test_fp8_mixed_batch_of_five_adapters_matches_peft(llama):
 
 
 def test_fp8_dynamic_mixed_batch_of_five_adapters_matches_peft(llama):
-    """Done-when 1 for W8A8 (--quantization fp8-dynamic): the reference's base weights are
-    dequant(quant(W)) and its linear inputs are quantized per token the same way (the LoRA
-    reading them unquantized); 5 adapters and base rows in one mixed batch give its greedy
+    """Done-when 1 for W8A8 (--quantization fp8, alias fp8-dynamic): the reference's base
+    weights are dequant(quant(W)) and its linear inputs are quantized per token the same way
+    (the LoRA reading them unquantized); 5 adapters and base rows in one mixed batch give its greedy
     tokens, which differ from the W8A16 reference's somewhere (the inputs' rounding is real)."""
     base_dir, base, dirs = llama
-    built, slots = _engine(base_dir, dirs, "fp8-dynamic")
+    built, slots = _engine(base_dir, dirs, "fp8")
     layer = built.engine.runner.model.w["layers"][0]
     assert all(layer[g].tokens for g in ("qkv", "o", "gate_up", "down"))
     ref = fx.with_token_inputs(_at_load_reference(base))
@@ -187,7 +187,7 @@ def _logprob_errors(fp8, slots, bf16, slots16, ref, dirs, prompts):
     return torch.stack(errs), agree
 
 
-@pytest.mark.parametrize("mode", ["fp8", "fp8-dynamic"])
+@pytest.mark.parametrize("mode", ["fp8-weight-only", "fp8"])
 def test_fp8_logprob_error_against_bf16(llama, capsys, mode):
     """The FP8 engine's prefill logits match its reference to 1e-4 (fp32), and differ from the
     unquantized model's (the bf16 checkpoint served as stored) by e4m3's rounding: the
@@ -199,7 +199,7 @@ def test_fp8_logprob_error_against_bf16(llama, capsys, mode):
     prompts = {n: [(11 * i + 5 * j) % 250 + 2 for j in range(9 + 4 * i)]
                for i, n in enumerate([*dirs, "base"])}
     ref = _at_load_reference(base)
-    if mode == "fp8-dynamic":
+    if mode == "fp8":
         ref = fx.with_token_inputs(ref)
     err, agree = _logprob_errors(fp8, slots, bf16, slots16, ref, dirs, prompts)
     with capsys.disabled():
@@ -212,7 +212,8 @@ def test_fp8_logprob_error_against_bf16(llama, capsys, mode):
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "phi3"])
 def test_fp8_families_at_load(tmp_path, arch):
     """Mistral, Qwen2 (q/k/v bias) and Phi-3 (q/k/v and gate/up fused in the checkpoint,
-    quantized per row as stored) under --quantization fp8: their reference's greedy tokens."""
+    quantized per row as stored) under --quantization fp8 (W8A8): the greedy tokens of their
+    reference, whose base linears quantize their inputs per token."""
     if arch == "phi3":
         from tests.family_fixtures import FUSED
         from tests.family_fixtures import make_family as make_phi3
@@ -222,12 +223,12 @@ def test_fp8_families_at_load(tmp_path, arch):
         base_dir, base, dirs = _family(tmp_path, arch, SPLIT, seed=len(arch))
     built, slots = _engine(base_dir, dirs, "fp8")
     assert isinstance(built.engine.runner.model.w["layers"][1]["qkv"], Fp8Weight)
-    ref = _at_load_reference(base)
+    ref = fx.with_token_inputs(_at_load_reference(base))
     got, expected = _mixed_batch(built, slots, ref, fx.peft_on(ref, dirs), seed=len(arch), new=6)
     assert got == expected
 
 
-@pytest.mark.parametrize("mode", ["fp8", "fp8-dynamic"])
+@pytest.mark.parametrize("mode", ["fp8-weight-only", "fp8"])
 def test_the_warm_up_runs_the_fp8_model(llama, mode):
     """The warm-up (every eager step kind through the first layer) runs over FP8 weights (and
     per-token FP8 inputs) and leaves the pool and the KV cache as they were."""
@@ -236,7 +237,7 @@ def test_the_warm_up_runs_the_fp8_model(llama, mode):
                                                  quantization=mode, max_batch_tokens=16,
                                                  max_running=4, pool_slots=6, block_size=4))
     down = built.engine.runner.model.w["layers"][0]["down"]
-    assert isinstance(down, Fp8Weight) and down.tokens == (mode == "fp8-dynamic")
+    assert isinstance(down, Fp8Weight) and down.tokens == (mode == "fp8")
     report = Warmup(built.engine, built.pool, built.spec, 16, max_rank=16, max_running=4).run()
     assert report.steps > 0
     assert built.pool.free_bytes == built.pool.capacity_bytes

@@ -6,6 +6,7 @@ PEFT over their dequantized weights, with adapters and base rows in one batch. A
 is refused naming the field or the tensor."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -122,12 +123,18 @@ def test_transformers_fp8_checkpoint(src, tmp_path, case):
 
 def test_a_published_checkpoint_is_served_as_published(tmp_path):
     """--quantization fp8 on an FP8 checkpoint keeps its own scales; on a plain one it
-    quantizes at load; auto leaves a plain one plain."""
+    quantizes at load; auto leaves a plain one plain. fp8 and its alias fp8-dynamic quantize
+    the linear inputs per token (W8A8), fp8-weight-only and auto do not."""
     plain = load_spec(MODEL_DIR)
     published = _with_config(tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128]})
-    assert resolve_quantization("fp8", plain).quant == AT_LOAD
+    w8a8 = dataclasses.replace(AT_LOAD, activations="token")
+    assert resolve_quantization("fp8", plain).quant == w8a8
+    assert resolve_quantization("fp8-dynamic", plain).quant == w8a8
+    assert resolve_quantization("fp8-weight-only", plain).quant == AT_LOAD
     assert resolve_quantization("auto", plain).quant is None
     assert resolve_quantization("fp8", load_spec(published)).quant.block == (128, 128)
+    assert resolve_quantization("fp8", load_spec(published)).quant.activations == "token"
+    assert resolve_quantization("auto", load_spec(published)).quant.activations == "bf16"
     # transformers' default block when the config leaves weight_block_size out
     assert load_spec(_with_config(tmp_path / "d", {"quant_method": "fp8"})).quant.block == \
         (128, 128)
@@ -212,6 +219,8 @@ def test_fp8_flags():
     assert parse_args(["--quantization", "fp8"]).engine.quantization == "fp8"
     assert parse_args([]).engine.quantization == "auto"
     assert parse_args(["--quantization", "fp8-dynamic"]).engine.quantization == "fp8-dynamic"
+    assert (parse_args(["--quantization", "fp8-weight-only"]).engine.quantization
+            == "fp8-weight-only")
     with pytest.raises(ValueError, match="--quantization: 'int4'"):
         EngineOptions(quantization="int4")
     for perf, var in ((PerfConfig(lora_columns=4), "LORAFLEET_LORA_COLUMNS=4"),

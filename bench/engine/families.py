@@ -99,8 +99,8 @@ def weight_nbytes(weights: dict) -> int:
 
 def run_model(name: str, cfg: dict, args, device, bw: float,
               quantization: str = "auto") -> list[dict]:
-    """The model's rows, base then args.distinct adapters; quantization "fp8": its decoder
-    linears quantized as the worker's loader does (--quantization fp8)."""
+    """The model's rows, base then args.distinct adapters; quantization: the worker's
+    --quantization (fp8, fp8-weight-only: its decoder linears quantized as the loader does)."""
     from kernels import compile_watch
     from services.worker.adapters.layout import staged_from_tensors
     from services.worker.config import EngineOptions

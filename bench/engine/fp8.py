@@ -12,8 +12,8 @@ also against the bf16 row of the same adapters (target: <= 0.75x, and <= 1.2x it
     python -m bench.engine.fp8 --models llama-70b --out /tmp/70b     # on an H200
     python -m bench.engine.fp8 --merge a/fp8-h200.json b/fp8-h200.json --out bench/results
 
-Rows: bf16, FP8 weight-only (W8A16, --quantization fp8) and FP8 W8A8 (--quantization
-fp8-dynamic: "activations": "token").
+Rows: bf16, FP8 W8A8 (--quantization fp8: "activations": "token") and FP8 weight-only (W8A16,
+--quantization fp8-weight-only: "activations": "bf16").
 
 Writes fp8-<card>.{json,md}: {"header", "rows": [{"model", "dtype", "batch", "distinct",
 "decode_step_ms", "bytes_floor_ms", ...}], "served": [the rows of --served files: the
@@ -25,6 +25,8 @@ import argparse
 import json
 import pathlib
 import sys
+
+import torch
 
 from bench.engine.families import CONFIGS, config, run_header, run_model, settings
 
@@ -121,9 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--served", nargs="*", default=[],
                    help="saturation-benchmark JSON files whose rows go under 'served'")
     p.add_argument("--commit", default=None)
-    p.add_argument("--quantizations", default="auto,fp8,fp8-dynamic",
+    p.add_argument("--quantizations", default="auto,fp8,fp8-weight-only",
                    help="the worker's --quantization values to run: auto (the bf16 rows), fp8 "
-                        "(W8A16), fp8-dynamic (W8A8, inputs per token)")
+                        "(W8A8, inputs per token), fp8-weight-only (W8A16)")
     a = p.parse_args(argv)
     if a.merge:
         print(write(pathlib.Path(a.out), merge(a.merge)).with_suffix(".md").read_text())

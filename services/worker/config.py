@@ -247,12 +247,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, help="auto (bf16 on GPU, fp32 on CPU), float32, "
                                                      "bfloat16, float16")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_MODES,
-                   help="fp8: the decoder layers' linear weights quantized at load to FP8 "
-                        "(e4m3, a scale per output channel; activations and LoRA stay in "
-                        "--dtype); fp8-dynamic: W8A8, the same weights with each linear's input "
-                        "quantized to FP8 per token (LoRA still reads --dtype); auto: as the "
-                        "checkpoint is stored (a published FP8 checkpoint is served FP8 either "
-                        "way: docs/models.md) (auto)")
+                   help="fp8 (alias fp8-dynamic): W8A8, the decoder layers' linear weights "
+                        "quantized at load to FP8 (e4m3, a scale per output channel) and each "
+                        "linear's input quantized to FP8 per token (LoRA stays in --dtype and "
+                        "reads the unquantized input); fp8-weight-only: W8A16, the same weights "
+                        "with activations in --dtype; auto: as the checkpoint is stored (a "
+                        "published FP8 checkpoint weight-only: docs/models.md) (auto)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=d.kv_cache_bytes)
     p.add_argument("--gpu-pool-bytes", type=parse_bytes, default=d.pool_bytes,
                    help="adapter pool on the compute device")

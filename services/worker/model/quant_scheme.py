@@ -1,26 +1,27 @@
 """Which FP8 weights a checkpoint holds, read from its config.json (torch-free: the worker's
 config reads it at start; services.worker.model.fp8 does the tensors).
 
-lorafleet serves FP8 as weight-only W8A16: the linear weights of the decoder layers are
-float8_e4m3fn with float scales, the activations stay in the model dtype (bf16 on a GPU), and
-LoRA reads those bf16 activations. Three sources of such weights:
+The decoder layers' linear weights are float8_e4m3fn with float scales; LoRA stays in the model
+dtype and reads the unquantized activations. Three sources of such weights:
 
 - `--quantization fp8` on a bf16 (or fp32) checkpoint: each decoder-layer linear weight is
   quantized at load with one scale per output channel (Fp8Scheme "load");
 - compressed-tensors `float-quantized` (what llm-compressor writes; its FP8, FP8-Dynamic and
   FP8-Block schemes): `X.weight` e4m3 and `X.weight_scale` per tensor, per channel [N, 1], per
-  group [N, K / g] or per block [N / bn, K / bk]. The input activations' quantization (dynamic,
-  per token or per group) is accepted and not applied: activations are computed in bf16. Static
+  group [N, K / g] or per block [N / bn, K / bk]. Dynamic input activations are accepted; static
   input scales (`input_scale` tensors) are refused;
 - transformers' `quant_method: fp8` (FineGrainedFP8Config, DeepSeek-style):
   `X.weight` e4m3 and `X.weight_scale_inv` per block [ceil(N / bn), ceil(K / bk)] of
   `weight_block_size`, or one per tensor without a block size; W = weight * weight_scale_inv.
 
-`--quantization fp8-dynamic` computes W8A8 instead, as llm-compressor's FP8_DYNAMIC scheme and
-vLLM's `--quantization fp8` do: each decoder-layer linear's input quantized to e4m3 per token,
-dynamically (one scale a row, max|x| / 448), both operands FP8 on the tensor cores; the LoRA
-still reads the bf16 input. It applies to a checkpoint quantized at load and to a published
-one alike (Fp8Scheme.activations "token").
+What the GEMMs compute is the mode's (Fp8Scheme.activations):
+- `--quantization fp8` (alias `fp8-dynamic`): W8A8, as vLLM's `fp8` and llm-compressor's
+  FP8_DYNAMIC: each decoder-layer linear's input quantized to e4m3 per token, dynamically (one
+  scale a row, max|x| / 448), both operands FP8 on the tensor cores ("token"). On an H100 this
+  is the faster form (bench/PERF_NOTES.md, the W8A8 step);
+- `--quantization fp8-weight-only`: W8A16, the activations stay in the model dtype ("bf16");
+- `auto`: a published FP8 checkpoint weight-only, a plain one unquantized.
+Either applies to a checkpoint quantized at load and to a published one alike.
 
 Any other scheme, and any field value that would change the maths, is refused naming the field
 (`quantization_config.FIELD`). Fields that only describe how the checkpoint was made
@@ -30,7 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZATION_MODES = ("auto", "fp8", "fp8-dynamic")    # EngineOptions.quantization
+# EngineOptions.quantization; TOKEN_MODES quantize the linear inputs per token (W8A8)
+QUANTIZATION_MODES = ("auto", "fp8", "fp8-dynamic", "fp8-weight-only")
+TOKEN_MODES = ("fp8", "fp8-dynamic")
 FP8_METHODS = ("compressed-tensors", "fp8")
 DEFAULT_BLOCK = (128, 128)               # transformers' FineGrainedFP8Config.weight_block_size
 

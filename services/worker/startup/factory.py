@@ -23,7 +23,7 @@ from services.worker.model.checkpoint import DTYPES, load_weights
 from services.worker.model.llama import LlamaModel
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import norms_for
-from services.worker.model.quant_scheme import AT_LOAD
+from services.worker.model.quant_scheme import AT_LOAD, TOKEN_MODES
 from services.worker.model.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,13 @@ def resolve_device(opt: str) -> str:
 
 def resolve_quantization(opt: str, spec: ModelSpec) -> ModelSpec:
     """The spec with the weights' FP8 scheme (spec.quant): a published FP8 checkpoint's own in
-    any mode, quantized at load (one scale per output channel) for --quantization fp8 or
-    fp8-dynamic on a plain checkpoint, none otherwise; fp8-dynamic quantizes the linear
-    inputs per token too (activations "token"), for either source."""
+    any mode, quantized at load (one scale per output channel) for any FP8 mode on a plain
+    checkpoint, none otherwise; fp8 (fp8-dynamic) quantizes the linear inputs per token too
+    (activations "token", W8A8), for either source; fp8-weight-only and auto do not."""
     quant = spec.quant
-    if quant is None and opt in ("fp8", "fp8-dynamic"):
+    if quant is None and opt != "auto":
         quant = AT_LOAD
-    if quant is not None and opt == "fp8-dynamic":
+    if quant is not None and opt in TOKEN_MODES:
         quant = dataclasses.replace(quant, activations="token")
     return spec if quant is spec.quant else dataclasses.replace(spec, quant=quant)
 
