@@ -23,7 +23,7 @@ Under PDL (kernels.pdl) the row scales and the bias, weights, are read before th
 the residual after it.
 
 W8A8 with x given quantized (x e4m3 [M, K] and x_scale float32 [M, 1], kernels.fp8_tiles
-.quantize_rows' output; --quantization fp8-dynamic): out = ((x * x_scale) @ dequant(...).T + ...)
+.quantize_rows' output; --quantization fp8): out = ((x * x_scale) @ dequant(...).T + ...)
 in out_dtype; both tiles go from shared memory to e4m3 x e4m3 MMAs as loaded (no per-element
 work in the K loop), x's row scales applied once before the epilogue.
 

@@ -1,5 +1,5 @@
 """The e4m3 rows that the fused kernels (kernels.fused) write beside their output for a W8A8
-GEMM after them (--quantization fp8-dynamic: services.worker.model.fp8).
+GEMM after them (--quantization fp8: services.worker.model.fp8).
 
 A W8A8 linear's input is quantized per row: scale = max|row| / 448 (float32 [T, 1]) and the
 row / scale rounded to e4m3 (kernels.fp8_tiles.quantize_rows, one launch of its own). Where the

@@ -1,5 +1,5 @@
-"""FP8 linear weights (weight-only, W8A16): the weight object the model's GEMMs go through, the
-quantizer of a bf16 checkpoint at load, and the reading of published FP8 checkpoints
+"""FP8 linear weights (W8A8, or weight-only W8A16): the weight object the model's GEMMs go
+through, the quantizer of a bf16 checkpoint at load, and the reading of published FP8 checkpoints
 (services.worker.model.quant_scheme says which).
 
 One representation for every source: `Fp8Weight` holds q, float8_e4m3fn [N, K], and scale,
@@ -19,23 +19,24 @@ published checkpoint computes what its own dequantization gives, and fused weigh
 gate/up: `cat_rows`) stay FP8 whatever their parts' row counts, which block scales alone could
 not (a k projection of 320 rows is not a whole number of 128-row blocks).
 
-With `tokens` set (--quantization fp8-dynamic: Fp8Scheme.activations "token") the weight's
-input is quantized to e4m3 per token (row) on every path, W8A8: on CUDA
-`kernels.fp8_gemm.fp8_linear_dynamic` (the row quantizer, then the kernel on e4m3 x e4m3 up to
-32 rows, _scaled_mm above, on the same e4m3 rows), elsewhere the input quantized and dequantized per row by the same
-rule (`kernels.fp8_gemm_ref.qdq_rows`) before dequantize-then-GEMM. The LoRA beside it reads
-the unquantized input either way. Where a kernel of ours makes the input on CUDA (the RMSNorms
-before q/k/v and gate/up, the MLP's gate before down) it writes the e4m3 rows itself, in the
-same launch (kernels.fused_quant; `input_rows` says where): the input then comes as a
+With `tokens` set (--quantization fp8, alias fp8-dynamic: Fp8Scheme.activations "token") the
+weight's input is quantized to e4m3 per token (row) on every path, W8A8: on CUDA
+`kernels.fp8_gemm.fp8_linear_dynamic` (the row quantizer, then the kernel on e4m3 x e4m3 up to 32
+rows, _scaled_mm above, on the same e4m3 rows), elsewhere the input quantized and dequantized per
+row by the same rule (`kernels.fp8_gemm_ref.qdq_rows`) before dequantize-then-GEMM. The LoRA beside
+it reads the unquantized input either way. Where a kernel of ours makes the input on CUDA (the
+RMSNorms before q/k/v and gate/up, the MLP's gate before down) it writes the e4m3 rows itself, in
+the same launch (kernels.fused_quant; `input_rows` says where): the input then comes as a
 `Quantized`, x with those rows, and qlinear quantizes nothing (the o projection's input,
 attention's output, is still quantized by its own launch).
 
-Otherwise the activations stay in the model dtype: `qlinear(x, w)` is F.linear for a plain
-weight and, for an Fp8Weight, on CUDA `kernels.fp8_gemm.fp8_linear`: up to 256 rows the
-weight-only FP8 kernel (W read once as FP8, made bf16 in registers, the scales applied in the
-kernel), above that the prefill path (torch._scaled_mm with per-row activation scales where it serves the
-weight, else dequantize-then-GEMM). Elsewhere `linear_by_dequant`, which dequantizes the weight
-to x's dtype and runs the ordinary GEMM: the reference (CPU) path.
+Otherwise (fp8-weight-only, or a published checkpoint under auto) the activations stay in the model
+dtype: `qlinear(x, w)` is F.linear for a plain weight and, for an Fp8Weight, on CUDA
+`kernels.fp8_gemm.fp8_linear`: up to 256 rows the weight-only FP8 kernel (W read once as FP8, made
+bf16 in registers, the scales applied in the kernel), above that the prefill path (torch._scaled_mm
+with per-row activation scales where it serves the weight, else dequantize-then-GEMM). Elsewhere
+`linear_by_dequant`, which dequantizes the weight to x's dtype and runs the ordinary GEMM: the
+reference (CPU) path.
 """
 from __future__ import annotations
 
