@@ -42,7 +42,8 @@ still in flight (`prev`): its rows' input tokens are then gathered on the device
 tokens, so the engine can queue step N+1 before it has read step N's tokens, and the GPU does not
 idle while the host post-processes step N (services.worker.engine.loop). Such a step with grammar
 rows (structured output) samples when step N is collected: its masks need step N's tokens
-(services.worker.executor.graph_inputs).
+(services.worker.executor.graph_inputs). A launched step says what it was (PendingStep.shape:
+decode-graph or mixed-graph, its rows, prompt tokens and adapters) for the engine's step profile.
 """
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import logging
 import torch
 
 from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.step_profile import StepShape
 from services.worker.executor.graph_inputs import PendingStep, collect
 from services.worker.executor.sampling import pack_logprobs, sample, unpack_logprobs
-from services.worker.engine.step_profile import StepShape
 from services.worker.executor.step_inputs import InputBuffers, StepBuilder
 from services.worker.model.llama import LlamaModel
 from services.worker.model.lora_columns import LoraColumns
