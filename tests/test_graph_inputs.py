@@ -8,8 +8,10 @@ import torch
 
 from services.worker.engine.scheduler import Scheduled
 from services.worker.engine.sequence import Sequence
+from services.worker.engine.step_profile import StepShape
 from services.worker.executor.graph_runner import GraphRunner
 from services.worker.executor.lora_choice import choose
+from services.worker.executor.step_inputs import step_shape
 from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
 from tests.test_engine_parity import _engine
 
@@ -29,8 +31,16 @@ def test_graph_fill_matches_eager_build(hf_ckpt):
     batch = [Scheduled(s, 1) for s in seqs]
     eager = runner.steps.eager(batch, runner.buffers)
     g = GraphRunner(runner, sizes=(8,))
-    g.inputs.fill(g.steps.plan(batch, graph=True), 8)
+    segments = g.inputs.fill(g.steps.plan(batch, graph=True), 8)
     n = len(seqs)
+    # what launch records of the step (step profile): its rows, no prompt tokens, the distinct
+    # adapters of its rows (base rows are none), as the eager step's record says too
+    adapters = len({q.slot for q in seqs if q.slot >= 0})
+    assert adapters >= 2 and any(q.slot < 0 for q in seqs)
+    plan = g.steps.plan(batch, graph=True)
+    assert step_shape("decode-graph", plan, segments, None) == StepShape("decode-graph", n, 0,
+                                                                         adapters)
+    assert eager.shape == StepShape("eager", n, 0, adapters)
     ctx = g._ctx(8, ALL_GROUPS)
     assert torch.equal(g.ids[:n], eager.input_ids)
     assert torch.equal(ctx.positions[:n], eager.ctx.positions)
@@ -104,7 +114,11 @@ def test_a_mixed_step_from_the_graph_buffers_gives_the_eager_logits(hf_ckpt):
     eager = runner.steps.eager(batch, runner.buffers)
     want = runner.model.forward(eager.input_ids, eager.ctx, runner.kv_cache)
     plan = g.steps.plan(batch, graph=True)
-    sampled = g.fill_mixed(plan, size)
+    sampled, shape = g.fill_mixed(plan, size)
+    # the step's record: its sequences, the tokens of its two prompt chunks, its adapters
+    adapters = len({b.seq.slot for b in batch if b.seq.slot >= 0})
+    assert shape == StepShape("mixed-graph", len(batch), len(last.tokens) + 12, adapters)
+    assert eager.shape == shape._replace(kind="eager")
     assert [b.seq.request_id for b in sampled] == [b.seq.request_id for b in eager.sampled]
     assert "p-part" not in {b.seq.request_id for b in sampled}
     ctx = g._ctx_mixed(size, plan.mask, plan.rank, plan.columns)

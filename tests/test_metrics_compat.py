@@ -5,6 +5,7 @@ histograms on the worker and, per tenant, on the router; hits and misses as coun
 tenant label bounded by --metrics-tenants (2 here: of three tenants, the least is `other`)."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -59,6 +60,15 @@ def test_worker_serves_vllm_request_metrics(observed):
         assert 0 < value(page, name + "_sum") / value(page, name + "_count") < 5
         inf = value(page, name + "_bucket", le="+Inf")
         assert inf == value(page, name + "_count")
+    # the engine's steps timed by class (services/worker/engine/step_profile.py): eager on a
+    # CPU, base-only steps and adapter steps both served
+    assert kinds["lorafleet_worker_step_seconds"] == "summary"
+    steps = [lab for n, lab, v in samples(page) if n == "lorafleet_worker_step_seconds_count"
+             and v > 0]
+    assert steps and all('kind="eager"' in lab and 'rows="1-32"' in lab for lab in steps)
+    assert {'adapters="0"', 'adapters="1-8"'} <= {a for lab in steps for a in
+                                                  re.findall(r'adapters="[^"]*"', lab)}
+    assert value(page, "lorafleet_worker_step_seconds_sum") > 0
 
 
 def lora_info(page: str) -> tuple[str, float]:

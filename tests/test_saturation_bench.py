@@ -14,6 +14,7 @@ from bench.serve import saturation_report as rep
 from bench.serve import saturation_search as srch
 from bench.serve import saturation as sat
 from bench.serve import scenarios as ss
+from bench.serve import steps as serve_steps
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CRIT = srch.Criteria(slo_ttft_s=1.0, slo_itl_s=0.06)
@@ -148,6 +149,50 @@ def test_workloads_parse_and_mixed_ranks_take_each_rank_in_turn():
             sat.parse_workloads(bad)
 
 
+def _profile(*classes):
+    """A step profile from (kind, rows, prompt tokens, adapters, steps, seconds) classes."""
+    return serve_steps.summary({c[:4]: c[4:] for c in classes})
+
+
+def test_the_steps_tables_put_each_workload_beside_base():
+    """Two workloads' closed-loop and goodput rows: each workload's profile sums its steady
+    closed and goodput rows only, an adapter workload's class is set beside base's steps of
+    the same kind, rows and prompt tokens, and the markdown shows it."""
+    decode, mixed = ("decode-graph", "129-256", "0"), ("mixed-graph", "129-256", "513-2048")
+    base = [_row("a", "base-closed8", 0, "closed", workload="base", streams=8,
+                 steps=_profile((*decode, "0", 100, 1.89), (*mixed, "0", 10, 0.5))),
+            _row("a", "base-goodput", 0, workload="base",
+                 steps=_profile((*decode, "0", 100, 1.89)))]
+    zipf = [_row("a", "zipf-100-closed8", 100, "closed", workload="zipf-100", streams=8,
+                 steps=_profile((*decode, "33-128", 150, 3.195), (*mixed, "33-128", 10, 0.6),
+                                ("eager", ">256", ">2048", ">128", 2, 0.3))),
+            _row("a", "zipf-100-goodput", 100, workload="zipf-100",
+                 steps=_profile((*decode, "33-128", 50, 1.065))),
+            _row("a", "zipf-100-open50", 100, "open", workload="zipf-100", frac_of_base_goodput=.5,
+                 steps=_profile((*decode, "1-8", 999, 9.0)))]         # open rows: not summed
+    prof = serve_steps.by_workload(base + zipf)
+    assert set(prof) == {"base", "zipf-100"}
+    assert prof["base"]["steps"] == 210 and prof["base"]["seconds"] == pytest.approx(4.28)
+    z = prof["zipf-100"]
+    assert z["steps"] == 212 and z["seconds"] == pytest.approx(5.16)
+    top = z["classes"][0]
+    assert (top["kind"], top["rows"], top["prompt_tokens"], top["adapters"], top["steps"]) == (
+        "decode-graph", "129-256", "0", "33-128", 200)
+    assert top["mean_ms"] == pytest.approx(21.3) and top["base_mean_ms"] == pytest.approx(18.9)
+    assert top["vs_base"] == pytest.approx(21.3 / 18.9, abs=1e-4)
+    assert top["share"] == pytest.approx(4.26 / 5.16, abs=1e-4)
+    eager = z["classes"][-1]
+    assert eager["kind"] == "eager" and eager["base_mean_ms"] is None and eager["vs_base"] is None
+    md = rep.markdown({"header": {"date": "d", "card": "c", "versions": {}, "commit": "x",
+                                  "run": "a"}, "rows": base + zipf})
+    assert "## Steps" in md and "zipf-100: 212 steps, 5.2 s timed" in md
+    assert "| decode-graph | 129-256 | 0 | 33-128 | 200 | 21.30 | 18.90 | 1.13x | 83% |" in md
+    assert "| decode-graph | 129-256 | 0 | 0 | 200 | 18.90 | 88% |" in md       # base's own
+    mixed_runs = base + [dict(r, run="b") for r in zipf]
+    assert "## Steps" not in rep.markdown({"header": {"date": "d", "card": "c", "versions": {},
+                                                     "commit": "x"}, "rows": mixed_runs})
+
+
 @pytest.mark.slow
 def test_the_quick_saturation_suite_writes_its_schema_and_a_sound_search(tmp_path):
     out = tmp_path / "out"
@@ -187,7 +232,31 @@ def test_the_quick_saturation_suite_writes_its_schema_and_a_sound_search(tmp_pat
         _search_is_sound(r, crit)
     assert rep.ratios(rows)[0]["throughput"] == 1.0
     assert "| scenario |" in (out / "saturation-cpu.md").read_text()
+    _steps_were_served(h, rows, (out / "saturation-cpu.md").read_text())
     assert (out / "saturation-cpu.png").stat().st_size > 0
+
+
+def _steps_were_served(h: dict, rows: list[dict], md: str) -> None:
+    """The worker's step profiles in a real run: every measured row has steps (eager on a
+    CPU); each workload's header profile is the sum of its steady closed and goodput rows';
+    base's steps have no adapters, an adapter workload's classes stand beside base's."""
+    for r in rows:
+        p = r["steps"]
+        assert p["steps"] > 0 and p["seconds"] > 0, r["scenario"]
+        assert {c["kind"] for c in p["classes"]} == {"eager"}, r["scenario"]
+        assert sum(c["share"] for c in p["classes"]) == pytest.approx(1.0, abs=0.01)
+        assert all("steps" not in q for q in r.get("probes") or ())
+    profiles = h["steps"]
+    assert set(profiles) == {"base", "zipf-128", "mixed-32"}
+    for w, p in profiles.items():
+        parts = [r["steps"] for r in rows if r["workload"] == w and r["state"] == "steady"
+                 and r["mode"] in ("closed", "goodput")]
+        assert p["steps"] == sum(x["steps"] for x in parts), w
+    assert {c["adapters"] for c in profiles["base"]["classes"]} == {"0"}
+    zipf = profiles["zipf-128"]["classes"]
+    assert any(c["adapters"] != "0" for c in zipf)
+    assert any(c["vs_base"] is not None and c["vs_base"] > 0 for c in zipf)
+    assert "## Steps" in md and "| kind | rows | prompt tokens | adapters |" in md
 
 
 def _meets(p: dict, crit: srch.Criteria) -> bool:

@@ -166,6 +166,9 @@ def test_quick_run_writes_complete_results(tmp_path):
     assert any(r["cold_tier"] is not None and r["cold_p50_ms"] is not None for r in rows)
     assert any(r["path"] == "engine" for r in rows)
     assert "| scenario |" in (out / "serve-cpu.md").read_text()
+    for r in (r for r in rows if r["path"] == "grpc"):        # the worker's steps over each
+        assert r["steps"]["steps"] > 0 and r["steps"]["classes"][0]["kind"] == "eager"
+    assert "Engine steps by class" in (out / "serve-cpu.md").read_text()
     try:
         import matplotlib  # noqa: F401
     except ImportError:

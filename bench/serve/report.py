@@ -1,6 +1,8 @@
 """The serving benchmark's results: the header (bench.lib.header's base plus model, adapters,
 service command lines), one row per scenario and cold-load source tier, and
-NAME.json, NAME.md and the plots (NAME.png, NAME-cdf.png) under --out."""
+NAME.json, NAME.md and the plots (NAME.png, NAME-cdf.png) under --out. A gRPC scenario's rows
+keep the workers' step profile over it ("steps": bench/serve/steps.py's keys), and NAME.md has
+its largest step classes."""
 from __future__ import annotations
 
 import json
@@ -103,7 +105,25 @@ def markdown(header: dict, rows: list[dict]) -> str:
             f"{_f(r.get('e2e_p99_ms'))} | {_f(r['gpu_hit_rate'], '{:.2f}')} | "
             f"{r['cold_tier'] or '-'} | {r.get('cold_n') or '-'} | {_f(r['cold_p50_ms'], '{:.2f}')}"
             f" / {_f(r['cold_p99_ms'], '{:.2f}')} | {_errors(r)} |")
-    return "\n".join(lines + _cold_tables(rows) + _notes(header, rows)) + "\n"
+    return "\n".join(lines + _cold_tables(rows) + _steps_tables(rows) + _notes(header, rows)
+                     ) + "\n"
+
+
+def _steps_tables(rows: list[dict], top: int = 6) -> list[str]:
+    """Per gRPC scenario, the largest classes of the worker's steps over it."""
+    from bench.serve.steps import table
+    seen, lines = set(), []
+    for r in rows:
+        p = r.get("steps")
+        if p and p["steps"] and r["scenario"] not in seen:
+            seen.add(r["scenario"])
+            lines += ["", f"{r['scenario']}: {p['steps']} steps, {p['seconds']:.1f} s timed",
+                      "", *table(p, top)]
+    if not lines:
+        return []
+    return ["", "Engine steps by class (kind; rows: sequences; prompt tokens: of prompt chunks; "
+            "adapters: distinct), the worker's over each scenario; a step's time runs from the "
+            "previous step's tokens to its own, steps after an idle wait not timed:", *lines]
 
 
 def _errors(r: dict) -> str:

@@ -1,6 +1,7 @@
 """One serving-benchmark run's phases: the engine in-process (before the services), the
 services and client processes, the rate probe, and each gRPC scenario (preload, warmup, the
-measured requests with the services' counters read before and after), turned into rows."""
+measured requests with the services' counters read before and after), turned into rows; a gRPC
+row keeps the workers' step profile over it ("steps", bench/serve/steps.py)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ import shutil
 import time
 
 from bench.serve import fleet as serve_fleet, metrics as sm, model as serve_model
-from bench.serve import report as serve_report, scenarios as ss
+from bench.serve import report as serve_report, scenarios as ss, steps as serve_steps
 
 
 def engine_options(args, manifest: dict, ids: list[str]) -> dict:
@@ -261,6 +262,7 @@ class Bench:
         print(f"{s.name}: {len(records)} requests in {time.monotonic() - start:.1f}s",
               flush=True)
         more, lost = {}, ({kill.index: kill.lost_info} if kill is not None else None)
+        more["steps"] = serve_steps.summary(serve_steps.delta(w0, w1, lost))
         if len(addrs) > 1:
             snaps = [residency(a) for a in addrs]
             more["per_worker"] = serve_fleet.worker_rows(w0, w1, snaps, lost)

@@ -3,6 +3,12 @@ id), NAME.md (each row's ratio to the base model's row of the same run and load)
 (goodput and ITL against adapter count). Ratios are computed within one run only: a table of
 rows from several runs says so and `ratios` refuses it.
 
+Step profiles (bench/serve/steps.py has the profile's keys): each measured row's "steps" (the
+worker's engine steps over it by class; a goodput row's over every probe of its search) and the
+header's "steps": {workload: the profile of its steady closed-loop rows and goodput search, an
+adapter workload's classes with base_mean_ms and vs_base against base's}. NAME.md has a Steps
+table per workload from them (one run only: a merged document has none).
+
     python -m bench.serve.saturation_report --check A.json [B.json ...]   # exit 1: rows of >1 run
     python -m bench.serve.saturation_report --ratios A.json                # the ratios, or refuses
     python -m bench.serve.saturation_report --merge A.json B.json --out DIR --name N  # no ratios
@@ -15,6 +21,7 @@ import json
 import pathlib
 import sys
 
+from bench.serve import steps as serve_steps
 
 ROW_FIELDS = ("scenario", "mode", "adapters", "zipf", "ranks", "state", "offered_req_s",
               "req_s", "out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
@@ -150,11 +157,30 @@ def markdown(doc: dict) -> str:
              "completions; tok/s: req/s x the mean output. 'pool holds': the share of the "
              "workload's adapter bytes the GPU pool can hold.", "",
              *table(rows, ratio), *probes_table(rows)]
+    lines += steps_tables(rows) if ratio is not None else []
     if h.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(h["skipped"]) + "."]
     if h.get("failed"):
         lines += ["", "**Failed**: " + "; ".join(h["failed"]) + "."]
     return "\n".join(lines) + "\n"
+
+
+def steps_tables(rows: list[dict], top: int = 8) -> list[str]:
+    """The Steps section: per workload, its step profile's largest classes (serve_steps.table),
+    an adapter workload's beside the base model's same class."""
+    profiles = serve_steps.by_workload(rows)
+    if not profiles:
+        return []
+    lines = ["", "## Steps", "", "The worker's engine steps over each workload's steady closed "
+             "loops and goodput search, by class (kind; rows: the step's sequences; prompt "
+             "tokens: of its prompt chunks; adapters: distinct). A step's time runs from the "
+             "previous step's tokens reaching the host to its own (steps after an idle wait "
+             "are not timed); share: of the workload's timed step time; vs base: mean ms over "
+             "the base model's steps of the same kind, rows and prompt tokens in this run."]
+    for w, p in profiles.items():
+        lines += ["", f"{w}: {p['steps']} steps, {p['seconds']:.1f} s timed", "",
+                  *serve_steps.table(p, top, compare=w != "base" and "base" in profiles)]
+    return lines
 
 
 def plot(path: pathlib.Path, header: dict, rows: list[dict]) -> pathlib.Path | None:
@@ -201,6 +227,7 @@ def merge(docs: list[dict]) -> dict:
     """Several runs' rows in one document (each row keeps its run id); no ratios."""
     header = dict(docs[0]["header"])
     header["runs"] = [d["header"].get("run") for d in docs]
+    header.pop("steps", None)                      # one run's: no profile across runs
     return {"header": header, "rows": [r for d in docs for r in d["rows"]]}
 
 

@@ -1,7 +1,9 @@
 """The saturation suite's measurements on a running stack (bench.serve.bench.run_saturation
 sets it up with bench/serve/saturation.py's workloads and flags): per workload a warm-up pass,
 closed loops, the goodput search and open-loop rows; the cold rows first. Every row says its run
-id; progress is printed for every probe."""
+id; progress is printed for every probe. Every measured row keeps the worker's step profile over
+it (bench/serve/steps.py: "steps"; a goodput row's over all its probes), and the header each
+workload's over its steady closed loops and goodput search ("steps": {workload: profile})."""
 from __future__ import annotations
 
 import datetime
@@ -10,6 +12,7 @@ import time
 
 from bench.serve import saturation_search as srch
 from bench.serve import fleet as serve_fleet, metrics as sm, scenarios as ss
+from bench.serve import steps as serve_steps
 
 
 def run_id(commit: str) -> str:
@@ -139,7 +142,8 @@ class Suite:
             r["timings"]["cold_load_s"] for r in records
             if r["timings"] and r["timings"]["cold_load_s"] > 0]
         return reqs, records, {"gpu_hit_rate": hits["gpu_hit_rate"],
-                               "cold_p50_ms": sm.ms(sm.pct(loads, 50)), "cold_n": len(loads)}
+                               "cold_p50_ms": sm.ms(sm.pct(loads, 50)), "cold_n": len(loads),
+                               "steps": serve_steps.summary(serve_steps.delta(w0, w1))}
 
     def row(self, w, s, mode: str, state: str, records: list, svc: dict,
             rate: float | None = None, **more) -> dict:
@@ -232,6 +236,7 @@ class Suite:
         s = w.scenario(f"{w.name}-goodput", rate=res["lo"] or start, requests=1)
         svc = {x: chosen[x] for x in ("gpu_hit_rate", "cold_p50_ms", "cold_n")} if chosen \
             else {"gpu_hit_rate": None, "cold_p50_ms": None, "cold_n": 0}
+        svc["steps"] = serve_steps.merge(p.pop("steps", None) for p in res["probes"])
         r = self.row(w, s, "goodput", "steady", records, svc, chosen["req_s"] if chosen
                      else None, goodput_req_s=res["lo"],
                      search={k2: v for k2, v in res.items() if k2 != "probes"},
@@ -266,4 +271,5 @@ class Suite:
                 "skipped": self.skipped, "failed": self.failed,
                 "elapsed_s": round(self.elapsed(), 1),
                 "workloads": [w.name for w in self.workloads],
-                "cold": [w.name for w in self.cold], "open": self.opened}
+                "cold": [w.name for w in self.cold], "open": self.opened,
+                "steps": serve_steps.by_workload(self.rows)}

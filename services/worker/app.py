@@ -35,6 +35,7 @@ from services.worker.api.residency_feed import ResidencyFeed
 from services.worker.api.servicer import WorkerServicer
 from services.worker.config import EngineOptions, WorkerConfig, parse_args
 from services.worker.engine.gauges import EngineGauges
+from services.worker.engine.step_profile import StepProfile
 from services.worker.model.spec import load_spec
 from services.worker.startup import precompile
 from services.worker.startup.factory import Built, build_engine, resolve_device
@@ -128,9 +129,10 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
                              loader_threads=cfg.loader_threads, eviction=cfg.eviction,
                              host_placement=cfg.host_placement,
                              evictions=metrics.Evictions(TenantLabels(cfg.metrics_tenants)))
-    gauges = EngineGauges(built.spec.name, cfg.engine.pool_slots)
+    gauges, steps = EngineGauges(built.spec.name, cfg.engine.pool_slots), StepProfile()
     REGISTRY.register(gauges)
-    built.engine.on_step = gauges.step
+    REGISTRY.register(steps)
+    built.engine.on_step = on_step(gauges, steps)
     base_load = load_fn(built.engine)
 
     def load() -> wpb.WorkerLoad:
@@ -143,21 +145,31 @@ async def build_core(cfg: WorkerConfig, worker_id: str) -> Core:
     feed = ResidencyFeed(manager, load, worker_id)
     manager.on_change = feed.mark
     feed.bind(asyncio.get_running_loop())
-    servicer = await make_servicer(cfg, built, manager, feed, worker_id)
+    servicer = await make_servicer(cfg, built, manager, feed, worker_id, steps)
     return Core(built, manager, feed, servicer)
 
 
+def on_step(gauges: EngineGauges, steps: StepProfile):
+    """The engine's per-step hook (Engine.on_step): the gauges, then the step profile."""
+    def hook(engine) -> None:
+        gauges.step(engine)
+        steps.step(engine)
+    return hook
+
+
 async def make_servicer(cfg: WorkerConfig, built: Built, manager: AdapterManager,
-                        feed: ResidencyFeed, worker_id: str) -> WorkerServicer:
+                        feed: ResidencyFeed, worker_id: str,
+                        steps: StepProfile | None = None) -> WorkerServicer:
     """The servicer with what renders and constrains requests beside it: the checkpoint's chat
-    template and structured output's grammar compiler for its tokenizer (None: off)."""
+    template and structured output's grammar compiler for its tokenizer (None: off); steps: the
+    engine's step profile, for Info."""
     chat = ChatTemplate.from_model_dir(cfg.model)
     log.info("chat template: %s", "the checkpoint's" if chat else
              "none (chats are rendered as 'role: content' lines)")
     grammars = await asyncio.to_thread(
         compiler_for, (pathlib.Path(cfg.model) / "tokenizer.json").read_text(),
         built.spec.vocab_size, tuple(built.spec.eos_token_ids), cfg.grammar)
-    return WorkerServicer(cfg, built, manager, feed, worker_id, chat, grammars)
+    return WorkerServicer(cfg, built, manager, feed, worker_id, chat, grammars, steps)
 
 
 async def main_async(cfg: WorkerConfig, env: dict[str, str]) -> int:

@@ -29,6 +29,7 @@ from services.worker.api.responses import TokenTexts
 from services.worker.config import WorkerConfig
 from services.worker.engine.loop import TokenEvent
 from services.worker.engine.sequence import Sampling, Sequence, Stop, Stopping
+from services.worker.engine.step_profile import StepProfile
 from services.worker.startup.factory import Built
 
 _tracer = tracer("lorafleet.worker")
@@ -125,9 +126,12 @@ class EventHandoff:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, cfg: WorkerConfig, built: Built, manager: AdapterManager, feed,
-                 worker_id: str, chat_template: ChatTemplate | None = None, grammars=None):
+                 worker_id: str, chat_template: ChatTemplate | None = None, grammars=None,
+                 step_profile: StepProfile | None = None):
         """chat_template: the checkpoint's (None: chats are rendered by the fallback);
-        grammars: structured output's GrammarCompiler (None: off, a grammar is refused)."""
+        grammars: structured output's GrammarCompiler (None: off, a grammar is refused);
+        step_profile: the engine's, which Info reports (None: none)."""
+        self.step_profile = step_profile
         self.cfg, self.built, self.engine = cfg, built, built.engine
         self.chat_template, self.grammars = chat_template, grammars
         self.manager, self.feed, self.worker_id = manager, feed, worker_id
@@ -364,7 +368,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tool_call_format=self.tool_call_format,
             cold_load_records=(m.log.since(request.cold_loads_since)
                                if request.cold_load_records else []),
-            cold_load_seq=m.log.seq)
+            cold_load_seq=m.log.seq,
+            step_profile=[wpb.StepClass(kind=k, rows=r, prompt_tokens=p, adapters=a, steps=n,
+                                        seconds=sec) for k, r, p, a, n, sec in
+                          (self.step_profile.classes() if self.step_profile else ())])
 
 
 def _check_ref(ref, field: str) -> None:

@@ -27,6 +27,11 @@ request's own refusals (InvalidArgument at submit) are not faults.
 The servicer submits sequences and receives TokenEvents through a sink callback (called on the
 engine thread; it must only hand the event over, e.g. loop.call_soon_threadsafe).
 
+For the step profile (services.worker.engine.step_profile) the engine keeps what the runner said
+the last collected step was (`last_step`, the runner's StepShape: a launched step's, or the
+runner's `shape` after run), when its tokens reached the host (`last_step_at`, perf_counter) and
+how many times the loop has waited idle (`idle_waits`); an on_step hook reads them.
+
 Structured output. A sequence with a grammar (Sequence.matcher) is constrained by the runner: it
 masks the grammar rows' logits before sampling and feeds their matchers the sampled tokens before
 the engine sees them (services.worker.executor.token_mask; a step launched from one in flight
@@ -48,6 +53,7 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.worker.engine.detokenizer import Detokenizer
 from services.worker.engine.scheduler import Scheduled, Scheduler
 from services.worker.engine.sequence import Sequence, Stop
+from services.worker.engine.step_profile import StepShape
 
 log = logging.getLogger(__name__)
 _NO_STOP = Stop.NONE      # bound once: an enum member lookup costs ~0.1 µs, paid per row per step
@@ -81,10 +87,12 @@ Sampled = tuple[list[Scheduled], list[int], list | None]
 class Launched(Protocol):
     """A step a runner launched and has not collected yet."""
     batch: list[Scheduled]              # its rows that sample, in sample order
+    shape: StepShape | None             # what the step was (None: the runner does not say)
 
 
 class Runner(Protocol):
     """The device side of a step, as the engine drives it."""
+    shape: StepShape | None             # what the step its last run() computed was
 
     def run(self, batch: list[Scheduled]) -> Sampled:
         """Compute one step and wait for its tokens."""
@@ -113,6 +121,10 @@ class Engine:
         self._wake = threading.Event()
         self.steps = 0
         self.tokens_generated = 0
+        # the step profile's inputs (see module doc)
+        self.last_step: StepShape | None = None
+        self.last_step_at = 0.0
+        self.idle_waits = 0
         self.flush: Callable[[], None] | None = None   # called after each step (run)
         # called with the engine after each step (run): the metrics' hook (gauges.py)
         self.on_step: Callable[["Engine"], None] | None = None
@@ -172,6 +184,7 @@ class Engine:
             if self.on_step is not None:
                 self.on_step(self)
             if not busy:
+                self.idle_waits += 1
                 self._wake.wait()
                 self._wake.clear()
 
@@ -188,8 +201,8 @@ class Engine:
             return False
         ran = self._launch(batch, done) if batch else None     # None: launched (or none)
         if done is not None:
-            self._post(self.runner.collect(done))
-        self._post(ran)
+            self._post(self.runner.collect(done), done.shape)
+        self._post(ran, self.runner.shape)
         return True
 
     def _arrivals(self) -> None:
@@ -224,10 +237,12 @@ class Engine:
         self.scheduler.advance(batch, now)
         return ran
 
-    def _post(self, out: Sampled | None) -> None:
-        """A step's sampled tokens to their sequences and requests (_append); None: none."""
+    def _post(self, out: Sampled | None, shape: StepShape | None) -> None:
+        """A step's sampled tokens to their sequences and requests (_append); None: none.
+        shape: what the step was (kept with the time, for the step profile)."""
         if out is None:
             return
+        self.last_step, self.last_step_at = shape, time.perf_counter()
         sampled, tokens, lps = out
         self.steps += 1
         self.tokens_generated += len(tokens)

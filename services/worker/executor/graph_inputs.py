@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.step_profile import StepShape
 from services.worker.executor.sampling import pack_logprobs, sample, unpack_logprobs
 from services.worker.executor.step_inputs import HostViews, StepBuilder, StepPlan, sampling_batch
 
@@ -45,6 +46,7 @@ class PendingStep:
     logits: torch.Tensor | None = None
     params: object = None
     then: "PendingStep | None" = None    # a deferred step launched from this one (collect)
+    shape: StepShape | None = None       # what the step was (the runner's; the step profile)
 
 
 def size32(rows: int, seqs: int, mb: int) -> int:
@@ -94,21 +96,22 @@ class StaticInputs:
 
     def fill(self, plan: StepPlan, b: int, src: np.ndarray | None = None,
              lens: np.ndarray | None = None, seqs: int | None = None,
-             sample_rows: np.ndarray | None = None) -> None:
+             sample_rows: np.ndarray | None = None) -> int:
         """Write a step's inputs for b rows into the next host set (the step builder: padding
         rows inert), then two host-to-device copies. src: for a decode step launched from one
         in flight, where each row's input token is in that step's sampled tokens (the ids are
         then gathered on the device). A mixed step: lens, each sequence's rows; seqs, the
         sequences its graph holds; sample_rows, the rows that sample (the rest of the seqs
-        entries read row 0)."""
+        entries read row 0). Returns the step's LoRA segments (StepBuilder.fill's G)."""
         hs = self.filled = self._sets[self._flip]
         self._flip ^= 1
-        self.steps.fill(plan, hs.views, lens, pad=b, src=src, pad_seqs=seqs)
+        segments = self.steps.fill(plan, hs.views, lens, pad=b, src=src, pad_seqs=seqs)[2]
         if sample_rows is not None:
             hs.sample_rows[:len(sample_rows)] = sample_rows
             hs.sample_rows[len(sample_rows):seqs] = 0
         self.dev64.copy_(hs.host64, non_blocking=True)
         self.dev32.copy_(hs.host32, non_blocking=True)
+        return segments
 
 
 def start_sampling(batch: list[Scheduled], logits: torch.Tensor, prev: PendingStep | None,

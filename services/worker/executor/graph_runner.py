@@ -42,7 +42,8 @@ still in flight (`prev`): its rows' input tokens are then gathered on the device
 tokens, so the engine can queue step N+1 before it has read step N's tokens, and the GPU does not
 idle while the host post-processes step N (services.worker.engine.loop). Such a step with grammar
 rows (structured output) samples when step N is collected: its masks need step N's tokens
-(services.worker.executor.graph_inputs).
+(services.worker.executor.graph_inputs). A launched step says what it was (PendingStep.shape:
+decode-graph or mixed-graph, its rows, prompt tokens and adapters) for the engine's step profile.
 """
 from __future__ import annotations
 
@@ -56,9 +57,10 @@ import torch
 from kernels.sgmv_choice import rank_tile
 from services.worker import metrics
 from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.step_profile import StepShape
 from services.worker.executor.graph_inputs import PendingStep, StaticInputs, collect, start_sampling
 from services.worker.executor.model_runner import ModelRunner
-from services.worker.executor.step_inputs import StepPlan
+from services.worker.executor.step_inputs import StepPlan, step_shape
 from services.worker.model.spec import ALL_GROUPS, GROUP_BIT
 from services.worker.model.step_context import LoraMeta, StepContext
 
@@ -117,6 +119,7 @@ class GraphRunner:
         self.rank = 0                            # capture's max_rank (its tile: the largest)
         self.start_tiles: tuple[int, ...] = ()   # tiles captured at start for all groups
         self.timings: list | None = None     # set to a list to record (batch, start, end) events
+        self.shape: StepShape | None = None  # what the last run's step was
 
     def _ctx(self, b: int, mask: int, tile: int = 0, columns: bool = False) -> StepContext:
         """The static buffers' context for batch b, with a graph's LoRA choices."""
@@ -254,7 +257,10 @@ class GraphRunner:
         eagerly; returns the rows that sampled, their tokens and logprobs (ModelRunner.run)."""
         pending = self.launch(batch)
         if pending is None:
-            return self.runner.run(batch)
+            out = self.runner.run(batch)
+            self.shape = self.runner.shape
+            return out
+        self.shape = pending.shape
         return self.collect(pending)
 
     def launch(self, batch: list[Scheduled], prev: PendingStep | None = None
@@ -285,7 +291,7 @@ class GraphRunner:
         if prev is not None:
             where = {id(x.seq): i for i, x in enumerate(prev.batch)}
             src = np.fromiter((where[id(x.seq)] for x in batch), np.int64, len(batch))
-        self.inputs.fill(plan, b, src)
+        segments = self.inputs.fill(plan, b, src)
         if src is not None:
             n = len(batch)
             torch.index_select(prev.tokens, 0, self.inputs.dev64[3, :n], out=self.ids[:n])
@@ -298,7 +304,9 @@ class GraphRunner:
         else:
             self.graphs[key].replay()
         self.replays += 1
-        return self._sampled(batch, self.outputs[key][:len(batch)], prev)
+        step = self._sampled(batch, self.outputs[key][:len(batch)], prev)
+        step.shape = step_shape("decode-graph", plan, segments, None)
+        return step
 
     def _launch_mixed(self, batch: list[Scheduled]) -> PendingStep | None:
         """Start a mixed step (prompt chunks, with or without decode rows) from the graph of
@@ -313,10 +321,12 @@ class GraphRunner:
             size, plan.mask, plan.rank, plan.columns, mixed=True)
         if key is None:
             return None
-        sampled = self.fill_mixed(plan, size)
+        sampled, shape = self.fill_mixed(plan, size)
         self.mixed[key].replay()
         self.mixed_replays += 1
-        return self._sampled(sampled, self.mixed_outputs[key][:len(sampled)], None)
+        step = self._sampled(sampled, self.mixed_outputs[key][:len(sampled)], None)
+        step.shape = shape
+        return step
 
     @contextlib.contextmanager
     def eager_mixed(self):
@@ -332,16 +342,18 @@ class GraphRunner:
         t, n = sum(x.num_tokens for x in batch), len(batch)
         return next((m for m in self.mixed_sizes if m >= t and self.mixed_seqs(m) >= n), None)
 
-    def fill_mixed(self, plan: StepPlan, size: int) -> list[Scheduled]:
+    def fill_mixed(self, plan: StepPlan, size: int) -> tuple[list[Scheduled], StepShape]:
         """Write a mixed step's inputs for the graph of `size` tokens (StaticInputs.fill, as a
         decode step's); returns the entries that sample, in the order of the graph's logits
-        rows."""
+        rows, and what the step is (step_shape)."""
         n = len(plan.batch)
         lens = np.fromiter((x.num_tokens for x in plan.batch), dtype=np.int64, count=n)
         samples = np.fromiter((x.samples for x in plan.batch), dtype=bool, count=n)
         rows = np.cumsum(lens)[samples] - 1           # each sampling sequence's last row
-        self.inputs.fill(plan, size, lens=lens, seqs=self.mixed_seqs(size), sample_rows=rows)
-        return [x for x, s in zip(plan.batch, samples) if s]
+        segments = self.inputs.fill(plan, size, lens=lens, seqs=self.mixed_seqs(size),
+                                    sample_rows=rows)
+        sampled = [x for x, s in zip(plan.batch, samples) if s]
+        return sampled, step_shape("mixed-graph", plan, segments, lens)
 
     def _sampled(self, batch: list[Scheduled], logits: torch.Tensor,
                  prev: PendingStep | None) -> PendingStep:

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.step_profile import StepShape
 from services.worker.executor.graph_inputs import PendingStep, collect
 from services.worker.executor.sampling import pack_logprobs, sample, unpack_logprobs
 from services.worker.executor.step_inputs import InputBuffers, StepBuilder
@@ -47,6 +48,7 @@ class ModelRunner:
         # structured output's TokenMasks (services.worker.startup.factory.assemble): the grammar
         # rows' masks, applied before sampling, and their matchers fed the sampled tokens
         self.masks = None
+        self.shape: StepShape | None = None       # what the last run's step was
         log.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s", num_blocks, block_size,
                  2 * spec.num_layers * self.kv_cache[0][0].numel()
                  * self.kv_cache[0][0].element_size() / 2**20, dev)
@@ -61,6 +63,7 @@ class ModelRunner:
         """One forward pass; returns the entries that sampled, their new token ids, and their
         logprobs when some row asked (see sampling.unpack_logprobs; else None)."""
         inputs = self.steps.eager(batch, self.buffers)
+        self.shape = inputs.shape
         logits = self.model.forward(inputs.input_ids, inputs.ctx, self.kv_cache)
         if inputs.prompt_rows is not None:           # the first rows: prompt logprobs
             e = len(inputs.prompt_targets)

@@ -20,6 +20,7 @@ import torch
 
 from kernels.sgmv_choice import only_live_segment
 from services.worker.engine.scheduler import Scheduled
+from services.worker.engine.step_profile import StepShape
 from services.worker.executor.lora_choice import choose
 from services.worker.executor.sampling import SamplingBatch
 from services.worker.executor.sampling_inputs import sampling_batch
@@ -38,6 +39,7 @@ class StepInputs:
     # the prompt token each of those rows predicts
     prompt_rows: list[tuple] | None = None
     prompt_targets: np.ndarray | None = None
+    shape: StepShape | None = None    # what the step was (step_shape), for the step profile
 
 
 class HostViews:
@@ -157,6 +159,7 @@ class StepBuilder:
         lens = np.fromiter((b.num_tokens for b in plan.batch), dtype=np.int64, count=n)
         decode = bool(n) and bool((lens == 1).all())          # the one-row-a-sequence form
         t, ends, g = self.fill(plan, buf.views, None if decode else lens)
+        shape = step_shape("eager", plan, g, None if decode else lens)
         samples = np.fromiter((b.samples for b in plan.batch), dtype=bool, count=n)
         sampled = [b for b, x in zip(plan.batch, samples) if x]
         sample_rows = (np.arange(1, n + 1) if ends is None else ends)[samples] - 1
@@ -170,6 +173,7 @@ class StepBuilder:
         inputs = _to_device(buf, plan, self.tables, t, max_blocks, max_ctx, g,
                             len(sample_rows), sampled)
         inputs.sampling = sampling_batch(sampled, buf.device, eos=self.eos)
+        inputs.shape = shape
         if echo is not None:
             inputs.prompt_rows, inputs.prompt_targets = echo[0], echo[2]
         return inputs
@@ -224,6 +228,16 @@ class StepBuilder:
             if lens[i]:
                 tables[i, :lens[i]] = 0
             lists[i], lens[i] = None, 0
+
+
+def step_shape(kind: str, plan: StepPlan, segments: int, lens: np.ndarray | None) -> StepShape:
+    """What a step was, for the step profile (services.worker.engine.step_profile), from what
+    its fill already has: its sequences, its LoRA segments (fill's G: runs of one adapter slot,
+    the base rows' run last) and each sequence's rows this step (lens; None: one each)."""
+    n = len(plan.seqs)
+    base = 1 if n and plan.slots[-1] < 0 else 0
+    prompt = 0 if lens is None else int(lens[lens > 1].sum())
+    return StepShape(kind, n, prompt, segments - base)
 
 
 def _prompt_rows(plan: StepPlan, lens: np.ndarray, ends: np.ndarray | None):
