@@ -174,3 +174,20 @@ def neighbours(cfg: Fp8GemmConfig) -> list[Fp8GemmConfig]:
                 and c.split_k <= 16 and c.smem_bytes() <= SMEM_BYTES):
             out.append(c)
     return out
+
+
+def grid(cfg: Fp8GemmConfig, x_bytes: int = 2) -> list[Fp8GemmConfig]:
+    """cfg and, at its BLOCK_M, every BLOCK_N 64 / 128, BLOCK_K 128 / 256, split 1 / 2 / 4 / 8,
+    4 or 8 warps and 4 or 6 stages that fits Hopper's shared memory (x_bytes: an element of x's
+    tile, 1 for W8A8's e4m3): the sweep's --grid, for the configs several steps from the
+    picked one that the neighbours do not reach."""
+    out = [cfg]
+    for bn in (64, 128):
+        for bk in (128, 256):
+            for split in (1, 2, 4, 8):
+                for warps in (4, 8):
+                    for stages in (4, 6):
+                        c = Fp8GemmConfig(cfg.block_m, bn, bk, split, warps, stages)
+                        if c not in out and c.smem_bytes(x_bytes) <= SMEM_BYTES:
+                            out.append(c)
+    return out

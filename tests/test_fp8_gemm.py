@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels.fp8_gemm_config import (BUCKETS, DECODE_MAX_ROWS, Fp8GemmConfig,  # noqa: E402
-                                     bucket, neighbours, pick_config)
+                                     bucket, grid, neighbours, pick_config)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 C = Fp8GemmConfig
@@ -265,6 +265,19 @@ def test_sweep_neighbours_are_distinct_and_valid():
         near = neighbours(cfg)
         assert near[0] == cfg and len(set(near)) == len(near) >= 6
         assert all(c.smem_bytes() <= 227 * 1024 for c in near)
+
+
+def test_the_sweep_grid_holds_the_pick_and_fits_shared_memory():
+    """--grid: the picked config first, then distinct configs at its BLOCK_M over both tile
+    widths, K tiles and every split, each fitting shared memory for its x (e4m3: more fit)."""
+    cfg = pick_config(64, 4096, 11008)
+    for x_bytes in (1, 2):
+        g = grid(cfg, x_bytes)
+        assert g[0] == cfg and len(set(g)) == len(g)
+        assert all(c.block_m == cfg.block_m and c.smem_bytes(x_bytes) <= 227 * 1024 for c in g)
+        assert {(c.block_n, c.block_k, c.split_k) for c in g[1:]} >= {
+            (n, k, s) for n in (64, 128) for k in (128,) for s in (1, 2, 4, 8)}
+    assert len(grid(cfg, 1)) > len(grid(cfg, 2))
 
 
 def test_the_prefill_path_off_a_gpu_is_dequantize_then_gemm():

@@ -27,10 +27,14 @@ Writes OUT/fp8-gemm-<card>.{json,md}.
 .neighbours: split, tile sides, warps, stages one step away; each checked against the picked
 config's output) and writes OUT/fp8-gemm-sweep-<card>.{json,md}, the best per shape first, for
 filling fp8_gemm_config.OVERRIDES or its TILES. It stops at --budget-s with what it has.
+--xq sweeps the W8A8 form (x quantized, then the kernel: fp8-gemm-sweep-xq-<card>); --grid
+times a grid around each picked BLOCK_M (fp8_gemm_config.grid) instead of the neighbours
+(fp8-gemm-sweep[-xq]-grid-<card>).
 --table prints the configurations picked for every shape (no GPU needed).
 
     python -m bench.kernels.fp8_gemm --out bench/results
     python -m bench.kernels.fp8_gemm --sweep --models 7b --out bench/results
+    python -m bench.kernels.fp8_gemm --sweep --xq --grid --models 7b --rows 64 --budget-s 400
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ import torch.nn.functional as F
 
 from bench.lib.header import RESULTS, base_header, card_slug
 from bench.lib.timing import copy_tbps, time_us
-from kernels.fp8_gemm_config import BUCKETS, neighbours, pick_config
+from kernels.fp8_gemm_config import BUCKETS, grid, neighbours, pick_config
 
 COPIES = 4
 MODELS = {  # hidden, intermediate, query heads, KV heads, head dim (docs/sizing.md)
@@ -164,7 +168,8 @@ def sweep(a, dev, bw: float) -> list[dict]:
                 picked = pick_config(m, n, k, 0, _sms(dev))
                 call = w8a8 if a.xq else fp8_gemm        # --xq: the W8A8 decode path's configs
                 base = call(xs[0], ws[0][0], ws[0][1], k, config=picked)
-                for cfg in neighbours(picked):
+                space = grid(picked, 1 if a.xq else 2) if a.grid else neighbours(picked)
+                for cfg in space:
                     if a.xq and (cfg.act_fp8 or not cfg.w_bits):    # moot for an e4m3 x
                         continue
                     if time.monotonic() - t0 > a.budget_s:
@@ -247,6 +252,9 @@ def main() -> int:
     ap.add_argument("--models", default="7b,8b,70b", help="of " + ",".join(MODELS))
     ap.add_argument("--rows", default="1,16,64,128,256", help="row counts M")
     ap.add_argument("--sweep", action="store_true", help="time each picked config's neighbours")
+    ap.add_argument("--grid", action="store_true", help="with --sweep: a grid of BLOCK_N, "
+                    "BLOCK_K, split, warps and stages at each picked BLOCK_M "
+                    "(fp8_gemm_config.grid) instead of the neighbours")
     ap.add_argument("--xq", action="store_true", help="the sweep over the W8A8 decode path "
                     "(x quantized per row, then the kernel on e4m3 x e4m3)")
     ap.add_argument("--table", action="store_true", help="print the picked configs and exit")
@@ -266,7 +274,8 @@ def main() -> int:
     bw = copy_tbps(dev, 0.25 if a.quick else 2.0, 25, 100)
     rows = sweep(a, dev, bw) if a.sweep else compare(a, dev, bw)
     head = dict(base_header(a.device), copy_tbps=round(bw, 3))
-    kind = ("fp8-gemm-sweep-xq-" if a.xq else "fp8-gemm-sweep-") if a.sweep else "fp8-gemm-"
+    kind = ("fp8-gemm-sweep-" + ("xq-" if a.xq else "") + ("grid-" if a.grid else "")
+            if a.sweep else "fp8-gemm-")
     stem = kind + card_slug(head["card"], a.device)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"{stem}.json").write_text(json.dumps(dict(header=head, rows=rows), indent=1))
