@@ -22,6 +22,9 @@
 #              bench/results/serve-2gpu-h200.{json,md}. PART=w1|w2|kill|merge runs one step (one
 #              device call each); QUICK=1: the same on the CPU, tiny model, both workers on the
 #              CPU; ONE_GPU=1: both workers on one GPU, halved budgets
+#   fp8-served issue 46: a bf16 stack then a --quantization fp8 one (base and 32 resident
+#              adapters, closed loop at 64 streams, a short goodput search), then the in-process
+#              FP8 rows with both stacks' closed loops beside them: OUT/fp8-<card>.{json,md}
 #   first-touch issue 43 (python -m bench.serve.first_touch): 32 never-used rank-16 adapters at
 #              once and 16 one at a time beside 64 decoding base streams (and those alone),
 #              source-tier loads under Zipf churn over 1,000 rank-8 adapters, a fresh worker's
@@ -167,6 +170,19 @@ elif [ "$MODE" = saturation ]; then    # issue 42: bench/results/saturation-<car
        --probe-s "${PROBE_S:-5}" --max-probes "${PROBES:-4}" \
        ${WORKLOADS:+--sat-workloads "$WORKLOADS"} ${COLD:+--sat-cold "$COLD"} \
        ${OPEN:+--sat-open "$OPEN"} ${SAT_EXTRA:-}
+elif [ "$MODE" = fp8-served ]; then   # issue 46: bf16 then FP8 stacks, one call
+  # Each stack: base and 32 resident rank-16 adapters, closed loop at 64 streams and a short
+  # goodput search (no cold or open rows); then the in-process step rows with both stacks'
+  # rows under "served": OUT/fp8-<card>.{json,md}. ~9 min on an H100 with KCACHE=.
+  for Q in auto fp8; do
+    step timeout "${BUDGET:-200}" python3 -m bench.serve.bench "${GPU[@]}" \
+         --suite saturation --sat-workloads resident:32 --sat-cold none --sat-open none \
+         --streams 64 --max-probes "${PROBES:-2}" --worker-flag=--warmup-max-rank=64 \
+         --worker-flag=--quantization=$Q --out "$OUT/served-$Q"
+  done
+  step timeout "${FP8_S:-200}" python3 -m bench.engine.fp8 --quantizations auto,fp8 \
+       --out "$OUT" --served "$OUT"/served-auto/saturation-*.json \
+       "$OUT"/served-fp8/saturation-*.json
 elif [ "$MODE" = slora ]; then
   step timeout "${BUDGET:-560}" python3 -m bench.serve.bench "${GPU[@]}" --suite "${SUITE:-slora}" \
        --rate "${RATE:-58}" --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-slora
