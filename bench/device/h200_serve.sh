@@ -38,8 +38,8 @@
 #              model (~1 min); FT_EXTRA= more flags
 # PACK=1: everything in OUT as one results.tgz; SAVE_KCACHE=1: the kernel cache the run left, in
 # 15 MiB parts (carry them as tmp/kcache and pass KCACHE=tmp/kcache/triton-cache.tgz).
-# Needs the wheels the services import that the image lacks in .whl (README: the device tool's
-# notes) and the generated stubs (services/common/gen, carried). The checkpoint, adapters and
+# Needs the wheels the services import that the image lacks in .whl (`bash
+# bench/device/wheels.sh` here makes it) and the generated stubs (services/common/gen, carried). The checkpoint, adapters and
 # Triton's cache live under tmp/ and are reused while the machine stays warm.
 set -u
 MODE=${1:-check}
