@@ -96,17 +96,19 @@ def with_base_weights(model, weights: dict):
     return model.eval()
 
 
-def with_token_inputs(model):
+def with_token_inputs(model, skip: str = ""):
     """The model with each decoder linear's input quantized per token (a row of its last
     dimension: quant_rows) and scaled back before the base weight multiplies it, W8A8 with
     dynamic activation scales: a forward pre-hook on the linear itself, so the PEFT LoRA that
-    later wraps it (calling it as its base_layer) still reads the unquantized input."""
+    later wraps it (calling it as its base_layer) still reads the unquantized input. skip: a
+    regex of the linears' names left unquantized (served from bf16 weights)."""
     def hook(_module, args):
         x = args[0]
         flat = x.reshape(-1, x.shape[-1])
         return (dequant(*quant_rows(flat)).to(x.dtype).reshape(x.shape), *args[1:])
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and LINEAR.fullmatch(name + ".weight"):
+        if (isinstance(module, torch.nn.Linear) and LINEAR.fullmatch(name + ".weight")
+                and not (skip and re.fullmatch(skip, name))):
             module.register_forward_pre_hook(hook)
     return model
 

@@ -76,13 +76,22 @@ HF = {  # case: (weight_block_size, the quantizer)
 }
 
 
-def _check_published(src, ckpt, refs: dict, source: str):
+def _check_published(src, ckpt, refs: dict, source: str, mode: str = "auto",
+                     bf16_inputs: str = ""):
+    """The published checkpoint under --quantization mode against its reference: its own
+    dequantized weights, and under W8A8 (what FP8-Dynamic and transformers' fp8 declare, so
+    auto's) each linear's input quantized per token but those of bf16_inputs (a regex of
+    linears the engine serves from bf16 weights)."""
     base_dir, base, dirs = src
-    built, slots = _engine(ckpt, dirs, tokens=128)
+    built, slots = _engine(ckpt, dirs, mode, tokens=128)
     assert built.spec.quant.source == source
     layer = built.engine.runner.model.w["layers"][0]
     assert all(isinstance(layer[g], Fp8Weight) for g in ("qkv", "o", "gate_up", "down"))
+    w8a8 = mode != "fp8-weight-only"
+    assert all(layer[g].tokens == w8a8 for g in ("qkv", "o", "gate_up", "down"))
     ref = fx.with_base_weights(base, refs)
+    if w8a8:
+        ref = fx.with_token_inputs(ref, skip=bf16_inputs)
     peft = fx.peft_on(ref, dirs)
     prompts = {n: [(3 * i + 7 * j) % 250 + 2 for j in range(10 + 6 * i)]
                for i, n in enumerate([*dirs, "base"])}
@@ -102,7 +111,11 @@ def test_compressed_tensors_checkpoint(src, tmp_path, case):
                             else [])
     refs = fx.write_quantized(src[0], tmp_path / "ckpt",
                               fx.compressed_tensors_config(weights, ignore), quant)
-    built = _check_published(src, tmp_path / "ckpt", refs, "compressed-tensors")
+    # channel+tensor leaves layer 1's k_proj bf16: its fused q/k/v is served dequantized, its
+    # inputs unquantized
+    plain = r"model\.layers\.1\.self_attn\.[qkv]_proj" if case == "channel+tensor" else ""
+    built = _check_published(src, tmp_path / "ckpt", refs, "compressed-tensors",
+                             bf16_inputs=plain)
     if case == "channel+tensor":   # a fused q/k/v with a bf16 part: served dequantized
         layers = built.engine.runner.model.w["layers"]
         assert not isinstance(layers[1]["qkv"], Fp8Weight)
@@ -119,6 +132,8 @@ def test_transformers_fp8_checkpoint(src, tmp_path, case):
               "weight_block_size": block}
     refs = fx.write_quantized(src[0], tmp_path / "ckpt", config, quant)
     _check_published(src, tmp_path / "ckpt", refs, "fp8")
+    if case == "block-24x48":               # weight-only on request
+        _check_published(src, tmp_path / "ckpt", refs, "fp8", "fp8-weight-only")
 
 
 def test_a_published_checkpoint_is_served_as_published(tmp_path):
@@ -134,7 +149,9 @@ def test_a_published_checkpoint_is_served_as_published(tmp_path):
     assert resolve_quantization("auto", plain).quant is None
     assert resolve_quantization("fp8", load_spec(published)).quant.block == (128, 128)
     assert resolve_quantization("fp8", load_spec(published)).quant.activations == "token"
-    assert resolve_quantization("auto", load_spec(published)).quant.activations == "bf16"
+    assert resolve_quantization("auto", load_spec(published)).quant.activations == "token"
+    assert (resolve_quantization("fp8-weight-only", load_spec(published)).quant.activations
+            == "bf16")
     # transformers' default block when the config leaves weight_block_size out
     assert load_spec(_with_config(tmp_path / "d", {"quant_method": "fp8"})).quant.block == \
         (128, 128)

@@ -8,8 +8,8 @@ dtype and reads the unquantized activations. Three sources of such weights:
   quantized at load with one scale per output channel (Fp8Scheme "load");
 - compressed-tensors `float-quantized` (what llm-compressor writes; its FP8, FP8-Dynamic and
   FP8-Block schemes): `X.weight` e4m3 and `X.weight_scale` per tensor, per channel [N, 1], per
-  group [N, K / g] or per block [N / bn, K / bk]. Dynamic input activations are accepted; static
-  input scales (`input_scale` tensors) are refused;
+  group [N, K / g] or per block [N / bn, K / bk]. Dynamic input activations are served per
+  token; static input scales (`input_scale` tensors) are refused;
 - transformers' `quant_method: fp8` (FineGrainedFP8Config, DeepSeek-style):
   `X.weight` e4m3 and `X.weight_scale_inv` per block [ceil(N / bn), ceil(K / bk)] of
   `weight_block_size`, or one per tensor without a block size; W = weight * weight_scale_inv.
@@ -20,7 +20,9 @@ What the GEMMs compute is the mode's (Fp8Scheme.activations):
   scale a row, max|x| / 448), both operands FP8 on the tensor cores ("token"). On an H100 this
   is the faster form (bench/PERF_NOTES.md, the W8A8 step);
 - `--quantization fp8-weight-only`: W8A16, the activations stay in the model dtype ("bf16");
-- `auto`: a published FP8 checkpoint weight-only, a plain one unquantized.
+- `auto`: a plain checkpoint unquantized; a published FP8 one as published: W8A8 where it
+  declares dynamic input activations (compressed-tensors FP8-Dynamic, transformers' fp8, whose
+  per-128-column groups are served as one scale a token), weight-only where it declares none.
 Either applies to a checkpoint quantized at load and to a published one alike.
 
 Any other scheme, and any field value that would change the maths, is refused naming the field
@@ -95,9 +97,8 @@ def _expect(d: dict, field: str, where: str, allowed: tuple, why: str, default=N
 
 def _transformers_fp8(q: dict) -> Fp8Scheme:
     """transformers' FineGrainedFP8Config: weight_scale_inv per block, or per tensor."""
-    _expect(q, "activation_scheme", "", ("dynamic",), "only dynamic activation scales (the "
-            "worker computes activations in bf16; static input scales are not loaded)",
-            default="dynamic")
+    _expect(q, "activation_scheme", "", ("dynamic",), "only dynamic activation scales "
+            "(static input scales are not loaded)", default="dynamic")
     _expect(q, "fmt", "", ("e4m3",), "only e4m3 weights", default="e4m3")
     _expect(q, "scale_fmt", "", ("float",), "only float block scales", default="float")
     _expect(q, "expert_dtype", "", ("fp8",), "only fp8 weights", default="fp8")
@@ -105,7 +106,9 @@ def _transformers_fp8(q: dict) -> Fp8Scheme:
     block = q.get("weight_block_size", DEFAULT_BLOCK)
     if block is not None:
         block = _pair(block, "weight_block_size")
-    return Fp8Scheme("fp8", "weight_scale_inv", block=block)
+    # its activation scheme is dynamic (checked above): served per token (DeepSeek's recipe
+    # quantizes per 128-column group of a token; one scale a token is the coarser form)
+    return Fp8Scheme("fp8", "weight_scale_inv", block=block, activations="token")
 
 
 def _pair(value, field: str) -> tuple[int, int]:
@@ -132,7 +135,7 @@ def _compressed_tensors(q: dict) -> Fp8Scheme:
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _refuse("config_groups", groups, "a float-quantized checkpoint names its groups")
-    blocks, sizes = set(), set()
+    blocks, sizes, inputs = set(), set(), set()
     for name, group in groups.items():
         where = f"config_groups.{name}."
         if not isinstance(group, dict):
@@ -141,15 +144,17 @@ def _compressed_tensors(q: dict) -> Fp8Scheme:
         if group.get("output_activations"):
             raise _refuse(f"{where}output_activations", group["output_activations"],
                           "outputs are not quantized")
-        _inputs(group.get("input_activations"), f"{where}input_activations.")
+        inputs.add(_inputs(group.get("input_activations"), f"{where}input_activations."))
         block, size = _weights(group.get("weights"), f"{where}weights.")
         blocks |= {block} - {None}
         sizes |= {size} - {None}
     if len(blocks) > 1 or len(sizes) > 1:
         raise _refuse("config_groups", sorted(blocks or sizes), "one block_structure and one "
                       "group_size per checkpoint")
+    # W8A8 where every group quantizes its inputs (FP8-Dynamic), else weight-only
     return Fp8Scheme("compressed-tensors", "weight_scale", block=next(iter(blocks), None),
-                     group=next(iter(sizes), None))
+                     group=next(iter(sizes), None),
+                     activations="token" if inputs == {True} else "bf16")
 
 
 def _float8(args: dict, where: str) -> None:
@@ -179,13 +184,14 @@ def _weights(w, where: str) -> tuple[tuple[int, int] | None, int | None]:
     raise _refuse(f"{where}strategy", strategy, "weights per tensor, channel, group or block")
 
 
-def _inputs(a, where: str) -> None:
-    """A group's input activations: none (weight-only), or dynamic FP8, accepted and not applied
-    (activations are computed in bf16)."""
+def _inputs(a, where: str) -> bool:
+    """A group's input activations: none (weight-only: False), or dynamic FP8 (True: served
+    per token, whatever the declared strategy)."""
     if a is None:
-        return
+        return False
     if not isinstance(a, dict):
         raise _refuse(where[:-1], a, "input activations are an object or null")
     _float8(a, where)
-    _expect(a, "dynamic", where, (True,), "only dynamic activation scales (the worker computes "
-            "activations in bf16; static input_scale tensors are not loaded)", False)
+    _expect(a, "dynamic", where, (True,), "only dynamic activation scales (static "
+            "input_scale tensors are not loaded)", False)
+    return True

@@ -50,13 +50,14 @@ def resolve_device(opt: str) -> str:
 def resolve_quantization(opt: str, spec: ModelSpec) -> ModelSpec:
     """The spec with the weights' FP8 scheme (spec.quant): a published FP8 checkpoint's own in
     any mode, quantized at load (one scale per output channel) for any FP8 mode on a plain
-    checkpoint, none otherwise; fp8 (fp8-dynamic) quantizes the linear inputs per token too
-    (activations "token", W8A8), for either source; fp8-weight-only and auto do not."""
+    checkpoint, none otherwise. The activations: fp8 (fp8-dynamic) quantizes the linear inputs
+    per token ("token", W8A8), fp8-weight-only does not ("bf16"), auto as the checkpoint
+    declares (quant_scheme.read_scheme)."""
     quant = spec.quant
     if quant is None and opt != "auto":
         quant = AT_LOAD
-    if quant is not None and opt in TOKEN_MODES:
-        quant = dataclasses.replace(quant, activations="token")
+    if quant is not None and opt != "auto":
+        quant = dataclasses.replace(quant, activations="token" if opt in TOKEN_MODES else "bf16")
     return spec if quant is spec.quant else dataclasses.replace(spec, quant=quant)
 
 
