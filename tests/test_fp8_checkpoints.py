@@ -245,3 +245,19 @@ def test_fp8_flags():
                       (PerfConfig(lora_rows=2), "LORAFLEET_LORA_ROWS=2")):
         with pytest.raises(ValueError, match=var):
             build_engine(MODEL_DIR, EngineOptions(quantization="fp8", perf=perf))
+
+
+def test_auto_takes_the_activations_a_compressed_tensors_checkpoint_declares():
+    """Every group quantizing its inputs dynamically (FP8-Dynamic): W8A8 ("token"); none, or
+    only some groups: weight-only ("bf16"); transformers' fp8 (dynamic by definition): W8A8."""
+    from services.worker.model.quant_scheme import read_scheme
+    both = [{"strategy": "channel", "targets": ["re:.*self_attn.*"]},
+            {"strategy": "channel", "targets": ["re:.*mlp.*"]}]
+    cfg = fx.compressed_tensors_config(both)
+    assert read_scheme({"quantization_config": cfg}).activations == "token"
+    groups = cfg["config_groups"]
+    groups["group_1"]["input_activations"] = None
+    assert read_scheme({"quantization_config": cfg}).activations == "bf16"
+    groups["group_0"]["input_activations"] = None
+    assert read_scheme({"quantization_config": cfg}).activations == "bf16"
+    assert read_scheme({"quantization_config": {"quant_method": "fp8"}}).activations == "token"
