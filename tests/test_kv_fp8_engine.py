@@ -64,7 +64,8 @@ def _engine(root, kv_cache_dtype: str, kv: int = 4 << 20):
 
 def test_fp8_cache_greedy_tokens_match_rounded_reference(hf_ckpt):
     """Every adapter and base rows in one batch: the fp8-cache engine's greedy tokens are those
-    of PEFT with K and V rounded through e4m3."""
+    of PEFT with K and V rounded through e4m3 (and, for some requests, not those of plain
+    PEFT: the rounding matters on this model)."""
     root, base, peft_models = hf_ckpt
     built, slots = _engine(root, "fp8")
     assert all(k.dtype == FP8 and v.dtype == FP8 for k, v in built.engine.runner.kv_cache)
@@ -74,6 +75,9 @@ def test_fp8_cache_greedy_tokens_match_rounded_reference(hf_ckpt):
                                         prompt=(3, 5), new=8)
     got, _ = run_all(built.engine, seqs)
     assert got == expected
+    _, plain = mixed_requests(names, slots, hf_ckpt, torch.Generator().manual_seed(7),
+                              prompt=(3, 5), new=8)
+    assert plain != expected
 
 
 def _prefill_logits(built, slots, prompts):
