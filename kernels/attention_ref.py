@@ -8,17 +8,29 @@ from __future__ import annotations
 
 import torch
 
+FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
+
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values: k_cache.view(-1, H_kv, D)[slot_mapping[t]] = k[t].
 
     Shapes: k, v [T, H_kv, D]; slot_mapping int64 [T]; a slot of -1 (padding rows) is skipped.
+    An e4m3 cache (torch.float8_e4m3fn, scale 1.0) stores k and v clamped to +-448 and rounded
+    to nearest even (what vLLM's `--kv-cache-dtype fp8` stores without calibrated scales).
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = kv_stored(k[keep], k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = kv_stored(v[keep], v_cache.dtype)
+
+
+def kv_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: e4m3 clamped to +-448 first (torch's conversion
+    makes larger values NaN), else plain conversion."""
+    if dtype == FP8:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -35,7 +47,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Decode rows and chunked-prefill rows are the same case: a row attends to every position up to
     its own. Rows with q_seq < 0 (padding) produce zeros.
 
-    Shapes: q [T, H_q, D]; k_cache, v_cache [NB, BS, H_kv, D]; block_tables int32 [S, MB];
+    Shapes: q [T, H_q, D]; k_cache, v_cache [NB, BS, H_kv, D] in q's dtype or e4m3 (read
+    back as q's dtype, exactly, before the math); block_tables int32 [S, MB];
     q_seq, q_pos int32 [T]; max_context: an upper bound on p + 1 (a host int, for sizing).
     Returns [T, H_q, D] in q's dtype. Computed in fp32, in chunks of rows to bound memory.
     """
@@ -52,8 +65,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         seq = q_seq[lo:hi].long()
         valid = seq >= 0
         tables = block_tables[seq.clamp(min=0), :n_blk].long()          # [t, n_blk]
-        k = k_cache[tables].reshape(hi - lo, length, h_kv, d).float()    # [t, L, H_kv, D]
-        v = v_cache[tables].reshape(hi - lo, length, h_kv, d).float()
+        k = k_cache[tables].reshape(hi - lo, length, h_kv, d).to(q.dtype).float()  # [t, L, ..]
+        v = v_cache[tables].reshape(hi - lo, length, h_kv, d).to(q.dtype).float()
         qq = q[lo:hi].float().view(hi - lo, h_kv, group, d)              # [t, H_kv, g, D]
         scores = torch.einsum("tkgd,tlkd->tkgl", qq, k) * scale
         if softcap:

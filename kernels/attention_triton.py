@@ -5,8 +5,8 @@ w0 = max(0, p + 1 - window) with a sliding window (window > 0), else 0:
     out[t, h] = softmax(cap(scale * q[t, h] @ K_s[w0:p+1, h // g].T)) @ V_s[w0:p+1, h // g]
 K_s[i] = k_cache[block_tables[s, i // BS], i % BS]; rows with q_seq < 0 get zeros; cap(x) =
 softcap * tanh(x / softcap) with a softcap > 0, else x.
-Shapes: q [T, H_q, D]; k_cache, v_cache [NB, BS, H_kv, D]; block_tables int32 [S, MB];
-q_seq, q_pos int32 [T]; out [T, H_q, D] in q's dtype.
+Shapes: q [T, H_q, D]; k_cache, v_cache [NB, BS, H_kv, D] in q's dtype or e4m3 (scale 1.0,
+read as q's dtype); block_tables int32 [S, MB]; q_seq, q_pos int32 [T]; out [T, H_q, D].
 
 Design. Grid (T, H_kv). A program owns one kv head and a run of up to ROWS consecutive rows of one
 sequence with consecutive positions (a chunked-prefill run; a decode row is a run of one): the
@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_tiles import FP8, kv_fp8_args, kv_value
 from kernels.pdl import launch_args, wait_then_release
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -41,10 +42,15 @@ def _starts_run(seq, prev_seq, pos, prev_pos, ROWS: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, kt, vt, p_n, pos, first, ctx, m_i, l_i, acc, qk_scale,
-                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+                 KV_FP8: tl.constexpr):
     """One key tile of the online softmax: kt [D, BLOCK_N], vt [BLOCK_N, D] at positions p_n;
     row r sees positions first[r] .. pos[r]. A row that sees no key of a tile yet gets weights
-    that the first tile it does see rescales to zero (alpha = exp2(-1e30 - m) = 0)."""
+    that the first tile it does see rescales to zero (alpha = exp2(-1e30 - m) = 0). KV_FP8: the
+    tiles are e4m3 (scale 1.0), converted (exactly) to q's dtype first."""
+    if KV_FP8:
+        kt = kt.to(q.dtype)
+        vt = vt.to(q.dtype)
     if UPCAST:
         kt = kt.to(tl.float32)
         vt = vt.to(tl.float32)
@@ -72,7 +78,7 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
                        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, ALIGNED: tl.constexpr,
                        SPLITS: tl.constexpr, USE_PDL: tl.constexpr, ROW_KIND: tl.constexpr,
-                       SOFTCAP: tl.constexpr):
+                       SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr = False):
     t0 = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)                          # the part of the context (SPLITS > 1)
@@ -153,7 +159,7 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
                 vt = tl.load(v_ptr + v_rows[:, None] + d[None, :],
                              mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
             m_i, l_i, acc = _attend_tile(q, kt, vt, p_n, pos, first, ctx, m_i, l_i, acc,
-                                         qk_scale, DOT_PREC, UPCAST, SOFTCAP)
+                                         qk_scale, DOT_PREC, UPCAST, SOFTCAP, KV_FP8)
         if SPLITS == 1:
             out = acc / l_i[:, None]
             o_ptrs = (out_ptr + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
@@ -205,7 +211,8 @@ def _split_combine_kernel(out_ptr, part_ptr, ml_ptr, q_seq_ptr, T, H_q, stride_o
 
 @triton.jit
 def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_k, stride_v, n_elem,
-                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
+                     UPCAST: tl.constexpr = False):
     wait_then_release(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -215,15 +222,16 @@ def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_k,
             ok = c + i < n_elem
             kk = tl.load(k_ptr + t.to(tl.int64) * stride_k + c + i, mask=ok)
             vv = tl.load(v_ptr + t.to(tl.int64) * stride_v + c + i, mask=ok)
-            tl.store(k_cache_ptr + slot * n_elem + c + i, kk.to(k_cache_ptr.dtype.element_ty),
-                     mask=ok)
-            tl.store(v_cache_ptr + slot * n_elem + c + i, vv.to(v_cache_ptr.dtype.element_ty),
-                     mask=ok)
+            tl.store(k_cache_ptr + slot * n_elem + c + i,
+                     kv_value(kk, k_cache_ptr.dtype.element_ty, KV_FP8, UPCAST), mask=ok)
+            tl.store(v_cache_ptr + slot * n_elem + c + i,
+                     kv_value(vv, v_cache_ptr.dtype.element_ty, KV_FP8, UPCAST), mask=ok)
 
 
 def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k_cache.view(-1, H_kv, D)[slot_mapping[t]] = k[t] (and v); slots < 0 skipped. No syncs.
+    An e4m3 cache stores k and v clamped to +-448 and rounded (kernels.attention_ref).
 
     Shapes: k, v [T, H_kv, D] (each row contiguous); caches [NB, BS, H_kv, D] contiguous;
     slot_mapping int64 [T].
@@ -242,7 +250,7 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     n_elem = h_kv * d
     _write_kv_kernel[(t_rows,)](k_cache, v_cache, k, v, slot_mapping, k.stride(0), v.stride(0),
                                 n_elem, BLOCK=min(4096, triton.next_power_of_2(n_elem)),
-                                **launch_args(k.device))
+                                **kv_fp8_args(k_cache, k), **launch_args(k.device))
 
 
 def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
@@ -251,8 +259,10 @@ def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError("head dims differ or H_q is not a multiple of H_kv")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q and caches must share a float dtype: {q.dtype}, {k_cache.dtype}")
+    if (q.dtype not in _DTYPES or k_cache.dtype not in (q.dtype, FP8)
+            or v_cache.dtype != k_cache.dtype):
+        raise TypeError(f"caches must be of q's float dtype or e4m3: {q.dtype}, "
+                        f"{k_cache.dtype}, {v_cache.dtype}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("the head dimension must be contiguous")
     for name, x in (("block_tables", block_tables), ("q_seq", q_seq), ("q_pos", q_pos)):
@@ -376,6 +386,7 @@ def _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_con
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=(q.dtype == torch.bfloat16 and not q.is_cuda),
         ALIGNED=(block_n == bs), SPLITS=splits, ROW_KIND=kind, SOFTCAP=softcap,
+        **kv_fp8_args(k_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(q.device))
     if splits > 1:
         _split_combine_kernel[(t_rows, h_q)](

@@ -126,14 +126,30 @@ def row_scale(amax):
 
 
 @triton.jit
-def e4m3_of(v, scale, UPCAST: tl.constexpr):
-    """fp32 v / scale (div_rn) clamped to +-448 and rounded to e4m3, to nearest: the bytes of
-    quantize_rows_ref. UPCAST (the interpreter): rounded in fp32 first (e4m3_rne), so the
-    conversion that follows is exact."""
-    v = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX_C), FP8_MAX_C)
+def e4m3_sat(v, UPCAST: tl.constexpr):
+    """fp32 v clamped to +-448 and rounded to e4m3, to nearest even. UPCAST (the interpreter):
+    rounded in fp32 first (e4m3_rne), so the conversion that follows is exact."""
+    v = tl.minimum(tl.maximum(v, -FP8_MAX_C), FP8_MAX_C)
     if UPCAST:
         v = e4m3_rne(v)
     return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def e4m3_of(v, scale, UPCAST: tl.constexpr):
+    """fp32 v / scale (div_rn) clamped to +-448 and rounded to e4m3, to nearest: the bytes of
+    quantize_rows_ref (e4m3_sat)."""
+    return e4m3_sat(tl.div_rn(v, scale), UPCAST)
+
+
+@triton.jit
+def kv_value(v, dtype: tl.constexpr, KV_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """v as the KV cache stores it (dtype: the cache's element type): with KV_FP8 (an e4m3
+    cache, scale 1.0) clamped to +-448 and rounded to e4m3 (e4m3_sat), as
+    kernels.attention_ref.write_kv_ref stores it; else converted to dtype."""
+    if KV_FP8:
+        v = e4m3_sat(v.to(tl.float32), UPCAST)
+    return v.to(dtype)
 
 
 @triton.jit
@@ -167,6 +183,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
         v = tl.load(x_ptr + row * stride_x + k0 + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(q_ptr + row * stride_q + k0 + cols, e4m3_of(v, scale, UPCAST), mask=ok)
     tl.store(s_ptr + row, scale)
+
+
+def kv_fp8_args(cache: torch.Tensor, x: torch.Tensor | None = None) -> dict:
+    """The constexprs of a kernel that reads or writes a KV cache: KV_FP8 for an e4m3 cache
+    (with x, the tensor written: UPCAST under the interpreter); none for a cache of the model's
+    dtype, whose kernels stay as they were."""
+    if cache.dtype != FP8:
+        return {}
+    return {"KV_FP8": True} if x is None else {"KV_FP8": True, "UPCAST": not x.is_cuda}
 
 
 QUANT_BLOCK = 4096                       # a row's columns a pass step

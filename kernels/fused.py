@@ -27,7 +27,7 @@ import triton.language as tl
 from kernels.fused_ref import (ACTS, add_rms_norm_ref, inv_rms_ref,  # noqa: F401 (re-exported)
                               qk_norm_ref, rms_norm_ref, rope_ref, scale_rows_ref,
                               silu_mul_ref)
-from kernels.fp8_tiles import quantize_rows, store_e4m3_row
+from kernels.fp8_tiles import kv_fp8_args, kv_value, quantize_rows, store_e4m3_row
 from kernels.fused_quant import Rows, rows_args, rows_ref, silu_rows_launch
 from kernels.pdl import launch_args, wait_then_release
 
@@ -149,12 +149,14 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
                     qn_ptr, kn_ptr, stride_row, stride_v, n_q, n_heads, kv_elems, stride_h, H,
                     eps, qk_eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_V: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr,
-                    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
+                    UPCAST: tl.constexpr = False):
     """One row (program_id 0), or part program_id 1 of it: rotate its q and k heads (side by
     side in x) in place, and write the rotated k and its v to the cache slot (none when the
-    slot is negative). Part p takes heads p * BLOCK_H .. and v elements p * BLOCK_V ... With
-    RMS, q, k and v are first scaled by h's row factor (folded norms; each part computes it);
-    with QK_NORM q and k heads go through their RMSNorms before the rotation."""
+    slot is negative; KV_FP8: an e4m3 cache, kernels.fp8_tiles.kv_value). Part p takes heads
+    p * BLOCK_H .. and v elements p * BLOCK_V ... With RMS, q, k and v are first scaled by h's
+    row factor (folded norms; each part computes it); with QK_NORM q and k heads go through
+    their RMSNorms before the rotation."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     slot = tl.load(slot_ptr + row).to(tl.int64)     # a step input: before the PDL wait
@@ -167,14 +169,16 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
         kh = hs - n_q                                 # k head index; negative for q heads
         k_ok = ok & (kh >= 0)[:, None]
         kbase = kc_ptr + slot * kv_elems + kh[:, None] * (2 * HALF) + ds[None, :]
-        tl.store(kbase, y1.to(kc_ptr.dtype.element_ty), mask=k_ok)
-        tl.store(kbase + HALF, y2.to(kc_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(kbase, kv_value(y1, kc_ptr.dtype.element_ty, KV_FP8, UPCAST), mask=k_ok)
+        tl.store(kbase + HALF, kv_value(y2, kc_ptr.dtype.element_ty, KV_FP8, UPCAST),
+                 mask=k_ok)
         vs = part * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = vs < kv_elems
         vv = tl.load(v_ptr + row * stride_v + vs, mask=v_ok)
         if RMS:
             vv = (vv.to(tl.float32) * f).to(v_ptr.dtype.element_ty)
-        tl.store(vc_ptr + slot * kv_elems + vs, vv.to(vc_ptr.dtype.element_ty), mask=v_ok)
+        tl.store(vc_ptr + slot * kv_elems + vs,
+                 kv_value(vv, vc_ptr.dtype.element_ty, KV_FP8, UPCAST), mask=v_ok)
 
 
 @triton.jit
@@ -335,7 +339,7 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
         BLOCK_H=triton.next_power_of_2(triton.cdiv(heads, parts)),
         BLOCK_V=triton.next_power_of_2(triton.cdiv(kv_elems, parts)), RMS=on,
         BLOCK_HID=block_hid, QK_NORM=qk_norm is not None,
-        num_warps=ROPE_LAUNCH["num_warps"], **launch_args(q.device))
+        num_warps=ROPE_LAUNCH["num_warps"], **kv_fp8_args(k_cache, q), **launch_args(q.device))
     return None
 
 

@@ -21,11 +21,21 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def greedy_tokens(device: str, dtype: str, graphs: bool = True,
                   overlap: bool = True, perf: PerfConfig = PerfConfig(),
-                  quantization: str = "auto") -> dict[str, list[int]]:
+                  quantization: str = "auto", kv_cache_dtype: str = "auto",
+                  late: list[str] | None = None) -> dict[str, list[int]]:
+    """late: the worker's warm-up first, then every kernel compiled after it appended."""
     opts = EngineOptions(device=device, dtype=dtype, kv_cache_bytes=16 << 20, block_size=16,
                          max_batch_tokens=512, max_running=32, cuda_graphs=graphs,
-                         overlap=overlap, perf=perf, quantization=quantization)
+                         overlap=overlap, perf=perf, quantization=quantization,
+                         kv_cache_dtype=kv_cache_dtype)
     built = build_engine(MODEL_DIR, opts)
+    if late is not None:
+        from kernels import compile_watch
+        from services.worker.startup.warmup import Warmup
+        built.pool.warm_up()
+        Warmup(built.engine, built.pool, built.spec, opts.max_batch_tokens, max_rank=32,
+               max_running=opts.max_running).run()
+        assert compile_watch.install(late.append)
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
     slots = {n: built.pool.place(n, staged_from_peft_dir(DEMO_ADAPTERS / n, built.spec))
              for n in names}
@@ -59,6 +69,17 @@ def test_gpu_graphs_match_eager_bf16():
     graphs = greedy_tokens("cuda", "bfloat16", graphs=True)
     agree = sum(a == b for a, b in zip(eager.values(), graphs.values()))
     assert agree == len(eager)
+
+
+@needs_cuda
+def test_gpu_fp8_kv_cache_graphs_match_eager_and_compile_nothing_after_the_warm_up():
+    """--kv-cache-dtype fp8 (e4m3 caches): decode graphs give the eager steps' greedy tokens,
+    and the warm-up compiled every kernel the fp8 cache's workload needs."""
+    eager = greedy_tokens("cuda", "bfloat16", graphs=False, kv_cache_dtype="fp8")
+    late: list[str] = []
+    graphs = greedy_tokens("cuda", "bfloat16", graphs=True, kv_cache_dtype="fp8", late=late)
+    assert graphs == eager
+    assert not late, late
 
 
 @needs_cuda

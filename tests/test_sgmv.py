@@ -7,6 +7,7 @@ JSON line per case; the parent parametrises over the case names.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -320,6 +321,9 @@ def compile_for_sm90(fn, types: list[str], constexprs: dict, num_stages: int = 2
     except ImportError as exc:                                  # other triton layouts
         pytest.skip(f"cannot compile ahead of time with this triton: {exc}")
     names = fn.arg_names
+    defaults = {p.name: p.default for p in inspect.signature(fn.fn).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs}         # a kernel's defaults (KV_FP8=False, ...)
     sig = dict(zip(names, types))
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in zip(names, types)

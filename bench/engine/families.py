@@ -98,9 +98,10 @@ def weight_nbytes(weights: dict) -> int:
 
 
 def run_model(name: str, cfg: dict, args, device, bw: float,
-              quantization: str = "auto") -> list[dict]:
+              quantization: str = "auto", kv_cache_dtype: str = "auto") -> list[dict]:
     """The model's rows, base then args.distinct adapters; quantization: the worker's
-    --quantization (fp8, fp8-weight-only: its decoder linears quantized as the loader does)."""
+    --quantization (fp8, fp8-weight-only: its decoder linears quantized as the loader does);
+    kv_cache_dtype: its --kv-cache-dtype (fp8: the KV read counts 1 byte an element)."""
     from kernels import compile_watch
     from services.worker.adapters.layout import staged_from_tensors
     from services.worker.config import EngineOptions
@@ -126,7 +127,7 @@ def run_model(name: str, cfg: dict, args, device, bw: float,
     opts = EngineOptions(device=device.type, dtype="bfloat16", kv_cache_bytes=args.kv_gib << 30,
                          block_size=16, max_batch_tokens=args.max_batch_tokens,
                          max_running=args.batch, pool_bytes=args.pool_gib << 30, pool_slots=48,
-                         max_model_len=1024, graph_max_rank=16)
+                         max_model_len=1024, graph_max_rank=16, kv_cache_dtype=kv_cache_dtype)
     built = assemble(spec, weights, NullTokenizer(), opts, device, dtype)
     print(f"{name}: {weight_bytes / 1e9:.1f} GB of weights; warm-up", flush=True)
     Warmup(built.engine, built.pool, built.spec, args.max_batch_tokens, max_rank=16,
@@ -143,12 +144,13 @@ def run_model(name: str, cfg: dict, args, device, bw: float,
         run_engine(built, use, args.batch, args.prompt, 8, seed=99)          # warm
         r = run_engine(built, use, args.batch, args.prompt, args.new, seed=n)
         context = args.prompt + args.new // 2                               # a mean step's
-        floor_bytes = (weight_bytes + kv_read_bytes(spec, args.batch, context, 2)
+        kv_item = 1 if kv_cache_dtype == "fp8" else 2
+        floor_bytes = (weight_bytes + kv_read_bytes(spec, args.batch, context, kv_item)
                        + n * adapter_bytes)
         floor_ms = 1e3 * floor_bytes / bw
         row = {"model": name, "dtype": "fp8" if spec.quant is not None else "bf16",
                "activations": spec.quant.activations if spec.quant is not None else "bf16",
-               "batch": args.batch, "distinct": n,
+               "kv_cache_dtype": kv_cache_dtype, "batch": args.batch, "distinct": n,
                "decode_step_ms": r["decode_step_ms"], "bytes_floor_ms": floor_ms,
                "ratio": r["decode_step_ms"] / floor_ms if r["decode_step_ms"] else None,
                "tokens_per_s": r["tokens_per_s"], "weight_gb": weight_bytes / 1e9,

@@ -11,9 +11,11 @@ also against the bf16 row of the same adapters (target: <= 0.75x, and <= 1.2x it
     python -m bench.engine.fp8 --served saturation-h100.json ...    # + a served run's rows
     python -m bench.engine.fp8 --models llama-70b --out /tmp/70b     # on an H200
     python -m bench.engine.fp8 --merge a/fp8-h200.json b/fp8-h200.json --out bench/results
+    python -m bench.engine.fp8 --kv-cache-dtype auto,fp8 --out /tmp/kv  # + rows with FP8 KV
 
 Rows: bf16, FP8 W8A8 (--quantization fp8: "activations": "token") and FP8 weight-only (W8A16,
---quantization fp8-weight-only: "activations": "bf16").
+--quantization fp8-weight-only: "activations": "bf16"), each with every --kv-cache-dtype given
+("kv_cache_dtype": "fp8": the e4m3 KV cache, its read counted at 1 byte an element in the floor).
 
 Writes fp8-<card>.{json,md}: {"header", "rows": [{"model", "dtype", "batch", "distinct",
 "decode_step_ms", "bytes_floor_ms", ...}], "served": [the rows of --served files: the
@@ -32,13 +34,16 @@ from bench.engine.families import CONFIGS, config, run_header, run_model, settin
 
 
 def compare(rows: list[dict]) -> None:
-    """Each FP8 row's step against the bf16 row of the same model and adapters (vs_bf16), in
-    place."""
-    bf16 = {(r["model"], r["distinct"]): r["decode_step_ms"] for r in rows if r["dtype"] == "bf16"}
+    """Each FP8 row's step (FP8 weights, or an FP8 KV cache) against the bf16 row of the same
+    model and adapters with a bf16 KV cache (vs_bf16), in place."""
+    def kv8(r):
+        return r.get("kv_cache_dtype", "auto") == "fp8"
+    bf16 = {(r["model"], r["distinct"]): r["decode_step_ms"] for r in rows
+            if r["dtype"] == "bf16" and not kv8(r)}
     for r in rows:
         ref = bf16.get((r["model"], r["distinct"]))
-        r["vs_bf16"] = (r["decode_step_ms"] / ref
-                        if r["dtype"] == "fp8" and ref and r["decode_step_ms"] else None)
+        fp8 = r["dtype"] == "fp8" or kv8(r)
+        r["vs_bf16"] = r["decode_step_ms"] / ref if fp8 and ref and r["decode_step_ms"] else None
 
 
 def served_rows(paths: list[str]) -> list[dict]:
@@ -95,7 +100,8 @@ def write(out: pathlib.Path, doc: dict) -> pathlib.Path:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         vs = f"{r['vs_bf16']:.3f}x" if r.get("vs_bf16") else "-"
-        weights = r["dtype"] + (" W8A8" if r.get("activations") == "token" else "")
+        weights = (r["dtype"] + (" W8A8" if r.get("activations") == "token" else "")
+                   + (", FP8 KV" if r.get("kv_cache_dtype") == "fp8" else ""))
         lines.append(f"| {r['model']} | {weights} | {r['distinct'] or 'base'} | "
                      f"{r['weight_gb']:.2f} | "
                      f"{r['decode_step_ms']:.2f} | {r['bytes_floor_ms']:.2f} | "
@@ -154,6 +160,10 @@ def main(argv=None) -> int:
     p.add_argument("--quantizations", default="auto,fp8,fp8-weight-only",
                    help="the worker's --quantization values to run: auto (the bf16 rows), fp8 "
                         "(W8A8, inputs per token), fp8-weight-only (W8A16)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the worker's --kv-cache-dtype values to run each quantization with: "
+                        "auto (bf16 KV), fp8 (e4m3 KV, read counted at 1 byte in the floor); "
+                        "e.g. auto,fp8")
     a = p.parse_args(argv)
     if a.merge:
         print(write(pathlib.Path(a.out), merge(a.merge)).with_suffix(".md").read_text())
@@ -167,7 +177,8 @@ def main(argv=None) -> int:
             quants = [q for q in quants if q != "auto"]
             notes.append(f"{model}: no bf16 rows (its bf16 weights do not fit this card)")
         for quantization in quants:
-            rows += run_model(model, cfg, a, device, bw, quantization)
+            for kv in a.kv_cache_dtype.split(","):
+                rows += run_model(model, cfg, a, device, bw, quantization, kv)
     compare(rows)
     doc = {"header": {**run_header(a, device, bw), "models": models, "notes": notes},
            "rows": rows, "served": served_rows(a.served)}

@@ -15,6 +15,8 @@ from services.worker.perf_config import PerfConfig
 # --tool-call-format: auto (the chat template's), none, or one of the formats the chat template
 # reads (services.worker.chat_template.TOOL_FORMATS)
 TOOL_CALL_FORMATS = ("auto", "none", "hermes", "llama3_json", "mistral")
+# --kv-cache-dtype: auto (the model dtype) or fp8 (e4m3, scale 1.0: twice the blocks a budget)
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class EngineOptions:
     dtype: str = "auto"                 # auto: bf16 on GPU, fp32 on CPU
     quantization: str = "auto"          # auto: as the checkpoint is stored; fp8 (--quantization)
     kv_cache_bytes: int = 64 << 20
+    kv_cache_dtype: str = "auto"        # auto: the model dtype; fp8: e4m3 (--kv-cache-dtype)
     block_size: int = 16
     max_batch_tokens: int = 512
     max_prefill_with_decode: int = 0    # prompt tokens beside decode rows (scheduler.py; 0: no cap)
@@ -69,6 +72,9 @@ class EngineOptions:
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"--quantization: {self.quantization!r} is not one of "
                              f"{', '.join(QUANTIZATION_MODES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype: {self.kv_cache_dtype!r} is not one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1 or self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("--block-size, --max-batch-tokens, --max-running must be >= 1")
         if self.max_prefill_with_decode < 0:
@@ -205,7 +211,7 @@ def engine_options(a: argparse.Namespace) -> EngineOptions:
     (PerfConfig.from_env)."""
     return EngineOptions(
         device=a.device, dtype=a.dtype, quantization=a.quantization,
-        kv_cache_bytes=a.kv_cache_bytes,
+        kv_cache_bytes=a.kv_cache_bytes, kv_cache_dtype=a.kv_cache_dtype,
         block_size=a.block_size, max_batch_tokens=a.max_batch_tokens,
         max_prefill_with_decode=a.max_prefill_with_decode, max_running=a.max_running,
         pool_bytes=a.gpu_pool_bytes, pool_slots=a.pool_slots, max_model_len=a.max_model_len,
@@ -254,6 +260,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "with activations in --dtype; auto: as the checkpoint is stored (a "
                         "published FP8 checkpoint weight-only: docs/models.md) (auto)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=d.kv_cache_bytes)
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="fp8: the paged KV cache in FP8 (e4m3, scale 1.0: K and V clamped to "
+                        "+-448 and rounded on write, read back in --dtype), so --kv-cache-bytes "
+                        "holds twice the tokens and decode streams half the KV bytes; auto: "
+                        "--dtype (auto)")
     p.add_argument("--gpu-pool-bytes", type=parse_bytes, default=d.pool_bytes,
                    help="adapter pool on the compute device")
     p.add_argument("--pool-slots", type=int, default=d.pool_slots, help="most adapters in the pool")

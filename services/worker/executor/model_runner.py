@@ -33,10 +33,13 @@ def kv_blocks_for_budget(spec: ModelSpec, budget_bytes: int, block_size: int,
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  max_batch_tokens: int, max_running: int, max_model_len: int,
-                 lora: LoraTables | None = None, columns: LoraColumns | None = None):
+                 lora: LoraTables | None = None, columns: LoraColumns | None = None,
+                 kv_dtype: torch.dtype | None = None):
         """lora: the adapter pool's tables (services.worker.adapters.device_pool), columns: its
-        column blocks; the step builder reads them and hands them to the model with each step."""
-        spec, dev, dt = model.spec, model.device, model.dtype
+        column blocks; the step builder reads them and hands them to the model with each step.
+        kv_dtype: the KV cache's (default the model's; torch.float8_e4m3fn: --kv-cache-dtype
+        fp8, which the attention kernels read back in the model's dtype)."""
+        spec, dev, dt = model.spec, model.device, kv_dtype or model.dtype
         self.model, self.block_size = model, block_size
         self.steps = StepBuilder(block_size, lora, columns, eos=tuple(spec.eos_token_ids))
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
@@ -49,9 +52,10 @@ class ModelRunner:
         # rows' masks, applied before sampling, and their matchers fed the sampled tokens
         self.masks = None
         self.shape: StepShape | None = None       # what the last run's step was
-        log.info("KV cache: %d blocks x %d tokens (%.1f MiB) on %s", num_blocks, block_size,
-                 2 * spec.num_layers * self.kv_cache[0][0].numel()
-                 * self.kv_cache[0][0].element_size() / 2**20, dev)
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB, %s) on %s", num_blocks,
+                 block_size, 2 * spec.num_layers * self.kv_cache[0][0].numel()
+                 * self.kv_cache[0][0].element_size() / 2**20, str(dt).replace("torch.", ""),
+                 dev)
 
     def launch(self, batch: list[Scheduled], prev: PendingStep | None = None) -> None:
         """Nothing is launched ahead: an eager step is run and waited for (run)."""

@@ -27,6 +27,8 @@ from services.worker.model.quant_scheme import AT_LOAD, TOKEN_MODES
 from services.worker.model.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
+# --kv-cache-dtype's cache element types (auto: the model dtype)
+KV_DTYPES = {"fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -126,9 +128,11 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots,
                       columns=columns, norm_fold=norm_fold)
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
-    blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, dtype)
+    kv_dtype = KV_DTYPES.get(opts.kv_cache_dtype, dtype)
+    blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, kv_dtype)
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
-                         opts.max_running, max_len, lora=pool.tables, columns=columns)
+                         opts.max_running, max_len, lora=pool.tables, columns=columns,
+                         kv_dtype=kv_dtype)
     masks = runner.masks = TokenMasks(spec.vocab_size, opts.max_running, device,
                                       mask_threads(opts.grammar_mask_threads, device))
     # dynamic NTK RoPE rotates a prompt's keys for the prompt's length: no sharing of them
