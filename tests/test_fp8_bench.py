@@ -45,11 +45,13 @@ def test_merge_refuses_runs_of_different_cards(tmp_path):
         fp8.merge([str(a), str(b)])
 
 
-def _saturation(path, quant: str | None, tok_s: dict[str, float]) -> str:
+def _saturation(path, quant: str | None, tok_s: dict[str, float], kv: str | None = None) -> str:
     """A saturation result's header and closed rows as bench.serve's suite writes them."""
     argv = ["--suite", "saturation", "--worker-flag=--precompile-procs=8"]
     if quant:
         argv.append(f"--worker-flag=--quantization={quant}")
+    if kv:
+        argv.append(f"--worker-flag=--kv-cache-dtype={kv}")
     rows = [{"scenario": name, "mode": "closed", "streams": 64, "out_tok_s": v,
              "ttft_p50_ms": 150.0, "itl_p50_ms": 8.0} for name, v in tok_s.items()]
     rows.append({"scenario": "base-goodput", "mode": "goodput", "streams": None,
@@ -66,14 +68,19 @@ def test_served_rows_put_each_fp8_stack_beside_the_bf16_one(tmp_path):
     files = [_saturation(tmp_path / "auto" / "saturation-h100.json", None,
                          {"base-closed64": 7000.0, "resident-32-closed64": 6000.0}),
              _saturation(tmp_path / "fp8" / "saturation-h100.json", "fp8",
-                         {"base-closed64": 9100.0, "resident-32-closed64": 8100.0})]
+                         {"base-closed64": 9100.0, "resident-32-closed64": 8100.0}),
+             _saturation(tmp_path / "fp8-kv8" / "saturation-h100.json", "fp8",
+                         {"resident-32-closed64": 9000.0}, kv="fp8")]
     served = fp8.served_rows(files)
-    assert {(r["source"], r["quantization"]) for r in served} == {
-        ("auto/saturation-h100.json", "auto"), ("fp8/saturation-h100.json", "fp8")}
+    assert {(r["source"], r["quantization"], r["kv_cache_dtype"]) for r in served} == {
+        ("auto/saturation-h100.json", "auto", "auto"),
+        ("fp8/saturation-h100.json", "fp8", "auto"),
+        ("fp8-kv8/saturation-h100.json", "fp8", "fp8")}
     doc = _doc("H100", "llama-7b", [("bf16", 32, 8.0), ("fp8", 32, 6.0)])
     doc["served"] = served
     md = fp8.write(tmp_path / "out", doc).with_suffix(".md").read_text()
     assert "| fp8 | resident-32-closed64 | 64 | 8100 | 150.0 | 8.00 | 1.35x |" in md
     assert "| fp8 | base-closed64 | 64 | 9100 | 150.0 | 8.00 | 1.30x |" in md
     assert "| auto | base-closed64 | 64 | 7000 | 150.0 | 8.00 | - |" in md
+    assert "| fp8+kv8 | resident-32-closed64 | 64 | 9000 | 150.0 | 8.00 | 1.50x |" in md
     assert "base-goodput" not in md

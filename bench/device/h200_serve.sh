@@ -25,6 +25,7 @@
 #   fp8-served issue 46: a bf16 stack then a --quantization fp8 one (base and 32 resident
 #              adapters, closed loop at 64 streams, a short goodput search), then the in-process
 #              FP8 rows with both stacks' closed loops beside them: OUT/fp8-<card>.{json,md}
+#              (STACKS="auto fp8 fp8+kv8": a third stack with an e4m3 KV cache)
 #   first-touch issue 43 (python -m bench.serve.first_touch): 32 never-used rank-16 adapters at
 #              once and 16 one at a time beside 64 decoding base streams (and those alone),
 #              source-tier loads under Zipf churn over 1,000 rank-8 adapters, a fresh worker's
@@ -172,17 +173,23 @@ elif [ "$MODE" = saturation ]; then    # issue 42: bench/results/saturation-<car
        ${OPEN:+--sat-open "$OPEN"} ${SAT_EXTRA:-}
 elif [ "$MODE" = fp8-served ]; then   # issue 46: bf16 then FP8 stacks, one call
   # Each stack: base and 32 resident rank-16 adapters, closed loop at 64 streams and a short
-  # goodput search (no cold or open rows); then the in-process step rows with both stacks'
+  # goodput search (no cold or open rows); then the in-process step rows with every stack's
   # rows under "served": OUT/fp8-<card>.{json,md}. ~9 min on an H100 with KCACHE=.
-  for Q in auto fp8; do
+  # STACKS: QUANTIZATION[+kv8] each (default "auto fp8"; "auto fp8 fp8+kv8": also FP8 weights
+  # with an e4m3 KV cache, ~3 min more).
+  files=()
+  for S in ${STACKS:-auto fp8}; do
+    Q=${S%%+*}; KV=auto; [ "$S" != "${S%+kv8}" ] && KV=fp8
     step timeout "${BUDGET:-200}" python3 -m bench.serve.bench "${GPU[@]}" \
          --suite saturation --sat-workloads resident:32 --sat-cold none --sat-open none \
          --streams 64 --max-probes "${PROBES:-2}" --worker-flag=--warmup-max-rank=64 \
-         --worker-flag=--quantization=$Q --out "$OUT/served-$Q"
+         --worker-flag=--quantization=$Q --worker-flag=--kv-cache-dtype=$KV \
+         --out "$OUT/served-${S/+/-}"
+    files+=("$OUT/served-${S/+/-}"/saturation-*.json)
   done
+  KVS=auto; [[ "${STACKS:-}" == *+kv8* ]] && KVS=auto,fp8
   step timeout "${FP8_S:-200}" python3 -m bench.engine.fp8 --quantizations auto,fp8 \
-       --out "$OUT" --served "$OUT"/served-auto/saturation-*.json \
-       "$OUT"/served-fp8/saturation-*.json
+       --kv-cache-dtype "$KVS" --out "$OUT" --served "${files[@]}"
 elif [ "$MODE" = slora ]; then
   step timeout "${BUDGET:-560}" python3 -m bench.serve.bench "${GPU[@]}" --suite "${SUITE:-slora}" \
        --rate "${RATE:-58}" --requests "${REQUESTS:-500}" --warmup 64 --name serve-h200-slora

@@ -1,7 +1,7 @@
 """FP8 weights against bf16 in the decode step (issue 46): checkpoint shapes (Llama-2-7B by
 default; Llama-3-70B's FP8 rows alone where its bf16 weights do not fit), random weights,
-built through the worker's own loader path (bench.engine.families.run_model: load_spec, the loader's per-tensor FP8 quantization for --quantization fp8,
-fuse_layers, assemble, the warm-up), batch 64 with the base model and with 32 rank-16 q/k/v/o
+built through the worker's own loader path (bench.engine.families.run_model: load_spec, the
+loader's per-tensor FP8 quantization for --quantization fp8, fuse_layers, assemble, the warm-up), batch 64 with the base model and with 32 rank-16 q/k/v/o
 adapters. Each decode step is set against its bytes floor (the weights as stored: FP8 values and
 their scales, or bf16; the KV read; the adapters) over the card's copy bandwidth; the FP8 rows
 also against the bf16 row of the same adapters (target: <= 0.75x, and <= 1.2x its own floor).
@@ -54,32 +54,40 @@ def served_rows(paths: list[str]) -> list[dict]:
     for path in paths:
         path = pathlib.Path(path)
         doc = json.loads(path.read_text())
-        quant = served_quantization(doc["header"].get("argv", []))
-        out += [{**r, "source": f"{path.parent.name}/{path.name}", "quantization": quant}
+        argv = doc["header"].get("argv", [])
+        tags = {"quantization": worker_flag(argv, "quantization"),
+                "kv_cache_dtype": worker_flag(argv, "kv-cache-dtype")}
+        out += [{**r, "source": f"{path.parent.name}/{path.name}", **tags}
                 for r in doc.get("rows", [])]
     return out
 
 
-def served_quantization(argv: list[str]) -> str:
-    """The worker's --quantization in a serving benchmark's argv (auto when absent)."""
+def worker_flag(argv: list[str], name: str) -> str:
+    """The worker's --NAME in a serving benchmark's argv (its --worker-flag=--NAME=VALUE; auto
+    when absent)."""
     flags = [a.split("=", 1)[1] for a in argv if a.startswith("--worker-flag=")]
-    quant = [f.split("=", 1)[1] for f in flags if f.startswith("--quantization=")]
-    return quant[-1] if quant else "auto"
+    values = [f.split("=", 1)[1] for f in flags if f.startswith(f"--{name}=")]
+    return values[-1] if values else "auto"
+
+
+def _stack(r: dict) -> str:
+    """A served row's stack: its worker's --quantization, "+kv8" with an e4m3 KV cache."""
+    return r["quantization"] + ("+kv8" if r.get("kv_cache_dtype") == "fp8" else "")
 
 
 def served_md(served: list[dict]) -> list[str]:
     """The closed-loop rows of the served runs, FP8 beside the bf16 (auto) run's row of the same
     scenario: the issue's served target is >= 1.3x (64 streams, 32 resident adapters)."""
     closed = [r for r in served if r.get("mode") == "closed"]
-    bf16 = {r["scenario"]: r["out_tok_s"] for r in closed if r["quantization"] == "auto"}
+    bf16 = {r["scenario"]: r["out_tok_s"] for r in closed if _stack(r) == "auto"}
     lines = ["", "Served (the saturation benchmark's closed loops through the services; each "
              "quantization its own stack, one device call):", "",
              "| quantization | scenario | streams | out tok/s | TTFT p50 ms | ITL p50 ms "
              "| vs bf16 | source |", "|---|---|---|---|---|---|---|---|"]
     for r in closed:
-        ref = bf16.get(r["scenario"]) if r["quantization"] != "auto" else None
+        ref = bf16.get(r["scenario"]) if _stack(r) != "auto" else None
         vs = f"{r['out_tok_s'] / ref:.2f}x" if ref and r["out_tok_s"] else "-"
-        lines.append(f"| {r['quantization']} | {r['scenario']} | {r.get('streams')} | "
+        lines.append(f"| {_stack(r)} | {r['scenario']} | {r.get('streams')} | "
                      f"{r['out_tok_s']:.0f} | {r['ttft_p50_ms']:.1f} | {r['itl_p50_ms']:.2f} | "
                      f"{vs} | {r['source']} |")
     return lines
