@@ -1,10 +1,11 @@
 """FP8 weights against bf16 in the decode step (issue 46): checkpoint shapes (Llama-2-7B by
-default; Llama-3-70B's FP8 rows alone where its bf16 weights do not fit), random weights,
-built through the worker's own loader path (bench.engine.families.run_model: load_spec, the
-loader's per-tensor FP8 quantization for --quantization fp8, fuse_layers, assemble, the warm-up), batch 64 with the base model and with 32 rank-16 q/k/v/o
-adapters. Each decode step is set against its bytes floor (the weights as stored: FP8 values and
-their scales, or bf16; the KV read; the adapters) over the card's copy bandwidth; the FP8 rows
-also against the bf16 row of the same adapters (target: <= 0.75x, and <= 1.2x its own floor).
+default; Llama-3-70B's FP8 rows alone where its bf16 weights do not fit), random weights, built
+through the worker's own loader path (bench.engine.families.run_model: load_spec, the loader's
+per-tensor FP8 quantization for --quantization fp8, fuse_layers, assemble, the warm-up), batch
+64 with the base model and with 32 rank-16 q/k/v/o adapters. Each decode step is set against its
+bytes floor (the weights as stored: FP8 values and their scales, or bf16; the KV read; the
+adapters) over the card's copy bandwidth; the FP8 rows also against the bf16 row of the same
+adapters (target: <= 0.75x, and <= 1.2x its own floor).
 
     python -m bench.engine.fp8 --out bench/results                 # H100 / H200, ~3 min
     python -m bench.engine.fp8 --quick --out /tmp/x                 # tiny shapes, any device
