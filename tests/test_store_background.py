@@ -279,3 +279,27 @@ def shared_read(tmp: str) -> dict:
     return {"state": record.state, "version": record.version, "stored_version": stored.version,
             "reads_of_a0": [uri for uri, _ in reads if uri.endswith(adapter_id(0))],
             "threads": [thread for _, thread in reads], "done": dict(done)}
+
+
+def test_the_scan_records_the_same_inline_and_on_threads(tmp_path):
+    """--scan-threads 1 scans in the calling thread (the default), more on a pool: both record
+    every adapter of a directory alike, a refused config FAILED with its reason in both."""
+    from services.adapter_store.registry import Registry
+    from services.adapter_store.scan import scan_dir
+    from services.adapter_store.sources import SourceReader
+    from services.adapter_store.validate import load_base_shapes
+    adapters = make_fleet(tmp_path, 40)
+    bad = adapters / adapter_id(7) / FILES[0]
+    bad.unlink()
+    bad.write_text(json.dumps({**json.loads((SEED / FILES[0]).read_text()), "r": 0}))
+    base = load_base_shapes(MODEL_DIR / "config.json")
+    seen = []
+    for threads in (1, 4):
+        registry = Registry(":memory:")
+        scan_dir(registry, SourceReader(adapters, None, 1 << 30), base, 128, adapters, threads)
+        records = [registry.get(adapter_id(i)) for i in range(40)]
+        seen.append(sorted((r.id, r.state, r.reason, r.rank) for r in records))
+    assert seen[0] == seen[1] and len(seen[0]) == 40
+    states = {i: (s, why) for i, s, why, _ in seen[0]}
+    assert states[adapter_id(7)][0] == "FAILED" and states[adapter_id(7)][1]
+    assert {s for i, (s, _) in states.items() if i != adapter_id(7)} == {"REGISTERED"}

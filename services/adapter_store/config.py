@@ -39,7 +39,7 @@ class StoreConfig:
     max_adapter_bytes: int = 1 * GiB
     chunk_bytes: int = 4 * MiB
     # threads of the --adapters-dir scan at start
-    scan_threads: int = 4
+    scan_threads: int = 1
     # threads that read and validate adapters on first use (work_pool.default_threads of the
     # machine's CPUs unless set), and of them one tenant's at most (half of them unless set)
     first_use_threads: int = 8
@@ -143,9 +143,12 @@ def parser() -> argparse.ArgumentParser:
                    help="largest adapter_model.safetensors accepted (1 GiB)")
     p.add_argument("--chunk-bytes", type=parse_bytes, default=4 * MiB,
                    help="Fetch data chunk size (4 MiB)")
-    p.add_argument("--scan-threads", type=int, default=4,
+    p.add_argument("--scan-threads", type=int, default=1,
                    help="threads that scan --adapters-dir at start (configs and file stats; "
-                        "weights are read in the background or on first use) (4)")
+                        "weights are read in the background or on first use). The scan of a "
+                        "local disk is Python work, which more threads only slow down (they "
+                        "contend for the GIL); more help where each stat and read waits on a "
+                        "network filesystem (1)")
     p.add_argument("--first-use-threads", type=int, default=0, metavar="N",
                    help="threads that read, validate and hash adapters on first use, in one "
                         "pass each, the bytes landing in the host tier (0 = two a CPU this "

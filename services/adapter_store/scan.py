@@ -23,6 +23,7 @@ directory (by a store without this check) is removed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -62,8 +63,11 @@ def scan_dir(registry: Registry, reader: SourceReader, base: BaseShapes, max_ran
     one = partial(_scan_one, reader, base, max_rank, known)
     start = last = time.monotonic()
     batch: list[AdapterRecord] = []
-    with ThreadPoolExecutor(threads, thread_name_prefix="store-scan") as pool:
-        for done, record in enumerate(pool.map(one, names, chunksize=32), 1):
+    # one thread: in this thread (a pool's hand-offs cost more than the GIL-bound work)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="store-scan") if threads > 1 else None
+    with pool or contextlib.nullcontext():
+        records = pool.map(one, names) if pool is not None else map(one, names)
+        for done, record in enumerate(records, 1):
             if record is not None:
                 batch.append(record)
             if len(batch) >= BATCH or done == len(names):
