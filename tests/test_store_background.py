@@ -283,23 +283,34 @@ def shared_read(tmp: str) -> dict:
 
 def test_the_scan_records_the_same_inline_and_on_threads(tmp_path):
     """--scan-threads 1 scans in the calling thread (the default), more on a pool: both record
-    every adapter of a directory alike, a refused config FAILED with its reason in both."""
-    from services.adapter_store.registry import Registry
-    from services.adapter_store.scan import scan_dir
-    from services.adapter_store.sources import SourceReader
-    from services.adapter_store.validate import load_base_shapes
+    every adapter of a directory alike, a refused config FAILED with its reason in both (in a
+    fresh interpreter, as the test above: the store's metrics)."""
     adapters = make_fleet(tmp_path, 40)
     bad = adapters / adapter_id(7) / FILES[0]
     bad.unlink()
     bad.write_text(json.dumps({**json.loads((SEED / FILES[0]).read_text()), "r": 0}))
-    base = load_base_shapes(MODEL_DIR / "config.json")
-    seen = []
-    for threads in (1, 4):
-        registry = Registry(":memory:")
-        scan_dir(registry, SourceReader(adapters, None, 1 << 30), base, 128, adapters, threads)
-        records = [registry.get(adapter_id(i)) for i in range(40)]
-        seen.append(sorted((r.id, r.state, r.reason, r.rank) for r in records))
-    assert seen[0] == seen[1] and len(seen[0]) == 40
-    states = {i: (s, why) for i, s, why, _ in seen[0]}
-    assert states[adapter_id(7)][0] == "FAILED" and states[adapter_id(7)][1]
-    assert {s for i, (s, _) in states.items() if i != adapter_id(7)} == {"REGISTERED"}
+    code = ("import json, sys; from tests.test_store_background import scanned; "
+            "print(json.dumps([scanned(sys.argv[1], t) for t in (1, 4)]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(adapters)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    inline, pooled = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert inline == pooled and len(inline) == 40
+    states = {i: (state, why) for i, state, why, _ in inline}
+    assert states[adapter_id(7)][0] == "FAILED" and "r: 0" in states[adapter_id(7)][1]
+    assert {st for i, (st, _) in states.items() if i != adapter_id(7)} == {"REGISTERED"}
+
+
+def scanned(adapters: str, threads: int) -> list:
+    """(id, state, reason, rank) of every adapter a scan of the directory records."""
+    import pathlib
+    from services.adapter_store.registry import Registry
+    from services.adapter_store.scan import scan_dir
+    from services.adapter_store.sources import SourceReader
+    from services.adapter_store.validate import load_base_shapes
+    root = pathlib.Path(adapters)
+    registry = Registry(":memory:")
+    scan_dir(registry, SourceReader(root, None, 1 << 30),
+             load_base_shapes(MODEL_DIR / "config.json"), 128, root, threads)
+    records = [registry.get(adapter_id(i)) for i in range(40)]
+    return sorted((r.id, r.state, r.reason, r.rank) for r in records)

@@ -144,11 +144,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=parse_bytes, default=4 * MiB,
                    help="Fetch data chunk size (4 MiB)")
     p.add_argument("--scan-threads", type=int, default=1,
-                   help="threads that scan --adapters-dir at start (configs and file stats; "
-                        "weights are read in the background or on first use). The scan of a "
-                        "local disk is Python work, which more threads only slow down (they "
-                        "contend for the GIL); more help where each stat and read waits on a "
-                        "network filesystem (1)")
+                   help="threads that scan --adapters-dir at start (configs and file stats): "
+                        "1 scans in the caller, as a local disk wants (more threads contend for "
+                        "the GIL); more for a network filesystem, whose stats wait (1)")
     p.add_argument("--first-use-threads", type=int, default=0, metavar="N",
                    help="threads that read, validate and hash adapters on first use, in one "
                         "pass each, the bytes landing in the host tier (0 = two a CPU this "

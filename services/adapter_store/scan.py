@@ -61,26 +61,32 @@ def scan_dir(registry: Registry, reader: SourceReader, base: BaseShapes, max_ran
         _unpublish(registry, known, name, claim)
     names = [n for n in names if n not in claims]
     one = partial(_scan_one, reader, base, max_rank, known)
-    start = last = time.monotonic()
-    batch: list[AdapterRecord] = []
+    start = time.monotonic()
     # one thread: in this thread (a pool's hand-offs cost more than the GIL-bound work)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="store-scan") if threads > 1 else None
     with pool or contextlib.nullcontext():
-        records = pool.map(one, names) if pool is not None else map(one, names)
-        for done, record in enumerate(records, 1):
-            if record is not None:
-                batch.append(record)
-            if len(batch) >= BATCH or done == len(names):
-                _write(registry, batch)
-                batch = []
-            now = time.monotonic()
-            if done % PROGRESS_EVERY == 0 or now - last >= PROGRESS_S or done == len(names):
-                last = now
-                log.info("adapters dir: %d of %d scanned (%.1f s)", done, len(names),
-                         now - start)
+        _record_all(registry, pool.map(one, names) if pool is not None else map(one, names),
+                    len(names), start)
     log.info("adapters dir %s: %d adapters recorded in %.1f s (their weights are read and "
              "validated in the background after start, or on first use)", root, len(names),
              time.monotonic() - start)
+
+
+def _record_all(registry: Registry, records, count: int, start: float) -> None:
+    """The scan's records (None: nothing to record) written BATCH a transaction, with the
+    progress lines."""
+    batch: list[AdapterRecord] = []
+    last = start
+    for done, record in enumerate(records, 1):
+        if record is not None:
+            batch.append(record)
+        if len(batch) >= BATCH or done == count:
+            _write(registry, batch)
+            batch = []
+        now = time.monotonic()
+        if done % PROGRESS_EVERY == 0 or now - last >= PROGRESS_S or done == count:
+            last = now
+            log.info("adapters dir: %d of %d scanned (%.1f s)", done, count, now - start)
 
 
 def _claimed_dirs(registry: Registry, reader: SourceReader
