@@ -82,6 +82,13 @@ class Service:
         for attempt in range(3):
             try:
                 wait_serving(self.addr, timeout, self.proc)
+                if self._own_port and attempt < 2 and not self._holds_port():
+                    # SERVING came from another process on this port (it bound it before this
+                    # service could, which exits on "Address already in use")
+                    self.kill()
+                    self._log.close()
+                    self._start(free_port())
+                    continue
                 return self
             except RuntimeError:
                 if (self._own_port and attempt < 2 and self.proc.poll() is not None
@@ -95,6 +102,13 @@ class Service:
                 print(self.log())
                 raise
         return self
+
+    def _holds_port(self) -> bool:
+        """Whether this service (its process or one under it: the worker's front end) listens
+        on its port; True where that cannot be told (no /proc, another user's process)."""
+        from services.common.port_holders import children, holders
+        held = holders(self.port)
+        return not held or bool(set(held) & children(self.proc.pid))
 
     def log(self) -> str:
         if not self._log.closed:

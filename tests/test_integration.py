@@ -163,3 +163,27 @@ def test_a_service_whose_picked_port_was_taken_starts_on_another(tmp_path, monke
     finally:
         svc.terminate()
         taken.close()
+
+
+def test_a_serving_answer_from_another_service_on_the_picked_port_is_not_taken_as_ours(
+        tmp_path, monkeypatch):
+    """The same race where the port's taker is itself a service that answers SERVING (a suite
+    run once sent a test's calls to another test's server: UNIMPLEMENTED): wait() sees that
+    its own process does not hold the port and starts it again on a new one."""
+    from services.common.port_holders import children, holders
+    from tests import support
+    args = ["--adapters-dir", str(DEMO_ADAPTERS), "--model", str(MODEL_DIR), "--db", ":memory:"]
+    other = support.Service("adapter_store", args, tmp_path).wait(timeout=60)
+    picks = iter([other.port])
+    real = support.free_port
+    monkeypatch.setattr(support, "free_port", lambda: next(picks, None) or real())
+    svc = support.Service("adapter_store", args, tmp_path)
+    try:
+        assert svc.port == other.port
+        svc.wait(timeout=60)
+        assert svc.port != other.port
+        assert set(holders(svc.port)) & children(svc.proc.pid)
+        assert health_status(svc.addr) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        svc.terminate()
+        other.terminate()
