@@ -16,8 +16,7 @@ import grpc
 
 from services.client.client import LorafleetClient
 from tests.conftest import Stack
-from tests.support import DEMO_ADAPTERS, MODEL_DIR, free_port
-
+from tests.support import DEMO_ADAPTERS, FreePort, MODEL_DIR
 # tenant -> [(adapter, transport)]: alpha most, beta next, gamma least (the router's `other`)
 RUN = {"alpha": [("pirate", "unary")] * 3 + [("poet", "stream"), ("pirate", "stream")],
        "beta": [("poet", "http"), ("acme-support", "unary"), ("poet", "http")],
@@ -52,15 +51,15 @@ def http_completion(port: int, tenant: str, model: str) -> dict:
 class Observed:
     def __init__(self, tmp: pathlib.Path):
         self.tmp = tmp
-        self.http = free_port()
-        self.metrics = {n: free_port() for n in ("router", "worker", "store")}
+        self.http = FreePort("127.0.0.1:")
+        self.metrics = {n: FreePort() for n in ("router", "worker", "store")}
         self.traces = {n: tmp / f"{n}-spans.jsonl" for n in self.metrics}
-        flags = {n: ["--metrics-port", str(self.metrics[n]), "--trace-file", str(self.traces[n])]
+        flags = {n: ["--metrics-port", self.metrics[n], "--trace-file", str(self.traces[n])]
                  for n in self.metrics}
         self.stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp, store_args=flags["store"],
                            worker_args=flags["worker"],
                            router_args=[*flags["router"], "--http-listen",
-                                        f"127.0.0.1:{self.http}", "--metrics-tenants", "2"])
+                                        self.http, "--metrics-tenants", "2"])
         self.requests = {t: 0 for t in RUN}
         try:
             self._run()

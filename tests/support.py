@@ -54,13 +54,33 @@ def health_status(addr: str) -> int:
             health_pb2.HealthCheckRequest(), timeout=5.0).status
 
 
+class FreePort:
+    """A service argument that Service replaces by a free loopback port at each start (a port
+    free_port() picked can be taken by another process before the service binds it; the service
+    then starts again on new ports). Read `port` (or `str()`) after Service.wait()."""
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix                # e.g. "127.0.0.1:" for a listen address
+        self.port: int | None = None
+
+    def pick(self) -> str:
+        self.port = free_port()
+        return f"{self.prefix}{self.port}"
+
+    def __str__(self) -> str:
+        return str(self.port)
+
+
 class Service:
-    """One service process: `python -m services.NAME ARGS`, stderr to a log file."""
+    """One service process: `python -m services.NAME ARGS`, stderr to a log file. An argument
+    that is a FreePort becomes a port picked at each start."""
 
     def __init__(self, name: str, args: list[str], log_dir: pathlib.Path,
                  env: dict[str, str] | None = None, port: int | None = None):
         self.name, self._args, self._log_dir = name, args, log_dir
-        self._own_port = port is None          # picked here: may be taken again on a clash
+        self._given_port = port                 # else picked here: may be taken again on a clash
+        self._own_port = port is None
+        self._picks = any(isinstance(a, FreePort) for a in args)
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._start(port or free_port())
 
@@ -71,7 +91,8 @@ class Service:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{self.name}", "--listen", self.addr,
-             "--metrics-port", "0", *self._args],
+             "--metrics-port", "0",
+             *(a.pick() if isinstance(a, FreePort) else a for a in self._args)],
             cwd=ROOT, env=self._env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 120.0) -> "Service":
@@ -91,10 +112,11 @@ class Service:
                     continue
                 return self
             except RuntimeError:
-                if (self._own_port and attempt < 2 and self.proc.poll() is not None
+                if ((self._own_port or self._picks) and attempt < 2
+                        and self.proc.poll() is not None
                         and "Address already in use" in self.log()):
                     self._log.close()
-                    self._start(free_port())
+                    self._start(self._given_port or free_port())
                     continue
                 print(self.log())
                 raise

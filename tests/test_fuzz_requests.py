@@ -22,8 +22,7 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb, router_pb2_grpc
 from services.router.openai_fields import CHAT, COMPLETIONS, SAMPLING
 from tests.conftest import Stack
-from tests.support import DEMO_ADAPTERS, MODEL_DIR, free_port, health_status
-
+from tests.support import DEMO_ADAPTERS, FreePort, MODEL_DIR, health_status
 pytestmark = pytest.mark.slow
 SERVING = health_pb2.HealthCheckResponse.SERVING
 FUZZ = settings(max_examples=150, deadline=None, database=None,
@@ -45,9 +44,9 @@ TEXT = st.text(max_size=12) | LONE
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    port = free_port()
+    port = FreePort("127.0.0.1:")
     s = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path_factory.mktemp("fuzz"),
-              router_args=["--http-listen", f"127.0.0.1:{port}"])
+              router_args=["--http-listen", port])
     s.http = f"http://127.0.0.1:{port}"
     with grpc.insecure_channel(s.router.addr) as ch:
         s.stub = router_pb2_grpc.GenerationServiceStub(ch)

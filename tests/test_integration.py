@@ -165,6 +165,37 @@ def test_a_service_whose_picked_port_was_taken_starts_on_another(tmp_path, monke
         taken.close()
 
 
+def test_a_service_whose_picked_metrics_port_was_taken_starts_on_other_ports(
+        tmp_path, monkeypatch):
+    """The same race on a port passed as an argument (a FreePort): the store exits on its
+    --metrics-port "Address already in use" (a suite run failed so once) and wait() starts it
+    again with the argument picked anew."""
+    import socket
+    import urllib.request
+    from tests import support
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    picks = iter([0, port])                 # the listen port as usual, then the taken one
+    real = support.free_port
+    monkeypatch.setattr(support, "free_port", lambda: next(picks, None) or real())
+    metrics = support.FreePort()
+    svc = support.Service("adapter_store", ["--adapters-dir", str(DEMO_ADAPTERS), "--model",
+                                            str(MODEL_DIR), "--db", ":memory:",
+                                            "--metrics-port", metrics], tmp_path)
+    try:
+        assert metrics.port == port
+        svc.wait(timeout=60)
+        assert metrics.port != port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read()
+        assert b"# TYPE" in text
+        assert health_status(svc.addr) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        svc.terminate()
+        taken.close()
+
+
 def test_a_serving_answer_from_another_service_on_the_picked_port_is_not_taken_as_ours(
         tmp_path, monkeypatch):
     """The same race where the port's taker is itself a service that answers SERVING (a suite

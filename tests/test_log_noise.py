@@ -15,8 +15,7 @@ import pytest
 
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb, router_pb2_grpc
 from tests.conftest import ResidencyWatch, Stack
-from tests.support import DEMO_ADAPTERS, MODEL_DIR, free_port
-
+from tests.support import DEMO_ADAPTERS, FreePort, MODEL_DIR
 pytestmark = pytest.mark.slow
 NOISE = ("Traceback", "Failed to detach context", "ClientConnectionResetError",
          "ExecuteBatchError", " ERROR ")
@@ -24,10 +23,10 @@ NOISE = ("Traceback", "Failed to detach context", "ClientConnectionResetError",
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    port = free_port()
+    port = FreePort("127.0.0.1:")
     s = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path_factory.mktemp("noise"),
-              router_args=["--http-listen", f"127.0.0.1:{port}"])
-    s.http_port = port
+              router_args=["--http-listen", port])
+    s.http_port = port.port
     yield s
     s.terminate()
 

@@ -14,8 +14,7 @@ import torch
 
 from services.client.client import LorafleetClient
 from tests.conftest import Stack
-from tests.support import DEMO_ADAPTERS, MODEL_DIR, free_port
-
+from tests.support import DEMO_ADAPTERS, FreePort, MODEL_DIR
 pytestmark = pytest.mark.slow
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Hello! How are you?"},
@@ -23,16 +22,16 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Tell me about the weather."}]
 
 
-METRICS, WORKER_METRICS = free_port(), free_port()
+METRICS, WORKER_METRICS = FreePort(), FreePort()   # picked at each start
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    port = free_port()
+    port = FreePort("127.0.0.1:")
     stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path_factory.mktemp("api"),
-                  router_args=["--http-listen", f"127.0.0.1:{port}",
-                               "--metrics-port", str(METRICS)],
-                  worker_args=["--metrics-port", str(WORKER_METRICS)])
+                  router_args=["--http-listen", port,
+                               "--metrics-port", METRICS],
+                  worker_args=["--metrics-port", WORKER_METRICS])
     yield stack, f"http://127.0.0.1:{port}"
     stack.terminate()
 

@@ -10,17 +10,16 @@ import pytest
 
 from services.client.client import LorafleetClient
 from tests.conftest import Stack
-from tests.support import DEMO_ADAPTERS, MODEL_DIR, free_port
-
+from tests.support import DEMO_ADAPTERS, FreePort, MODEL_DIR
 pytestmark = pytest.mark.slow
 PROMPT = "Tell me about the weather."
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    port = free_port()
+    port = FreePort("127.0.0.1:")
     stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path_factory.mktemp("gw"),
-                  router_args=["--http-listen", f"127.0.0.1:{port}"])
+                  router_args=["--http-listen", port])
     yield stack, f"http://127.0.0.1:{port}"
     stack.terminate()
 
@@ -187,11 +186,11 @@ def test_base_model_name_is_known_with_a_tenants_file(tmp_path):
     """With --tenants the gateway still learns the served model's name (its lookup needs no
     caller), so `model: <base name>` runs the base model. (And ModelInfo's largest rank is the
     store's --max-rank.)"""
-    port = free_port()
+    port = FreePort("127.0.0.1:")
     tenants = tmp_path / "tenants.json"
     tenants.write_text(json.dumps({"tenants": {"acme": {"tokens": ["tok-acme"]}}}))
     stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path, store_args=["--max-rank", "256"],
-                  router_args=["--http-listen", f"127.0.0.1:{port}", "--tenants", str(tenants),
+                  router_args=["--http-listen", port, "--tenants", str(tenants),
                                "--insecure-internal"])
     try:
         with LorafleetClient(stack.router.addr, "tok-acme") as c:

@@ -15,20 +15,19 @@ import openai
 import pytest
 
 from tests.conftest import Stack
-from tests.support import DEMO_ADAPTERS, MODEL_DIR, free_port, health_status
-
+from tests.support import DEMO_ADAPTERS, FreePort, MODEL_DIR, health_status
 pytestmark = pytest.mark.slow
-METRICS = free_port()
+METRICS = FreePort()                     # picked at each start
 NOISE = ("Traceback", " ERROR ", "LineTooLong", "UnicodeEncodeError")
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    port = free_port()
+    port = FreePort("127.0.0.1:")
     stack = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path_factory.mktemp("hostile"),
-                  router_args=["--http-listen", f"127.0.0.1:{port}",
-                               "--metrics-port", str(METRICS)])
-    stack.port = port
+                  router_args=["--http-listen", port,
+                               "--metrics-port", METRICS])
+    stack.port = port.port
     yield stack
     stack.terminate()
 

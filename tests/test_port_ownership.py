@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from services.common.gen.lorafleet.v1 import adapter_store_pb2 as spb, adapter_store_pb2_grpc
-from tests.support import DEMO_ADAPTERS, MODEL_DIR, ROOT, Service, free_port, health_status
+from tests.support import (DEMO_ADAPTERS, FreePort, MODEL_DIR, ROOT, Service,
+                           free_port, health_status)
 
 pytestmark = pytest.mark.slow
 SERVING = 1
@@ -48,9 +49,9 @@ def answers(addr: str, n: int = 20) -> None:
 
 @pytest.fixture
 def store(tmp_path):
-    metrics = free_port()
-    s = Service("adapter_store", [*STORE_ARGS, "--metrics-port", str(metrics)], tmp_path).wait()
-    s.metrics = metrics
+    metrics = FreePort()
+    s = Service("adapter_store", [*STORE_ARGS, "--metrics-port", metrics], tmp_path).wait()
+    s.metrics = metrics.port
     yield s
     assert s.terminate() == 0
 

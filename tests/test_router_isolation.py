@@ -18,7 +18,7 @@ import pytest
 
 from services.client.client import LorafleetClient
 from tests.conftest import Stack
-from tests.support import free_port
+from tests.support import FreePort
 from tests.test_status_page import CHROMIUM, render
 
 pytestmark = pytest.mark.slow
@@ -33,11 +33,11 @@ def fleet(lora_fleet, tmp_path_factory):
     base, adapters = lora_fleet
     tmp = tmp_path_factory.mktemp("isolation")
     (tmp / "tenants.json").write_text(json.dumps(TENANTS))
-    port = free_port()
+    port = FreePort("127.0.0.1:")
     stack = Stack(base, adapters, tmp, router_args=[
-        "--tenants", str(tmp / "tenants.json"), "--http-listen", f"127.0.0.1:{port}",
+        "--tenants", str(tmp / "tenants.json"), "--http-listen", port,
         "--insecure-internal"])
-    stack.http = port
+    stack.http = port.port
     try:
         with LorafleetClient(stack.router.addr, "tok-ops", timeout=30) as ops:
             ops.register("bob-secret", "file://a10", tenant="bob")

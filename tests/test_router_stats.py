@@ -20,7 +20,7 @@ from services.router.stats import jain_index
 from services.client.client import LorafleetClient
 from services.common.gen.lorafleet.v1 import worker_pb2 as wpb, worker_pb2_grpc
 from tests.conftest import Stack
-from tests.support import S3_ENV, MotoS3, free_port
+from tests.support import FreePort, MotoS3, S3_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +44,10 @@ def test_stats_json_agrees_with_the_run(lora_fleet, tmp_path):
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         s3.put_object(Bucket=BUCKET, Key=f"shared/cold/{name}",
                       Body=(adapters / "a20" / name).read_bytes())
-    metrics_port, worker_metrics_port = free_port(), free_port()
+    metrics_port, worker_metrics_port = FreePort(), FreePort()
     stack = Stack(base, adapters, tmp_path, env=S3_ENV, store_args=["--s3-endpoint", moto.endpoint],
-                  router_args=["--metrics-port", str(metrics_port)],
-                  worker_args=["--metrics-port", str(worker_metrics_port)])
+                  router_args=["--metrics-port", metrics_port],
+                  worker_args=["--metrics-port", worker_metrics_port])
     try:
         router, worker_addr = stack.router.addr, stack.workers[0].addr
         cli("--router", router, "--token", "ops", "register", "--id", "cold2",
@@ -148,10 +148,10 @@ def test_requests_refused_at_admission_are_counted(lora_fleet, tmp_path):
         "ops": {"tokens": ["tok-ops"], "role": "admin"},
         "slow": {"tokens": ["tok-slow"], "quota": {"requests_per_s": 0.1, "request_burst": 1}},
         "lost": {"tokens": ["tok-lost"]}}}))
-    metrics_port = free_port()
+    metrics_port = FreePort()
     stack = Stack(base, adapters, tmp_path, router_args=["--tenants", str(tenants),
                                                          "--insecure-internal",
-                                                         "--metrics-port", str(metrics_port)])
+                                                         "--metrics-port", metrics_port])
     kw = dict(prompt_ids=[7, 8, 9], max_new_tokens=NEW, ignore_eos=True)
     try:
         codes = []

@@ -11,8 +11,7 @@ import torch
 
 from services.client.client import LorafleetClient
 from tests.conftest import Stack
-from tests.support import DEMO_ADAPTERS, MODEL_DIR, free_port
-
+from tests.support import DEMO_ADAPTERS, FreePort, MODEL_DIR
 pytestmark = pytest.mark.slow
 PROMPT = "Tell me about the weather."
 EOS = 2                                   # the tiny model's </s>
@@ -20,10 +19,10 @@ EOS = 2                                   # the tiny model's </s>
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    port, metrics = free_port(), free_port()
+    port, metrics = FreePort("127.0.0.1:"), FreePort()
     s = Stack(MODEL_DIR, DEMO_ADAPTERS, tmp_path_factory.mktemp("sampling"),
-              router_args=["--http-listen", f"127.0.0.1:{port}"],
-              worker_args=["--metrics-port", str(metrics)])
+              router_args=["--http-listen", port],
+              worker_args=["--metrics-port", metrics])
     s.http = f"http://127.0.0.1:{port}"
     s.worker_metrics = f"http://127.0.0.1:{metrics}/metrics"
     yield s

@@ -18,7 +18,7 @@ import grpc
 
 from bench.stack.registry import FILES, SEED, adapter_id, make_fleet
 from services.adapter_store.sources import SETTLED_S
-from tests.support import MODEL_DIR, ROOT, Service, free_port
+from tests.support import FreePort, MODEL_DIR, ROOT, Service
 from tests.test_store_support import StoreClient
 
 SHAPE = 7                   # the adapter whose lora_A has the wrong width
@@ -40,9 +40,9 @@ def fleet(tmp, n: int, nan=(), shape=()):
 
 
 def start(tmp, adapters, *args, db: str = ":memory:") -> tuple[Service, StoreClient, int]:
-    metrics_port = free_port()
+    metrics_port = FreePort()
     store = Service("adapter_store", ["--model", str(MODEL_DIR), "--adapters-dir", str(adapters),
-                                      "--db", db, "--metrics-port", str(metrics_port), *args],
+                                      "--db", db, "--metrics-port", metrics_port, *args],
                     tmp).wait(timeout=30)
     return store, StoreClient(store.addr), metrics_port
 

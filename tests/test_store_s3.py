@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.common.gen.lorafleet.v1 import common_pb2
-from tests.support import S3_ENV, MotoS3, Service, free_port, health_status
+from tests.support import FreePort, MotoS3, S3_ENV, Service, health_status
 from tests.test_store_support import (StoreClient, lora_tensors, peft_config, safetensors_bytes,
                                       sha256, write_base)
 
@@ -47,12 +47,12 @@ def env(tmp_path_factory):
     moto = MotoS3(tmp)
     s3 = moto.client()
     s3.create_bucket(Bucket=BUCKET)
-    metrics_port = free_port()
+    metrics_port = FreePort()
     # 64 KiB host tier: SMALL stays, BIG never fits (every Fetch of it reads S3 again).
     store = Service("adapter_store", [
         "--base-config", str(write_base(tmp / "base")), "--db", str(tmp / "reg.sqlite"),
         "--s3-endpoint", moto.endpoint, "--bucket", BUCKET, "--host-cache-bytes", "65536",
-        "--max-adapter-bytes", str(1 << 20), "--metrics-port", str(metrics_port),
+        "--max-adapter-bytes", str(1 << 20), "--metrics-port", metrics_port,
         "--trace-file", str(tmp / "spans.jsonl")], tmp, env=S3_ENV)
     client = StoreClient(store.wait().addr)
     yield moto, s3, store, client, metrics_port, tmp

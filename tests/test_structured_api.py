@@ -34,7 +34,7 @@ from typing import Literal
 
 from services.common.gen.lorafleet.v1 import common_pb2, router_pb2 as rpb, router_pb2_grpc
 from tests.conftest import Stack
-from tests.support import DEMO_ADAPTERS, free_port
+from tests.support import DEMO_ADAPTERS, FreePort
 from tests.tools_model import make_tools_model
 
 pytestmark = pytest.mark.slow
@@ -56,9 +56,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("structured")
-    port = free_port()
+    port = FreePort("127.0.0.1:")
     s = Stack(make_tools_model(root), DEMO_ADAPTERS, root,
-              router_args=["--http-listen", f"127.0.0.1:{port}"])
+              router_args=["--http-listen", port])
     yield s, f"http://127.0.0.1:{port}"
     s.terminate()
 
