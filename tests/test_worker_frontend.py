@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from services.common.gen.lorafleet.v1 import common_pb2, worker_pb2 as wpb, worker_pb2_grpc
-from tests.support import MODEL_DIR, Service, free_port, health_status
+from tests.support import FreePort, MODEL_DIR, Service, health_status
 
 pytestmark = pytest.mark.slow
 CLOSED_STORE = "127.0.0.1:1"              # nothing listens there: no adapter is requested
@@ -60,9 +60,9 @@ def request(n: int, prompt=(1, 5, 9, 14), **sampling) -> wpb.WorkerGenerateReque
         stopping=common_pb2.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
 
 
-def start(tmp, *extra, metrics: int = 0) -> Service:
+def start(tmp, *extra, metrics: FreePort | str = "0") -> Service:
     return Service("worker", ["--model", str(MODEL_DIR), "--store", CLOSED_STORE, "--device",
-                              "cpu", "--metrics-port", str(metrics), "--grace", "20", *extra],
+                              "cpu", "--metrics-port", metrics, "--grace", "20", *extra],
                    tmp).wait()
 
 
@@ -77,7 +77,7 @@ def counter(port: int, name: str, label: str) -> float:
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("frontend")
-    metrics = free_port()
+    metrics = FreePort()
     split = start(tmp, metrics=metrics)
     inline = start(tmp, "--frontend", "inline")
     yield split, inline, metrics
