@@ -10,7 +10,11 @@ as it arrives), on threads as the worker's loaders run it:
 
 - `burst_shm`: all N at once, the worker on the store's host (shared memory);
 - `burst_stream`: all N at once, streamed (a worker on another host);
-- `one_at_a_time`: the first N/4 one after another (shared memory).
+- `one_at_a_time`: the first N/4 one after another (shared memory);
+- `refetch_one`: the source tier of a used adapter, as Zipf churn meets it: the first N/4 used
+  once, one after another, with a store host tier of one adapter (so each use evicts the one
+  before), then each fetched again one after another (measured): READY, its bytes read from the
+  source again and checked against the file's identity (shared memory).
 
 Per scenario: per-adapter first-use latency (Resolve + Fetch) p50/p99 and the burst's wall
 time, and where the store's time went, from its spans (mean ms per adapter: store.validate,
@@ -183,11 +187,16 @@ def scenario(name: str, work: pathlib.Path, adapters: pathlib.Path, n: int,
     load = round(os.getloadavg()[0], 2)       # others' work on this machine, at the start
     size = max((adapters / i / "adapter_model.safetensors").stat().st_size for i in ids)
     arena = torch.ones((n, size), dtype=torch.uint8)      # the worker's host tier, touched
+    if name == "refetch_one":       # a host tier of one adapter: every use evicts the last
+        extra = [*extra, "--host-cache-bytes", str(size + size // 2)]
     store = start_store(work, adapters, shm, str(traces), extra)
     try:
+        if name == "refetch_one":
+            first_use(store.addr, ids, str(shm), False, arena)
+            traces.write_text("")           # the spans of the measured pass only
         t, cpu, mine = time.perf_counter(), cpu_s(store.proc.pid), os.times()
         xs = first_use(store.addr, ids, None if name == "burst_stream" else str(shm),
-                       name != "one_at_a_time", arena)
+                       name not in ("one_at_a_time", "refetch_one"), arena)
         wall = time.perf_counter() - t
         cpu, after = cpu_s(store.proc.pid) - cpu, os.times()
         client = after.user + after.system - mine.user - mine.system
@@ -220,7 +229,8 @@ def markdown(doc: dict) -> str:
     for run in doc["runs"]:
         fl = run["floor"]
         for r in run["rows"]:
-            limit = fl["one_ms"] if r["scenario"] == "one_at_a_time" else fl["burst_ms"]
+            limit = {"one_at_a_time": fl["one_ms"], "refetch_one": fl["read_ms"]}.get(
+                r["scenario"], fl["burst_ms"])
             parts = ", ".join(f"{k}: {v}" for k, v in r["stages_ms"].items())
             lines.append(f"| {run['label']} | {run['header']['commit']} | {r['scenario']} | "
                          f"{r['adapters']} | {fl['bytes'] / 1e6:.1f} | {r.get('loadavg_1m', '')} | "
@@ -260,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         fl = floor(adapters, a.adapters)
         print(json.dumps({"floor": fl}), flush=True)
         rows = [scenario(s, work, adapters,
-                         max(1, a.adapters // 4) if s == "one_at_a_time" else a.adapters,
+                         max(1, a.adapters // 4) if s in ("one_at_a_time", "refetch_one")
+                         else a.adapters,
                          a.store_arg) for s in a.scenarios.split(",")]
     path = out / f"{NAME}.json"
     doc = json.loads(path.read_text()) if path.exists() else {"header": header, "runs": []}
