@@ -12,31 +12,34 @@ FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
     """Store this step's keys and values: k_cache.view(-1, H_kv, D)[slot_mapping[t]] = k[t].
 
     Shapes: k, v [T, H_kv, D]; slot_mapping int64 [T]; a slot of -1 (padding rows) is skipped.
-    An e4m3 cache (torch.float8_e4m3fn, scale 1.0) stores k and v clamped to +-448 and rounded
-    to nearest even (what vLLM's `--kv-cache-dtype fp8` stores without calibrated scales).
+    An e4m3 cache (torch.float8_e4m3fn) stores k / k_scale and v / v_scale (kv_scale: the
+    layer's, a checkpoint's calibrated scales or 1.0), clamped to +-448 and rounded to nearest
+    even, as vLLM's `--kv-cache-dtype fp8` stores them; a cache of another dtype ignores them.
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = kv_stored(k[keep], k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = kv_stored(v[keep], v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = kv_stored(k[keep], k_cache.dtype, kv_scale[0])
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = kv_stored(v[keep], v_cache.dtype, kv_scale[1])
 
 
-def kv_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as a cache of `dtype` stores it: e4m3 clamped to +-448 first (torch's conversion
-    makes larger values NaN), else plain conversion."""
+def kv_stored(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: in e4m3, x / scale (fp32, correctly rounded) clamped
+    to +-448 first (torch's conversion makes larger values NaN); else plain conversion."""
     if dtype == FP8:
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+        x = x.float() / torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
     return x.to(dtype)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
                         scale: float, max_context: int, window: int = 0,
-                        softcap: float = 0.0) -> torch.Tensor:
+                        softcap: float = 0.0,
+                        kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Causal attention of each query row over its own sequence's cached keys and values.
 
     Semantics: for row t with s = q_seq[t], p = q_pos[t], w0 = max(0, p + 1 - window) with a
@@ -48,7 +51,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     its own. Rows with q_seq < 0 (padding) produce zeros.
 
     Shapes: q [T, H_q, D]; k_cache, v_cache [NB, BS, H_kv, D] in q's dtype or e4m3 (read
-    back as q's dtype, exactly, before the math); block_tables int32 [S, MB];
+    back as q's dtype, exactly, then times kv_scale's k_scale and v_scale, before the math);
+    block_tables int32 [S, MB];
     q_seq, q_pos int32 [T]; max_context: an upper bound on p + 1 (a host int, for sizing).
     Returns [T, H_q, D] in q's dtype. Computed in fp32, in chunks of rows to bound memory.
     """
@@ -67,6 +71,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         tables = block_tables[seq.clamp(min=0), :n_blk].long()          # [t, n_blk]
         k = k_cache[tables].reshape(hi - lo, length, h_kv, d).to(q.dtype).float()  # [t, L, ..]
         v = v_cache[tables].reshape(hi - lo, length, h_kv, d).to(q.dtype).float()
+        if k_cache.dtype == FP8:
+            k, v = k * kv_scale[0], v * kv_scale[1]
         qq = q[lo:hi].float().view(hi - lo, h_kv, group, d)              # [t, H_kv, g, D]
         scores = torch.einsum("tkgd,tlkd->tkgl", qq, k) * scale
         if softcap:

@@ -1,12 +1,14 @@
-"""Triton paged attention over block tables (GQA, decode and chunked-prefill rows) and KV writes.
+"""Triton paged attention over block tables (GQA, decode and chunked-prefill rows); the KV
+writes: kernels.kv_write_triton.
 
 Semantics (the same as kernels.attention_ref), for row t with s = q_seq[t] >= 0, p = q_pos[t],
 w0 = max(0, p + 1 - window) with a sliding window (window > 0), else 0:
     out[t, h] = softmax(cap(scale * q[t, h] @ K_s[w0:p+1, h // g].T)) @ V_s[w0:p+1, h // g]
 K_s[i] = k_cache[block_tables[s, i // BS], i % BS]; rows with q_seq < 0 get zeros; cap(x) =
 softcap * tanh(x / softcap) with a softcap > 0, else x.
-Shapes: q [T, H_q, D]; k_cache, v_cache [NB, BS, H_kv, D] in q's dtype or e4m3 (scale 1.0,
-read as q's dtype); block_tables int32 [S, MB]; q_seq, q_pos int32 [T]; out [T, H_q, D].
+Shapes: q [T, H_q, D]; k_cache, v_cache [NB, BS, H_kv, D] in q's dtype or e4m3 (read as q's
+dtype, times the layer's k_scale and v_scale: kv_scale); block_tables int32 [S, MB]; q_seq, q_pos
+int32 [T]; out [T, H_q, D].
 
 Design. Grid (T, H_kv). A program owns one kv head and a run of up to ROWS consecutive rows of one
 sequence with consecutive positions (a chunked-prefill run; a decode row is a run of one): the
@@ -28,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_tiles import FP8, kv_fp8_args, kv_value
+from kernels.fp8_tiles import FP8, kv_fp8_args, kv_scale_args
 from kernels.pdl import launch_args, wait_then_release
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,7 +73,7 @@ def _attend_tile(q, kt, vt, p_n, pos, first, ctx, m_i, l_i, acc, qk_scale,
 
 @triton.jit(do_not_specialize=("window",))    # a layer's: one kernel serves every layer
 def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_ptr, part_ptr,
-                       ml_ptr, T, ctx_cap, block_size, bt_stride, qk_scale, window,
+                       ml_ptr, T, ctx_cap, block_size, bt_stride, qk_scale, window, v_scale,
                        stride_qt, stride_qh, stride_ot, stride_oh,
                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, H_q,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
@@ -160,6 +162,8 @@ def _paged_attn_kernel(out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, q_seq_ptr, q_pos_pt
                              mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
             m_i, l_i, acc = _attend_tile(q, kt, vt, p_n, pos, first, ctx, m_i, l_i, acc,
                                          qk_scale, DOT_PREC, UPCAST, SOFTCAP, KV_FP8)
+        if KV_FP8:                                 # the cache holds V / v_scale
+            acc = acc * v_scale
         if SPLITS == 1:
             out = acc / l_i[:, None]
             o_ptrs = (out_ptr + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh
@@ -207,50 +211,6 @@ def _split_combine_kernel(out_ptr, part_ptr, ml_ptr, q_seq_ptr, T, H_q, stride_o
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)  # padding: 0
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=ok)
-
-
-@triton.jit
-def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_k, stride_v, n_elem,
-                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
-                     UPCAST: tl.constexpr = False):
-    wait_then_release(USE_PDL)
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    if slot >= 0:
-        i = tl.arange(0, BLOCK)
-        for c in range(0, n_elem, BLOCK):
-            ok = c + i < n_elem
-            kk = tl.load(k_ptr + t.to(tl.int64) * stride_k + c + i, mask=ok)
-            vv = tl.load(v_ptr + t.to(tl.int64) * stride_v + c + i, mask=ok)
-            tl.store(k_cache_ptr + slot * n_elem + c + i,
-                     kv_value(kk, k_cache_ptr.dtype.element_ty, KV_FP8, UPCAST), mask=ok)
-            tl.store(v_cache_ptr + slot * n_elem + c + i,
-                     kv_value(vv, v_cache_ptr.dtype.element_ty, KV_FP8, UPCAST), mask=ok)
-
-
-def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k_cache.view(-1, H_kv, D)[slot_mapping[t]] = k[t] (and v); slots < 0 skipped. No syncs.
-    An e4m3 cache stores k and v clamped to +-448 and rounded (kernels.attention_ref).
-
-    Shapes: k, v [T, H_kv, D] (each row contiguous); caches [NB, BS, H_kv, D] contiguous;
-    slot_mapping int64 [T].
-    """
-    t_rows, h_kv, d = k.shape
-    if k_cache.shape[2:] != (h_kv, d) or v_cache.shape != k_cache.shape or v.shape != k.shape:
-        raise ValueError(f"k/v {tuple(k.shape)} do not fit caches {tuple(k_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("caches must be contiguous")
-    if k.stride(2) != 1 or k.stride(1) != d or v.stride(2) != 1 or v.stride(1) != d:
-        raise ValueError("each row of k and v must be contiguous")
-    if slot_mapping.shape != (t_rows,) or slot_mapping.dtype not in (torch.int64, torch.int32):
-        raise ValueError("slot_mapping must be int64 [T]")
-    if t_rows == 0:
-        return
-    n_elem = h_kv * d
-    _write_kv_kernel[(t_rows,)](k_cache, v_cache, k, v, slot_mapping, k.stride(0), v.stride(0),
-                                n_elem, BLOCK=min(4096, triton.next_power_of_2(n_elem)),
-                                **kv_fp8_args(k_cache, k), **launch_args(k.device))
 
 
 def _check(q, k_cache, v_cache, block_tables, q_seq, q_pos):
@@ -322,7 +282,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_stages: int | None = None,
                            splits: int | None = None, split_kinds: bool = False,
                            out: torch.Tensor | None = None, window: int = 0,
-                           softcap: float = 0.0) -> torch.Tensor:
+                           softcap: float = 0.0,
+                           kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Causal paged attention of each row over its sequence's cache; see kernels.attention_ref
     (window > 0: each row's last `window` positions; softcap > 0: scores capped).
 
@@ -332,7 +293,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     combines them (flash-decoding). split_kinds, for a step with prefill runs (T > S): the rows
     that are their sequence's only one (decode rows) take the decode launch (decode_config for
     S rows), the others the prefill launch that the arguments above shape. Returns out
-    ([T, H_q, D], unit last stride), a new tensor when None. No host syncs.
+    ([T, H_q, D], unit last stride), a new tensor when None. kv_scale: an e4m3 cache's
+    (k_scale, v_scale), k_scale folded into the scores' scale, v_scale into the output. No
+    host syncs.
     """
     _check(q, k_cache, v_cache, block_tables, q_seq, q_pos)
     t_rows, s_rows, h_kv = q.shape[0], block_tables.shape[0], k_cache.shape[2]
@@ -342,7 +305,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if t_rows == 0:
         return out
     kinds = split_kinds and not decode
-    extra = {"window": int(window), "softcap": float(softcap)}
+    k_scale, v_scale = kv_scale_args(kv_scale) if k_cache.dtype == FP8 else (1.0, 1.0)
+    extra = {"window": int(window), "softcap": float(softcap), "v_scale": v_scale}
+    scale = scale * k_scale                         # an e4m3 cache holds K / k_scale
     if kinds:
         _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
                 decode_config(s_rows, h_kv, group, q.shape[2]), 1, kind=1, **extra)
@@ -359,7 +324,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_context,
             cfg: dict, rows_per_program: int, kind: int, window: int = 0,
-            softcap: float = 0.0) -> None:
+            softcap: float = 0.0, v_scale: float = 1.0) -> None:
     """One attention launch into out (and its combine when the context is cut into parts),
     over the rows of `kind`: 0 all, 1 those that are their sequence's only row, 2 the rest."""
     t_rows, h_q, d = q.shape
@@ -378,7 +343,7 @@ def _launch(out, q, k_cache, v_cache, block_tables, q_seq, q_pos, scale, max_con
         ml = torch.empty(t_rows * h_q * splits * 2, dtype=torch.float32, device=q.device)
     _paged_attn_kernel[(t_rows, h_kv, splits)](
         out, q, k_cache, v_cache, block_tables, q_seq, q_pos, part, ml,
-        t_rows, ctx_cap, bs, block_tables.stride(0), scale * _LOG2E, window,
+        t_rows, ctx_cap, bs, block_tables.stride(0), scale * _LOG2E, window, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), h_q,

@@ -143,12 +143,13 @@ def e4m3_of(v, scale, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def kv_value(v, dtype: tl.constexpr, KV_FP8: tl.constexpr, UPCAST: tl.constexpr):
+def kv_value(v, dtype: tl.constexpr, KV_FP8: tl.constexpr, UPCAST: tl.constexpr, scale):
     """v as the KV cache stores it (dtype: the cache's element type): with KV_FP8 (an e4m3
-    cache, scale 1.0) clamped to +-448 and rounded to e4m3 (e4m3_sat), as
-    kernels.attention_ref.write_kv_ref stores it; else converted to dtype."""
+    cache) v / scale (the layer's k_scale or v_scale, div_rn) clamped to +-448 and rounded to
+    e4m3 (e4m3_of), as kernels.attention_ref.write_kv_ref stores it; else converted to dtype
+    (scale unused)."""
     if KV_FP8:
-        v = e4m3_sat(v.to(tl.float32), UPCAST)
+        v = e4m3_of(v.to(tl.float32), scale, UPCAST)
     return v.to(dtype)
 
 
@@ -192,6 +193,14 @@ def kv_fp8_args(cache: torch.Tensor, x: torch.Tensor | None = None) -> dict:
     if cache.dtype != FP8:
         return {}
     return {"KV_FP8": True} if x is None else {"KV_FP8": True, "UPCAST": not x.is_cuda}
+
+
+def kv_scale_args(kv_scale: tuple[float, float]) -> tuple[float, float]:
+    """A layer's (k_scale, v_scale) as kernel arguments, checked: positive and finite."""
+    k, v = (float(x) for x in kv_scale)
+    if not (0.0 < k < float("inf") and 0.0 < v < float("inf")):
+        raise ValueError(f"KV scales must be positive and finite, got {kv_scale}")
+    return k, v
 
 
 QUANT_BLOCK = 4096                       # a row's columns a pass step

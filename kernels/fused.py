@@ -27,7 +27,8 @@ import triton.language as tl
 from kernels.fused_ref import (ACTS, add_rms_norm_ref, inv_rms_ref,  # noqa: F401 (re-exported)
                               qk_norm_ref, rms_norm_ref, rope_ref, scale_rows_ref,
                               silu_mul_ref)
-from kernels.fp8_tiles import kv_fp8_args, kv_value, quantize_rows, store_e4m3_row
+from kernels.fp8_tiles import (kv_fp8_args, kv_scale_args, kv_value, quantize_rows,
+                               store_e4m3_row)
 from kernels.fused_quant import Rows, rows_args, rows_ref, silu_rows_launch
 from kernels.pdl import launch_args, wait_then_release
 
@@ -147,13 +148,14 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_row, stride_head, n_he
 @triton.jit
 def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, h_ptr,
                     qn_ptr, kn_ptr, stride_row, stride_v, n_q, n_heads, kv_elems, stride_h, H,
-                    eps, qk_eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                    eps, qk_eps, k_scale, v_scale, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_V: tl.constexpr, RMS: tl.constexpr, BLOCK_HID: tl.constexpr,
                     QK_NORM: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr = False,
                     UPCAST: tl.constexpr = False):
     """One row (program_id 0), or part program_id 1 of it: rotate its q and k heads (side by
     side in x) in place, and write the rotated k and its v to the cache slot (none when the
-    slot is negative; KV_FP8: an e4m3 cache, kernels.fp8_tiles.kv_value). Part p takes heads
+    slot is negative; KV_FP8: an e4m3 cache of k / k_scale and v / v_scale,
+    kernels.fp8_tiles.kv_value). Part p takes heads
     p * BLOCK_H .. and v elements p * BLOCK_V ... With RMS, q, k and v are first scaled by h's
     row factor (folded norms; each part computes it); with QK_NORM q and k heads go through
     their RMSNorms before the rotation."""
@@ -169,16 +171,16 @@ def _rope_kv_kernel(x_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, slo
         kh = hs - n_q                                 # k head index; negative for q heads
         k_ok = ok & (kh >= 0)[:, None]
         kbase = kc_ptr + slot * kv_elems + kh[:, None] * (2 * HALF) + ds[None, :]
-        tl.store(kbase, kv_value(y1, kc_ptr.dtype.element_ty, KV_FP8, UPCAST), mask=k_ok)
-        tl.store(kbase + HALF, kv_value(y2, kc_ptr.dtype.element_ty, KV_FP8, UPCAST),
-                 mask=k_ok)
+        kdt = kc_ptr.dtype.element_ty
+        tl.store(kbase, kv_value(y1, kdt, KV_FP8, UPCAST, k_scale), mask=k_ok)
+        tl.store(kbase + HALF, kv_value(y2, kdt, KV_FP8, UPCAST, k_scale), mask=k_ok)
         vs = part * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = vs < kv_elems
         vv = tl.load(v_ptr + row * stride_v + vs, mask=v_ok)
         if RMS:
             vv = (vv.to(tl.float32) * f).to(v_ptr.dtype.element_ty)
         tl.store(vc_ptr + slot * kv_elems + vs,
-                 kv_value(vv, vc_ptr.dtype.element_ty, KV_FP8, UPCAST), mask=v_ok)
+                 kv_value(vv, vc_ptr.dtype.element_ty, KV_FP8, UPCAST, v_scale), mask=v_ok)
 
 
 @triton.jit
@@ -305,14 +307,16 @@ def _rms_args(rms, x: torch.Tensor) -> tuple:
 
 def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
                    impl: str = "auto", rms: tuple[torch.Tensor, float] | None = None,
-                   qk_norm: tuple | None = None) -> None:
+                   qk_norm: tuple | None = None,
+                   kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
     """rope_(q, k, ...) then write_kv(k_cache, v_cache, k, v, slot_mapping): one launch on CUDA
     when q, k and v sit side by side in one row (the engine's qkv layout); otherwise the two
     ops. Shapes: q [T, Hq, D], k and v [T, Hk, D]; caches [NB, BS, Hk, D]; slot_mapping [T].
     rms = (h [T, H], eps): q and k are scaled in place by h's row factor before the rotation,
     and v on its way to the cache (v itself is left as it is): folded norms, see the module
     docstring. qk_norm = (q weight [D], k weight [D], eps): each q and k head through its
-    RMSNorm (qk_norm_ref) before the rotation."""
+    RMSNorm (qk_norm_ref) before the rotation. kv_scale: the layer's (k_scale, v_scale) of an
+    e4m3 cache (write_kv)."""
     from kernels.attention import write_kv
     if not _triton(q, impl) or not _side_by_side(q, k, v) or not (
             k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -324,7 +328,7 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
         if qk_norm is not None:
             qk_norm_ref(q, k, qk_norm)
         rope_(q, k, cos, sin, positions, impl=impl)
-        write_kv(k_cache, v_cache, k, v, slot_mapping, impl=impl)
+        write_kv(k_cache, v_cache, k, v, slot_mapping, impl=impl, kv_scale=kv_scale)
         return None
     t, hq, d = q.shape
     if t == 0:
@@ -335,7 +339,8 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
     qn, kn, qk_eps = qk_norm if qk_norm is not None else (q, q, 1.0)
     _rope_kv_kernel[(t, parts)](
         q, v, k_cache, v_cache, cos, sin, positions, slot_mapping, h, qn, kn, q.stride(0),
-        v.stride(0), hq, heads, kv_elems, stride_h, hid, eps, float(qk_eps), HALF=d // 2,
+        v.stride(0), hq, heads, kv_elems, stride_h, hid, eps, float(qk_eps),
+        *kv_scale_args(kv_scale), HALF=d // 2,
         BLOCK_H=triton.next_power_of_2(triton.cdiv(heads, parts)),
         BLOCK_V=triton.next_power_of_2(triton.cdiv(kv_elems, parts)), RMS=on,
         BLOCK_HID=block_hid, QK_NORM=qk_norm is not None,

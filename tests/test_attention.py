@@ -269,15 +269,17 @@ def test_dispatch_and_checks():
 
 
 # _paged_attn_kernel's and _split_combine_kernel's argument types (compile_for_sm90)
-ATTN_TYPES = ["*bf16"] * 4 + ["*i32"] * 3 + ["*fp32"] * 2 + ["i32"] * 4 + ["fp32"] + ["i32"] * 12
+# (qk_scale, window, v_scale, then the strides and H_q)
+ATTN_TYPES = (["*bf16"] * 4 + ["*i32"] * 3 + ["*fp32"] * 2 + ["i32"] * 4 + ["fp32", "i32", "fp32"]
+              + ["i32"] * 11)
 COMBINE_TYPES = ["*bf16", "*fp32", "*fp32", "*i32"] + ["i32"] * 4
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_kernels_compile_for_hopper():
     from test_sgmv import compile_for_sm90
-    from kernels.attention_triton import (_paged_attn_kernel, _split_combine_kernel,
-                                          _write_kv_kernel)
+    from kernels.attention_triton import _paged_attn_kernel, _split_combine_kernel
+    from kernels.kv_write_triton import _write_kv_kernel
     types = ATTN_TYPES
     consts = dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64,
                   DOT_PREC="tf32", UPCAST=False, ALIGNED=False, SPLITS=1, USE_PDL=False,
@@ -293,7 +295,7 @@ def test_kernels_compile_for_hopper():
     for kind in (1, 2):
         assert compile_for_sm90(_paged_attn_kernel, types, dict(consts, ROW_KIND=kind)
                                 ).asm["cubin"]
-    types = ["*bf16"] * 4 + ["*i64"] + ["i32"] * 3
+    types = ["*bf16"] * 4 + ["*i64"] + ["i32"] * 3 + ["fp32"] * 2
     assert compile_for_sm90(_write_kv_kernel, types, dict(BLOCK=1024, USE_PDL=False)).asm["cubin"]
 
 

@@ -1,7 +1,9 @@
-"""`--kv-cache-dtype fp8`: an e4m3 paged KV cache (scale 1.0). The Triton KV writes (write_kv,
-the fused rope + write) against kernels.attention_ref's bytes, and the Triton attention over an
-e4m3 cache against the reference over the same cache, under TRITON_INTERPRET=1 in one child
-process; the reference's rounding; the flag; the KV blocks a budget holds.
+"""`--kv-cache-dtype fp8`: an e4m3 paged KV cache holding K / k_scale and V / v_scale (a layer's
+scales: 1.0, or a checkpoint's calibrated ones). The Triton KV writes (write_kv, the fused rope
++ write) against kernels.attention_ref's bytes, and the Triton attention over an e4m3 cache
+against the reference over the same cache, with scales 1.0 and others, under TRITON_INTERPRET=1
+in one child process; the reference's rounding and scales; the flag; the KV blocks a budget
+holds.
 """
 from __future__ import annotations
 
@@ -43,12 +45,18 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.cpu().view(torch.uint8)
 
 
+# a layer's (k_scale, v_scale) in the scaled cases: not powers of two, so x / scale rounds
+KV_SCALE = (0.37, 5.3)
+
+
 def check_write_kv() -> list[dict]:
     """write_kv_triton into e4m3 caches: the reference's bytes, for bf16, fp16 and fp32 rows,
-    rows of the engine's qkv layout (strided), a padding slot."""
-    from kernels.attention_triton import write_kv_triton
+    rows of the engine's qkv layout (strided), a padding slot; with scales 1.0, and KV_SCALE
+    for bf16 ("scaled")."""
+    from kernels.kv_write_triton import write_kv_triton
     out = []
-    for name, dtype in DTYPES.items():
+    for name, dtype, kv_scale in [*((n, d, (1.0, 1.0)) for n, d in DTYPES.items()),
+                                  ("scaled_bf16", torch.bfloat16, KV_SCALE)]:
         gen = torch.Generator().manual_seed(1)
         t, h_kv, d = 7, 2, 32
         qkv = _edge_rows(t, 3 * h_kv * d, dtype, gen)
@@ -57,8 +65,8 @@ def check_write_kv() -> list[dict]:
         slots = torch.tensor([3, 17, -1, 0, 31, 8, 22])
         caches = [torch.full((4, 8, h_kv, d), 0x55, dtype=torch.uint8).view(FP8)
                   for _ in range(4)]
-        write_kv_ref(caches[0], caches[1], k, v, slots)
-        write_kv_triton(caches[2], caches[3], k, v, slots)
+        write_kv_ref(caches[0], caches[1], k, v, slots, kv_scale)
+        write_kv_triton(caches[2], caches[3], k, v, slots, kv_scale)
         same = all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(caches[:2], caches[2:]))
         out.append({"case": f"write_kv_{name}", "ok": same})
     return out
@@ -72,7 +80,9 @@ def check_rope_write_kv() -> list[dict]:
     nearly all)."""
     from kernels import fused
     out = []
-    for name, dtype in [*DTYPES.items(), ("rms_bf16", torch.bfloat16)]:
+    for name, dtype in [*DTYPES.items(), ("rms_bf16", torch.bfloat16),
+                        ("scaled_bf16", torch.bfloat16)]:
+        kv_scale = KV_SCALE if "scaled" in name else (1.0, 1.0)
         gen = torch.Generator().manual_seed(2)
         t, hq, hk, d = 5, 4, 2, 16
         qkv = _edge_rows(t, (hq + 2 * hk) * d, dtype, gen)
@@ -85,9 +95,10 @@ def check_rope_write_kv() -> list[dict]:
                    for a, b in ((0, hq), (hq, hq + hk), (hq + hk, hq + 2 * hk)))
         kc, vc, rk, rv = (torch.zeros(4, 4, hk, d, dtype=FP8) for _ in range(4))
         rms = ((torch.randn(t, 40, generator=gen) * 3).to(dtype), 1e-5) if "rms" in name else None
-        fused.rope_write_kv_(q, k, v, cos, sin, pos, kc, vc, slots, impl="triton", rms=rms)
+        fused.rope_write_kv_(q, k, v, cos, sin, pos, kc, vc, slots, impl="triton", rms=rms,
+                             kv_scale=kv_scale)
         v_in = v if rms is None else fused.scale_rows_ref(v, rms)
-        write_kv_ref(rk, rv, k, v_in, slots)         # the bytes of the k it rotated, and v
+        write_kv_ref(rk, rv, k, v_in, slots, kv_scale)   # the bytes of the k it rotated, and v
         same = torch.equal(_bytes(kc), _bytes(rk)) and (
             torch.equal(_bytes(vc), _bytes(rv)) if rms is None else _one_step(vc, rv))
         rq, rkk = ref[:, :hq * d].view(t, hq, d), ref[:, hq * d:(hq + hk) * d].view(t, hk, d)
@@ -115,33 +126,39 @@ ATTN = {"decode_step_bf16": ("step_mha_bf16", None, 0, False),
         "prefill_runs_bf16_window7": ("prefill_runs_bf16", 1, 7, False),
         "mixed_gqa3_fp32_window5": ("mixed_gqa3_fp32_d24", 1, 5, False),
         "decode_gqa8_fp16_split8": ("decode_gqa8_fp16", 8, 0, False)}
+# the same cases over caches stored with KV_SCALE
+ATTN_SCALED = ("decode_step_bf16", "decode_one_block_bf16_split4", "mixed_gqa2_bf16_kinds",
+               "prefill_runs_bf16_window7")
 
 
 SCALE = 40.0       # the cases' K and V times this: e4m3 steps of 8-16 near |values| ~ 100
 
 
-def fp8_case(base: str, device: str = "cpu") -> dict:
-    """test_attention's case with its caches stored in e4m3 (K and V times SCALE, the softmax
-    scale over SCALE, so e4m3's rounding is coarse; clamping: the write cases)."""
+def fp8_case(base: str, device: str = "cpu", kv_scale=(1.0, 1.0)) -> dict:
+    """test_attention's case with its caches stored in e4m3 (K and V times SCALE, over
+    kv_scale, the softmax scale over SCALE, so e4m3's rounding is coarse; clamping: the write
+    cases)."""
     from test_attention import CASES, build_case
     c = build_case(CASES[base], seed=len(base), device=device)
-    for name in ("k_cache", "v_cache"):
-        c[name] = kv_stored(c[name].float() * SCALE, FP8)
+    for name, s in (("k_cache", kv_scale[0]), ("v_cache", kv_scale[1])):
+        c[name] = kv_stored(c[name].float() * SCALE, FP8, s)
     c["scale"] = c["scale"] / SCALE
     return c
 
 
-def check_attention(name: str, device: str = "cpu") -> dict:
+def check_attention(name: str, device: str = "cpu", kv_scale=(1.0, 1.0)) -> dict:
     from test_attention import CASES, _args, max_err
     from kernels.attention_triton import paged_attention_triton
     base, splits, window, kinds = ATTN[name]
     spec = CASES[base]
-    c = fp8_case(base, device)
+    c = fp8_case(base, device, kv_scale)
     out = paged_attention_triton(*_args(c), rows_per_program=spec[5], block_n=spec[6],
-                                 splits=splits, split_kinds=kinds, window=window)
-    ref = paged_attention_ref(*_args(c), window=window)
+                                 splits=splits, split_kinds=kinds, window=window,
+                                 kv_scale=kv_scale)
+    ref = paged_attention_ref(*_args(c), window=window, kv_scale=kv_scale)
     err, tol = max_err(out, ref.float().cpu()) / SCALE, TOL[c["dtype"]]   # relative to V's
-    return {"case": name, "err": err, "tol": tol, "ok": err <= tol}
+    label = name if kv_scale == (1.0, 1.0) else f"{name}_scaled"
+    return {"case": label, "err": err, "tol": tol, "ok": err <= tol}
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +170,10 @@ def interpreted():
     return {r["case"]: r for r in map(json.loads, proc.stdout.splitlines())}
 
 
-@pytest.mark.parametrize("name", [*(f"write_kv_{n}" for n in DTYPES),
-                                  *(f"rope_write_kv_{n}" for n in [*DTYPES, "rms_bf16"]),
-                                  *ATTN])
+@pytest.mark.parametrize("name", [*(f"write_kv_{n}" for n in [*DTYPES, "scaled_bf16"]),
+                                  *(f"rope_write_kv_{n}" for n in [*DTYPES, "rms_bf16",
+                                                                   "scaled_bf16"]),
+                                  *ATTN, *(f"{n}_scaled" for n in ATTN_SCALED)])
 def test_interpreted_kernels_match_reference(interpreted, name):
     assert interpreted[name]["ok"], interpreted[name]
 
@@ -180,6 +198,39 @@ def test_reference_rounds_clamps_and_reads_back():
     assert torch.equal(out, ref)
 
 
+def test_scales_carry_values_past_e4m3s_range():
+    """Keys and values of ~1,000 (past e4m3's 448): a cache with scale 1.0 clamps them and its
+    attention is far off; with scales that bring them in range (a checkpoint's calibrated
+    ones) it is within e4m3's rounding of the exact attention. A bf16 cache ignores scales."""
+    gen = torch.Generator().manual_seed(3)
+    t, h, d, bs = 6, 2, 16, 8
+    k = torch.randn(t, h, d, generator=gen) * 600
+    v = torch.randn(t, h, d, generator=gen) * 900
+    q = torch.randn(t, h, d, generator=gen) / 600
+    tables = torch.tensor([[0]], dtype=torch.int32)
+    seq, pos = torch.zeros(t, dtype=torch.int32), torch.arange(t, dtype=torch.int32)
+    slots = torch.arange(t)
+
+    def attend(dtype, kv_scale):
+        kc, vc = (torch.zeros(1, bs, h, d, dtype=dtype) for _ in range(2))
+        write_kv_ref(kc, vc, k, v, slots, kv_scale)
+        return paged_attention_ref(q, kc, vc, tables, seq, pos, 0.25, t, kv_scale=kv_scale)
+    exact = attend(torch.float32, (1.0, 1.0))
+    assert torch.equal(attend(torch.float32, (7.0, 9.0)), exact)
+    fit = (float(k.abs().max()) / 448, float(v.abs().max()) / 448)
+    clamped = (attend(FP8, (1.0, 1.0)) - exact).abs().max() / 900
+    scaled = (attend(FP8, fit) - exact).abs().max() / 900
+    assert scaled < 0.2 < clamped, (scaled, clamped)
+
+
+def test_scales_must_be_positive_and_finite():
+    from kernels.fp8_tiles import kv_scale_args
+    assert kv_scale_args((0.5, 2)) == (0.5, 2.0)
+    for bad in ((0.0, 1.0), (1.0, -2.0), (float("inf"), 1.0), (1.0, float("nan"))):
+        with pytest.raises(ValueError, match="KV scales"):
+            kv_scale_args(bad)
+
+
 def test_attention_checks_accept_e4m3_only():
     from kernels.attention_triton import _check
     from test_attention import CASES, _args, build_case
@@ -198,7 +249,8 @@ def test_fp8_kernels_compile_for_hopper():
     """The e4m3-cache variants compile for sm_90 (attention, its split, the KV writes)."""
     from test_sgmv import compile_for_sm90
     from test_attention import ATTN_TYPES
-    from kernels.attention_triton import _paged_attn_kernel, _write_kv_kernel
+    from kernels.attention_triton import _paged_attn_kernel
+    from kernels.kv_write_triton import _write_kv_kernel
     types = ["*bf16", "*bf16", "*fp8e4nv", "*fp8e4nv"] + ATTN_TYPES[4:]
     consts = dict(GROUP=4, GROUP_PAD=4, ROWS=4, D=128, D_PAD=128, BLOCK_N=16,
                   DOT_PREC="tf32", UPCAST=False, ALIGNED=True, SPLITS=1, USE_PDL=True,
@@ -206,11 +258,12 @@ def test_fp8_kernels_compile_for_hopper():
     for splits in (1, 4):
         assert compile_for_sm90(_paged_attn_kernel, types, dict(consts, SPLITS=splits),
                                 num_warps=1).asm["cubin"]
-    types = ["*fp8e4nv"] * 2 + ["*bf16"] * 2 + ["*i64"] + ["i32"] * 3
+    types = ["*fp8e4nv"] * 2 + ["*bf16"] * 2 + ["*i64"] + ["i32"] * 3 + ["fp32"] * 2
     assert compile_for_sm90(_write_kv_kernel, types,
                             dict(BLOCK=1024, USE_PDL=False, KV_FP8=True)).asm["cubin"]
 
 
 if __name__ == "__main__":
-    for row in [*check_write_kv(), *check_rope_write_kv(), *(check_attention(n) for n in ATTN)]:
+    for row in [*check_write_kv(), *check_rope_write_kv(), *(check_attention(n) for n in ATTN),
+                *(check_attention(n, kv_scale=KV_SCALE) for n in ATTN_SCALED)]:
         print(json.dumps(row))

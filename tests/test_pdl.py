@@ -22,7 +22,7 @@ KERNELS = {
                                dict(ADD=True, NORM_D=True, BLOCK=4096, QUANT=True,
                                     UPCAST=False)),
     "fused._rope_kernel": ([BF16] * 3 + [I64] + [I32] * 3, dict(HALF=64, BLOCK_H=64)),
-    "fused._rope_kv_kernel": ([BF16] * 6 + [I64] * 2 + [BF16] * 3 + [I32] * 7 + ["fp32"] * 2,
+    "fused._rope_kv_kernel": ([BF16] * 6 + [I64] * 2 + [BF16] * 3 + [I32] * 7 + ["fp32"] * 4,
                               dict(HALF=64, BLOCK_H=128, BLOCK_V=4096, RMS=True,
                                    BLOCK_HID=4096, QK_NORM=True)),
     "fused._silu_mul_kernel": ([BF16] * 3 + [I32] * 5 + ["fp32"] + [BF16, BF16, I32],
@@ -32,12 +32,13 @@ KERNELS = {
                                     dict(BLOCK=16384, RMS=False, BLOCK_HID=1, ACT=1,
                                          QUANT=True, UPCAST=False)),
     "attention_triton._paged_attn_kernel": (
-        [BF16] * 4 + ["*i32"] * 3 + [F32] * 2 + [I32] * 4 + ["fp32"] + [I32] * 12,
+        [BF16] * 4 + ["*i32"] * 3 + [F32] * 2 + [I32] * 4 + ["fp32", I32, "fp32"] + [I32] * 11,
         dict(GROUP=4, GROUP_PAD=4, ROWS=16, D=128, D_PAD=128, BLOCK_N=64, DOT_PREC="tf32",
              UPCAST=False, ALIGNED=False, SPLITS=4, ROW_KIND=0, SOFTCAP=0.0)),
     "attention_triton._split_combine_kernel": (
         [BF16, F32, F32, "*i32"] + [I32] * 4, dict(SPLITS=4, D=128, D_PAD=128, ROW_KIND=0)),
-    "attention_triton._write_kv_kernel": ([BF16] * 4 + [I64] + [I32] * 3, dict(BLOCK=1024)),
+    "kv_write_triton._write_kv_kernel": ([BF16] * 4 + [I64] + [I32] * 3 + ["fp32"] * 2,
+                                         dict(BLOCK=1024)),
     "sgmv_split._shrink_kernel": (
         [BF16] * 2 + [I64, "*i32", "*i32", "*i32", F32, F32, "*i32"] + [I32] * 7,
         dict(N_SLICES=3, SEG_BLOCK=64, BLOCK_M=16, BLOCK_K=128, RANK_BLOCK=16,
