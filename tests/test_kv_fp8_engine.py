@@ -21,23 +21,35 @@ from tests.test_engine_parity import mixed_requests, run_all
 FP8 = torch.float8_e4m3fn
 
 
-def e4m3(x: torch.Tensor) -> torch.Tensor:
-    """x as an e4m3 cache holds it, back in x's dtype."""
-    return x.float().clamp(-448.0, 448.0).to(FP8).to(x.dtype)
+def e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x as an e4m3 cache with this scale holds it (x / scale, clamped, rounded), read back
+    times the scale in x's dtype."""
+    return ((x.float() / scale).clamp(-448.0, 448.0).to(FP8).float() * scale).to(x.dtype)
 
 
 @contextlib.contextmanager
-def rounded_kv(models):
+def rounded_kv(models, scales=None):
     """transformers' Llama with its keys rounded through e4m3 after RoPE and its values after
-    v_proj (its LoRA included), before its cache sees them: what the engine stores."""
+    v_proj (its LoRA included), before its cache sees them: what the engine stores. scales:
+    each layer's (k_scale, v_scale) (default 1.0)."""
     from transformers.models.llama import modeling_llama as ml
-    real = ml.apply_rotary_pos_emb
+    real, layer = ml.apply_rotary_pos_emb, [0]
 
     def rope(q, k, *a, **kw):
         q, k = real(q, k, *a, **kw)
-        return q, e4m3(k)
-    hooks = [layer.self_attn.v_proj.register_forward_hook(lambda m, i, out: e4m3(out))
-             for model in models for layer in _layers(model)]
+        return q, e4m3(k, scales[layer[0]][0] if scales else 1.0)
+
+    def enter(i):
+        def hook(module, args):
+            layer[0] = i                    # the layer whose attention runs now
+        return hook
+    hooks = []
+    for model in models:
+        for i, block in enumerate(_layers(model)):
+            v_scale = scales[i][1] if scales else 1.0
+            hooks.append(block.self_attn.register_forward_pre_hook(enter(i)))
+            hooks.append(block.self_attn.v_proj.register_forward_hook(
+                lambda m, inp, out, s=v_scale: e4m3(out, s)))
     ml.apply_rotary_pos_emb = rope
     try:
         yield

@@ -46,7 +46,7 @@ class EngineOptions:
     dtype: str = "auto"                 # auto: bf16 on GPU, fp32 on CPU
     quantization: str = "auto"          # auto: as the checkpoint is stored; fp8 (--quantization)
     kv_cache_bytes: int = 64 << 20
-    kv_cache_dtype: str = "auto"        # auto: the model dtype; fp8: e4m3 (--kv-cache-dtype)
+    kv_cache_dtype: str = "auto"        # auto: the checkpoint's, else the model dtype; fp8: e4m3
     block_size: int = 16
     max_batch_tokens: int = 512
     max_prefill_with_decode: int = 0    # prompt tokens beside decode rows (scheduler.py; 0: no cap)
@@ -258,13 +258,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "linear's input quantized to FP8 per token (LoRA stays in --dtype and "
                         "reads the unquantized input); fp8-weight-only: W8A16, the same weights "
                         "with activations in --dtype; auto: as the checkpoint is stored (a "
-                        "published FP8 checkpoint weight-only: docs/models.md) (auto)")
+                        "published FP8 checkpoint as it declares: docs/models.md) (auto)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=d.kv_cache_bytes)
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="fp8: the paged KV cache in FP8 (e4m3, scale 1.0: K and V clamped to "
-                        "+-448 and rounded on write, read back in --dtype), so --kv-cache-bytes "
+                   help="fp8: the paged KV cache in FP8 (e4m3: K / k_scale and V / v_scale "
+                        "clamped to +-448 and rounded on write, read back in --dtype; a "
+                        "layer's scales from the checkpoint, else 1.0), so --kv-cache-bytes "
                         "holds twice the tokens and decode streams half the KV bytes; auto: "
-                        "--dtype (auto)")
+                        "fp8 where the checkpoint declares an FP8 KV cache (kv_cache_scheme), "
+                        "else --dtype (auto)")
     p.add_argument("--gpu-pool-bytes", type=parse_bytes, default=d.pool_bytes,
                    help="adapter pool on the compute device")
     p.add_argument("--pool-slots", type=int, default=d.pool_slots, help="most adapters in the pool")

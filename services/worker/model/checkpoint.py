@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from services.common.text_model import IMAGE, split_name
 from services.worker.model import fp8
+from services.worker.model.kv_scales import pop_kv_scales
 from services.worker.model.quant_scheme import Fp8Scheme
 from services.worker.model.spec import ModelSpec, UnsupportedModel
 
@@ -93,7 +94,8 @@ def read_checkpoint(path: pathlib.Path, dtype: torch.dtype, device: torch.device
 def fuse_layers(raw: dict, spec: ModelSpec) -> dict:
     """Rename and fuse HF tensors: per layer one qkv [q+2kv, H] and one gate_up [2I, H] (a
     Phi-3 checkpoint stores them fused already; FP8 ones stay FP8: fp8.cat_rows); Gemma's
-    (1 + w) norm weights stored as 1 + w."""
+    (1 + w) norm weights stored as 1 + w; the layers' FP8 KV cache scales, where the checkpoint
+    has them, as "kv_scales" (kv_scales.pop_kv_scales)."""
     def take(name: str) -> torch.Tensor:
         try:
             t = raw.pop(name)
@@ -102,6 +104,9 @@ def fuse_layers(raw: dict, spec: ModelSpec) -> dict:
         return t + 1 if spec.gemma_norms and name.endswith("norm.weight") else t
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    scales = pop_kv_scales(raw, spec.num_layers, spec.kv_scales)
+    if scales is not None:
+        out["kv_scales"] = scales       # each layer's (k_scale, v_scale): kv_scales
     if spec.tie_word_embeddings:
         raw.pop("lm_head.weight", None)         # some checkpoints store the tied copy too
         out["lm_head"] = out["embed"]

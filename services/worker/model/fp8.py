@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from kernels.fp8_gemm import e4m3_device, fp8_linear, fp8_linear_dynamic
 from kernels.fp8_gemm_ref import dequant, qdq_rows
 from kernels.fused_quant import Rows, new_rows
+from services.worker.model.kv_scales import is_kv_scale
 from services.worker.model.quant_scheme import Fp8Scheme
 from services.worker.model.spec import UnsupportedModel
 
@@ -197,7 +198,10 @@ def convert(name: str, t: torch.Tensor, scheme: Fp8Scheme | None, dtype: torch.d
             device: torch.device) -> Weight:
     """One checkpoint tensor as the loader keeps it until `pack`: FP8 values and their scales
     (float32) as stored, a decoder-layer linear weight quantized when the scheme says so at
-    load (from its stored values), anything else in the model dtype."""
+    load (from its stored values), a layer's KV cache scale in float32 on the CPU (read once
+    into a float: kv_scales), anything else in the model dtype."""
+    if is_kv_scale(name):
+        return t.to(torch.float32)
     if t.dtype == FP8:
         if scheme is None or scheme.source == "load":
             raise UnsupportedModel(f"tensor {name} is {FP8} but config.json has no FP8 "

@@ -44,6 +44,9 @@ class LlamaModel:
         self.dynamic = dynamic_ropes(spec, device)            # per layer: None, or per step
         self.scale = spec.scale
         self.windows = [spec.window(i) for i in range(spec.num_layers)]
+        # each layer's (k_scale, v_scale) of an e4m3 KV cache (services.worker.model.kv_scales;
+        # set by the engine's assembly; a cache of the model dtype ignores them)
+        self.kv_scales = [(1.0, 1.0)] * spec.num_layers
         # Gemma: the embedding's rows times sqrt(hidden), rounded to the dtype as HF does
         self.embed_scale = (torch.tensor(spec.embed_scale).to(dtype)
                             if spec.embed_scale != 1.0 else None)
@@ -99,7 +102,8 @@ class LlamaModel:
                                self.scale, ctx.max_context, split_kinds=self.split_attention,
                                out=None if buf is None else
                                buf[:, :s.q_size].view(t, s.num_heads, s.head_dim),
-                               window=self.windows[i], softcap=s.attn_softcap)
+                               window=self.windows[i], softcap=s.attn_softcap,
+                               kv_scale=self.kv_scales[i])
         attn = attn.reshape(-1, s.q_size)
         if buf is None:
             y = self.norms.project(h, attn, w["o"], w.get("o_bias"))
@@ -165,7 +169,7 @@ class LlamaModel:
         # on GPU)
         qk_norm = (w["q_norm"], w["k_norm"], s.rms_norm_eps) if s.qk_norm else None
         rope_write_kv_(q, k, v, *rope, kv[0], kv[1], ctx.slot_mapping, rms=norms.rms(h),
-                       qk_norm=qk_norm)
+                       qk_norm=qk_norm, kv_scale=self.kv_scales[i])
         if not q.is_cuda:
             q = q.contiguous()               # the torch reference attention wants dense rows
         y = self._attn_o(i, w, h, q, kv, ctx)

@@ -25,6 +25,11 @@ What the GEMMs compute is the mode's (Fp8Scheme.activations):
   per-128-column groups are served as one scale a token), weight-only where it declares none.
 Either applies to a checkpoint quantized at load and to a published one alike.
 
+A compressed-tensors `kv_cache_scheme` (e4m3, one static scale per tensor: each layer's
+`self_attn.k_scale` and `v_scale`, what llm-compressor's FP8 KV calibration writes) is read by
+read_kv_scheme: the KV cache is then e4m3 with those scales (services.worker.model.kv_scales);
+such a checkpoint may quantize nothing else (no config_groups: bf16 weights).
+
 Any other scheme, and any field value that would change the maths, is refused naming the field
 (`quantization_config.FIELD`). Fields that only describe how the checkpoint was made
 (observers, compression ratios, versions) are not read.
@@ -63,8 +68,30 @@ class QuantizationError(ValueError):
     UnsupportedModel naming the checkpoint)."""
 
 
+def read_kv_scheme(cfg: dict) -> bool:
+    """Whether a config.json's dict declares an FP8 KV cache with per-layer static scales (a
+    compressed-tensors kv_cache_scheme; its fields checked, refused naming the field)."""
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
+        return False
+    kv = q.get("kv_cache_scheme")
+    if not kv:
+        return False
+    where = "kv_cache_scheme."
+    if not isinstance(kv, dict):
+        raise _refuse(where[:-1], kv, "a KV cache scheme is an object")
+    _float8(kv, where)
+    _expect(kv, "strategy", where, ("tensor",), "one scale per tensor (a layer's k_scale and "
+            "v_scale)", "tensor")
+    _expect(kv, "symmetric", where, (True,), "only symmetric scales (no zero points)", True)
+    _expect(kv, "dynamic", where, (False,), "the checkpoint carries its k_scale and v_scale",
+            False)
+    return True
+
+
 def read_scheme(cfg: dict) -> Fp8Scheme | None:
-    """The FP8 scheme of a config.json's dict; None for an unquantized checkpoint."""
+    """The FP8 scheme of a config.json's weights; None for an unquantized checkpoint (or one
+    whose only quantization is its KV cache's: read_kv_scheme)."""
     if cfg.get("compression_config"):
         raise QuantizationError("compression_config (a sparseml checkpoint) is not supported; "
                                 "lorafleet serves FP8 quantization_config only")
@@ -124,12 +151,17 @@ def _pair(value, field: str) -> tuple[int, int]:
     return rows, cols
 
 
-def _compressed_tensors(q: dict) -> Fp8Scheme:
-    """compressed-tensors float-quantized: weight_scale per tensor, channel, group or block."""
+def _compressed_tensors(q: dict) -> Fp8Scheme | None:
+    """compressed-tensors float-quantized: weight_scale per tensor, channel, group or block;
+    None where it quantizes the KV cache only (read_kv_scheme)."""
+    if q.get("kv_cache_scheme") and not q.get("config_groups"):
+        _expect(q, "format", "", (None, "dense", "float-quantized"), "a KV-cache-only "
+                "checkpoint stores its weights dense")
+        return None
     _expect(q, "format", "", ("float-quantized",), "only float-quantized (FP8) weights")
     _expect(q, "quantization_status", "", (None, "compressed"), "the weights must be stored "
             "compressed (float8)")
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for field in ("sparsity_config", "transform_config"):
         if q.get(field):
             raise _refuse(field, q[field], "lorafleet loads FP8 weights only")
     groups = q.get("config_groups")

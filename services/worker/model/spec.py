@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from services.common.families import FAMILIES, SPLIT_TARGETS, family_of, in_out
 from services.common.text_model import text_config
-from services.worker.model.quant_scheme import Fp8Scheme, QuantizationError, read_scheme
+from services.worker.model.quant_scheme import (Fp8Scheme, QuantizationError, read_kv_scheme,
+                                                read_scheme)
 
 SUPPORTED = tuple(sorted(FAMILIES))
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -62,6 +63,7 @@ class ModelSpec:
     windows: tuple[int, ...] = ()        # each layer's sliding window (0: full); (): all full
     rope_local: tuple[float, dict | None] | None = None   # (theta, scaling) of sliding layers
     quant: Fp8Scheme | None = None       # FP8 weights (services.worker.model.quant_scheme)
+    kv_scales: bool = False              # the checkpoint's FP8 KV cache scales (kv_scheme)
     multimodal: bool = False             # a vision-language checkpoint served as its text
                                          # model (tensor names: services.common.text_model)
     extra: dict = field(default_factory=dict, compare=False)
@@ -218,7 +220,7 @@ def load_spec(model_dir: str | pathlib.Path) -> ModelSpec:
         raise UnsupportedModel(f"{path}: {e}") from None
     act = _check_layers(cfg, path)
     try:
-        quant = read_scheme(cfg)
+        quant, kv_scales = read_scheme(cfg), read_kv_scheme(cfg)
     except QuantizationError as e:
         raise UnsupportedModel(f"{path}: {e}") from None
     gen_path = path / "generation_config.json"
@@ -241,6 +243,6 @@ def load_spec(model_dir: str | pathlib.Path) -> ModelSpec:
         rope_local=None if local is None else _rope(local, cfg, path),
         eos_token_ids=_eos_ids(cfg, gen), bos_token_id=cfg.get("bos_token_id"),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-        name=cfg.get("_name_or_path") or path.name, extra=cfg, quant=quant,
+        name=cfg.get("_name_or_path") or path.name, extra=cfg, quant=quant, kv_scales=kv_scales,
         multimodal=fam.multimodal,
         **(_gemma_fields(cfg, hidden) if fam.gemma else {}))

@@ -27,7 +27,7 @@ from services.worker.model.quant_scheme import AT_LOAD, TOKEN_MODES
 from services.worker.model.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
-# --kv-cache-dtype's cache element types (auto: the model dtype)
+# --kv-cache-dtype's cache element types (auto: the checkpoint's, else the model dtype)
 KV_DTYPES = {"fp8": torch.float8_e4m3fn}
 
 
@@ -106,6 +106,25 @@ def _fp8_note(spec: ModelSpec, device: torch.device) -> str:
     return f", linear weights FP8 ({how}; activations and LoRA in the model dtype{gemm})"
 
 
+def kv_cache_form(opt: str, spec: ModelSpec, dtype: torch.dtype,
+                  scales: list[tuple[float, float]] | None
+                  ) -> tuple[torch.dtype, list[tuple[float, float]]]:
+    """The KV cache's element type and each layer's (k_scale, v_scale): e4m3 for "fp8", and
+    for "auto" where the checkpoint declares an FP8 KV cache (spec.kv_scales), with the
+    checkpoint's scales where it has them, else 1.0 (vLLM's default); otherwise the model dtype
+    (scales unused)."""
+    fp8 = opt == "fp8" or (opt == "auto" and spec.kv_scales)
+    if not fp8:
+        return dtype, [(1.0, 1.0)] * spec.num_layers
+    if scales is None:
+        log.info("KV cache in FP8 (e4m3) with scale 1.0: the checkpoint has no KV scales")
+        return KV_DTYPES["fp8"], [(1.0, 1.0)] * spec.num_layers
+    ks, vs = ([s[i] for s in scales] for i in (0, 1))
+    log.info("KV cache in FP8 (e4m3) with the checkpoint's scales: k %.3g..%.3g, v %.3g..%.3g",
+             min(ks), max(ks), min(vs), max(vs))
+    return KV_DTYPES["fp8"], list(scales)
+
+
 def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
              device: torch.device, dtype: torch.dtype,
              before_capture: Callable[[], None] | None = None) -> Built:
@@ -117,6 +136,8 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     # one way: weights -> model; the pool -> its tables, which the step builder reads and
     # hands to the model with each step; the column blocks (extra rows of the q/k/v weights)
     # given to the model (its GEMMs) and to the pool (which writes them)
+    kv_dtype, kv_scales = kv_cache_form(opts.kv_cache_dtype, spec, dtype,
+                                        weights.pop("kv_scales", None))
     norm_fold = transforms.apply(weights, spec, device, opts.perf)
     n_cols, row_parts = transforms.lora_forms(spec, opts.perf, device.type == "cuda")
     columns = LoraColumns(weights, len(spec.slice_starts("qkv")) - 1, n_cols, device,
@@ -124,11 +145,11 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     model = LlamaModel(spec, weights, device, dtype,
                        norms_for(norm_fold is not None, spec.rms_norm_eps), columns)
     model.split_attention = opts.perf.split_attention
+    model.kv_scales = kv_scales
     model.row_parts = row_parts or model.row_parts
     pool = DevicePool(spec, device, dtype, opts.pool_bytes, opts.pool_slots,
                       columns=columns, norm_fold=norm_fold)
     max_len = min(opts.max_model_len or spec.max_position, spec.max_position)
-    kv_dtype = KV_DTYPES.get(opts.kv_cache_dtype, dtype)
     blocks = kv_blocks_for_budget(spec, opts.kv_cache_bytes, opts.block_size, kv_dtype)
     runner = ModelRunner(model, blocks, opts.block_size, opts.max_batch_tokens,
                          opts.max_running, max_len, lora=pool.tables, columns=columns,

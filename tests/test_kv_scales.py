@@ -1,0 +1,148 @@
+"""A published FP8 KV cache (issue 46, "e4m3 with scales"): a compressed-tensors checkpoint with a
+`kv_cache_scheme` and each layer's `self_attn.k_scale` / `v_scale` (what llm-compressor's KV
+calibration writes; AutoFP8's older `k_proj.output_scale` / `v_proj.output_scale` too) is served
+with an e4m3 KV cache holding K / k_scale and V / v_scale. The tiny Llama on CPU against
+transformers + PEFT whose keys (after RoPE) and values go through e4m3 with the same scales;
+what is refused, naming the field or the tensor."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from services.worker.model.quant_scheme import read_kv_scheme, read_scheme
+from services.worker.model.spec import UnsupportedModel, load_spec
+from tests.hf_fixtures import ADAPTER_SPECS
+from tests.test_engine_parity import mixed_requests, run_all
+from tests.test_kv_fp8_engine import _engine, _prefill_logits, rounded_kv
+
+FP8 = torch.float8_e4m3fn
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+             "symmetric": True, "group_size": None, "observer": "minmax"}
+# each layer's (k_scale, v_scale): not powers of two (e4m3's grid moves), exact in bf16
+SCALES = [(0.6875, 1.375), (2.5, 0.4375)]
+
+
+def kv_config(groups: dict | None = None, **scheme) -> dict:
+    """A compressed-tensors quantization_config that quantizes the KV cache (and, with
+    groups, the weights too)."""
+    return {"quant_method": "compressed-tensors", "format": "dense",
+            "quantization_status": "compressed", "config_groups": groups or {},
+            "kv_cache_scheme": {**KV_SCHEME, **scheme}, "ignore": ["lm_head"]}
+
+
+def write_kv_checkpoint(root, dst, scales=SCALES, names=("k_scale", "v_scale"),
+                        qconfig: dict | None = None):
+    """root's tiny model (hf_ckpt) as dst/base, its config declaring the KV scheme and each
+    layer's scales stored beside its weights (names: the two tensors after self_attn.; a
+    scale of None left out); dst/adapters: root's adapters."""
+    from safetensors.torch import load_file, save_file
+    base = dst / "base"
+    shutil.copytree(root / "base", base)
+    (dst / "adapters").symlink_to(root / "adapters")
+    tensors = load_file(str(base / "model.safetensors"))
+    shapes = [(), (1,)]                        # published both ways
+    for i, pair in enumerate(scales):
+        for name, value in zip(names, pair):
+            if value is not None:
+                tensors[f"model.layers.{i}.self_attn.{name}"] = torch.full(
+                    shapes[i % 2], value, dtype=torch.bfloat16 if i else torch.float32)
+    save_file(tensors, str(base / "model.safetensors"))
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["quantization_config"] = qconfig or kv_config()
+    (base / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_published_fp8_kv_cache_is_served_with_its_scales(hf_ckpt, tmp_path):
+    """auto serves the declared e4m3 cache with the checkpoint's per-layer scales: every
+    adapter and base rows in one batch give the greedy tokens of PEFT whose K and V are
+    rounded through e4m3 with those scales; the prompts' logits are within 1e-4 of that
+    reference and measurably off the same cache with scale 1.0."""
+    root, base, peft_models = hf_ckpt
+    ckpt = write_kv_checkpoint(root, tmp_path / "kv")
+    built, slots = _engine(ckpt, "auto")
+    assert all(k.dtype == FP8 and v.dtype == FP8 for k, v in built.engine.runner.kv_cache)
+    assert built.engine.runner.model.kv_scales == SCALES
+    names = [*ADAPTER_SPECS, None, *ADAPTER_SPECS]
+    with rounded_kv([base, *peft_models.values()], SCALES):
+        seqs, expected = mixed_requests(names, slots, hf_ckpt, torch.Generator().manual_seed(7),
+                                        prompt=(3, 5), new=8)
+    got, _ = run_all(built.engine, seqs)
+    assert got == expected
+    prompts = {n: list(range(5 + i, 17 + 2 * i)) for i, n in enumerate(ADAPTER_SPECS)}
+    scaled = _prefill_logits(built, slots, prompts)
+    unit = _prefill_logits(*_engine(root, "fp8"), prompts)
+    worst = 0.0
+    for name, ids in prompts.items():
+        with torch.no_grad(), rounded_kv([peft_models[name]], SCALES):
+            ref = peft_models[name](torch.tensor([ids])).logits[0, -1]
+        torch.testing.assert_close(scaled[name], ref, atol=1e-4, rtol=1e-4)
+        worst = max(worst, float((scaled[name] - unit[name]).abs().max()))
+    assert worst > 1e-3, worst
+
+
+def test_the_older_output_scale_names_and_fp8_weights_beside(hf_ckpt, tmp_path):
+    """AutoFP8's k_proj.output_scale / v_proj.output_scale are the same scales; a checkpoint
+    whose weights are FP8 too declares both (its weights' scheme and the KV scheme)."""
+    root = hf_ckpt[0]
+    ckpt = write_kv_checkpoint(root, tmp_path / "old",
+                               names=("k_proj.output_scale", "v_proj.output_scale"))
+    built, _ = _engine(ckpt, "auto")
+    assert built.engine.runner.model.kv_scales == SCALES
+    from tests.fp8_fixtures import compressed_tensors_config
+    cfg = {"quantization_config": {**compressed_tensors_config({"strategy": "channel"}),
+                                   "kv_cache_scheme": KV_SCHEME}}
+    assert read_scheme(cfg).source == "compressed-tensors" and read_kv_scheme(cfg)
+    assert read_scheme({"quantization_config": kv_config()}) is None
+    assert read_kv_scheme({"quantization_config": kv_config()})
+    assert not read_kv_scheme({}) and not read_kv_scheme(
+        {"quantization_config": {"quant_method": "fp8"}})
+
+
+def test_auto_keeps_the_model_dtype_without_a_kv_scheme_and_fp8_takes_unit_scales(hf_ckpt):
+    root = hf_ckpt[0]
+    plain, _ = _engine(root, "auto")
+    assert plain.engine.runner.kv_cache[0][0].dtype == torch.float32
+    unit, _ = _engine(root, "fp8")
+    assert unit.engine.runner.model.kv_scales == [(1.0, 1.0)] * len(SCALES)
+
+
+REFUSED = [  # (kv_cache_scheme fields, the field the error names)
+    ({"type": "int"}, "kv_cache_scheme.type 'int'"),
+    ({"num_bits": 4}, "kv_cache_scheme.num_bits 4"),
+    ({"strategy": "channel"}, "kv_cache_scheme.strategy 'channel'"),
+    ({"dynamic": True}, "kv_cache_scheme.dynamic True"),
+    ({"symmetric": False}, "kv_cache_scheme.symmetric False"),
+]
+
+
+@pytest.mark.parametrize("scheme,field", REFUSED, ids=[f for _, f in REFUSED])
+def test_unsupported_kv_schemes_are_refused_naming_the_field(hf_ckpt, tmp_path, scheme, field):
+    ckpt = write_kv_checkpoint(hf_ckpt[0], tmp_path / "bad", qconfig=kv_config(**scheme))
+    with pytest.raises(UnsupportedModel, match=f"quantization_config.{field}"):
+        load_spec(ckpt / "base")
+
+
+@pytest.mark.parametrize("scales,names,message", [
+    ([(0.5, 0.5), (0.5, None)], ("k_scale", "v_scale"), "lacks tensor model.layers.1.self_attn"
+                                                        ".v_scale"),
+    ([(0.5, 0.5)], ("k_scale", "v_scale"), "lacks tensor model.layers.1.self_attn.k_scale"),
+    ([(0.5, 0.0), (1.0, 1.0)], ("k_scale", "v_scale"), "model.layers.0.self_attn.v_scale is "
+                                                       "0.0: .* positive and finite"),
+    ([(float("nan"), 1.0), (1.0, 1.0)], ("k_scale", "v_scale"), "k_scale is nan"),
+], ids=["a layer without its v_scale", "a layer without scales", "zero", "nan"])
+def test_missing_or_bad_scales_are_refused_naming_the_tensor(hf_ckpt, tmp_path, scales, names,
+                                                             message):
+    ckpt = write_kv_checkpoint(hf_ckpt[0], tmp_path / "bad", scales=scales, names=names)
+    with pytest.raises(UnsupportedModel, match=message):
+        _engine(ckpt, "auto")
+
+
+def test_a_kv_only_checkpoint_with_packed_weights_is_refused(hf_ckpt, tmp_path):
+    qconfig = {**kv_config(), "format": "pack-quantized"}
+    ckpt = write_kv_checkpoint(hf_ckpt[0], tmp_path / "packed", qconfig=qconfig)
+    with pytest.raises(UnsupportedModel, match="quantization_config.format 'pack-quantized'"):
+        load_spec(ckpt / "base")
