@@ -22,13 +22,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def greedy_tokens(device: str, dtype: str, graphs: bool = True,
                   overlap: bool = True, perf: PerfConfig = PerfConfig(),
                   quantization: str = "auto", kv_cache_dtype: str = "auto",
-                  late: list[str] | None = None) -> dict[str, list[int]]:
+                  late: list[str] | None = None,
+                  model: pathlib.Path = MODEL_DIR) -> dict[str, list[int]]:
     """late: the worker's warm-up first, then every kernel compiled after it appended."""
     opts = EngineOptions(device=device, dtype=dtype, kv_cache_bytes=16 << 20, block_size=16,
                          max_batch_tokens=512, max_running=32, cuda_graphs=graphs,
                          overlap=overlap, perf=perf, quantization=quantization,
                          kv_cache_dtype=kv_cache_dtype)
-    built = build_engine(MODEL_DIR, opts)
+    built = build_engine(model, opts)
     if late is not None:
         from kernels import compile_watch
         from services.worker.startup.warmup import Warmup
@@ -80,6 +81,20 @@ def test_gpu_fp8_kv_cache_graphs_match_eager_and_compile_nothing_after_the_warm_
     graphs = greedy_tokens("cuda", "bfloat16", graphs=True, kv_cache_dtype="fp8", late=late)
     assert graphs == eager
     assert not late, late
+
+
+@needs_cuda
+def test_gpu_fp8_kv_cache_with_a_checkpoints_scales_matches_the_cpu(tmp_path):
+    """A checkpoint's per-layer KV scales (tests/test_kv_scales.py) on the device: the graphs'
+    and the eager steps' greedy tokens are the CPU engine's (fp32, the same e4m3 bytes)."""
+    import shutil
+    from tests.test_kv_scales import add_kv_scales
+    model = tmp_path / "kv"
+    shutil.copytree(MODEL_DIR, model)
+    add_kv_scales(model, [(0.6875, 1.375), (2.5, 0.4375), (0.3125, 3.25), (1.125, 0.8125)])
+    cpu = greedy_tokens("cpu", "float32", model=model)
+    eager = greedy_tokens("cuda", "float32", graphs=False, model=model)
+    assert greedy_tokens("cuda", "float32", model=model) == eager == cpu
 
 
 @needs_cuda
@@ -225,7 +240,7 @@ def _capture_and_warm(cache: str, opts) -> None:
     from kernels import kernel_cache
     from services.worker.startup.warmup import Warmup
     kernel_cache.use(cache)
-    built = build_engine(MODEL_DIR, opts)
+    built = build_engine(model, opts)
     Warmup(built.engine, built.pool, built.spec, opts.max_batch_tokens, max_rank=32,
            max_running=opts.max_running).run()
 
@@ -274,7 +289,7 @@ def test_gpu_mixed_steps_replayed_from_graphs_give_the_eager_logits(split_attent
     opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=16 << 20, block_size=16,
                          max_batch_tokens=512, max_running=32,
                          perf=PerfConfig(split_attention=split_attention))
-    built = build_engine(MODEL_DIR, opts)
+    built = build_engine(model, opts)
     g = built.engine.runner
     assert g.mixed and g.mixed_sizes[-1] == 512
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())

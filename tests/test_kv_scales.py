@@ -38,22 +38,28 @@ def write_kv_checkpoint(root, dst, scales=SCALES, names=("k_scale", "v_scale"),
     """root's tiny model (hf_ckpt) as dst/base, its config declaring the KV scheme and each
     layer's scales stored beside its weights (names: the two tensors after self_attn.; a
     scale of None left out); dst/adapters: root's adapters."""
-    from safetensors.torch import load_file, save_file
-    base = dst / "base"
-    shutil.copytree(root / "base", base)
+    shutil.copytree(root / "base", dst / "base")
     (dst / "adapters").symlink_to(root / "adapters")
-    tensors = load_file(str(base / "model.safetensors"))
-    shapes = [(), (1,)]                        # published both ways
+    add_kv_scales(dst / "base", scales, names, qconfig)
+    return dst
+
+
+def add_kv_scales(model, scales=SCALES, names=("k_scale", "v_scale"),
+                  qconfig: dict | None = None) -> None:
+    """In place: model's config.json given qconfig (default kv_config()) and its
+    model.safetensors each layer's two scales (layer 0 float32 of shape [], the others bf16 of
+    shape [1]: published both ways)."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(model / "model.safetensors"))
     for i, pair in enumerate(scales):
         for name, value in zip(names, pair):
             if value is not None:
                 tensors[f"model.layers.{i}.self_attn.{name}"] = torch.full(
-                    shapes[i % 2], value, dtype=torch.bfloat16 if i else torch.float32)
-    save_file(tensors, str(base / "model.safetensors"))
-    cfg = json.loads((base / "config.json").read_text())
+                    (1,) if i else (), value, dtype=torch.bfloat16 if i else torch.float32)
+    save_file(tensors, str(model / "model.safetensors"))
+    cfg = json.loads((model / "config.json").read_text())
     cfg["quantization_config"] = qconfig or kv_config()
-    (base / "config.json").write_text(json.dumps(cfg))
-    return dst
+    (model / "config.json").write_text(json.dumps(cfg))
 
 
 def test_a_published_fp8_kv_cache_is_served_with_its_scales(hf_ckpt, tmp_path):
