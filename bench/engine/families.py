@@ -159,7 +159,9 @@ def run_model(name: str, cfg: dict, args, device, bw: float,
         rows.append(row)
         print(json.dumps(row), flush=True)
     if getattr(args, "profile", False) and device.type == "cuda":
-        profile_steps(built, slots[:args.distinct], args, name)
+        form = "" if quantization == "auto" else f"-{quantization}"
+        profile_steps(built, slots[:args.distinct], args,
+                      name + form + ("-kv8" if kv_cache_dtype == "fp8" else ""))
     del built, weights, staged, slots
     gc.collect()
     if device.type == "cuda":

@@ -173,6 +173,9 @@ def main(argv=None) -> int:
                    help="the worker's --kv-cache-dtype values to run each quantization with: "
                         "auto (bf16 KV), fp8 (e4m3 KV, read counted at 1 byte in the floor); "
                         "e.g. auto,fp8")
+    p.add_argument("--profile", action="store_true",
+                   help="then each run's GPU kernels of a short run by total time: "
+                        "OUT/profile-<model>[-<quantization>][-kv8].txt")
     a = p.parse_args(argv)
     if a.merge:
         print(write(pathlib.Path(a.out), merge(a.merge)).with_suffix(".md").read_text())
