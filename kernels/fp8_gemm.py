@@ -45,24 +45,19 @@ before a capture: the graph runner's warm forwards do it).
 Specializations: M is not specialized (do_not_specialize), and the configuration depends on M
 only through its bucket (kernels.fp8_gemm_config), so each (projection, bucket) compiles once;
 the worker's warm-up meets every bucket (its prompt lengths 1, 2-15, 16, 17, 31-33, ... 255-257).
-
-`fp8_linear` is qlinear's CUDA path: the kernel up to DECODE_MAX_ROWS rows, `fp8_prefill` above
-(torch._scaled_mm with per-row activation scales where the build and the weight allow, else
-dequantize-then-GEMM; the choice is that one function's).
 """
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8_gemm_config import (DECODE_MAX_ROWS, DYNAMIC_KERNEL_MAX_ROWS, N_COUNTERS,
-                                     SMS_DEFAULT, Fp8GemmConfig, group_block_k, pick_config)
-from kernels.fp8_gemm_ref import dequant, qdq_rows
-from kernels.fp8_tiles import FOLD, quantize_rows, w_mode, w_operand, x_fp8
+from kernels.fp8_gemm_config import (N_COUNTERS, SMS_DEFAULT, Fp8GemmConfig, group_block_k,
+                                     pick_config)
+from kernels.fp8_tiles import FOLD, quantize_rows, w_mode, w_operand, x_fp8  # noqa: F401
+# (quantize_rows: the W8A8 callers' row quantizer, importable from here)
 from kernels.pdl import launch_args, wait_then_release
 
 FP8 = torch.float8_e4m3fn
@@ -248,7 +243,7 @@ def supported(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int)
     g = _scale_group(q, scale, group)
     return (x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and group_block_k(128, g) >= 16
-            and (not x.is_cuda or _capability(x.device) >= (8, 9)))
+            and (not x.is_cuda or capability(x.device) >= (8, 9)))
 
 
 def _check(x, q, scale, group, bias, residual, out, x_scale, dt) -> None:
@@ -323,76 +318,11 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
     return out
 
 
-# ---------------------------------------------------------------- qlinear's CUDA path
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ dequant(q, scale, group).T (+ bias) -> [M, N] in x's dtype: the kernel up
-    to DECODE_MAX_ROWS rows (and for the operands it serves), else fp8_prefill."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if x.shape[0] <= DECODE_MAX_ROWS and supported(x, q, scale, group):
-        return fp8_gemm(x, q, scale, group, bias)
-    return fp8_prefill(x, q, scale, group, bias)
-
-
-def fp8_linear_dynamic(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
-                       bias: torch.Tensor | None = None,
-                       rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """fp8_linear with x quantized per row on every path (W8A8, dynamic per-token scales):
-    the row quantizer, then the kernel on e4m3 x e4m3, up to DYNAMIC_KERNEL_MAX_ROWS rows where
-    _scaled_mm takes the weight (one scale a row, sm_90), else up to DECODE_MAX_ROWS; above,
-    the prefill path (_scaled_mm quantizes the same way; its dequantize fallback gets x
-    quantized and scaled back first, kernels.fp8_gemm_ref.qdq_rows). rows: x's rows already
-    quantized (e4m3 [M, K], scales [M, 1]: what quantize_rows(x) gives, written by the kernel
-    that made x, kernels.fused_quant), so not quantized again."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    path = prefill_path(x, q, scale)
-    most = DYNAMIC_KERNEL_MAX_ROWS if path == "scaled_mm" else DECODE_MAX_ROWS
-    if x.shape[0] <= most and supported(x, q, scale, group):
-        xq, sx = quantize_rows(x) if rows is None else rows
-        return fp8_gemm(xq, q, scale, group, bias, x_scale=sx, out_dtype=x.dtype)
-    if path != "scaled_mm":
-        return fp8_prefill(qdq_rows(x), q, scale, group, bias)
-    return fp8_prefill(x, q, scale, group, bias, rows)
-
-
-def prefill_path(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> str:
-    """"scaled_mm" where torch._scaled_mm can take these operands with per-row scales (sm_90+,
-    a bf16 / fp16 x, one weight scale a row, N and K multiples of 16), else "dequant"."""
-    ok = (hasattr(torch, "_scaled_mm") and x.is_cuda and scale.shape[1] == 1
-          and x.dtype in (torch.bfloat16, torch.float16)
-          and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0)
-    return "scaled_mm" if ok and _capability(x.device)[0] >= 9 else "dequant"
-
-
-def e4m3_device(device: torch.device) -> bool:
-    """A CUDA device whose kernels convert to e4m3 (sm_89+): where a W8A8 input's rows may be
-    written by the kernel that makes the input (kernels.fused_quant)."""
-    return device.type == "cuda" and _capability(device) >= (8, 9)
-
-
 @functools.lru_cache(maxsize=None)
 def _device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
+def capability(device: torch.device) -> tuple[int, int]:
     return _device_capability(device.index if device.index is not None
                               else torch.cuda.current_device())
-
-
-def fp8_prefill(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int,
-                bias: torch.Tensor | None = None,
-                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The prefill GEMM (more than DECODE_MAX_ROWS rows: compute, not W's bytes, bounds it).
-    "scaled_mm" (prefill_path): x quantized per row to e4m3 (W8A8 for these rows only; the LoRA
-    still reads the bf16 x) and torch._scaled_mm on the FP8 tensor cores, row and column scales
-    in its epilogue. "dequant": W dequantized to x's dtype, then the ordinary GEMM (a bf16 copy
-    of W written and read each call). rows: quantize_rows(x), made already (fp8_linear_dynamic)."""
-    if prefill_path(x, q, scale) == "scaled_mm":
-        xq, xs = quantize_rows(x) if rows is None else rows
-        y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.reshape(1, -1),
-                             out_dtype=x.dtype)
-        return y if bias is None else y.add_(bias)
-    return F.linear(x, dequant(q, scale, group, x.dtype), bias)

@@ -55,10 +55,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-DECODE_MAX_ROWS = 256        # above this the prefill path (kernels.fp8_gemm.fp8_prefill)
+DECODE_MAX_ROWS = 256        # above this the prefill path (kernels.fp8_linear.fp8_prefill)
 # W8A8 (x already e4m3): above this many rows torch._scaled_mm, where it can take the weight
 # (one scale a row), is faster than the kernel (bench/PERF_NOTES.md, the W8A8 step)
 DYNAMIC_KERNEL_MAX_ROWS = 32
+# up to this many rows (a multiple of 16) _scaled_mm runs with its operands swapped (W @ x.T,
+# then transposed back: cuBLAS then tiles the few rows on its N side); 0: never, until the
+# card says it pays (bench.kernels.fp8_gemm's scaled_mm_t column)
+SCALED_MM_SWAP_MAX_ROWS = 0
 SMS_DEFAULT = 132            # H100 SXM and H200: the table's SM count off a GPU
 TARGET_PER_SM = 2            # split-K aims at this many CTAs an SM
 MIN_SPLIT_TILES = 8          # K tiles a split streams at least

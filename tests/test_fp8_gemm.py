@@ -281,7 +281,8 @@ def test_the_sweep_grid_holds_the_pick_and_fits_shared_memory():
 
 
 def test_the_prefill_path_off_a_gpu_is_dequantize_then_gemm():
-    from kernels.fp8_gemm import fp8_linear, prefill_path, quantize_rows
+    from kernels.fp8_gemm import quantize_rows
+    from kernels.fp8_linear import fp8_linear, prefill_path
     from kernels.fp8_gemm_ref import fp8_gemm_ref
     args = operands((300, 64, 128, 32, None, "bf16", "bias"))
     assert prefill_path(args["x"], args["q"], args["scale"]) == "dequant"
@@ -357,7 +358,8 @@ def test_gpu_graph_replay_and_prefill():
     """A split-K call captured in a CUDA graph replays the eager result bit for bit on new
     inputs; above DECODE_MAX_ROWS fp8_linear takes the prefill path (activations quantized per
     row where _scaled_mm serves: within a few percent)."""
-    from kernels.fp8_gemm import fp8_gemm, fp8_linear, prefill_path
+    from kernels.fp8_gemm import fp8_gemm
+    from kernels.fp8_linear import fp8_linear, prefill_path
     from kernels.fp8_gemm_ref import fp8_gemm_ref
     args = operands((16, 12288, 4096, 0, None, "bf16", ""), "cuda")
     assert pick_config(16, 12288, 4096).split_k > 1
@@ -385,7 +387,7 @@ def test_gpu_the_warm_up_row_counts_leave_nothing_to_compile():
     the prefill side) reuses a compiled kernel."""
     from triton import knobs
     from kernels import compile_watch
-    from kernels.fp8_gemm import fp8_linear
+    from kernels.fp8_linear import fp8_linear
     from services.worker.startup.warmup import token_counts
     args = operands((1, 4096, 4096, 0, None, "bf16", ""), "cuda")
     x_all = torch.randn(DECODE_MAX_ROWS + 8, 4096, device="cuda", dtype=torch.bfloat16)
@@ -438,3 +440,25 @@ if __name__ == "__main__":           # the child: TRITON_INTERPRET=1 set by the 
         except Exception as e:  # noqa: BLE001 - reported to the parent, case by case
             print(json.dumps({"case": case_name, "ok": False, "error": repr(e)[:2000]}),
                   flush=True)
+
+
+def test_scaled_mm_with_its_operands_swapped_gives_the_same_rows():
+    """kernels.fp8_linear.scaled_mm_rows: W @ x.T transposed back (few rows, a multiple of 16)
+    equals x @ W.T, row-major; rows not a multiple of 16 take the plain form (on this CPU's
+    torch._scaled_mm, where it has one)."""
+    from kernels.fp8_linear import scaled_mm_rows
+    from kernels.fp8_gemm_ref import quantize_rows_ref
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 128, generator=gen)
+    q, scale = quantize_rows_ref(w)
+    for m in (16, 48, 20):
+        xq, xs = quantize_rows_ref(torch.randn(m, 128, generator=gen))
+        try:
+            plain = scaled_mm_rows(xq, xs, q, scale, torch.bfloat16, swap_max_rows=0)
+        except (RuntimeError, NotImplementedError):
+            pytest.skip("no torch._scaled_mm on this device")
+        swapped = scaled_mm_rows(xq, xs, q, scale, torch.bfloat16, swap_max_rows=64)
+        assert swapped.is_contiguous() and swapped.shape == (m, 96)
+        assert torch.equal(swapped, plain)
+        ref = (xq.float() * xs) @ (q.float() * scale).T
+        torch.testing.assert_close(plain.float(), ref, atol=0.1, rtol=1e-2)

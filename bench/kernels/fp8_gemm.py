@@ -12,7 +12,10 @@ count M, µs a call and the weight-streaming rate of:
   fp8_a8     the same config with act_fp8: x quantized per K tile in the kernel, e4m3 MMAs
              (its error against the exact GEMM beside the fp8 one's);
   scaled_mm  torch._scaled_mm, rowwise scales, bf16 out, x already quantized (the GEMM alone);
-  prefill    kernels.fp8_gemm.fp8_prefill: what a step above 256 rows runs (x quantized per row
+  scaled_mm_t the same GEMM with its operands swapped (W @ x.T: M on cuBLAS's N side, where its
+             heuristics pick other tiles for few rows), then made [M, N] again (.t().contiguous(),
+             timed: the layers read it row-major); M a multiple of 16;
+  prefill    kernels.fp8_linear.fp8_prefill: what a step above 256 rows runs (x quantized per row
              in one launch, then _scaled_mm), timed here to place the threshold (and as a
              decode path: W8A8 through cuBLAS);
   bf16       the bf16 weight through cuBLASLt in the worker's layout ([K, N] for q/k/v, o and
@@ -99,7 +102,8 @@ def w8a8(x, q, scale, group, config=None):
 
 def variants(name: str, ws, xs, m: int) -> dict:
     """name -> the COPIES calls of each variant at m rows (None where unavailable)."""
-    from kernels.fp8_gemm import fp8_gemm, fp8_prefill, prefill_path, quantize_rows
+    from kernels.fp8_gemm import fp8_gemm, quantize_rows
+    from kernels.fp8_linear import fp8_prefill, prefill_path
     k = xs[0].shape[1]
     picked = pick_config(m, ws[0][0].shape[0], k, 0, _sms(xs[0].device))
     a8, cvt = replace(picked, act_fp8=True), replace(picked, w_bits=False)
@@ -116,6 +120,11 @@ def variants(name: str, ws, xs, m: int) -> dict:
             out_dtype=torch.bfloat16) for i in range(COPIES)]
         out["prefill"] = [lambda i=i: fp8_prefill(xs[i], ws[i][0], ws[i][1], k)
                           for i in range(COPIES)]
+        if m % 16 == 0:
+            out["scaled_mm_t"] = [lambda i=i: torch._scaled_mm(
+                ws[i][0], xq[i][0].t(), scale_a=ws[i][1].reshape(-1, 1),
+                scale_b=xq[i][1].reshape(1, -1), out_dtype=torch.bfloat16).t().contiguous()
+                for i in range(COPIES)]
     if ws[0][2] is not None:
         if name in KN:
             out["bf16"] = [lambda i=i: torch.mm(xs[i], ws[i][2]) for i in range(COPIES)]
@@ -141,7 +150,8 @@ def compare(a, dev, bw: float) -> list[dict]:
                            fp8_rel_err=rel_err(calls["fp8"][0](), ws[0][0], ws[0][1], xs[0]),
                            a8_rel_err=rel_err(calls["fp8_a8"][0](), ws[0][0], ws[0][1], xs[0]),
                            xq_rel_err=rel_err(calls["fp8_xq"][0](), ws[0][0], ws[0][1], xs[0]))
-                for v in ("fp8", "fp8_cvt", "fp8_xq", "fp8_a8", "scaled_mm", "prefill", "bf16"):
+                for v in ("fp8", "fp8_cvt", "fp8_xq", "fp8_a8", "scaled_mm", "scaled_mm_t",
+                          "prefill", "bf16"):
                     row[f"{v}_us"] = (round(time_us(calls[v], dev, a.warmup_ms, a.rep_ms), 2)
                                       if v in calls else None)
                 row["fp8_tbps"] = round(nbytes / row["fp8_us"] / 1e6, 2)
@@ -199,17 +209,18 @@ def compare_md(head: dict, rows: list[dict]) -> list[str]:
              "(CUDA graph of 4 calls on cold weights); floor = FP8 bytes / copy rate; "
              "bf16: cuBLASLt, the worker's layout; prefill: x quantized + _scaled_mm.", "",
              "| model | gemm | M | fp8 | fp8 / floor | TB/s | fp8_cvt | fp8_xq | xq / floor | "
-             "fp8_a8 | scaled_mm | prefill | bf16 | bf16 / fp8 | config | rel err | xq rel err "
-             "| a8 rel err |", "|" + "---|" * 18]
+             "fp8_a8 | scaled_mm | scaled_mm_t | prefill | bf16 | bf16 / fp8 | config | rel err "
+             "| xq rel err | a8 rel err |", "|" + "---|" * 19]
     for r in rows:
         def f(v):
-            return "-" if r[v] is None else f"{r[v]:.1f}"
+            return "-" if r.get(v) is None else f"{r[v]:.1f}"
         ratio = f"{r['bf16_us'] / r['fp8_us']:.2f}x" if r["bf16_us"] else "-"
         lines.append(f"| {r['model']} | {r['gemm']} | {r['M']} | {r['fp8_us']:.1f} | "
                      f"{r['fp8_us'] / r['floor_us']:.2f} | {r['fp8_tbps']:.2f} | "
                      f"{f('fp8_cvt_us')} | {f('fp8_xq_us')} | "
                      f"{r['fp8_xq_us'] / r['floor_us']:.2f} | {r['fp8_a8_us']:.1f} | "
-                     f"{f('scaled_mm_us')} | {f('prefill_us')} | {f('bf16_us')} | {ratio} | "
+                     f"{f('scaled_mm_us')} | {f('scaled_mm_t_us')} | {f('prefill_us')} | "
+                     f"{f('bf16_us')} | {ratio} | "
                      f"{r['config']} | {r['fp8_rel_err']:.1e} | {r['xq_rel_err']:.1e} | "
                      f"{r['a8_rel_err']:.1e} |")
     return lines

@@ -21,7 +21,7 @@ not (a k projection of 320 rows is not a whole number of 128-row blocks).
 
 With `tokens` set (--quantization fp8, alias fp8-dynamic: Fp8Scheme.activations "token") the
 weight's input is quantized to e4m3 per token (row) on every path, W8A8: on CUDA
-`kernels.fp8_gemm.fp8_linear_dynamic` (the row quantizer, then the kernel on e4m3 x e4m3 up to 32
+`kernels.fp8_linear.fp8_linear_dynamic` (the row quantizer, then the kernel on e4m3 x e4m3 up to 32
 rows, _scaled_mm above, on the same e4m3 rows), elsewhere the input quantized and dequantized per
 row by the same rule (`kernels.fp8_gemm_ref.qdq_rows`) before dequantize-then-GEMM. The LoRA beside
 it reads the unquantized input either way. Where a kernel of ours makes the input on CUDA (the
@@ -32,7 +32,7 @@ attention's output, is still quantized by its own launch).
 
 Otherwise (fp8-weight-only, or a published checkpoint under auto) the activations stay in the model
 dtype: `qlinear(x, w)` is F.linear for a plain weight and, for an Fp8Weight, on CUDA
-`kernels.fp8_gemm.fp8_linear`: up to 256 rows the weight-only FP8 kernel (W read once as FP8, made
+`kernels.fp8_linear.fp8_linear`: up to 256 rows the weight-only FP8 kernel (W read once as FP8, made
 bf16 in registers, the scales applied in the kernel), above that the prefill path (torch._scaled_mm
 with per-row activation scales where it serves the weight, else dequantize-then-GEMM). Elsewhere
 `linear_by_dequant`, which dequantizes the weight to x's dtype and runs the ordinary GEMM: the
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_gemm import e4m3_device, fp8_linear, fp8_linear_dynamic
+from kernels.fp8_linear import e4m3_device, fp8_linear, fp8_linear_dynamic
 from kernels.fp8_gemm_ref import dequant, qdq_rows
 from kernels.fused_quant import Rows, new_rows
 from services.worker.model.kv_scales import is_kv_scale
@@ -140,7 +140,7 @@ def qlinear(x: Activation, w: Weight, bias: torch.Tensor | None = None) -> torch
     """x [T, K] @ W.T (+ bias) -> [T, N] in x's dtype, W plain or FP8: W8A8 for a weight with
     tokens (x quantized per row on every path; a Quantized x's rows are used as they are),
     else W8A16 (on CUDA a prefill of more than 256 rows may quantize x per row for the FP8
-    tensor cores: kernels.fp8_gemm.fp8_prefill). The LoRA reads x as it is."""
+    tensor cores: kernels.fp8_linear.fp8_prefill). The LoRA reads x as it is."""
     rows = (x.xq, x.xs) if isinstance(x, Quantized) else None
     x = plain(x)
     if isinstance(w, Fp8Weight):
