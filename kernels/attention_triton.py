@@ -305,7 +305,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if t_rows == 0:
         return out
     kinds = split_kinds and not decode
-    k_scale, v_scale = kv_scale_args(kv_scale) if k_cache.dtype == FP8 else (1.0, 1.0)
+    k_scale, v_scale = kv_scale_args(kv_scale, k_cache)
     extra = {"window": int(window), "softcap": float(softcap), "v_scale": v_scale}
     scale = scale * k_scale                         # an e4m3 cache holds K / k_scale
     if kinds:

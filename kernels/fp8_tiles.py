@@ -195,8 +195,12 @@ def kv_fp8_args(cache: torch.Tensor, x: torch.Tensor | None = None) -> dict:
     return {"KV_FP8": True} if x is None else {"KV_FP8": True, "UPCAST": not x.is_cuda}
 
 
-def kv_scale_args(kv_scale: tuple[float, float]) -> tuple[float, float]:
-    """A layer's (k_scale, v_scale) as kernel arguments, checked: positive and finite."""
+def kv_scale_args(kv_scale: tuple[float, float],
+                  cache: torch.Tensor | None = None) -> tuple[float, float]:
+    """A layer's (k_scale, v_scale) as kernel arguments, checked: positive and finite; (1.0,
+    1.0), unchecked, for a cache of the model dtype (which ignores them)."""
+    if cache is not None and cache.dtype != FP8:
+        return 1.0, 1.0
     k, v = (float(x) for x in kv_scale)
     if not (0.0 < k < float("inf") and 0.0 < v < float("inf")):
         raise ValueError(f"KV scales must be positive and finite, got {kv_scale}")

@@ -340,7 +340,7 @@ def rope_write_kv_(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping,
     _rope_kv_kernel[(t, parts)](
         q, v, k_cache, v_cache, cos, sin, positions, slot_mapping, h, qn, kn, q.stride(0),
         v.stride(0), hq, heads, kv_elems, stride_h, hid, eps, float(qk_eps),
-        *kv_scale_args(kv_scale), HALF=d // 2,
+        *kv_scale_args(kv_scale, k_cache), HALF=d // 2,
         BLOCK_H=triton.next_power_of_2(triton.cdiv(heads, parts)),
         BLOCK_V=triton.next_power_of_2(triton.cdiv(kv_elems, parts)), RMS=on,
         BLOCK_HID=block_hid, QK_NORM=qk_norm is not None,

@@ -55,6 +55,6 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
         return
     n_elem = h_kv * d
     _write_kv_kernel[(t_rows,)](k_cache, v_cache, k, v, slot_mapping, k.stride(0), v.stride(0),
-                                n_elem, *kv_scale_args(kv_scale),
+                                n_elem, *kv_scale_args(kv_scale, k_cache),
                                 BLOCK=min(4096, triton.next_power_of_2(n_elem)),
                                 **kv_fp8_args(k_cache, k), **launch_args(k.device))

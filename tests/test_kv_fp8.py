@@ -226,6 +226,7 @@ def test_scales_carry_values_past_e4m3s_range():
 def test_scales_must_be_positive_and_finite():
     from kernels.fp8_tiles import kv_scale_args
     assert kv_scale_args((0.5, 2)) == (0.5, 2.0)
+    assert kv_scale_args((0.0, 1.0), torch.zeros(1, dtype=torch.bfloat16)) == (1.0, 1.0)
     for bad in ((0.0, 1.0), (1.0, -2.0), (float("inf"), 1.0), (1.0, float("nan"))):
         with pytest.raises(ValueError, match="KV scales"):
             kv_scale_args(bad)
