@@ -240,7 +240,7 @@ def _capture_and_warm(cache: str, opts) -> None:
     from kernels import kernel_cache
     from services.worker.startup.warmup import Warmup
     kernel_cache.use(cache)
-    built = build_engine(model, opts)
+    built = build_engine(MODEL_DIR, opts)
     Warmup(built.engine, built.pool, built.spec, opts.max_batch_tokens, max_rank=32,
            max_running=opts.max_running).run()
 
@@ -289,7 +289,7 @@ def test_gpu_mixed_steps_replayed_from_graphs_give_the_eager_logits(split_attent
     opts = EngineOptions(device="cuda", dtype="bfloat16", kv_cache_bytes=16 << 20, block_size=16,
                          max_batch_tokens=512, max_running=32,
                          perf=PerfConfig(split_attention=split_attention))
-    built = build_engine(model, opts)
+    built = build_engine(MODEL_DIR, opts)
     g = built.engine.runner
     assert g.mixed and g.mixed_sizes[-1] == 512
     names = sorted(p.name for p in DEMO_ADAPTERS.iterdir())
