@@ -81,8 +81,8 @@ def read_kv_scheme(cfg: dict) -> bool:
     if not isinstance(kv, dict):
         raise _refuse(where[:-1], kv, "a KV cache scheme is an object")
     _float8(kv, where)
-    _expect(kv, "strategy", where, ("tensor",), "one scale per tensor (a layer's k_scale and "
-            "v_scale)", "tensor")
+    _expect(kv, "strategy", where, ("tensor", None), "one scale per tensor (a layer's k_scale "
+            "and v_scale)", "tensor")
     _expect(kv, "symmetric", where, (True,), "only symmetric scales (no zero points)", True)
     _expect(kv, "dynamic", where, (False,), "the checkpoint carries its k_scale and v_scale",
             False)
@@ -154,6 +154,9 @@ def _pair(value, field: str) -> tuple[int, int]:
 def _compressed_tensors(q: dict) -> Fp8Scheme | None:
     """compressed-tensors float-quantized: weight_scale per tensor, channel, group or block;
     None where it quantizes the KV cache only (read_kv_scheme)."""
+    for field in ("sparsity_config", "transform_config"):
+        if q.get(field):
+            raise _refuse(field, q[field], "lorafleet loads FP8 weights only")
     if q.get("kv_cache_scheme") and not q.get("config_groups"):
         _expect(q, "format", "", (None, "dense", "float-quantized"), "a KV-cache-only "
                 "checkpoint stores its weights dense")
@@ -161,9 +164,6 @@ def _compressed_tensors(q: dict) -> Fp8Scheme | None:
     _expect(q, "format", "", ("float-quantized",), "only float-quantized (FP8) weights")
     _expect(q, "quantization_status", "", (None, "compressed"), "the weights must be stored "
             "compressed (float8)")
-    for field in ("sparsity_config", "transform_config"):
-        if q.get(field):
-            raise _refuse(field, q[field], "lorafleet loads FP8 weights only")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _refuse("config_groups", groups, "a float-quantized checkpoint names its groups")
