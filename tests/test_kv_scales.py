@@ -147,8 +147,65 @@ def test_missing_or_bad_scales_are_refused_naming_the_tensor(hf_ckpt, tmp_path, 
         _engine(ckpt, "auto")
 
 
-def test_a_kv_only_checkpoint_with_packed_weights_is_refused(hf_ckpt, tmp_path):
-    qconfig = {**kv_config(), "format": "pack-quantized"}
-    ckpt = write_kv_checkpoint(hf_ckpt[0], tmp_path / "packed", qconfig=qconfig)
-    with pytest.raises(UnsupportedModel, match="quantization_config.format 'pack-quantized'"):
+@pytest.mark.parametrize("extra,field", [
+    ({"format": "pack-quantized"}, "quantization_config.format 'pack-quantized'"),
+    ({"transform_config": {"rotation": "hadamard"}}, "quantization_config.transform_config"),
+    ({"sparsity_config": {"format": "sparse-24"}}, "quantization_config.sparsity_config"),
+], ids=["packed weights", "a transform", "sparsity"])
+def test_a_kv_only_checkpoint_that_changes_its_weights_is_refused(hf_ckpt, tmp_path, extra,
+                                                                 field):
+    """A KV-only checkpoint (no config_groups) with packed weights, a rotation or sparsity
+    would serve wrong outputs: refused, naming the field. A null strategy reads as per
+    tensor (compressed-tensors' default)."""
+    ckpt = write_kv_checkpoint(hf_ckpt[0], tmp_path / "bad", qconfig={**kv_config(), **extra})
+    with pytest.raises(UnsupportedModel, match=field):
         load_spec(ckpt / "base")
+    assert read_kv_scheme({"quantization_config": kv_config(strategy=None)})
+
+
+def test_model_keeps_the_model_dtype_and_undeclared_scales_serve_fp8_only(hf_ckpt, tmp_path):
+    """--kv-cache-dtype model: the model dtype whatever the checkpoint declares. Scales in a
+    checkpoint whose config declares none are used by an explicit fp8 only (auto: the model
+    dtype, and a bad one is not even read); a missing one is refused naming the tensor in the
+    naming the checkpoint uses."""
+    root = hf_ckpt[0]
+    declared = write_kv_checkpoint(root, tmp_path / "declared")
+    model, _ = _engine(declared, "model")
+    assert model.engine.runner.kv_cache[0][0].dtype == torch.float32
+    loose = write_kv_checkpoint(root, tmp_path / "loose", scales=[(0.5, 0.0), (1.0, 1.0)])
+    cfg = json.loads((loose / "base" / "config.json").read_text())
+    del cfg["quantization_config"]
+    (loose / "base" / "config.json").write_text(json.dumps(cfg))
+    auto, _ = _engine(loose, "auto")
+    assert auto.engine.runner.kv_cache[0][0].dtype == torch.float32
+    with pytest.raises(UnsupportedModel, match="layers.0.self_attn.v_scale is 0.0"):
+        _engine(loose, "fp8")
+    older = write_kv_checkpoint(root, tmp_path / "older", scales=[(0.5, 0.5), (0.5, None)],
+                                names=("k_proj.output_scale", "v_proj.output_scale"))
+    with pytest.raises(UnsupportedModel, match="lacks tensor model.layers.1.self_attn.v_proj"
+                                               ".output_scale: its config.json declares"):
+        _engine(older, "auto")
+
+
+def test_a_gpu_before_sm89_refuses_fp8_and_keeps_auto_in_the_model_dtype(monkeypatch):
+    """e4m3 conversions need sm_89+: an explicit fp8 is refused naming the card, a declared
+    FP8 KV cache under auto falls back to the model dtype (its scales unused)."""
+    from services.worker.startup import factory
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    spec = load_spec_stub(kv_scales=True)
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: NVIDIA A100 .*sm_89"):
+        factory.kv_cache_form("fp8", spec, torch.bfloat16, cuda, None)
+    dtype, scales = factory.kv_cache_form("auto", spec, torch.bfloat16, cuda, None)
+    assert dtype == torch.bfloat16 and scales == [(1.0, 1.0)] * spec.num_layers
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    dtype, scales = factory.kv_cache_form("fp8", load_spec_stub(), torch.bfloat16, cuda, None)
+    assert dtype == FP8 and scales == [(1.0, 1.0)] * spec.num_layers
+
+
+def load_spec_stub(**fields):
+    """The tiny model's spec with these fields replaced."""
+    import dataclasses
+    from tests.support import MODEL_DIR
+    return dataclasses.replace(load_spec(MODEL_DIR), **fields)

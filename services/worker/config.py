@@ -16,7 +16,7 @@ from services.worker.perf_config import PerfConfig
 # reads (services.worker.chat_template.TOOL_FORMATS)
 TOOL_CALL_FORMATS = ("auto", "none", "hermes", "llama3_json", "mistral")
 # --kv-cache-dtype: auto (the model dtype) or fp8 (e4m3, scale 1.0: twice the blocks a budget)
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "model")
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "layer's scales from the checkpoint, else 1.0), so --kv-cache-bytes "
                         "holds twice the tokens and decode streams half the KV bytes; auto: "
                         "fp8 where the checkpoint declares an FP8 KV cache (kv_cache_scheme), "
-                        "else --dtype (auto)")
+                        "else --dtype; model: --dtype whatever the checkpoint declares (auto)")
     p.add_argument("--gpu-pool-bytes", type=parse_bytes, default=d.pool_bytes,
                    help="adapter pool on the compute device")
     p.add_argument("--pool-slots", type=int, default=d.pool_slots, help="most adapters in the pool")

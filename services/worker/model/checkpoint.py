@@ -104,9 +104,9 @@ def fuse_layers(raw: dict, spec: ModelSpec) -> dict:
         return t + 1 if spec.gemma_norms and name.endswith("norm.weight") else t
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    scales = pop_kv_scales(raw, spec.num_layers, spec.kv_scales)
+    scales = pop_kv_scales(raw, spec.num_layers)
     if scales is not None:
-        out["kv_scales"] = scales       # each layer's (k_scale, v_scale): kv_scales
+        out["kv_scales"] = scales       # each layer's scale tensors, unchecked: kv_scales
     if spec.tie_word_embeddings:
         raw.pop("lm_head.weight", None)         # some checkpoints store the tied copy too
         out["lm_head"] = out["embed"]

@@ -20,6 +20,7 @@ from services.worker.executor.model_runner import ModelRunner, kv_blocks_for_bud
 from services.worker.executor.token_mask import TokenMasks, mask_threads
 from services.worker.model import transforms
 from services.worker.model.checkpoint import DTYPES, load_weights
+from services.worker.model.kv_scales import UNIT, checked
 from services.worker.model.llama import LlamaModel
 from services.worker.model.lora_columns import LoraColumns
 from services.worker.model.norms import norms_for
@@ -27,7 +28,8 @@ from services.worker.model.quant_scheme import AT_LOAD, TOKEN_MODES
 from services.worker.model.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
-# --kv-cache-dtype's cache element types (auto: the checkpoint's, else the model dtype)
+# --kv-cache-dtype's cache element types (auto: the checkpoint's, else the model dtype; model:
+# the model dtype)
 KV_DTYPES = {"fp8": torch.float8_e4m3fn}
 
 
@@ -106,23 +108,36 @@ def _fp8_note(spec: ModelSpec, device: torch.device) -> str:
     return f", linear weights FP8 ({how}; activations and LoRA in the model dtype{gemm})"
 
 
-def kv_cache_form(opt: str, spec: ModelSpec, dtype: torch.dtype,
-                  scales: list[tuple[float, float]] | None
-                  ) -> tuple[torch.dtype, list[tuple[float, float]]]:
-    """The KV cache's element type and each layer's (k_scale, v_scale): e4m3 for "fp8", and
+def kv_cache_form(opt: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                  found: list | None) -> tuple[torch.dtype, list[tuple[float, float]]]:
+    """The KV cache's element type and each layer's (k_scale, v_scale). e4m3 for "fp8", and
     for "auto" where the checkpoint declares an FP8 KV cache (spec.kv_scales), with the
-    checkpoint's scales where it has them, else 1.0 (vLLM's default); otherwise the model dtype
-    (scales unused)."""
+    checkpoint's scales (found: kv_scales.pop_kv_scales'), checked, else 1.0 (vLLM's default);
+    otherwise ("model", or "auto" on a plain checkpoint) the model dtype, scales unused. A CUDA
+    device before sm_89 has no e4m3 conversions: "fp8" is refused there, "auto" keeps the model
+    dtype."""
     fp8 = opt == "fp8" or (opt == "auto" and spec.kv_scales)
+    old_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+    if fp8 and old_gpu:
+        if opt == "fp8":
+            raise ValueError(f"--kv-cache-dtype fp8: {torch.cuda.get_device_name(device)} "
+                             f"has no FP8 (e4m3) conversions (sm_89 or newer needed)")
+        log.warning("the checkpoint declares an FP8 KV cache, but this GPU has no e4m3 "
+                    "conversions (before sm_89): the KV cache is %s", dtype)
+        fp8 = False
+    unit = [UNIT] * spec.num_layers
     if not fp8:
-        return dtype, [(1.0, 1.0)] * spec.num_layers
-    if scales is None:
+        if found is not None:
+            log.info("the checkpoint's KV cache scales are unused: the KV cache is %s", dtype)
+        return dtype, unit
+    scales = checked(found, spec.num_layers, spec.kv_scales)
+    if found is None:
         log.info("KV cache in FP8 (e4m3) with scale 1.0: the checkpoint has no KV scales")
-        return KV_DTYPES["fp8"], [(1.0, 1.0)] * spec.num_layers
+        return KV_DTYPES["fp8"], scales
     ks, vs = ([s[i] for s in scales] for i in (0, 1))
     log.info("KV cache in FP8 (e4m3) with the checkpoint's scales: k %.3g..%.3g, v %.3g..%.3g",
              min(ks), max(ks), min(vs), max(vs))
-    return KV_DTYPES["fp8"], list(scales)
+    return KV_DTYPES["fp8"], scales
 
 
 def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
@@ -136,7 +151,7 @@ def assemble(spec: ModelSpec, weights: dict, tokenizer, opts: EngineOptions,
     # one way: weights -> model; the pool -> its tables, which the step builder reads and
     # hands to the model with each step; the column blocks (extra rows of the q/k/v weights)
     # given to the model (its GEMMs) and to the pool (which writes them)
-    kv_dtype, kv_scales = kv_cache_form(opts.kv_cache_dtype, spec, dtype,
+    kv_dtype, kv_scales = kv_cache_form(opts.kv_cache_dtype, spec, dtype, device,
                                         weights.pop("kv_scales", None))
     norm_fold = transforms.apply(weights, spec, device, opts.perf)
     n_cols, row_parts = transforms.lora_forms(spec, opts.perf, device.type == "cuda")
