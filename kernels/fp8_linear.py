@@ -88,7 +88,7 @@ def scaled_mm_rows(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: t
     transposed back into a row-major copy."""
     m = xq.shape[0]
     most = SCALED_MM_SWAP_MAX_ROWS if swap_max_rows is None else swap_max_rows
-    if m <= most and m % 16 == 0:
+    if 0 < m <= most and m % 16 == 0:
         return torch._scaled_mm(q, xq.t(), scale_a=scale.reshape(-1, 1),
                                 scale_b=xs.reshape(1, -1), out_dtype=dtype).t().contiguous()
     return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.reshape(1, -1),

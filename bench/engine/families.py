@@ -144,7 +144,8 @@ def run_model(name: str, cfg: dict, args, device, bw: float,
         run_engine(built, use, args.batch, args.prompt, 8, seed=99)          # warm
         r = run_engine(built, use, args.batch, args.prompt, args.new, seed=n)
         context = args.prompt + args.new // 2                               # a mean step's
-        kv_item = 1 if kv_cache_dtype == "fp8" else 2
+        runner = getattr(built.engine.runner, "runner", built.engine.runner)  # (a GraphRunner's)
+        kv_item = runner.kv_cache[0][0].element_size()   # as built: auto follows the checkpoint
         floor_bytes = (weight_bytes + kv_read_bytes(spec, args.batch, context, kv_item)
                        + n * adapter_bytes)
         floor_ms = 1e3 * floor_bytes / bw

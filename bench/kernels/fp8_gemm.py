@@ -103,7 +103,7 @@ def w8a8(x, q, scale, group, config=None):
 def variants(name: str, ws, xs, m: int) -> dict:
     """name -> the COPIES calls of each variant at m rows (None where unavailable)."""
     from kernels.fp8_gemm import fp8_gemm, quantize_rows
-    from kernels.fp8_linear import fp8_prefill, prefill_path
+    from kernels.fp8_linear import fp8_prefill, prefill_path, scaled_mm_rows
     k = xs[0].shape[1]
     picked = pick_config(m, ws[0][0].shape[0], k, 0, _sms(xs[0].device))
     a8, cvt = replace(picked, act_fp8=True), replace(picked, w_bits=False)
@@ -121,9 +121,8 @@ def variants(name: str, ws, xs, m: int) -> dict:
         out["prefill"] = [lambda i=i: fp8_prefill(xs[i], ws[i][0], ws[i][1], k)
                           for i in range(COPIES)]
         if m % 16 == 0:
-            out["scaled_mm_t"] = [lambda i=i: torch._scaled_mm(
-                ws[i][0], xq[i][0].t(), scale_a=ws[i][1].reshape(-1, 1),
-                scale_b=xq[i][1].reshape(1, -1), out_dtype=torch.bfloat16).t().contiguous()
+            out["scaled_mm_t"] = [lambda i=i: scaled_mm_rows(
+                xq[i][0], xq[i][1], ws[i][0], ws[i][1], torch.bfloat16, swap_max_rows=m)
                 for i in range(COPIES)]
     if ws[0][2] is not None:
         if name in KN:

@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         fl = floor(adapters, a.adapters)
         print(json.dumps({"floor": fl}), flush=True)
         rows = [scenario(s, work, adapters,
-                         max(1, a.adapters // 4) if s in ("one_at_a_time", "refetch_one")
-                         else a.adapters,
+                         max(2 if s == "refetch_one" else 1, a.adapters // 4)
+                         if s in ("one_at_a_time", "refetch_one") else a.adapters,
                          a.store_arg) for s in a.scenarios.split(",")]
     path = out / f"{NAME}.json"
     doc = json.loads(path.read_text()) if path.exists() else {"header": header, "runs": []}
