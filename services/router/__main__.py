@@ -64,16 +64,16 @@ async def main_async(cfg: RouterConfig) -> None:
         server_credentials(common.tls_cert, common.tls_key, common.tls_ca),
         reflection=common.reflection,
         max_receive_bytes=receive_limit(cfg.max_prompt_bytes))
-    await ready.attach(health)
-    await workers.start()
-    log.info("router serving on port %d; workers %s; store %s; fair queue %s", port,
-             ", ".join(cfg.workers), cfg.store, "on" if cfg.fair else "off")
     gateway = None
-    if cfg.http_listen:
+    if cfg.http_listen:                 # bound before the router can say SERVING
         gateway = OpenAIGateway(servicer, servicer.base_model_name)
         http_port = await start_gateway(gateway, cfg.http_listen)
         log.info("OpenAI-compatible HTTP gateway on port %d (/v1/completions, "
                  "/v1/chat/completions, /v1/models)", http_port)
+    await ready.attach(health)
+    await workers.start()
+    log.info("router serving on port %d; workers %s; store %s; fair queue %s", port,
+             ", ".join(cfg.workers), cfg.store, "on" if cfg.fair else "off")
     loop = asyncio.get_running_loop()
     poller = loop.create_task(poll_store_stats(app.store, stats))
     peers = None
