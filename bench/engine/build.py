@@ -11,9 +11,10 @@ import torch
 def build_engine(layers: int, distinct: int, cuda_graphs: bool,
                  graph_max_rank: int | None = None, device: str = "cuda",
                  max_model_len: int = 1024, max_batch_tokens: int = 8192,
-                 kv_cache_bytes: int = 4 << 30, **options):
+                 kv_cache_bytes: int = 4 << 30, max_running: int = 128, **options):
     """The Llama-7B-shaped engine (random bf16 weights, `layers` layers) with `distinct` rank-16
-    q/k/v/o adapters placed in its pool: (built, their slots). options: more EngineOptions."""
+    q/k/v/o adapters placed in its pool (sized for them: 64 slots and 2 GiB at least):
+    (built, their slots). options: more EngineOptions."""
     from bench.lib.synthetic import NullTokenizer, adapter_tensors, llama7b_spec, random_weights
     from services.worker.adapters.layout import staged_from_tensors
     from services.worker.perf_config import PerfConfig
@@ -23,8 +24,10 @@ def build_engine(layers: int, distinct: int, cuda_graphs: bool,
     spec = llama7b_spec(layers)
     extra = {} if graph_max_rank is None else {"graph_max_rank": graph_max_rank}
     opts = EngineOptions(device=device, dtype="bfloat16", kv_cache_bytes=kv_cache_bytes,
-                         max_batch_tokens=max_batch_tokens, max_running=128, pool_bytes=2 << 30,
-                         pool_slots=64, max_model_len=max_model_len, cuda_graphs=cuda_graphs,
+                         max_batch_tokens=max_batch_tokens, max_running=max_running,
+                         pool_bytes=max(2 << 30, distinct * adapter_bytes(spec, 16) * 5 // 4),
+                         pool_slots=max(64, distinct), max_model_len=max_model_len,
+                         cuda_graphs=cuda_graphs,
                          perf=PerfConfig.from_env(os.environ), **extra, **options)
     built = assemble(spec, random_weights(spec, dev, torch.bfloat16), NullTokenizer(), opts,
                      dev, torch.bfloat16)
@@ -32,6 +35,12 @@ def build_engine(layers: int, distinct: int, cuda_graphs: bool,
                  adapter_tensors(spec, 16, i + 1, device=dev), {"r": 16, "lora_alpha": 32},
                  spec)) for i in range(distinct)]
     return built, slots
+
+
+def adapter_bytes(spec, rank: int) -> int:
+    """A rank-`rank` q/k/v/o adapter's bf16 bytes on this spec."""
+    return sum(rank * (k + n) * 2 for m in ("q_proj", "k_proj", "v_proj", "o_proj")
+               for k, n in [spec.in_out(m)]) * spec.num_layers
 
 
 def decode_engine(layers: int, batch: int, distinct: int, cuda_graphs: bool,
