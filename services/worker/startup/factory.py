@@ -125,18 +125,17 @@ def kv_cache_form(opt: str, spec: ModelSpec, dtype: torch.dtype, device: torch.d
         log.warning("the checkpoint declares an FP8 KV cache, but this GPU has no e4m3 "
                     "conversions (before sm_89): the KV cache is %s", dtype)
         fp8 = False
-    unit = [UNIT] * spec.num_layers
     if not fp8:
         if found is not None:
             log.info("the checkpoint's KV cache scales are unused: the KV cache is %s", dtype)
-        return dtype, unit
+        return dtype, [UNIT] * spec.num_layers
     scales = checked(found, spec.num_layers, spec.kv_scales)
     if found is None:
         log.info("KV cache in FP8 (e4m3) with scale 1.0: the checkpoint has no KV scales")
-        return KV_DTYPES["fp8"], scales
-    ks, vs = ([s[i] for s in scales] for i in (0, 1))
-    log.info("KV cache in FP8 (e4m3) with the checkpoint's scales: k %.3g..%.3g, v %.3g..%.3g",
-             min(ks), max(ks), min(vs), max(vs))
+    else:
+        ks, vs = ([s[i] for s in scales] for i in (0, 1))
+        log.info("KV cache in FP8 (e4m3) with the checkpoint's scales: k %.3g..%.3g, "
+                 "v %.3g..%.3g", min(ks), max(ks), min(vs), max(vs))
     return KV_DTYPES["fp8"], scales
 
 
