@@ -73,6 +73,39 @@ def test_the_pass_finds_a_nan_and_digests_alike_whatever_the_chunks(chunk, helpe
         assert check.finish() == (hashlib.sha256(b"{}\n" + blob).hexdigest()[:16], sha256(blob))
 
 
+def uniform_blob(dtype, nan_in: str | None, nan_at: int = 0) -> bytes:
+    """Three tensors of one dtype (7, 40 and 13 values: a tensor's end between two values of
+    the chunk grid), NaN in one of them at nan_at if given."""
+    tensors = {"a": np.arange(7, dtype=dtype), "b": np.arange(40, dtype=dtype) / 7,
+               "c": -np.arange(13, dtype=dtype)}
+    if nan_in is not None:
+        tensors[nan_in][nan_at] = np.inf if nan_in == "c" else np.nan
+    return save(tensors)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("chunk", [1, 3, 5, 7, 64, 1 << 20])
+def test_one_dtype_is_checked_a_chunk_at_a_time_with_the_same_refusals(chunk, dtype):
+    """Every tensor of one dtype: the data is checked as one array a chunk (not tensor by
+    tensor), and a bad value is still refused naming its tensor and its index there."""
+    for nan_in, nan_at in ((None, 0), ("a", 6), ("b", 0), ("b", 39), ("c", 12)):
+        blob = uniform_blob(dtype, nan_in, nan_at)
+        check = BlobPass("{}", lambda tensors: None)
+        head = 8 + int.from_bytes(blob[:8], "little")
+        check.header(blob[:head], len(blob))
+        assert check._uniform is not None
+        try:
+            for start in range(0, len(blob), chunk):
+                check.feed(blob[start:start + chunk])
+        except Refusal as exc:
+            assert nan_in is not None and exc.reason == "nonfinite"
+            assert f"tensor {nan_in!r}: 1 NaN/Inf values" in exc.message
+            assert f"first at flat index {nan_at}" in exc.message
+            continue
+        assert nan_in is None
+        assert check.finish()[1] == sha256(blob)
+
+
 def test_a_bad_shape_is_refused_from_the_header_before_the_body_is_read(tmp_path):
     tensors = lora_tensors()
     tensors[key(1, "v_proj", "A")] = np.zeros((4, 32), dtype=np.float32)    # in 64, not 32

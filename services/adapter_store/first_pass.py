@@ -15,6 +15,7 @@ reused, nothing kept).
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import time
 from concurrent.futures import Executor
@@ -61,6 +62,8 @@ class BlobPass:
         self._ti = 0                # the tensor being finite-checked, its values done, and
         self._done = 0              # the first bytes of a value split between two chunks
         self._carry = b""
+        self._uniform: tuple | None = None      # _FINITE's entry of every tensor's dtype
+        self._starts: list[int] = []
         self.times = PassTimes()
 
     def header(self, head, size: int) -> None:
@@ -69,6 +72,10 @@ class BlobPass:
         self.tensors = st.parse_header(head, size, self.what)
         self._check(self.tensors)
         self.size = size
+        dtypes = {t.dtype for t in self.tensors}
+        if len(dtypes) == 1:        # (the data has no holes: parse_header checks the layout)
+            self._uniform = _FINITE[dtypes.pop()]
+            self._starts = [t.offset for t in self.tensors]
 
     def feed(self, chunk) -> None:
         """The blob's next bytes (a buffer)."""
@@ -94,7 +101,13 @@ class BlobPass:
         return self._version.hexdigest()[:16], self._sha.hexdigest()
 
     def _finite(self, chunk: memoryview, at: int) -> None:
+        """The values in chunk (the blob's bytes at..): all of them in one check where every
+        tensor has one dtype (the data is then one array of it), tensor by tensor otherwise
+        and wherever a value is bad (so the refusal names its tensor and index)."""
         end = at + len(chunk)
+        if self._uniform is not None and self._clean(chunk, at):
+            self._skip_to(chunk, end)
+            return
         while self._ti < len(self.tensors):
             t = self.tensors[self._ti]
             stop = t.offset + t.nbytes
@@ -104,6 +117,40 @@ class BlobPass:
             if stop > end:
                 return
             self._ti, self._done, self._carry = self._ti + 1, 0, b""
+
+    def _clean(self, chunk: memoryview, at: int) -> bool:
+        """Whether chunk's values (from the first tensor's offset on; with the value split
+        from the chunk before) are all finite, checked as one array of the common dtype."""
+        lo = max(self.tensors[0].offset - at, 0)
+        part = chunk[lo:]
+        view, low, bad = self._uniform
+        size = view.itemsize
+        head = b""
+        if self._carry:
+            head = self._carry + bytes(part[:size - len(self._carry)])
+            part = part[size - len(self._carry):]
+        whole = len(part) - len(part) % size
+        for data in (head, part[:whole]):
+            if len(data) >= size and int(np.bitwise_and(
+                    np.frombuffer(data, dtype=view), view.type(low)).max()) >= bad:
+                return False
+        return True
+
+    def _skip_to(self, chunk: memoryview, end: int) -> None:
+        """The tensor-by-tensor state as if every value before `end` was checked there."""
+        first = self.tensors[0].offset
+        if end <= first:
+            return
+        i = bisect.bisect_right(self._starts, end) - 1
+        t = self.tensors[i]
+        size = self._uniform[0].itemsize
+        if end >= t.offset + t.nbytes:          # the last tensor's end: all checked
+            self._ti, self._done, self._carry = len(self.tensors), 0, b""
+            return
+        into, k = end - t.offset, (end - t.offset) % size
+        self._ti, self._done = i, into // size
+        # the last k bytes before end (the carry before them where the chunk is shorter)
+        self._carry = (self._carry + bytes(chunk[-size:]))[-k:] if k else b""
 
     def _values(self, t: st.RawTensor, part: memoryview) -> None:
         """Check the whole values in part (plus a value split across chunks)."""
