@@ -56,8 +56,7 @@ import triton.language as tl
 
 from kernels.fp8_gemm_config import (N_COUNTERS, SMS_DEFAULT, Fp8GemmConfig, group_block_k,
                                      pick_config)
-from kernels.fp8_tiles import FOLD, quantize_rows, w_mode, w_operand, x_fp8  # noqa: F401
-# (quantize_rows: the W8A8 callers' row quantizer, importable from here)
+from kernels.fp8_tiles import FOLD, w_mode, w_operand, x_fp8
 from kernels.pdl import launch_args, wait_then_release
 
 FP8 = torch.float8_e4m3fn

@@ -115,7 +115,7 @@ def run_quant_case(name: str, device: str = "cpu") -> None:
     """The kernel's e4m3 bytes and scales equal the torch reference's: rows of every scale, a
     zero row, values that round up into the next binade (31.9 -> 32 at scale 1), and -0.0 and
     a negative value that rounds to it (byte 0x80, not 0x00)."""
-    from kernels.fp8_gemm import quantize_rows
+    from kernels.fp8_tiles import quantize_rows
     from kernels.fp8_gemm_ref import quantize_rows_ref
     m, k = QUANT_CASES[name]
     gen = torch.Generator().manual_seed(m)
@@ -281,7 +281,7 @@ def test_the_sweep_grid_holds_the_pick_and_fits_shared_memory():
 
 
 def test_the_prefill_path_off_a_gpu_is_dequantize_then_gemm():
-    from kernels.fp8_gemm import quantize_rows
+    from kernels.fp8_tiles import quantize_rows
     from kernels.fp8_linear import fp8_linear, prefill_path
     from kernels.fp8_gemm_ref import fp8_gemm_ref
     args = operands((300, 64, 128, 32, None, "bf16", "bias"))

@@ -95,14 +95,16 @@ def rel_err(got: torch.Tensor, q, scale, x) -> float:
 
 def w8a8(x, q, scale, group, config=None):
     """The W8A8 decode path: x quantized per row in one launch, then the kernel's XQ form."""
-    from kernels.fp8_gemm import fp8_gemm, quantize_rows
+    from kernels.fp8_gemm import fp8_gemm
+    from kernels.fp8_tiles import quantize_rows
     xq, sx = quantize_rows(x)
     return fp8_gemm(xq, q, scale, group, x_scale=sx, config=config)
 
 
 def variants(name: str, ws, xs, m: int) -> dict:
     """name -> the COPIES calls of each variant at m rows (None where unavailable)."""
-    from kernels.fp8_gemm import fp8_gemm, quantize_rows
+    from kernels.fp8_gemm import fp8_gemm
+    from kernels.fp8_tiles import quantize_rows
     from kernels.fp8_linear import fp8_prefill, prefill_path, scaled_mm_rows
     k = xs[0].shape[1]
     picked = pick_config(m, ws[0][0].shape[0], k, 0, _sms(xs[0].device))
