@@ -62,6 +62,15 @@ if [ -d .whl ] && [ -z "${QUICK:-}" ]; then   # the device image's wheels (cp312
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
+# the services import with these wheels (the stubs refuse an older grpcio) and llguidance is
+# new enough: seconds here, instead of a worker start that dies minutes into the call
+# (the store apart: its metrics share names with the worker's)
+python3 -c 'import services.adapter_store.__main__' || exit 1
+python3 -c 'import importlib.metadata as md, services.router.__main__, services.worker.__main__
+from services.worker.api.grammar import check_llguidance
+check_llguidance()
+print("preflight: the services import; grpcio", md.version("grpcio"), "llguidance",
+      md.version("llguidance"))' || exit 1
 [ -z "${QUICK:-}" ] && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 df -h "$WORK" /dev/shm | tail -2
 step() { echo "=== $*"; local t=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t))s"; }
