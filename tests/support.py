@@ -57,7 +57,8 @@ def health_status(addr: str) -> int:
 class FreePort:
     """A service argument that Service replaces by a free loopback port at each start (a port
     free_port() picked can be taken by another process before the service binds it; the service
-    then starts again on new ports). Read `port` (or `str()`) after Service.wait()."""
+    then starts again on new ports). Read `port` (or `str()`) after Service.wait(). One
+    service's argument: given to several, it holds the last one's pick."""
 
     def __init__(self, prefix: str = ""):
         self.prefix = prefix                # e.g. "127.0.0.1:" for a listen address
