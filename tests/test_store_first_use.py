@@ -342,3 +342,37 @@ def tenant_burst(tmp: str) -> dict:
 
     bob, meanwhile, alice = asyncio.run(run())
     return {"bob": bob, "while_bob": meanwhile, "alice": alice, "threads": threads}
+
+
+def test_adapters_of_one_header_check_it_once_and_a_bad_one_every_time(tmp_path, monkeypatch):
+    """AdapterCheck keeps a checked header (the adapters of one fleet share theirs): the
+    second adapter of one shape and config skips the tensor checks and gets the same tensors;
+    a header that fails is refused each time it comes (nothing kept of it); another config
+    (another rank) checks again."""
+    from services.adapter_store import validate
+    base = validate.BaseShapes(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
+                               head_dim=16)
+    monkeypatch.setattr(validate, "_HEADERS", {})     # (other tests' headers kept)
+    calls = []
+    real = validate.AdapterCheck._check_tensors
+    monkeypatch.setattr(validate.AdapterCheck, "_check_tensors",
+                        lambda self, t: (calls.append(len(t)), real(self, t))[1])
+    config = json.dumps(peft_config()).encode()
+    blob = save(lora_tensors())
+    head = blob[:8 + int.from_bytes(blob[:8], "little")]
+    first, second = (validate.AdapterCheck(config, base, 64) for _ in range(2))
+    first.blob.header(head, len(blob))
+    second.blob.header(head, len(blob))
+    assert len(calls) == 1 and second.blob.tensors == first.blob.tensors
+    bad_tensors = lora_tensors()
+    bad_tensors[key(1, "v_proj", "A")] = np.zeros((4, 32), dtype=np.float32)
+    bad = save(bad_tensors)
+    bad_head = bad[:8 + int.from_bytes(bad[:8], "little")]
+    for _ in range(2):
+        with pytest.raises(Refusal, match="shape"):
+            validate.AdapterCheck(config, base, 64).blob.header(bad_head, len(bad))
+    assert len(calls) == 3
+    other = json.dumps(peft_config(r=8)).encode()
+    with pytest.raises(Refusal, match="shape"):
+        validate.AdapterCheck(other, base, 64).blob.header(head, len(blob))
+    assert len(calls) == 4

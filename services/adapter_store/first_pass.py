@@ -47,11 +47,15 @@ class BlobPass:
     """The checks and digests of one blob, fed its bytes in order (header first)."""
 
     def __init__(self, config_json: str, check: Callable[[list[st.RawTensor]], None],
-                 what: str = WEIGHTS, helper: Executor | None = None):
+                 what: str = WEIGHTS, helper: Executor | None = None,
+                 parse: Callable[[bytes, int], list[st.RawTensor]] | None = None):
         """config_json: the canonical config the version hashes first; check(tensors): the
         caller's checks of the header's tensors (raises Refusal); helper: where the blob's
         SHA-256 of each piece runs beside the version's and the finite check (None: here,
-        after them): a lone pass takes two cores' time, not one's."""
+        after them): a lone pass takes two cores' time, not one's. parse(head, size): the
+        header's tensors, checked (instead of parse_header then check: a caller that knows
+        the header already)."""
+        self._parse = parse
         self._helper = helper
         self._version = hashlib.sha256(config_json.encode("ascii") + b"\n")
         self._sha = hashlib.sha256()
@@ -69,8 +73,11 @@ class BlobPass:
     def header(self, head, size: int) -> None:
         """Check the header (`head`: the blob's first 8 + N bytes) and its tensors against a
         blob of `size` bytes; raises Refusal."""
-        self.tensors = st.parse_header(head, size, self.what)
-        self._check(self.tensors)
+        if self._parse is not None:
+            self.tensors = self._parse(head, size)
+        else:
+            self.tensors = st.parse_header(head, size, self.what)
+            self._check(self.tensors)
         self.size = size
         dtypes = {t.dtype for t in self.tensors}
         if len(dtypes) == 1:        # (the data has no holes: parse_header checks the layout)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import threading
 import re
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -129,6 +130,14 @@ def content_version(config_json: str, blob: bytes) -> str:
     return h.hexdigest()[:16]
 
 
+# headers checked, by (header bytes, blob size, canonical config, base): the adapters of one
+# fleet (one shape, one config) have byte-identical headers, so a burst of first uses parses
+# and checks 256 tensor entries once, not once each (~2 ms of GIL-held Python an adapter)
+_HEADERS: dict[tuple, tuple[tuple[st.RawTensor, ...], int]] = {}
+_HEADERS_LOCK = threading.Lock()
+HEADERS_KEPT = 256
+
+
 class AdapterCheck:
     """An adapter's validation as its blob arrives (first_pass.BlobPass): the config is
     checked when this is made, the header's tensors (names, shapes, one A and one B per
@@ -140,8 +149,24 @@ class AdapterCheck:
         self.fields, self._expected = check_targets(config_bytes, base, max_rank)
         self._base = base
         self.config_json = canonical_json(json.loads(config_bytes))     # parsed fine above
-        self.blob = BlobPass(self.config_json, self._check_tensors, helper=helper)
+        self.blob = BlobPass(self.config_json, self._check_tensors, helper=helper,
+                             parse=self._header)
         self.ignored_tensors = 0
+
+    def _header(self, head, size: int) -> list[st.RawTensor]:
+        """The header's tensors, parsed and checked (or as a header alike was: _HEADERS)."""
+        key = (bytes(head), size, self.config_json, self._base)
+        hit = _HEADERS.get(key)
+        if hit is None:
+            tensors = st.parse_header(head, size, self.blob.what)
+            self._check_tensors(tensors)
+            hit = (tuple(tensors), self.ignored_tensors)
+            with _HEADERS_LOCK:
+                if len(_HEADERS) >= HEADERS_KEPT:
+                    _HEADERS.pop(next(iter(_HEADERS)))
+                _HEADERS[key] = hit
+        tensors, self.ignored_tensors = hit
+        return list(tensors)
 
     def _check_tensors(self, tensors: list[st.RawTensor]) -> None:
         found = [_check_tensor(t, self.fields.r, self._base) for t in tensors]
