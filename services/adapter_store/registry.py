@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace as dc_replace
 from services.adapter_store.paging import prefix_end
 from services.common.safetensors_parse import RawTensor
 from services.adapter_store.registry_schema import MIGRATE_ALIASES, SCHEMA
-from services.adapter_store.registry_versions import KEEP_VERSIONS, VersionsMixin, tensors_of
+from services.adapter_store.registry_versions import KEEP_VERSIONS, VersionsMixin, detail_of
 from services.common.errors import (AlreadyExists, FailedPrecondition, LorafleetError, NotFound,
                                     unknown_adapter)
 
@@ -327,15 +327,15 @@ class Registry(VersionsMixin):
     def _record(self, row: tuple) -> AdapterRecord:
         (id_, version, sha, owner, source, state, reason, rank, alpha, rslora, targets, nbytes,
          config_json, detail, created) = row
-        detail = json.loads(detail)
+        layers, identity, tensors = detail_of(detail)
         aliases = self._db.execute("SELECT alias, version FROM aliases WHERE adapter_id = ? "
                                    "ORDER BY alias", (id_,)).fetchall()
         return AdapterRecord(
             id=id_, owner=owner, source=source, state=state, reason=reason, version=version,
             sha256=sha, rank=rank, alpha=alpha, rslora=bool(rslora),
-            targets=tuple(json.loads(targets)), layers=tuple(detail["layers"]), bytes=nbytes,
-            config_json=config_json, tensors=tensors_of(detail), created=created,
-            identity=tuple(detail.get("identity", ())), **_alias_fields(aliases))
+            targets=tuple(json.loads(targets)), layers=layers, bytes=nbytes,
+            config_json=config_json, tensors=tensors, created=created, identity=identity,
+            **_alias_fields(aliases))
 
 
 def _detail(rec: AdapterRecord) -> str:
