@@ -51,6 +51,21 @@ def mixed_blob(nan_at: int | None = None) -> bytes:
     return save({"a": np.ones(3, dtype=np.float16), "b": b})
 
 
+def refusal(check: BlobPass, blob: bytes, chunk: int) -> Refusal | None:
+    """The pass over blob in pieces of `chunk` bytes: its refusal, or None."""
+    try:
+        feed_bytes(check, blob, chunk)
+    except Refusal as exc:
+        return exc
+    return None
+
+
+def assert_nonfinite(exc: Refusal | None, tensor: str, at: int) -> None:
+    assert exc is not None and exc.reason == "nonfinite", exc
+    assert f"tensor {tensor!r}: 1 NaN/Inf values" in exc.message
+    assert f"first at flat index {at}" in exc.message
+
+
 @pytest.mark.parametrize("helper", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3, 5, 7, 64, 1 << 20])
 def test_the_pass_finds_a_nan_and_digests_alike_whatever_the_chunks(chunk, helper):
@@ -59,17 +74,11 @@ def test_the_pass_finds_a_nan_and_digests_alike_whatever_the_chunks(chunk, helpe
     for nan_at in (None, 0, 17, 39):
         blob = mixed_blob(nan_at)
         check = BlobPass("{}", lambda tensors: None, helper=beside)
-        head = 8 + int.from_bytes(blob[:8], "little")
-        check.header(blob[:head], len(blob))
-        try:
-            for start in range(0, len(blob), chunk):
-                check.feed(blob[start:start + chunk])
-        except Refusal as exc:
-            assert nan_at is not None and exc.reason == "nonfinite"
-            assert f"tensor 'b': 1 NaN/Inf values" in exc.message
-            assert f"first at flat index {nan_at}" in exc.message
+        exc = refusal(check, blob, chunk)
+        if nan_at is not None:
+            assert_nonfinite(exc, "b", nan_at)
             continue
-        assert nan_at is None
+        assert exc is None
         assert check.finish() == (hashlib.sha256(b"{}\n" + blob).hexdigest()[:16], sha256(blob))
 
 
@@ -91,18 +100,12 @@ def test_one_dtype_is_checked_a_chunk_at_a_time_with_the_same_refusals(chunk, dt
     for nan_in, nan_at in ((None, 0), ("a", 6), ("b", 0), ("b", 39), ("c", 12)):
         blob = uniform_blob(dtype, nan_in, nan_at)
         check = BlobPass("{}", lambda tensors: None)
-        head = 8 + int.from_bytes(blob[:8], "little")
-        check.header(blob[:head], len(blob))
-        assert check._uniform is not None
-        try:
-            for start in range(0, len(blob), chunk):
-                check.feed(blob[start:start + chunk])
-        except Refusal as exc:
-            assert nan_in is not None and exc.reason == "nonfinite"
-            assert f"tensor {nan_in!r}: 1 NaN/Inf values" in exc.message
-            assert f"first at flat index {nan_at}" in exc.message
+        exc = refusal(check, blob, chunk)
+        assert check._uniform is not None          # (the one-array path was taken)
+        if nan_in is not None:
+            assert_nonfinite(exc, nan_in, nan_at)
             continue
-        assert nan_in is None
+        assert exc is None
         assert check.finish()[1] == sha256(blob)
 
 

@@ -137,11 +137,8 @@ class BlobPass:
             head = self._carry + bytes(part[:size - len(self._carry)])
             part = part[size - len(self._carry):]
         whole = len(part) - len(part) % size
-        for data in (head, part[:whole]):
-            if len(data) >= size and int(np.bitwise_and(
-                    np.frombuffer(data, dtype=view), view.type(low)).max()) >= bad:
-                return False
-        return True
+        return not any(len(data) >= size and _magnitudes(data, view, low).max() >= bad
+                       for data in (head, part[:whole]))
 
     def _skip_to(self, chunk: memoryview, end: int) -> None:
         """The tensor-by-tensor state as if every value before `end` was checked there."""
@@ -177,25 +174,30 @@ class BlobPass:
 
     def _words(self, t: st.RawTensor, data) -> None:
         view, low, bad = _FINITE[t.dtype]
-        bits = np.frombuffer(data, dtype=view)
-        magnitude = np.bitwise_and(bits, view.type(low))
+        magnitude = _magnitudes(data, view, low)
         if magnitude.max() >= bad:
             hits = np.flatnonzero(magnitude >= bad)
             n = t.nbytes // view.itemsize
-            seen = self._done + bits.size
+            seen = self._done + magnitude.size
             where = "" if seen == n else f" in its first {seen} of {n} values"
             raise Refusal("nonfinite", f"tensor {t.name!r}: {hits.size} NaN/Inf values{where} "
                                        f"(first at flat index {self._done + int(hits[0])})")
-        self._done += bits.size
+        self._done += magnitude.size
 
 
-def feed_bytes(check: BlobPass, blob) -> None:
-    """The pass over a blob already in memory (an S3 object, a test's bytes)."""
+def _magnitudes(data, view: np.dtype, low: int) -> np.ndarray:
+    """data's values as raw bits without the sign (exponent all ones: NaN or Inf)."""
+    return np.bitwise_and(np.frombuffer(data, dtype=view), view.type(low))
+
+
+def feed_bytes(check: BlobPass, blob, chunk: int = CHUNK) -> None:
+    """The pass over a blob already in memory (an S3 object, a test's bytes), in pieces of
+    `chunk` bytes after the header."""
     view = memoryview(blob)
     head = st.header_length(view, len(view), check.what) + 8
     check.header(view[:head], len(view))
-    for start in range(0, len(view), CHUNK):
-        check.feed(view[start:start + CHUNK])
+    for start in range(0, len(view), chunk):
+        check.feed(view[start:start + chunk])
 
 
 def read_checked(f, size: int, check: BlobPass, dest: Destination | None = None,
